@@ -1,0 +1,36 @@
+/* AVX2 + FMA instance of ops_simd.inc (8 floats per vector). */
+#include <immintrin.h>
+
+#include "backend/ops.h"
+
+#pragma GCC target("avx2,fma,f16c")
+
+typedef __m256 V;
+#define W            8
+#define VZERO()      _mm256_setzero_ps()
+#define VLOAD(p)     _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VSET1(x)     _mm256_set1_ps(x)
+#define VADD(a, b)   _mm256_add_ps(a, b)
+#define VMUL(a, b)   _mm256_mul_ps(a, b)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VLOAD_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define VLOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define VHSUM(v)  hsum8(v)
+#define SIMD_NAME avx2
+#define OPS_NAME  "cpu-avx2"
+
+#include "backend/cpu/ops_simd.inc"
+
+const qf_ops *qf_cpu_ops_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? &avx2_table : NULL;
+}

@@ -1,0 +1,29 @@
+/* AVX-512F instance of ops_simd.inc (16 floats per vector). */
+#include <immintrin.h>
+
+#include "backend/ops.h"
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+
+typedef __m512 V;
+#define W            16
+#define VZERO()      _mm512_setzero_ps()
+#define VLOAD(p)     _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VSET1(x)     _mm512_set1_ps(x)
+#define VADD(a, b)   _mm512_add_ps(a, b)
+#define VMUL(a, b)   _mm512_mul_ps(a, b)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VHSUM(v)     _mm512_reduce_add_ps(v)
+#define VLOAD_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define VLOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define SIMD_NAME    avx512
+#define OPS_NAME     "cpu-avx512"
+
+#include "backend/cpu/ops_simd.inc"
+
+const qf_ops *qf_cpu_ops_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? &avx512_table : NULL;
+}

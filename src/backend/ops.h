@@ -1,0 +1,88 @@
+/* The backend ops table: the only way model code touches weights or runs compute.
+ *
+ * Contract for every op: activations are fp32, row-major, caller-owned; weights are qf_mat views
+ * (bf16, f16 or f32 as stored). Ops never allocate. A backend may run ops asynchronously only if
+ * it also implements sync (the CPU backends are synchronous). The CPU "ref" table is the plain,
+ * never-optimised oracle; every faster table is tested against it op by op (tests/test_ops.c). */
+#ifndef QF_BACKEND_OPS_H
+#define QF_BACKEND_OPS_H
+
+#include <stdint.h>
+
+#include "base/pool.h"
+
+/* A 2-D weight [rows][cols] used as y = x . W^T (PyTorch [out, in]). */
+typedef struct qf_mat {
+    int dtype; /* QF_DT_BF16, QF_DT_F16 or QF_DT_F32 */
+    const void *data;
+    int64_t rows, cols;
+} qf_mat;
+
+/* Gated DeltaNet core for one sequence of T tokens (model-spec §5.4-5.6). q/k/v point into the
+ * conv output rows (row stride `stride` floats): q = [nk][dk], k = [nk][dk], v = [nv][dv].
+ * v-head h reads k-head h / (nv / nk). beta and g are [T][nv] (beta already sigmoid, g <= 0).
+ * S is the recurrent state [nv][dk][dv], updated in place. out is [T][nv][dv]. */
+typedef struct qf_gdn_args {
+    const float *q, *k, *v;
+    int stride;
+    const float *beta, *g;
+    float *S;
+    float *out;
+    int T, nk, nv, dk, dv;
+} qf_gdn_args;
+
+/* Causal attention for one sequence: T queries at positions pos0..pos0+T-1, each seeing keys
+ * 0..its own position. Query head h of token t: q + t*q_stride + h*q_hstride;
+ * kc/vc: caches [ctx][nkv][hd] already holding the new keys. out: [T][nh][hd]. */
+typedef struct qf_attn_args {
+    const float *q;
+    int q_stride, q_hstride;
+    const float *kc, *vc;
+    float *out;
+    int T, pos0, nh, nkv, hd;
+    float scale;
+} qf_attn_args;
+
+typedef struct qf_backend qf_backend;
+
+typedef struct qf_ops {
+    const char *name;
+    /* y[n][w.rows] = x[n][w.cols] . W^T */
+    void (*matmul)(qf_backend *be, const qf_mat *w, const float *x, int n, float *y);
+    /* y[i] = row i of emb for ids[i] (ids already range-checked by the caller) */
+    void (*embed)(qf_backend *be, const qf_mat *emb, const int32_t *ids, int n, float *y);
+    /* per row: y = x * rsqrt(mean(x^2) + eps) * w (w may be NULL = 1); rows are x_stride and
+     * y_stride floats apart; x == y allowed. */
+    void (*rmsnorm)(qf_backend *be, const float *x, int x_stride, const float *w, int n_rows, int dim,
+                    float eps, float *y, int y_stride);
+    /* NeoX rotate-half RoPE on the first rot dims of each head: token t's head h starts at
+     * x + t*stride + h*head_stride; position pos0+t; inv_freq[rot/2]. In place. */
+    void (*rope)(qf_backend *be, float *x, int stride, int head_stride, int T, int n_heads, int rot,
+                 int pos0, const float *inv_freq);
+    /* Causal depthwise conv over T rows of C channels (x row stride x_stride) with carried state
+     * [K-1][C] (oldest first, updated), weights w[C][K]; y[T][C] = silu(conv). */
+    void (*conv_silu)(qf_backend *be, const float *x, int x_stride, int T, int C, int K,
+                      const float *w, float *state, float *y);
+    void (*gdn)(qf_backend *be, const qf_gdn_args *a);
+    void (*attention)(qf_backend *be, const qf_attn_args *a);
+    /* y[n][d] = silu(g) * u, with g/u rows g_stride/u_stride apart */
+    void (*swiglu)(qf_backend *be, const float *g, const float *u, int stride, int n, int d, float *y);
+    /* x[i] *= sigmoid(g[i]) for n rows of d (row strides x_stride, g_stride) */
+    void (*sigmoid_mul)(qf_backend *be, float *x, int x_stride, const float *g, int g_stride, int n, int d);
+    /* y[i] += a[i] * s (s may be NULL = 1) over n floats */
+    void (*axpy)(qf_backend *be, float *y, const float *a, float s, int64_t n);
+} qf_ops;
+
+struct qf_backend {
+    const qf_ops *ops;
+    qf_pool *pool; /* may be NULL: single-threaded */
+};
+
+/* CPU tables. qf_cpu_ops_best() picks AVX-512, AVX2/FMA or scalar at run time. */
+extern const qf_ops qf_cpu_ops_ref;
+const qf_ops *qf_cpu_ops_best(void);
+/* For tests: the SIMD tables this CPU supports (NULL when not supported). */
+const qf_ops *qf_cpu_ops_avx2(void);
+const qf_ops *qf_cpu_ops_avx512(void);
+
+#endif

@@ -1,0 +1,58 @@
+#include <stdlib.h>
+
+#include "base/err.h"
+#include "experts/store.h"
+
+typedef struct resident_store {
+    qf_expert_store base;
+    int n_layers, n_experts;
+    qf_expert *experts; /* [n_layers][n_experts] */
+} resident_store;
+
+static int resident_acquire(qf_expert_store *s, int layer, int expert, qf_expert *out) {
+    resident_store *r = (resident_store *)s;
+    if (layer < 0 || layer >= r->n_layers || expert < 0 || expert >= r->n_experts)
+        return qf_fail(QF_EINVAL, "expert %d of layer %d does not exist", expert, layer);
+    *out = r->experts[(int64_t)layer * r->n_experts + expert];
+    s->stats.acquires++;
+    s->stats.hits++;
+    return QF_OK;
+}
+
+static void resident_release(qf_expert_store *s, int layer, int expert) {
+    (void)s;
+    (void)layer;
+    (void)expert;
+}
+
+static void resident_destroy(qf_expert_store *s) {
+    resident_store *r = (resident_store *)s;
+    free(r->experts);
+    free(r);
+}
+
+static const qf_expert_store_ops k_resident_ops = {
+    .acquire = resident_acquire,
+    .release = resident_release,
+    .prefetch = NULL,
+    .destroy = resident_destroy,
+};
+
+qf_expert_store *qf_es_resident_create(int n_layers, int n_experts) {
+    resident_store *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    r->experts = calloc((size_t)n_layers * (size_t)n_experts, sizeof *r->experts);
+    if (!r->experts) {
+        free(r);
+        return NULL;
+    }
+    r->base.ops = &k_resident_ops;
+    r->n_layers = n_layers;
+    r->n_experts = n_experts;
+    return &r->base;
+}
+
+void qf_es_resident_set(qf_expert_store *s, int layer, int expert, const qf_expert *e) {
+    resident_store *r = (resident_store *)s;
+    r->experts[(int64_t)layer * r->n_experts + expert] = *e;
+}

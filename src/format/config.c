@@ -1,0 +1,171 @@
+#include "format/config.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "base/err.h"
+
+typedef struct reader {
+    const char *path;
+    json_t *obj;
+    int rc;
+} reader;
+
+/* Required integer field; records the first failure in r->rc. */
+static int get_int(reader *r, const char *key, int def, int required) {
+    json_t *v = json_object_get(r->obj, key);
+    if (!v || json_is_null(v)) {
+        if (required && r->rc == QF_OK) r->rc = qf_fail(QF_EFORMAT, "%s: missing field \"%s\"", r->path, key);
+        return def;
+    }
+    if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > (1 << 30)) {
+        if (r->rc == QF_OK) r->rc = qf_fail(QF_EFORMAT, "%s: field \"%s\" must be a non-negative integer", r->path, key);
+        return def;
+    }
+    return (int)json_integer_value(v);
+}
+
+static double get_num(reader *r, json_t *obj, const char *key, double def) {
+    json_t *v = json_object_get(obj, key);
+    if (!v || json_is_null(v)) return def;
+    if (!json_is_number(v)) {
+        if (r->rc == QF_OK) r->rc = qf_fail(QF_EFORMAT, "%s: field \"%s\" must be a number", r->path, key);
+        return def;
+    }
+    return json_number_value(v);
+}
+
+static int read_layer_types(reader *r, qf_config *c) {
+    json_t *lt = json_object_get(r->obj, "layer_types");
+    if (lt && json_is_array(lt)) {
+        if ((int)json_array_size(lt) != c->n_layers)
+            return qf_fail(QF_EFORMAT, "%s: layer_types has %zu entries for %d layers", r->path, json_array_size(lt), c->n_layers);
+        for (int i = 0; i < c->n_layers; i++) {
+            const char *s = json_string_value(json_array_get(lt, (size_t)i));
+            if (s && strcmp(s, "linear_attention") == 0) c->layer_kind[i] = QF_LAYER_LINEAR;
+            else if (s && strcmp(s, "full_attention") == 0) c->layer_kind[i] = QF_LAYER_FULL;
+            else return qf_fail(QF_EFORMAT, "%s: layer_types[%d] is \"%s\"", r->path, i, s ? s : "(not a string)");
+        }
+        return QF_OK;
+    }
+    int interval = get_int(r, "full_attention_interval", 4, 0);
+    if (interval < 1) return qf_fail(QF_EFORMAT, "%s: full_attention_interval must be >= 1", r->path);
+    for (int i = 0; i < c->n_layers; i++) c->layer_kind[i] = (i + 1) % interval == 0 ? QF_LAYER_FULL : QF_LAYER_LINEAR;
+    return QF_OK;
+}
+
+/* rope_parameters (new) or rope_theta/partial_rotary_factor at the top (old). mrope sections
+ * do not matter for text-only input: all three position streams are equal. */
+static void read_rope(reader *r, qf_config *c) {
+    json_t *rp = json_object_get(r->obj, "rope_parameters");
+    if (!json_is_object(rp)) rp = r->obj;
+    c->rope_theta = get_num(r, rp, "rope_theta", get_num(r, r->obj, "rope_theta", 10000000.0));
+    double partial = get_num(r, rp, "partial_rotary_factor", get_num(r, r->obj, "partial_rotary_factor", 1.0));
+    c->rot_dim = (int)lround(c->head_dim * partial);
+    if (c->rot_dim % 2 || c->rot_dim > c->head_dim || c->rot_dim <= 0)
+        if (r->rc == QF_OK) r->rc = qf_fail(QF_EFORMAT, "%s: partial_rotary_factor %g gives an unusable rotary dim %d", r->path, partial, c->rot_dim);
+}
+
+static int read_text_config(reader *r, qf_config *c) {
+    c->n_layers = get_int(r, "num_hidden_layers", 0, 1);
+    c->hidden = get_int(r, "hidden_size", 0, 1);
+    c->vocab = get_int(r, "vocab_size", 0, 1);
+    c->n_heads = get_int(r, "num_attention_heads", 0, 1);
+    c->n_kv_heads = get_int(r, "num_key_value_heads", c->n_heads, 0);
+    c->head_dim = get_int(r, "head_dim", c->n_heads ? c->hidden / c->n_heads : 0, 0);
+    c->lin_k_heads = get_int(r, "linear_num_key_heads", 0, 1);
+    c->lin_v_heads = get_int(r, "linear_num_value_heads", 0, 1);
+    c->lin_k_dim = get_int(r, "linear_key_head_dim", 0, 1);
+    c->lin_v_dim = get_int(r, "linear_value_head_dim", 0, 1);
+    c->conv_kernel = get_int(r, "linear_conv_kernel_dim", 4, 0);
+    c->max_pos = get_int(r, "max_position_embeddings", 32768, 0);
+    c->norm_eps = (float)get_num(r, r->obj, "rms_norm_eps", 1e-6);
+    if (c->arch == QF_ARCH_QWEN35_MOE) {
+        c->n_experts = get_int(r, "num_experts", 0, 1);
+        c->n_experts_used = get_int(r, "num_experts_per_tok", 0, 1);
+        c->expert_ffn = get_int(r, "moe_intermediate_size", 0, 1);
+        c->shared_ffn = get_int(r, "shared_expert_intermediate_size", 0, 1);
+    } else {
+        c->dense_ffn = get_int(r, "intermediate_size", 0, 1);
+    }
+    if (r->rc != QF_OK) return r->rc;
+    if (c->n_layers < 1 || c->n_layers > QF_MAX_LAYERS) return qf_fail(QF_EFORMAT, "%s: num_hidden_layers %d out of range 1..%d", r->path, c->n_layers, QF_MAX_LAYERS);
+    if (!c->hidden || !c->vocab || !c->n_heads || !c->n_kv_heads || c->n_heads % c->n_kv_heads || !c->head_dim)
+        return qf_fail(QF_EFORMAT, "%s: inconsistent attention sizes (heads %d, kv heads %d, head_dim %d)", r->path, c->n_heads, c->n_kv_heads, c->head_dim);
+    if (!c->lin_k_heads || !c->lin_v_heads || c->lin_v_heads % c->lin_k_heads || !c->lin_k_dim || !c->lin_v_dim || c->conv_kernel < 1)
+        return qf_fail(QF_EFORMAT, "%s: inconsistent linear-attention sizes", r->path);
+    if (c->arch == QF_ARCH_QWEN35_MOE && (!c->n_experts || !c->n_experts_used || c->n_experts_used > c->n_experts || !c->expert_ffn))
+        return qf_fail(QF_EFORMAT, "%s: inconsistent MoE sizes (experts %d, top-k %d)", r->path, c->n_experts, c->n_experts_used);
+    read_rope(r, c);
+    if (r->rc != QF_OK) return r->rc;
+    return read_layer_types(r, c);
+}
+
+static void add_eos(qf_config *c, json_t *v) {
+    if (json_is_integer(v)) {
+        int id = (int)json_integer_value(v);
+        for (int i = 0; i < c->n_eos; i++)
+            if (c->eos_ids[i] == id) return;
+        if (c->n_eos < QF_MAX_EOS) c->eos_ids[c->n_eos++] = id;
+    } else if (json_is_array(v)) {
+        for (size_t i = 0; i < json_array_size(v); i++) add_eos(c, json_array_get(v, i));
+    }
+}
+
+static int read_generation_config(qf_config *c, const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/generation_config.json", dir);
+    json_error_t jerr;
+    json_t *g = json_load_file(path, 0, &jerr);
+    if (!g) return QF_OK; /* optional */
+    if (!json_is_object(g)) {
+        json_decref(g);
+        return qf_fail(QF_EFORMAT, "%s: not a JSON object", path);
+    }
+    json_t *eos = json_object_get(g, "eos_token_id");
+    if (eos) c->n_eos = 0; /* generation_config governs stopping */
+    add_eos(c, eos);
+    reader r = {path, g, QF_OK};
+    c->gen_temperature = (float)get_num(&r, g, "temperature", c->gen_temperature);
+    c->gen_top_p = (float)get_num(&r, g, "top_p", c->gen_top_p);
+    json_t *tk = json_object_get(g, "top_k");
+    if (json_is_integer(tk)) c->gen_top_k = (int)json_integer_value(tk);
+    json_decref(g);
+    return r.rc;
+}
+
+int qf_config_load(qf_config *c, const char *dir) {
+    memset(c, 0, sizeof *c);
+    c->gen_temperature = 1.0f;
+    c->gen_top_p = 1.0f;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr);
+    if (!root) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", path, jerr.text, jerr.line);
+    int rc = QF_OK;
+    json_t *text = json_object_get(root, "text_config");
+    json_t *obj = json_is_object(text) ? text : root;
+    const char *mt = json_string_value(json_object_get(root, "model_type"));
+    if (!json_is_object(root) || !mt) rc = qf_fail(QF_EFORMAT, "%s: no \"model_type\"", path);
+    else {
+        snprintf(c->model_type, sizeof c->model_type, "%s", mt);
+        if (!strcmp(mt, "qwen3_5_moe") || !strcmp(mt, "qwen3_5_moe_text")) c->arch = QF_ARCH_QWEN35_MOE;
+        else if (!strcmp(mt, "qwen3_5") || !strcmp(mt, "qwen3_5_text")) c->arch = QF_ARCH_QWEN35;
+        else rc = qf_fail(QF_EUNSUPPORTED, "%s: model_type \"%s\" is not supported (qflash runs qwen3_5 and qwen3_5_moe)", path, mt);
+    }
+    if (rc == QF_OK) {
+        reader r = {path, obj, QF_OK};
+        rc = read_text_config(&r, c);
+        json_t *tie = json_object_get(root, "tie_word_embeddings");
+        if (!tie) tie = json_object_get(obj, "tie_word_embeddings");
+        c->tie_embeddings = json_is_true(tie);
+        add_eos(c, json_object_get(obj, "eos_token_id"));
+        if (!c->n_eos) add_eos(c, json_object_get(root, "eos_token_id"));
+    }
+    json_decref(root);
+    if (rc == QF_OK) rc = read_generation_config(c, dir);
+    return rc;
+}

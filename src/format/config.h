@@ -1,0 +1,41 @@
+/* config.json (+ generation_config.json) of a Qwen3.5/3.6 checkpoint -> qf_config. */
+#ifndef QF_FORMAT_CONFIG_H
+#define QF_FORMAT_CONFIG_H
+
+#define QF_MAX_LAYERS 256
+#define QF_MAX_EOS    8
+
+enum qf_arch { QF_ARCH_QWEN35 = 1, QF_ARCH_QWEN35_MOE = 2 };
+enum qf_layer_kind { QF_LAYER_LINEAR = 0, QF_LAYER_FULL = 1 };
+
+typedef struct qf_config {
+    int arch;
+    char model_type[64];
+    int n_layers, hidden, vocab;
+    unsigned char layer_kind[QF_MAX_LAYERS];
+    float norm_eps;
+    int tie_embeddings;
+    /* gated full attention */
+    int n_heads, n_kv_heads, head_dim, rot_dim;
+    double rope_theta;
+    /* Gated DeltaNet */
+    int lin_k_heads, lin_v_heads, lin_k_dim, lin_v_dim, conv_kernel;
+    /* MLP: MoE or dense SwiGLU */
+    int n_experts, n_experts_used, expert_ffn, shared_ffn, dense_ffn;
+    int max_pos;
+    /* generation */
+    int eos_ids[QF_MAX_EOS], n_eos;
+    float gen_temperature, gen_top_p;
+    int gen_top_k;
+} qf_config;
+
+/* Reads dir/config.json and, when present, dir/generation_config.json. Errors name the file and
+ * the field; another model_type is QF_EUNSUPPORTED naming it. */
+int qf_config_load(qf_config *cfg, const char *dir);
+
+/* Derived sizes. */
+static inline int qf_cfg_conv_dim(const qf_config *c) {
+    return 2 * c->lin_k_heads * c->lin_k_dim + c->lin_v_heads * c->lin_v_dim;
+}
+
+#endif

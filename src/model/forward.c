@@ -1,0 +1,267 @@
+/* The batched forward pass (model-spec.md §4-§7): every projection runs once over the rows of
+ * all sequences in the batch; convolution, the delta rule, RoPE and attention run per sequence
+ * on its own state. All compute goes through the backend ops table. */
+#include <math.h>
+#include <string.h>
+
+#include "model/model_int.h"
+#include "model/workspace.h"
+
+#define OPS (be->ops)
+
+typedef struct fwd {
+    const qf_model *m;
+    qf_backend *be;
+    qf_workspace *ws;
+    qf_seq_step *seqs;
+    int n_seqs, N; /* sequences, total rows */
+} fwd;
+
+static float softplus(float u) { return u > 20.0f ? u : log1pf(expf(u)); }
+
+/* ---- Gated DeltaNet (§5) ---- */
+static void linear_attn(fwd *f, int L, const float *xn, float *out) {
+    const qf_model *m = f->m;
+    const qf_config *c = &m->cfg;
+    const qf_layer_w *w = &m->layers[L];
+    qf_backend *be = f->be;
+    qf_workspace *ws = f->ws;
+    int N = f->N, cd = qf_cfg_conv_dim(c), nv = c->lin_v_heads, dv = c->lin_v_dim;
+    int qk = c->lin_k_heads * c->lin_k_dim;
+    float *mixed = WS(ws, big), *conv = WS(ws, conv), *z = WS(ws, z), *bb = WS(ws, bb), *aa = WS(ws, aa);
+    float *core = WS(ws, core);
+    OPS->matmul(be, &w->w_qkv, xn, N, mixed);
+    OPS->matmul(be, &w->w_z, xn, N, z);
+    OPS->matmul(be, &w->w_b, xn, N, bb);
+    OPS->matmul(be, &w->w_a, xn, N, aa);
+    for (int i = 0; i < N * nv; i++) { /* bb becomes beta, aa becomes g */
+        int h = i % nv;
+        bb[i] = 1.0f / (1.0f + expf(-bb[i]));
+        aa[i] = w->neg_A[h] * softplus(aa[i] + w->dt_bias[h]);
+    }
+    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
+        qf_seq_step *q = &f->seqs[s];
+        float *cv = conv + (size_t)r0 * cd;
+        OPS->conv_silu(be, mixed + (size_t)r0 * cd, cd, q->n, cd, c->conv_kernel, w->conv_w, q->st->conv[L], cv);
+        qf_gdn_args a = {cv, cv + qk, cv + 2 * qk, cd, bb + r0 * nv, aa + r0 * nv, q->st->ssm[L],
+                         core + (size_t)r0 * nv * dv, q->n, c->lin_k_heads, nv, c->lin_k_dim, dv};
+        OPS->gdn(be, &a);
+    }
+    /* gated RMSNorm per v-head: norm(o) * w * silu(z) */
+    OPS->rmsnorm(be, core, dv, w->gnorm, N * nv, dv, c->norm_eps, core, dv);
+    OPS->swiglu(be, z, core, dv, N * nv, dv, core);
+    OPS->matmul(be, &w->w_out, core, N, out);
+}
+
+/* ---- gated full attention (§4) ---- */
+static void full_attn(fwd *f, int L, const float *xn, float *out) {
+    const qf_model *m = f->m;
+    const qf_config *c = &m->cfg;
+    const qf_layer_w *w = &m->layers[L];
+    qf_backend *be = f->be;
+    qf_workspace *ws = f->ws;
+    int N = f->N, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim;
+    float *qg = WS(ws, big), *kb = WS(ws, kb), *vb = WS(ws, vb), *core = WS(ws, core);
+    OPS->matmul(be, &w->wq, xn, N, qg);
+    OPS->matmul(be, &w->wk, xn, N, kb);
+    OPS->matmul(be, &w->wv, xn, N, vb);
+    OPS->rmsnorm(be, qg, 2 * hd, w->q_norm, N * nh, hd, c->norm_eps, qg, 2 * hd);
+    OPS->rmsnorm(be, kb, hd, w->k_norm, N * nkv, hd, c->norm_eps, kb, hd);
+    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
+        qf_seq_step *q = &f->seqs[s];
+        int pos0 = q->st->pos;
+        float *qs = qg + (size_t)r0 * nh * 2 * hd, *ks = kb + (size_t)r0 * nkv * hd;
+        OPS->rope(be, qs, nh * 2 * hd, 2 * hd, q->n, nh, c->rot_dim, pos0, m->inv_freq);
+        OPS->rope(be, ks, nkv * hd, hd, q->n, nkv, c->rot_dim, pos0, m->inv_freq);
+        size_t at = (size_t)pos0 * nkv * hd, len = (size_t)q->n * nkv * hd * sizeof(float);
+        memcpy(q->st->kc[L] + at, ks, len);
+        memcpy(q->st->vc[L] + at, vb + (size_t)r0 * nkv * hd, len);
+        qf_attn_args a = {qs, nh * 2 * hd, 2 * hd, q->st->kc[L], q->st->vc[L], core + (size_t)r0 * nh * hd,
+                          q->n, pos0, nh, nkv, hd, 1.0f / sqrtf((float)hd)};
+        OPS->attention(be, &a);
+    }
+    OPS->sigmoid_mul(be, core, hd, qg + hd, 2 * hd, N * nh, hd);
+    OPS->matmul(be, &w->wo, core, N, out);
+}
+
+/* ---- MLPs (§6) ---- */
+static void swiglu_mlp(fwd *f, const qf_mat *g, const qf_mat *u, const qf_mat *d, const float *x, int n, float *out) {
+    qf_backend *be = f->be;
+    qf_workspace *ws = f->ws;
+    int ffn = (int)g->rows;
+    OPS->matmul(be, g, x, n, WS(ws, ex_g));
+    OPS->matmul(be, u, x, n, WS(ws, ex_u));
+    OPS->swiglu(be, WS(ws, ex_g), WS(ws, ex_u), ffn, n, ffn, WS(ws, ex_h));
+    OPS->matmul(be, d, WS(ws, ex_h), n, out);
+}
+
+/* Softmax over all experts, top-k, renormalise (fp32); then rows are grouped by expert. */
+static void route(fwd *f, const float *logits) {
+    const qf_config *c = &f->m->cfg;
+    qf_workspace *ws = f->ws;
+    int E = c->n_experts, K = c->n_experts_used;
+    float *topw = WS(ws, topw), *asw = WS(ws, asw);
+    memset(ws->counts, 0, (size_t)(E + 1) * sizeof(int));
+    for (int r = 0; r < f->N; r++) {
+        const float *l = logits + (size_t)r * E;
+        float mx = l[0], sum = 0.0f, top_sum = 0.0f;
+        for (int e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+        for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
+        int *ti = ws->topi + r * K;
+        for (int k = 0; k < K; k++) { /* k passes: K is small */
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int j = 0; j < k; j++) taken |= ti[j] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            ti[k] = best;
+            topw[r * K + k] = expf(l[best] - mx) / sum;
+            top_sum += topw[r * K + k];
+        }
+        for (int k = 0; k < K; k++) {
+            topw[r * K + k] /= top_sum;
+            ws->counts[ti[k] + 1]++;
+        }
+    }
+    for (int e = 0; e < E; e++) ws->counts[e + 1] += ws->counts[e];
+    /* counts[e] now is the end of group e-1; use it as the fill cursor of group e, then shift back */
+    for (int r = 0; r < f->N; r++)
+        for (int k = 0; k < K; k++) {
+            int e = ws->topi[r * K + k], slot = ws->counts[e]++;
+            ws->asr[slot] = r;
+            asw[slot] = topw[r * K + k];
+        }
+    for (int e = E; e > 0; e--) ws->counts[e] = ws->counts[e - 1]; /* restore group starts */
+    ws->counts[0] = 0;
+}
+
+static int moe(fwd *f, int L, const float *xn, float *out) {
+    const qf_model *m = f->m;
+    const qf_config *c = &m->cfg;
+    const qf_layer_w *w = &m->layers[L];
+    qf_backend *be = f->be;
+    qf_workspace *ws = f->ws;
+    int H = c->hidden, N = f->N;
+    float *ex_in = WS(ws, ex_in), *ex_out = WS(ws, ex_out), *asw = WS(ws, asw);
+    OPS->matmul(be, &w->router, xn, N, WS(ws, rl));
+    route(f, WS(ws, rl));
+    memset(out, 0, (size_t)N * H * sizeof(float));
+    for (int e = 0; e < c->n_experts; e++) {
+        int g0 = ws->counts[e], cnt = ws->counts[e + 1] - g0;
+        if (!cnt) continue;
+        qf_expert ex;
+        int rc = m->experts->ops->acquire(m->experts, L, e, &ex);
+        if (rc != QF_OK) return rc;
+        for (int j = 0; j < cnt; j++) memcpy(ex_in + (size_t)j * H, xn + (size_t)ws->asr[g0 + j] * H, (size_t)H * sizeof(float));
+        swiglu_mlp(f, &ex.gate, &ex.up, &ex.down, ex_in, cnt, ex_out);
+        for (int j = 0; j < cnt; j++) OPS->axpy(be, out + (size_t)ws->asr[g0 + j] * H, ex_out + (size_t)j * H, asw[g0 + j], H);
+        m->experts->ops->release(m->experts, L, e);
+    }
+    if (c->shared_ffn > 0) {
+        float *shs = WS(ws, shs);
+        swiglu_mlp(f, &w->sh_gate, &w->sh_up, &w->sh_down, xn, N, ex_out);
+        OPS->matmul(be, &w->sh_gate_w, xn, N, shs);
+        for (int r = 0; r < N; r++) OPS->axpy(be, out + (size_t)r * H, ex_out + (size_t)r * H, 1.0f / (1.0f + expf(-shs[r])), H);
+    }
+    return QF_OK;
+}
+
+static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_step *seqs, int n_seqs, int *N) {
+    *N = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const qf_seq_step *q = &seqs[s];
+        if (q->n < 1) return qf_fail(QF_EINVAL, "sequence %d of the batch has no tokens", s);
+        if (q->st->pos + q->n > q->st->max_ctx)
+            return qf_fail(QF_EINVAL, "context full: %d cached + %d new tokens > context size %d", q->st->pos, q->n, q->st->max_ctx);
+        for (int i = 0; i < q->n; i++)
+            if (q->tokens[i] < 0 || q->tokens[i] >= m->cfg.vocab)
+                return qf_fail(QF_EINVAL, "token id %d at position %d is outside the vocabulary (0..%d)", q->tokens[i], i, m->cfg.vocab - 1);
+        *N += q->n;
+    }
+    if (*N > ws->max_rows) return qf_fail(QF_EINVAL, "batch of %d tokens exceeds the workspace (%d)", *N, ws->max_rows);
+    return QF_OK;
+}
+
+/* Final norm + lm_head for the wanted rows: ALL rows straight into the caller's buffer, LAST rows
+ * gathered from every sequence and projected together so lm_head is read once per step. */
+static void logits(fwd *f) {
+    const qf_model *m = f->m;
+    qf_backend *be = f->be;
+    qf_workspace *ws = f->ws;
+    int H = m->cfg.hidden, V = m->cfg.vocab, n_last = 0;
+    float *x = WS(ws, x), *lrows = WS(ws, lrows), *lg = WS(ws, lg);
+    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
+        qf_seq_step *q = &f->seqs[s];
+        if (q->logits_mode == QF_LOGITS_ALL) {
+            float *xn = WS(ws, xn) + (size_t)r0 * H;
+            OPS->rmsnorm(be, x + (size_t)r0 * H, H, m->final_norm, q->n, H, m->cfg.norm_eps, xn, H);
+            OPS->matmul(be, &m->lm_head, xn, q->n, q->logits);
+        } else if (q->logits_mode == QF_LOGITS_LAST) {
+            ws->lrow_src[n_last++] = s;
+        }
+    }
+    for (int i0 = 0; i0 < n_last; i0 += ws->max_logit_rows) {
+        int cnt = n_last - i0 < ws->max_logit_rows ? n_last - i0 : ws->max_logit_rows;
+        for (int j = 0; j < cnt; j++) {
+            int s = ws->lrow_src[i0 + j], row = -1;
+            for (int k = 0; k <= s; k++) row += f->seqs[k].n;
+            OPS->rmsnorm(be, x + (size_t)row * H, H, m->final_norm, 1, H, m->cfg.norm_eps, lrows + (size_t)j * H, H);
+        }
+        OPS->matmul(be, &m->lm_head, lrows, cnt, lg);
+        for (int j = 0; j < cnt; j++) memcpy(f->seqs[ws->lrow_src[i0 + j]].logits, lg + (size_t)j * V, (size_t)V * sizeof(float));
+    }
+}
+
+int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step *seqs, int n_seqs) {
+    fwd f = {m, be, ws, seqs, n_seqs, 0};
+    int rc = check_batch(m, ws, seqs, n_seqs, &f.N);
+    if (rc != QF_OK) return rc;
+    const qf_config *c = &m->cfg;
+    int H = c->hidden;
+    float *x = WS(ws, x), *xn = WS(ws, xn), *tmp = WS(ws, tmp);
+    for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) OPS->embed(be, &m->embed, seqs[s].tokens, seqs[s].n, x + (size_t)r0 * H);
+    if (ws->hook) ws->hook(ws->hook_ud, 0, x, f.N, H);
+    for (int L = 0; L < c->n_layers; L++) {
+        const qf_layer_w *w = &m->layers[L];
+        OPS->rmsnorm(be, x, H, w->attn_norm, f.N, H, c->norm_eps, xn, H);
+        if (w->kind == QF_LAYER_FULL) full_attn(&f, L, xn, tmp);
+        else linear_attn(&f, L, xn, tmp);
+        OPS->axpy(be, x, tmp, 1.0f, (int64_t)f.N * H);
+        OPS->rmsnorm(be, x, H, w->ffn_norm, f.N, H, c->norm_eps, xn, H);
+        if (c->arch == QF_ARCH_QWEN35_MOE) {
+            if ((rc = moe(&f, L, xn, tmp)) != QF_OK) return rc;
+        } else {
+            swiglu_mlp(&f, &w->gate, &w->up, &w->down, xn, f.N, tmp);
+        }
+        OPS->axpy(be, x, tmp, 1.0f, (int64_t)f.N * H);
+        if (ws->hook && L + 1 < c->n_layers) ws->hook(ws->hook_ud, L + 1, x, f.N, H);
+    }
+    if (ws->hook) {
+        OPS->rmsnorm(be, x, H, m->final_norm, f.N, H, c->norm_eps, xn, H);
+        ws->hook(ws->hook_ud, c->n_layers, xn, f.N, H);
+    }
+    for (int s = 0; s < n_seqs; s++) seqs[s].st->pos += seqs[s].n;
+    logits(&f);
+    return QF_OK;
+}
+
+int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, const int32_t *tokens, int n,
+                   int logits_mode, float *logits_out) {
+    if (n < 1) return qf_fail(QF_EINVAL, "no tokens to run");
+    for (int i = 0; i < n; i += ws->max_rows) {
+        int cnt = n - i < ws->max_rows ? n - i : ws->max_rows;
+        int last = i + cnt == n;
+        qf_seq_step s = {st, tokens + i, cnt, QF_LOGITS_NONE, NULL};
+        if (logits_mode == QF_LOGITS_ALL) {
+            s.logits_mode = QF_LOGITS_ALL;
+            s.logits = logits_out + (size_t)i * m->cfg.vocab;
+        } else if (last && logits_mode == QF_LOGITS_LAST) {
+            s.logits_mode = QF_LOGITS_LAST;
+            s.logits = logits_out;
+        }
+        int rc = qf_forward(m, be, ws, &s, 1);
+        if (rc != QF_OK) return rc;
+    }
+    return QF_OK;
+}

@@ -1,0 +1,169 @@
+/* Model load/free, per-sequence state and the forward workspace. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model_int.h"
+#include "model/workspace.h"
+
+static int check_limits(const qf_config *c) {
+    if (c->lin_k_dim > 512 || c->lin_v_dim > 512 || c->conv_kernel > 16 || c->conv_kernel < 2)
+        return qf_fail(QF_EUNSUPPORTED, "linear-attention head dims %d/%d or conv kernel %d beyond what qflash supports (512, 2..16)",
+                       c->lin_k_dim, c->lin_v_dim, c->conv_kernel);
+    return QF_OK;
+}
+
+int qf_model_load(qf_model **out, const char *dir, const qf_load_opts *opts) {
+    *out = NULL;
+    qf_model *m = calloc(1, sizeof *m);
+    if (!m) return qf_fail(QF_ENOMEM, "out of memory");
+    int rc = qf_config_load(&m->cfg, dir);
+    if (rc == QF_OK) rc = check_limits(&m->cfg);
+    if (rc == QF_OK) rc = qf_st_open_dir(&m->st, dir, opts ? opts->diag : NULL);
+    if (rc == QF_OK) rc = qf_model_bind(m, opts);
+    if (rc == QF_OK) {
+        int half = m->cfg.rot_dim / 2;
+        m->inv_freq = malloc((size_t)half * sizeof *m->inv_freq);
+        rc = qf_model_own(m, m->inv_freq);
+        /* fp32 as in HF: base ** (2i / rot), then its reciprocal */
+        for (int i = 0; rc == QF_OK && i < half; i++)
+            m->inv_freq[i] = 1.0f / powf((float)m->cfg.rope_theta, (float)(2 * i) / (float)m->cfg.rot_dim);
+    }
+    if (rc != QF_OK) {
+        char msg[1024];
+        strncpy(msg, qf_last_error(), sizeof msg - 1);
+        msg[sizeof msg - 1] = 0;
+        qf_model_free(m);
+        return qf_fail(rc, "%s", msg);
+    }
+    *out = m;
+    return QF_OK;
+}
+
+void qf_model_free(qf_model *m) {
+    if (!m) return;
+    qf_es_destroy(m->experts);
+    for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
+    free(m->owned);
+    qf_st_close(&m->st);
+    free(m);
+}
+
+/* ---- per-sequence state ---- */
+
+qf_state *qf_state_create(const qf_model *m, int max_ctx) {
+    const qf_config *c = &m->cfg;
+    if (max_ctx < 1) return NULL;
+    size_t conv = (size_t)(c->conv_kernel - 1) * (size_t)qf_cfg_conv_dim(c);
+    size_t ssm = (size_t)c->lin_v_heads * (size_t)c->lin_k_dim * (size_t)c->lin_v_dim;
+    size_t kv = (size_t)max_ctx * (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    size_t total = 0;
+    for (int L = 0; L < c->n_layers; L++) total += c->layer_kind[L] == QF_LAYER_FULL ? 2 * kv : conv + ssm;
+    qf_state *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->conv = calloc((size_t)c->n_layers * 4, sizeof(float *));
+    s->block = calloc(total ? total : 1, sizeof(float));
+    if (!s->conv || !s->block) {
+        qf_state_free(s);
+        return NULL;
+    }
+    s->ssm = s->conv + c->n_layers;
+    s->kc = s->ssm + c->n_layers;
+    s->vc = s->kc + c->n_layers;
+    float *p = s->block;
+    for (int L = 0; L < c->n_layers; L++) {
+        if (c->layer_kind[L] == QF_LAYER_FULL) {
+            s->kc[L] = p;
+            s->vc[L] = p + kv;
+            p += 2 * kv;
+        } else {
+            s->conv[L] = p;
+            s->ssm[L] = p + conv;
+            p += conv + ssm;
+        }
+    }
+    s->max_ctx = max_ctx;
+    s->block_floats = total;
+    return s;
+}
+
+void qf_state_reset(qf_state *s) {
+    /* KV entries past pos are never read, but DeltaNet state must restart from zero */
+    memset(s->block, 0, s->block_floats * sizeof(float));
+    s->pos = 0;
+}
+
+void qf_state_free(qf_state *s) {
+    if (!s) return;
+    free(s->conv);
+    free(s->block);
+    free(s);
+}
+
+/* ---- workspace ---- */
+
+static int imax(int a, int b) { return a > b ? a : b; }
+
+qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
+    const qf_config *c = &m->cfg;
+    if (max_rows < 1) return NULL;
+    qf_workspace *w = calloc(1, sizeof *w);
+    if (!w) return NULL;
+    int H = c->hidden, R = max_rows, cd = qf_cfg_conv_dim(c), vd = c->lin_v_heads * c->lin_v_dim;
+    int qd = c->n_heads * 2 * c->head_dim, kvd = c->n_kv_heads * c->head_dim;
+    int F = imax(imax(c->expert_ffn, c->shared_ffn), c->dense_ffn);
+    int K = c->n_experts_used > 0 ? c->n_experts_used : 1, E = c->n_experts > 0 ? c->n_experts : 1;
+    w->max_rows = R;
+    w->max_logit_rows = R < 64 ? R : 64;
+    size_t total = 0;
+#define CARVE(field, n) (w->field##_off = total, total += (size_t)(n))
+    CARVE(x, R * H);
+    CARVE(xn, R * H);
+    CARVE(tmp, R * H);
+    CARVE(big, R * imax(cd, qd));
+    CARVE(conv, R * cd);
+    CARVE(kb, R * kvd);
+    CARVE(vb, R * kvd);
+    CARVE(z, R * vd);
+    CARVE(bb, R * c->lin_v_heads);
+    CARVE(aa, R * c->lin_v_heads);
+    CARVE(core, R * imax(vd, c->n_heads * c->head_dim));
+    CARVE(rl, R * E);
+    CARVE(topw, R * K);
+    CARVE(asw, R * K);
+    CARVE(ex_in, R * H);
+    CARVE(ex_g, R * F);
+    CARVE(ex_u, R * F);
+    CARVE(ex_h, R * F);
+    CARVE(ex_out, R * H);
+    CARVE(moe, R * H);
+    CARVE(shs, R);
+    CARVE(lrows, w->max_logit_rows * H);
+    CARVE(lg, (size_t)w->max_logit_rows * (size_t)c->vocab);
+#undef CARVE
+    w->f = malloc(total * sizeof(float));
+    w->ints = malloc(((size_t)R * K * 2 + (size_t)E + 1 + (size_t)R) * sizeof(int));
+    if (!w->f || !w->ints) {
+        qf_workspace_free(w);
+        return NULL;
+    }
+    w->topi = w->ints;
+    w->asr = w->topi + R * K;
+    w->counts = w->asr + R * K;
+    w->lrow_src = w->counts + E + 1;
+    return w;
+}
+
+void qf_workspace_free(qf_workspace *w) {
+    if (!w) return;
+    free(w->f);
+    free(w->ints);
+    free(w);
+}
+
+int qf_workspace_rows(const qf_workspace *ws) { return ws->max_rows; }
+
+void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud) {
+    ws->hook = fn;
+    ws->hook_ud = ud;
+}

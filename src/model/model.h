@@ -1,0 +1,109 @@
+/* The Qwen3.5/3.6 text model (dense qwen3_5 and MoE qwen3_5_moe): weights bound once at load,
+ * per-sequence state objects, and a batched forward over several sequences at once. */
+#ifndef QF_MODEL_MODEL_H
+#define QF_MODEL_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/ops.h"
+#include "base/err.h"
+#include "experts/store.h"
+#include "format/config.h"
+#include "format/safetensors.h"
+
+typedef struct qf_layer_w {
+    int kind;                  /* QF_LAYER_LINEAR or QF_LAYER_FULL */
+    float *attn_norm, *ffn_norm; /* (hidden) = 1 + w */
+    /* gated full attention */
+    qf_mat wq;                 /* (n_heads * 2 * head_dim, hidden): per head [query | gate] */
+    qf_mat wk, wv;             /* (n_kv * head_dim, hidden) */
+    qf_mat wo;                 /* (hidden, n_heads * head_dim) */
+    float *q_norm, *k_norm;    /* (head_dim) = 1 + w */
+    /* Gated DeltaNet */
+    qf_mat w_qkv;              /* (conv_dim, hidden): q | k | v */
+    qf_mat w_z;                /* (nv * dv, hidden) */
+    qf_mat w_b, w_a;           /* (nv, hidden) */
+    qf_mat w_out;              /* (hidden, nv * dv) */
+    float *conv_w;             /* (conv_dim, K) */
+    float *dt_bias;            /* (nv) */
+    float *neg_A;              /* (nv) = -exp(A_log) */
+    float *gnorm;              /* (dv), plain gamma */
+    /* MoE (router + shared expert; routed experts live in the expert store) or dense MLP */
+    qf_mat router;             /* (n_experts, hidden) */
+    qf_mat sh_gate, sh_up;     /* (shared_ffn, hidden) */
+    qf_mat sh_down;            /* (hidden, shared_ffn) */
+    qf_mat sh_gate_w;          /* (1, hidden) */
+    qf_mat gate, up, down;     /* dense: (ffn, hidden), (ffn, hidden), (hidden, ffn) */
+} qf_layer_w;
+
+typedef struct qf_model {
+    qf_config cfg;
+    qf_st_set st;
+    qf_mat embed;       /* (vocab, hidden) */
+    qf_mat lm_head;     /* (vocab, hidden) */
+    float *final_norm;  /* (hidden) = 1 + w */
+    float *inv_freq;    /* (rot_dim / 2) */
+    qf_layer_w *layers;
+    qf_expert_store *experts;
+    void **owned;       /* converted small tensors, freed with the model */
+    int n_owned, cap_owned;
+} qf_model;
+
+typedef struct qf_load_opts {
+    qf_diag *diag;                                       /* every binding problem, one line each */
+    void (*progress)(void *ud, int done, int total);     /* optional */
+    void *progress_ud;
+} qf_load_opts;
+
+/* Loads config, checkpoint and binds every weight (dtype + shape checked). *out is NULL on error;
+ * the message names the file or tensor. */
+int qf_model_load(qf_model **out, const char *dir, const qf_load_opts *opts);
+void qf_model_free(qf_model *m);
+
+/* Per-sequence state: DeltaNet conv + recurrent state, and the full-attention KV cache. */
+typedef struct qf_state {
+    int pos;       /* tokens consumed so far */
+    int max_ctx;
+    float **conv;  /* per layer (linear only): (K-1, conv_dim) */
+    float **ssm;   /* per layer (linear only): (nv, dk, dv) */
+    float **kc, **vc; /* per layer (full only): (max_ctx, n_kv, head_dim) */
+    void *block;   /* one allocation behind all of the above */
+    size_t block_floats;
+} qf_state;
+
+qf_state *qf_state_create(const qf_model *m, int max_ctx);
+void qf_state_reset(qf_state *s);
+void qf_state_free(qf_state *s);
+
+/* Scratch for one forward of up to max_rows tokens in total, allocated once. */
+typedef struct qf_workspace qf_workspace;
+qf_workspace *qf_workspace_create(const qf_model *m, int max_rows);
+void qf_workspace_free(qf_workspace *ws);
+int qf_workspace_rows(const qf_workspace *ws);
+/* Debug/test hook: called with the hidden state [rows][hidden] after the embedding (index 0),
+ * after each layer (1..n_layers-1) and after the final norm (n_layers), as HF's hidden_states. */
+typedef void (*qf_hidden_hook)(void *ud, int index, const float *h, int rows, int hidden);
+void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud);
+
+enum qf_logits_mode { QF_LOGITS_NONE = 0, QF_LOGITS_LAST = 1, QF_LOGITS_ALL = 2 };
+
+/* One sequence's share of a batched forward. logits: vocab floats (LAST) or n * vocab (ALL). */
+typedef struct qf_seq_step {
+    qf_state *st;
+    const int32_t *tokens;
+    int n;
+    int logits_mode;
+    float *logits;
+} qf_seq_step;
+
+/* Runs the tokens of every sequence through the model at once (sum of n <= workspace rows),
+ * advancing each state. Fails (and changes nothing) on a bad token id or a full context. */
+int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step *seqs, int n_seqs);
+
+/* Prefill helper for one sequence of any length: runs in workspace-sized chunks; logits of the
+ * last token (or of all tokens with QF_LOGITS_ALL) as in qf_forward. */
+int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st,
+                   const int32_t *tokens, int n, int logits_mode, float *logits);
+
+#endif

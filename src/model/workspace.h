@@ -1,0 +1,27 @@
+/* The forward scratch: one float block carved into named regions (offsets in floats), plus ints
+ * for routing. Sized once for max_rows tokens; nothing is allocated while tokens run. */
+#ifndef QF_MODEL_WORKSPACE_H
+#define QF_MODEL_WORKSPACE_H
+
+#include <stddef.h>
+
+#include "model/model.h"
+
+struct qf_workspace {
+    int max_rows, max_logit_rows;
+    float *f;
+    size_t x_off, xn_off, tmp_off, big_off, conv_off, kb_off, vb_off, z_off, bb_off, aa_off, core_off;
+    size_t rl_off, topw_off, asw_off, ex_in_off, ex_g_off, ex_u_off, ex_h_off, ex_out_off, moe_off, shs_off;
+    size_t lrows_off, lg_off;
+    int *ints;
+    int *topi;     /* (rows, k) chosen experts */
+    int *asr;      /* (rows * k) rows grouped by expert */
+    int *counts;   /* (n_experts + 1) group starts */
+    int *lrow_src; /* (rows) rows whose logits are wanted */
+    qf_hidden_hook hook;
+    void *hook_ud;
+};
+
+#define WS(ws, name) ((ws)->f + (ws)->name##_off)
+
+#endif

@@ -1,0 +1,120 @@
+/* The whole model against the Hugging Face float64 references (shared/README.md): prefill logits,
+ * greedy ids and their logits, per-layer hidden states, for the two random fixtures and the
+ * trained bundled model, through the reference ops and the fastest ops of this CPU. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model.h"
+#include "test_util.h"
+
+#define TOL_LOGITS 1e-3
+#define TOL_HIDDEN 1e-3
+
+typedef struct hidden_check {
+    const qf_st_set *ref;
+    double worst;
+    int seen;
+} hidden_check;
+
+static void on_hidden(void *ud, int index, const float *h, int rows, int hidden) {
+    hidden_check *hc = ud;
+    char name[64];
+    snprintf(name, sizeof name, "p0.hidden.%d", index);
+    int64_t n;
+    const float *want = qt_ref_f32(hc->ref, name, &n, NULL);
+    CHECK(n == (int64_t)rows * hidden, "%s: %lld values, got %d rows", name, (long long)n, rows);
+    double d = qt_max_abs_diff(h, want, n);
+    if (d > hc->worst) hc->worst = d;
+    CHECK(d < TOL_HIDDEN, "%s max abs diff %.3g", name, d);
+    hc->seen++;
+}
+
+/* Prompt logits (all or the stored tail), then greedy steps checked id by id. */
+static void check_prompt(const qf_model *m, qf_backend *be, qf_workspace *ws, const qf_st_set *ref, const char *p,
+                         const char *logits_name, double *worst) {
+    char name[64];
+    int64_t n_in, n_gen, n_ref, ref_rows;
+    int V = m->cfg.vocab;
+    snprintf(name, sizeof name, "%s.input_ids", p);
+    const int32_t *ids = qt_ref_i32(ref, name, &n_in);
+    snprintf(name, sizeof name, "%s.gen_ids", p);
+    const int32_t *gen = qt_ref_i32(ref, name, &n_gen);
+    snprintf(name, sizeof name, "%s.%s", p, logits_name);
+    const float *want = qt_ref_f32(ref, name, &n_ref, &ref_rows);
+    snprintf(name, sizeof name, "%s.gen_logits", p);
+    const float *want_gen = qt_ref_f32(ref, name, NULL, NULL);
+
+    qf_state *st = qf_state_create(m, (int)(n_in + n_gen + 1));
+    float *logits = malloc((size_t)n_in * V * sizeof(float));
+    CHECK(qf_forward_seq(m, be, ws, st, ids, (int)n_in, QF_LOGITS_ALL, logits) == QF_OK, "%s", qf_last_error());
+    double d = qt_max_abs_diff(logits + (n_in - ref_rows) * V, want, n_ref);
+    *worst = d > *worst ? d : *worst;
+    CHECK(d < TOL_LOGITS, "%s prompt logits max abs diff %.3g", p, d);
+    int next = qt_argmax(logits + (n_in - 1) * V, V), mismatches = 0;
+    double gd = 0;
+    for (int i = 0; i < n_gen; i++) {
+        if (next != gen[i]) mismatches++;
+        int32_t tok = gen[i]; /* teacher-force the reference path so one flip is reported once */
+        if (i + 1 == n_gen) break;
+        CHECK(qf_forward_seq(m, be, ws, st, &tok, 1, QF_LOGITS_LAST, logits) == QF_OK, "%s", qf_last_error());
+        double e = qt_max_abs_diff(logits, want_gen + (int64_t)(i + 1) * V, V);
+        gd = e > gd ? e : gd;
+        next = qt_argmax(logits, V);
+    }
+    *worst = gd > *worst ? gd : *worst;
+    CHECK(mismatches == 0, "%s: %d of %lld greedy ids differ", p, mismatches, (long long)n_gen);
+    CHECK(gd < TOL_LOGITS, "%s generation logits max abs diff %.3g", p, gd);
+    free(logits);
+    qf_state_free(st);
+}
+
+static void run_model(const char *dir, const char *logits_name, int n_prompts, const qf_ops *ops, int hidden) {
+    qf_model *m;
+    int rc = qf_model_load(&m, qt_path(dir), NULL);
+    CHECK(rc == QF_OK, "load %s: %s", dir, qf_last_error());
+    if (rc) return;
+    char refpath[4096];
+    snprintf(refpath, sizeof refpath, "%s/reference.safetensors", qt_path(dir));
+    qf_st_set ref;
+    CHECK(qf_st_open(&ref, refpath) == QF_OK, "%s", qf_last_error());
+    qf_pool *pool = qf_pool_create(qf_cpu_count());
+    qf_backend be = {ops, pool};
+    /* a small workspace on purpose: prompts longer than 64 rows run in chunks */
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    double worst = 0;
+    if (hidden) {
+        hidden_check hc = {&ref, 0, 0};
+        int64_t n;
+        const int32_t *ids = qt_ref_i32(&ref, "p0.input_ids", &n);
+        qf_state *st = qf_state_create(m, 64);
+        qf_workspace_set_hook(ws, on_hidden, &hc);
+        CHECK(qf_forward_seq(m, &be, ws, st, ids, (int)n, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
+        qf_workspace_set_hook(ws, NULL, NULL);
+        CHECK(hc.seen == m->cfg.n_layers + 1, "saw %d hidden states", hc.seen);
+        fprintf(stderr, "%s [%s]: p0 hidden states max abs diff %.3g\n", dir, ops->name, hc.worst);
+        qf_state_free(st);
+    }
+    for (int p = 0; p < n_prompts; p++) {
+        char pn[8];
+        snprintf(pn, sizeof pn, "p%d", p);
+        check_prompt(m, &be, ws, &ref, pn, logits_name, &worst);
+    }
+    fprintf(stderr, "%s [%s]: largest logits error over %d prompts: %.3g\n", dir, ops->name, n_prompts, worst);
+    qf_workspace_free(ws);
+    qf_pool_destroy(pool);
+    qf_st_close(&ref);
+    qf_model_free(m);
+}
+
+int main(int argc, char **argv) {
+    qt_init(argc, argv);
+    const qf_ops *tables[2] = {&qf_cpu_ops_ref, qf_cpu_ops_best()};
+    for (int i = 0; i < 2; i++) {
+        if (i == 1 && tables[1] == tables[0]) break;
+        run_model("tests/data/qwen35moe-tiny", "logits", 4, tables[i], 1);
+        run_model("tests/data/qwen35-tiny", "logits", 4, tables[i], 1);
+    }
+    run_model("models/qwen36moe-code-14m", "logits_tail", 5, qf_cpu_ops_best(), 0);
+    return qt_finish();
+}

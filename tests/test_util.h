@@ -1,0 +1,36 @@
+/* A minimal assertion layer for the CTest executables: CHECK records a failure and goes on;
+ * main returns qt_finish(), non-zero when anything failed. */
+#ifndef QF_TEST_UTIL_H
+#define QF_TEST_UTIL_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "format/safetensors.h"
+
+extern int qt_failures, qt_checks;
+extern const char *qt_root; /* repository root, argv[1] */
+
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        qt_checks++;                                                       \
+        if (!(cond)) {                                                     \
+            qt_failures++;                                                 \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+            fprintf(stderr, __VA_ARGS__);                                  \
+            fputc('\n', stderr);                                           \
+        }                                                                  \
+    } while (0)
+
+void qt_init(int argc, char **argv);
+int qt_finish(void);
+/* root-relative path in a static rotating buffer */
+const char *qt_path(const char *rel);
+/* Reference tensors: pointer into the mapped file, with element count; aborts the test on
+ * absence (a missing reference is a broken test, not a skipped one). */
+const float *qt_ref_f32(const qf_st_set *s, const char *name, int64_t *n, int64_t *rows);
+const int32_t *qt_ref_i32(const qf_st_set *s, const char *name, int64_t *n);
+double qt_max_abs_diff(const float *a, const float *b, int64_t n);
+int qt_argmax(const float *x, int n);
+
+#endif
