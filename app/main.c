@@ -1,1 +1,32 @@
-int main(void) { return 0; }
+/* qflash: the command-line front end. Subcommands live in cmd_*.c; this file only dispatches. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+static void usage(void) {
+    fprintf(stderr,
+            "usage: qflash <command> [options]\n"
+            "  run        -m DIR -p TEXT [-n N] [--temp T] [--top-k K] [--top-p P] [--min-p P] [--seed S] [-t THREADS]\n"
+            "             raw completion of TEXT; the generated text goes to stdout\n"
+            "  chat       -m DIR [--no-think] [--system TEXT] [sampling flags]  interactive chat\n"
+            "  verify     DIR [--manifest FILE] [--no-hash]  check a model directory\n"
+            "  perplexity -m DIR -f FILE [--window 512] [--windows K]\n"
+            "sampling flags: --temp --top-k --top-p --min-p --repeat-penalty --presence-penalty\n"
+            "                --frequency-penalty --seed (defaults from generation_config.json)\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
+        usage();
+        return argc < 2 ? 2 : 0;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "run")) return cmd_run(argc - 1, argv + 1);
+    if (!strcmp(cmd, "chat")) return cmd_chat(argc - 1, argv + 1);
+    if (!strcmp(cmd, "verify")) return cmd_verify(argc - 1, argv + 1);
+    if (!strcmp(cmd, "perplexity")) return cmd_perplexity(argc - 1, argv + 1);
+    fprintf(stderr, "error: unknown command '%s'\n", cmd);
+    usage();
+    return 2;
+}

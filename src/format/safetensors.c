@@ -227,7 +227,9 @@ static int open_index(qf_st_set *set, const char *dir, const char *index_path, q
         }
         if (qf_strmap_get(&shards, shard, strlen(shard)) != -1) continue;
         char *p = join_path(dir, shard);
-        int rc = p ? qf_st_add_file(set, p) : qf_fail(QF_ENOMEM, "out of memory");
+        int rc = !p ? qf_fail(QF_ENOMEM, "out of memory")
+                 : access(p, F_OK) != 0 ? qf_fail(QF_EIO, "%s: missing shard '%s' named by %s", dir, shard, index_path)
+                 : qf_st_add_file(set, p);
         qf_strmap_put(&shards, shard, strlen(shard), rc == QF_OK ? set->n_files - 1 : -2);
         note(diag, &first_rc, rc);
         free(p);

@@ -1,0 +1,97 @@
+#include "cli.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+const char *cli_value(cli_args *a) {
+    if (a->i + 1 >= a->argc) {
+        fprintf(stderr, "error: %s needs a value\n", a->argv[a->i]);
+        a->bad = 1;
+        return NULL;
+    }
+    return a->argv[++a->i];
+}
+
+int cli_is(const cli_args *a, const char *shortf, const char *longf) {
+    const char *s = a->argv[a->i];
+    return (shortf && strcmp(s, shortf) == 0) || (longf && strcmp(s, longf) == 0);
+}
+
+int cli_int(cli_args *a, int lo, int hi) {
+    const char *flag = a->argv[a->i], *v = cli_value(a);
+    if (!v) return lo;
+    char *end;
+    long x = strtol(v, &end, 10);
+    if (*v == 0 || *end || x < lo || x > hi) {
+        fprintf(stderr, "error: %s expects an integer in [%d, %d], got '%s'\n", flag, lo, hi, v);
+        a->bad = 1;
+        return lo;
+    }
+    return (int)x;
+}
+
+double cli_num(cli_args *a, double lo, double hi) {
+    const char *flag = a->argv[a->i], *v = cli_value(a);
+    if (!v) return lo;
+    char *end;
+    double x = strtod(v, &end);
+    if (*v == 0 || *end || !(x >= lo && x <= hi)) {
+        fprintf(stderr, "error: %s expects a number in [%g, %g], got '%s'\n", flag, lo, hi, v);
+        a->bad = 1;
+        return lo;
+    }
+    return x;
+}
+
+int cli_sampling_flag(cli_args *a, qf_sampling *s, int *seed_set) {
+    if (cli_is(a, NULL, "--temp")) s->temperature = (float)cli_num(a, 0, 100);
+    else if (cli_is(a, NULL, "--top-k")) s->top_k = cli_int(a, 0, 1 << 24);
+    else if (cli_is(a, NULL, "--top-p")) s->top_p = (float)cli_num(a, 1e-6, 1);
+    else if (cli_is(a, NULL, "--min-p")) s->min_p = (float)cli_num(a, 0, 1);
+    else if (cli_is(a, NULL, "--repeat-penalty")) s->repetition_penalty = (float)cli_num(a, 1e-3, 10);
+    else if (cli_is(a, NULL, "--presence-penalty")) s->presence_penalty = (float)cli_num(a, -2, 2);
+    else if (cli_is(a, NULL, "--frequency-penalty")) s->frequency_penalty = (float)cli_num(a, -2, 2);
+    else if (cli_is(a, NULL, "--seed")) {
+        const char *v = cli_value(a);
+        char *end;
+        if (v) s->seed = strtoull(v, &end, 10);
+        if (v && (*v == 0 || *end || *v == '-')) {
+            fprintf(stderr, "error: --seed expects a non-negative integer, got '%s'\n", v);
+            a->bad = 1;
+        }
+        *seed_set = 1;
+    } else return 0;
+    return 1;
+}
+
+void cli_sampling_defaults(const qf_config *c, qf_sampling *s) {
+    *s = qf_sampling_default();
+    s->temperature = c->gen_temperature;
+    s->top_p = c->gen_top_p > 0 && c->gen_top_p <= 1 ? c->gen_top_p : 1.0f;
+    s->top_k = c->gen_top_k;
+    s->seed = (uint64_t)time(NULL);
+}
+
+void cli_progress(void *ud, int done, int total) {
+    (void)ud;
+    int w = 30, fill = total ? done * w / total : w;
+    fprintf(stderr, "\rloading [");
+    for (int i = 0; i < w; i++) fputc(i < fill ? '#' : '.', stderr);
+    fprintf(stderr, "] %d/%d layers", done, total);
+    if (done == total) fputc('\n', stderr);
+}
+
+int cli_open_engine(qf_engine **e, const char *dir, int threads) {
+    qf_engine_opts o = {threads, 0, NULL, cli_progress, NULL};
+    int rc = qf_engine_open(e, dir, &o);
+    if (rc != QF_OK) {
+        fprintf(stderr, "\nerror: %s\n", qf_last_error());
+        return rc;
+    }
+    fprintf(stderr, "loaded %s in %.2f s: %s, %d layers, vocab %d, ops %s, %d threads\n", dir, (*e)->load_seconds,
+            (*e)->model->cfg.model_type, (*e)->model->cfg.n_layers, (*e)->model->cfg.vocab, (*e)->be.ops->name,
+            qf_pool_size((*e)->pool));
+    return QF_OK;
+}

@@ -1,0 +1,37 @@
+/* Shared by the subcommands: argument parsing helpers, the load progress bar, sampling flags. */
+#ifndef QF_APP_CLI_H
+#define QF_APP_CLI_H
+
+#include "runtime/engine.h"
+
+typedef struct cli_args {
+    int argc, i;
+    char **argv;
+    int bad;
+} cli_args;
+
+/* Value of the current flag (argv[i+1]); sets bad and prints when missing. */
+const char *cli_value(cli_args *a);
+int cli_int(cli_args *a, int lo, int hi);
+double cli_num(cli_args *a, double lo, double hi);
+int cli_is(const cli_args *a, const char *shortf, const char *longf);
+
+/* Sampling flags shared by run and chat; returns 1 when argv[i] was one of them. */
+int cli_sampling_flag(cli_args *a, qf_sampling *s, int *seed_set);
+/* generation_config.json defaults, then the user's flags win. */
+void cli_sampling_defaults(const qf_config *c, qf_sampling *s);
+
+/* Final sampling: generation_config defaults, overridden by the flags the user set (fields of
+ * user left at their "unset" sentinel are ignored). Prints the result; 2 on invalid values. */
+int cli_prepare_sampling(const qf_engine *e, const qf_sampling *user, int seed_set, qf_sampling *out);
+#define CLI_SAMPLING_UNSET {-1, -1, -1, -1, -1, -9, -9, 0}
+
+void cli_progress(void *ud, int done, int total);
+int cli_open_engine(qf_engine **e, const char *dir, int threads);
+
+int cmd_run(int argc, char **argv);
+int cmd_chat(int argc, char **argv);
+int cmd_verify(int argc, char **argv);
+int cmd_perplexity(int argc, char **argv);
+
+#endif

@@ -1,0 +1,101 @@
+#include "runtime/engine.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/timer.h"
+#include "base/utf8.h"
+
+int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts) {
+    *out = NULL;
+    double t0 = qf_now();
+    qf_engine *e = calloc(1, sizeof *e);
+    if (!e) return qf_fail(QF_ENOMEM, "out of memory");
+    qf_load_opts lo = {opts->diag, opts->progress, opts->progress_ud};
+    int rc = qf_model_load(&e->model, dir, &lo);
+    char tj[4096];
+    snprintf(tj, sizeof tj, "%s/tokenizer.json", dir);
+    if (rc == QF_OK && access(tj, R_OK) == 0) rc = qf_tok_load(&e->tok, dir);
+    if (rc == QF_OK) {
+        e->pool = qf_pool_create(opts->n_threads > 0 ? opts->n_threads : qf_cpu_count());
+        e->be = (qf_backend){qf_cpu_ops_best(), e->pool};
+        e->ws = qf_workspace_create(e->model, opts->max_batch > 0 ? opts->max_batch : 512);
+        e->logits = malloc((size_t)e->model->cfg.vocab * sizeof(float));
+        if (!e->pool || !e->ws || !e->logits) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
+    }
+    if (rc != QF_OK) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", qf_last_error());
+        qf_engine_close(e);
+        return qf_fail(rc, "%s", msg);
+    }
+    e->load_seconds = qf_now() - t0;
+    *out = e;
+    return QF_OK;
+}
+
+void qf_engine_close(qf_engine *e) {
+    if (!e) return;
+    free(e->logits);
+    qf_workspace_free(e->ws);
+    qf_pool_destroy(e->pool);
+    qf_tok_free(e->tok);
+    qf_model_free(e->model);
+    free(e);
+}
+
+int qf_engine_is_eos(const qf_engine *e, int32_t tok) {
+    const qf_config *c = &e->model->cfg;
+    for (int i = 0; i < c->n_eos; i++)
+        if (c->eos_ids[i] == tok) return 1;
+    return 0;
+}
+
+/* Text of one token through the stream decoder; special tokens pass verbatim. */
+static size_t token_text(qf_engine *e, qf_utf8_stream *us, int32_t tok, char *buf, size_t cap) {
+    size_t len = 0;
+    const char *p = e->tok ? qf_tok_piece(e->tok, tok, &len) : NULL;
+    if (!p) return 0;
+    if (len * 3 + 8 > cap) len = (cap - 8) / 3;
+    return qf_utf8_stream_push(us, p, len, buf, cap);
+}
+
+int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats) {
+    memset(stats, 0, sizeof *stats);
+    if (req->n_prompt < 1) return qf_fail(QF_EINVAL, "empty prompt");
+    if (st->pos + req->n_prompt + 1 > st->max_ctx)
+        return qf_fail(QF_EINVAL, "prompt of %d tokens (+%d cached) does not fit the context of %d", req->n_prompt, st->pos, st->max_ctx);
+    double t0 = qf_now();
+    int rc = qf_forward_seq(e->model, &e->be, e->ws, st, req->prompt, req->n_prompt, QF_LOGITS_LAST, e->logits);
+    if (rc != QF_OK) return rc;
+    for (int i = 0; i < req->n_prompt; i++) qf_sampler_accept(req->sampler, req->prompt[i], 0);
+    double t1 = qf_now();
+    stats->prompt_tokens = req->n_prompt;
+    stats->prompt_seconds = t1 - t0;
+    qf_utf8_stream us = {0};
+    char text[1024];
+    for (int n = 0; n < req->max_tokens; n++) {
+        int32_t tok = qf_sampler_sample(req->sampler, e->logits);
+        stats->gen_tokens++;
+        if (qf_engine_is_eos(e, tok)) {
+            stats->stopped_by_eos = 1;
+            break;
+        }
+        qf_sampler_accept(req->sampler, tok, 1);
+        size_t len = token_text(e, &us, tok, text, sizeof text);
+        int stop = req->on_token && req->on_token(req->ud, tok, text, len);
+        if (stop || n + 1 == req->max_tokens || st->pos + 1 >= st->max_ctx) {
+            /* the last token is fed too, so the state holds everything generated */
+            rc = qf_forward_seq(e->model, &e->be, e->ws, st, &tok, 1, QF_LOGITS_NONE, NULL);
+            break;
+        }
+        rc = qf_forward_seq(e->model, &e->be, e->ws, st, &tok, 1, QF_LOGITS_LAST, e->logits);
+        if (rc != QF_OK) break;
+    }
+    size_t tail = qf_utf8_stream_flush(&us, text, sizeof text);
+    if (tail && req->on_token) req->on_token(req->ud, -1, text, tail);
+    stats->gen_seconds = qf_now() - t1;
+    return rc;
+}

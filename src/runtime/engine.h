@@ -1,0 +1,59 @@
+/* The engine: a loaded model with its tokenizer, CPU backend, thread pool and workspace, and a
+ * generation loop (prefill, then sample token by token) that streams whole UTF-8 characters. */
+#ifndef QF_RUNTIME_ENGINE_H
+#define QF_RUNTIME_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model/model.h"
+#include "runtime/sampler.h"
+#include "tokenizer/tokenizer.h"
+
+typedef struct qf_engine_opts {
+    int n_threads;   /* 0 = all cores */
+    int max_batch;   /* workspace rows (prefill chunk); 0 = 512 */
+    qf_diag *diag;
+    void (*progress)(void *ud, int done, int total);
+    void *progress_ud;
+} qf_engine_opts;
+
+typedef struct qf_engine {
+    qf_model *model;
+    qf_tokenizer *tok; /* NULL when the directory has no tokenizer.json */
+    qf_pool *pool;
+    qf_backend be;
+    qf_workspace *ws;
+    float *logits;     /* (vocab) */
+    double load_seconds;
+} qf_engine;
+
+int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts);
+void qf_engine_close(qf_engine *e);
+
+typedef struct qf_gen_stats {
+    int prompt_tokens, gen_tokens;
+    double prompt_seconds, gen_seconds;
+    int stopped_by_eos;
+} qf_gen_stats;
+
+/* Called for each generated token with its text (whole characters only; may be empty). Special
+ * tokens that end generation are not passed. Return non-zero to stop. */
+typedef int (*qf_token_fn)(void *ud, int32_t tok, const char *text, size_t len);
+
+typedef struct qf_gen_request {
+    const int32_t *prompt; /* fed after what st already holds */
+    int n_prompt;
+    int max_tokens;
+    qf_sampler *sampler;   /* caller-owned; reset by the caller */
+    qf_token_fn on_token;
+    void *ud;
+} qf_gen_request;
+
+/* Prefills the prompt into st and generates until an eos id, max_tokens or the callback stops.
+ * Generated tokens (except a final eos) are fed to st, so a chat can continue from it. */
+int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats);
+
+int qf_engine_is_eos(const qf_engine *e, int32_t tok);
+
+#endif

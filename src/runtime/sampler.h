@@ -1,0 +1,35 @@
+/* Token sampling: penalties, then greedy (temperature 0) or temperature, top-k, top-p, min-p and
+ * a seeded draw. All buffers are allocated at creation; sampling allocates nothing. */
+#ifndef QF_RUNTIME_SAMPLER_H
+#define QF_RUNTIME_SAMPLER_H
+
+#include <stdint.h>
+
+typedef struct qf_sampling {
+    float temperature;       /* 0 = greedy */
+    int top_k;               /* 0 = off */
+    float top_p;             /* 1 = off */
+    float min_p;             /* 0 = off */
+    float repetition_penalty; /* 1 = off; HF rule over every accepted token */
+    float presence_penalty;  /* OpenAI rules over generated tokens */
+    float frequency_penalty;
+    uint64_t seed;
+} qf_sampling;
+
+/* Defaults: greedy, no penalties, seed 0. */
+qf_sampling qf_sampling_default(void);
+
+typedef struct qf_sampler qf_sampler;
+
+qf_sampler *qf_sampler_create(int vocab, const qf_sampling *p); /* NULL on bad params or OOM */
+void qf_sampler_free(qf_sampler *s);
+/* Forgets the history and restarts the random stream from the seed. */
+void qf_sampler_reset(qf_sampler *s);
+/* Records a token: prompt tokens count for the repetition penalty only, generated ones for all. */
+void qf_sampler_accept(qf_sampler *s, int32_t tok, int generated);
+/* Picks the next token from logits[vocab] (modified in place). */
+int32_t qf_sampler_sample(qf_sampler *s, float *logits);
+/* Validates parameters; the message names the bad one. */
+int qf_sampling_check(const qf_sampling *p);
+
+#endif

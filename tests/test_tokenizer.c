@@ -1,0 +1,155 @@
+/* Tokenizer against the HF `tokenizers` library outputs in reference.json, and the round trip
+ * decode(encode(x)) == NFC(x) on generated text. */
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+#include <utf8proc.h>
+
+#include "base/utf8.h"
+#include "test_util.h"
+#include "tokenizer/tokenizer.h"
+
+static void check_cases(const qf_tokenizer *t) {
+    json_error_t err;
+    json_t *ref = json_load_file(qt_path("models/qwen36moe-code-14m/reference.json"), 0, &err);
+    CHECK(ref != NULL, "reference.json: %s", err.text);
+    json_t *cases = json_object_get(ref, "tokenizer_cases");
+    CHECK(json_array_size(cases) >= 10, "only %zu tokenizer cases", json_array_size(cases));
+    for (size_t i = 0; i < json_array_size(cases); i++) {
+        json_t *c = json_array_get(cases, i), *want = json_object_get(c, "ids");
+        const char *text = json_string_value(json_object_get(c, "text"));
+        size_t len = json_string_length(json_object_get(c, "text"));
+        int32_t *ids;
+        int n;
+        CHECK(qf_tok_encode(t, text, len, &ids, &n) == QF_OK, "%s", qf_last_error());
+        int same = n == (int)json_array_size(want);
+        for (int k = 0; same && k < n; k++) same = ids[k] == json_integer_value(json_array_get(want, (size_t)k));
+        CHECK(same, "case %zu (%s): %d ids, want %zu", i, text, n, json_array_size(want));
+        free(ids);
+    }
+    json_decref(ref);
+}
+
+static uint64_t rng = 88172645463325252ull;
+static uint32_t rnd(uint32_t n) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng % n);
+}
+
+static size_t put_utf8(char *dst, uint32_t cp) { return (size_t)utf8proc_encode_char((utf8proc_int32_t)cp, (utf8proc_uint8_t *)dst); }
+
+/* Random text mixing the classes that stress the pre-tokenizer and BPE. */
+static size_t gen_text(char *buf, size_t cap) {
+    static const char *snippets[] = {"def f(x):\n    return x**2\n", "\t\t", "   ", "\r\n", "<|im_start", "<|im_end|>", "<think>",
+                                     "</think", "<|endoftext|>", "'s", "'LL", "3.14e-10", "x = [1,2,3]  # c", "\n\n\n", "<|", "|>"};
+    size_t o = 0;
+    int parts = 1 + (int)rnd(12);
+    for (int p = 0; p < parts && o + 64 < cap; p++) {
+        uint32_t kind = rnd(8), n = 1 + rnd(6);
+        for (uint32_t j = 0; j < n && o + 64 < cap; j++) {
+            switch (kind) {
+            case 0: buf[o++] = (char)(32 + rnd(95)); break;
+            case 1: o += put_utf8(buf + o, 0x300 + rnd(0x70)); break; /* combining marks */
+            case 2: o += put_utf8(buf + o, 0xc0 + rnd(0x180)); break; /* Latin letters */
+            case 3: o += put_utf8(buf + o, 0x4e00 + rnd(0x5000)); break; /* CJK */
+            case 4: o += put_utf8(buf + o, 0x1f300 + rnd(0x300)); break; /* emoji */
+            case 5: buf[o++] = " \t\n\r"[rnd(4)]; break;
+            case 6: {
+                const char *s = snippets[rnd(sizeof snippets / sizeof *snippets)];
+                memcpy(buf + o, s, strlen(s));
+                o += strlen(s);
+                break;
+            }
+            default: o += put_utf8(buf + o, 0x61 + rnd(26)); o += put_utf8(buf + o, 0x301 + rnd(3)); break;
+            }
+        }
+    }
+    buf[o] = 0;
+    return o;
+}
+
+/* NFC of x, except that text is never composed across a special token: HF (and qflash) take
+ * added tokens out of the raw text before normalising, so "<think>" + U+0338 keeps its '>' where
+ * NFC(x) would fold it into U+226F. */
+static char *expected_roundtrip(const qf_tokenizer *t, const char *x, int *differs_from_nfc) {
+    static const char *specials[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"};
+    size_t len = strlen(x), o = 0, seg = 0;
+    char *out = malloc(len * 3 + 1);
+    for (size_t i = 0; i <= len; i++) {
+        size_t sl = 0;
+        for (int k = 0; i < len && k < 7 && !sl; k++)
+            if (strncmp(x + i, specials[k], strlen(specials[k])) == 0) sl = strlen(specials[k]);
+        if (!sl && i < len) continue;
+        char *part = strndup(x + seg, i - seg);
+        utf8proc_uint8_t *n = utf8proc_NFC((const utf8proc_uint8_t *)part);
+        o += (size_t)sprintf(out + o, "%s%.*s", (char *)n, (int)sl, x + i);
+        free(n);
+        free(part);
+        i += sl ? sl - 1 : 0;
+        seg = i + 1;
+    }
+    out[o] = 0;
+    utf8proc_uint8_t *whole = utf8proc_NFC((const utf8proc_uint8_t *)x);
+    *differs_from_nfc = strcmp((char *)whole, out) != 0;
+    free(whole);
+    (void)t;
+    return out;
+}
+
+static void check_roundtrip(const qf_tokenizer *t) {
+    char buf[2048];
+    int bad = 0, boundary = 0;
+    for (int i = 0; i < 500; i++) {
+        size_t len = gen_text(buf, sizeof buf);
+        int32_t *ids;
+        int n, differs;
+        char *dec = NULL;
+        int rc = qf_tok_encode(t, buf, len, &ids, &n);
+        CHECK(rc == QF_OK, "encode: %s", qf_last_error());
+        if (rc) continue;
+        CHECK(qf_tok_decode(t, ids, n, 0, &dec) == QF_OK, "%s", qf_last_error());
+        char *want = expected_roundtrip(t, buf, &differs);
+        boundary += differs;
+        if (!dec || strcmp(dec, want) != 0) bad++;
+        CHECK(dec && strcmp(dec, want) == 0, "round trip of case %d differs:\n  %s\n  %s", i, want, dec ? dec : "");
+        free(want);
+        free(dec);
+        free(ids);
+    }
+    fprintf(stderr, "round trip: %d of 500 generated strings differ (%d where NFC would compose across a special token)\n", bad, boundary);
+}
+
+static void check_errors_and_stream(const qf_tokenizer *t) {
+    int32_t *ids;
+    int n;
+    CHECK(qf_tok_encode(t, "ab\xff", 3, &ids, &n) == QF_EINVAL, "invalid UTF-8 accepted");
+    CHECK(strstr(qf_last_error(), "byte 2") != NULL, "message: %s", qf_last_error());
+    /* a 4-byte character split across pushes comes out whole, once */
+    qf_utf8_stream s = {0};
+    char out[64];
+    const char *emoji = "\xf0\x9f\x99\x82";
+    size_t o = qf_utf8_stream_push(&s, emoji, 1, out, sizeof out);
+    o += qf_utf8_stream_push(&s, emoji + 1, 2, out + o, sizeof out - o);
+    CHECK(o == 0, "emitted %zu bytes of half a character", o);
+    o += qf_utf8_stream_push(&s, emoji + 3, 1, out + o, sizeof out - o);
+    CHECK(o == 4 && memcmp(out, emoji, 4) == 0, "got %zu bytes", o);
+    o = qf_utf8_stream_push(&s, "\xe2\x82" "a", 3, out, sizeof out);
+    CHECK(o == 4 && memcmp(out, "\xef\xbf\xbd" "a", 4) == 0, "truncated sequence gives one U+FFFD (%zu bytes)", o);
+    CHECK(qf_tok_lookup(t, "<|im_end|>") == 4002 && qf_tok_is_special(t, 4002), "special token lookup");
+}
+
+int main(int argc, char **argv) {
+    qt_init(argc, argv);
+    qf_tokenizer *t;
+    int rc = qf_tok_load(&t, qt_path("models/qwen36moe-code-14m"));
+    CHECK(rc == QF_OK, "%s", qf_last_error());
+    if (rc) return qt_finish();
+    CHECK(qf_tok_vocab_size(t) == 4007, "vocab %d", qf_tok_vocab_size(t));
+    check_cases(t);
+    check_roundtrip(t);
+    check_errors_and_stream(t);
+    qf_tok_free(t);
+    return qt_finish();
+}
