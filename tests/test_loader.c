@@ -1,0 +1,304 @@
+/* The loader and `qflash verify` on broken model directories built from the MoE fixture: each
+ * must fail with a message naming the problem (and, for verify, exit 1), and a valid sharded copy
+ * must load. argv[2] is the qflash binary. */
+#include <jansson.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "base/mapfile.h"
+#include "format/sha256.h"
+#include "model/model.h"
+#include "test_util.h"
+
+static const char *qflash_bin;
+static char tmp_root[256];
+static json_t *orig_hdr;   /* the fixture's header */
+static const unsigned char *orig_data;
+static size_t orig_data_len;
+static qf_mapfile orig;
+
+static void write_bytes(const char *path, const void *a, size_t na, const void *b, size_t nb) {
+    FILE *f = fopen(path, "wb");
+    if (!f) {
+        fprintf(stderr, "FATAL: cannot write %s\n", path);
+        exit(2);
+    }
+    fwrite(a, 1, na, f);
+    if (nb) fwrite(b, 1, nb, f);
+    fclose(f);
+}
+
+static void write_text(const char *path, const char *s) { write_bytes(path, s, strlen(s), NULL, 0); }
+
+/* A fresh directory holding the fixture's config files. */
+static const char *make_dir(const char *name) {
+    static char path[512];
+    snprintf(path, sizeof path, "%s/%s", tmp_root, name);
+    mkdir(path, 0755);
+    const char *files[] = {"config.json", "generation_config.json"};
+    for (int i = 0; i < 2; i++) {
+        char *text, dst[600];
+        if (qf_read_file(qt_path(files[i] == files[0] ? "tests/data/qwen35moe-tiny/config.json" : "tests/data/qwen35moe-tiny/generation_config.json"), &text, NULL)) exit(2);
+        snprintf(dst, sizeof dst, "%s/%s", path, files[i]);
+        write_text(dst, text);
+        free(text);
+    }
+    return path;
+}
+
+static void write_st_raw(const char *dir, const char *file, const char *hdr, size_t hlen, const void *data, size_t dlen) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    unsigned char *buf = malloc(8 + hlen);
+    for (int i = 0; i < 8; i++) buf[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
+    memcpy(buf + 8, hdr, hlen);
+    write_bytes(path, buf, 8 + hlen, data, dlen);
+    free(buf);
+}
+
+static void write_st(const char *dir, const char *file, json_t *hdr, const void *data, size_t dlen) {
+    char *s = json_dumps(hdr, JSON_COMPACT);
+    write_st_raw(dir, file, s, strlen(s), data, dlen);
+    free(s);
+}
+
+/* Writes the tensors whose names satisfy keep() into one file with fresh offsets. */
+static void write_subset(const char *dir, const char *file, int (*keep)(const char *), json_t *index_map) {
+    json_t *h = json_object();
+    unsigned char *data = malloc(orig_data_len);
+    size_t off = 0;
+    const char *k;
+    json_t *v;
+    json_object_foreach(orig_hdr, k, v) {
+        if (!strcmp(k, "__metadata__") || !keep(k)) continue;
+        json_t *o = json_deep_copy(v), *offs = json_object_get(v, "data_offsets");
+        size_t b = (size_t)json_integer_value(json_array_get(offs, 0)), e = (size_t)json_integer_value(json_array_get(offs, 1));
+        memcpy(data + off, orig_data + b, e - b);
+        json_object_set_new(o, "data_offsets", json_pack("[II]", (json_int_t)off, (json_int_t)(off + e - b)));
+        json_object_set_new(h, k, o);
+        if (index_map) json_object_set_new(index_map, k, json_string(file));
+        off += e - b;
+    }
+    write_st(dir, file, h, data, off);
+    json_decref(h);
+    free(data);
+}
+
+static int is_layer3(const char *n) { return strstr(n, "layers.3.") != NULL; }
+static int not_layer3(const char *n) { return !is_layer3(n); }
+
+/* Library load and `qflash verify` must both fail naming `want`. */
+static void expect_failure(const char *dir, const char *want) {
+    qf_model *m = NULL;
+    int rc = qf_model_load(&m, dir, NULL);
+    CHECK(rc != QF_OK && m == NULL, "%s: loaded although broken", dir);
+    CHECK(strstr(qf_last_error(), want) != NULL, "%s: message '%s' lacks '%s'", dir, qf_last_error(), want);
+    char cmd[1200], out[8192] = "";
+    snprintf(cmd, sizeof cmd, "'%s' verify --no-hash '%s' 2>&1", qflash_bin, dir);
+    FILE *p = popen(cmd, "r");
+    size_t n = p ? fread(out, 1, sizeof out - 1, p) : 0;
+    out[n] = 0;
+    int status = p ? pclose(p) : -1;
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 1, "%s: verify exit status %d", dir, status);
+    CHECK(strstr(out, want) && strstr(out, "problem: "), "%s: verify output lacks '%s':\n%s", dir, want, out);
+}
+
+static json_t *hdr_copy(void) { return json_deep_copy(orig_hdr); }
+static json_t *entry(json_t *h, const char *suffix) {
+    char name[256];
+    snprintf(name, sizeof name, "model.language_model.layers.%s", suffix);
+    return json_object_get(h, name);
+}
+
+static void case_truncated(void) {
+    const char *d = make_dir("truncated");
+    write_st_raw(d, "model.safetensors", (const char *)orig.data + 8, orig.size - 8 - orig_data_len, orig_data, orig_data_len - 128);
+    expect_failure(d, "past the end of the data");
+    expect_failure(d, "truncated/model.safetensors");
+}
+
+static void case_header_len(void) {
+    const char *d = make_dir("header_len");
+    char path[600];
+    snprintf(path, sizeof path, "%s/model.safetensors", d);
+    unsigned char *buf = malloc(orig.size);
+    memcpy(buf, orig.data, orig.size);
+    uint64_t bad = orig.size + 100;
+    for (int i = 0; i < 8; i++) buf[i] = (unsigned char)(bad >> (8 * i));
+    write_bytes(path, buf, orig.size, NULL, 0);
+    free(buf);
+    expect_failure(d, "runs past the end of the file");
+}
+
+static void case_bad_json(void) {
+    const char *d = make_dir("bad_json");
+    write_st_raw(d, "model.safetensors", "{\"a\": [1, 2", 11, orig_data, orig_data_len);
+    expect_failure(d, "header is not valid JSON");
+}
+
+static void case_overlap(void) {
+    const char *d = make_dir("overlap");
+    json_t *h = hdr_copy();
+    json_t *a = entry(h, "0.input_layernorm.weight"), *b = entry(h, "0.post_attention_layernorm.weight");
+    json_object_set(b, "data_offsets", json_object_get(a, "data_offsets"));
+    write_st(d, "model.safetensors", h, orig_data, orig_data_len);
+    json_decref(h);
+    expect_failure(d, "overlap");
+}
+
+static void case_size_mismatch(void) {
+    const char *d = make_dir("size_mismatch");
+    json_t *h = hdr_copy();
+    json_object_set_new(entry(h, "0.input_layernorm.weight"), "shape", json_pack("[i]", 129));
+    write_st(d, "model.safetensors", h, orig_data, orig_data_len);
+    json_decref(h);
+    expect_failure(d, "shape x dtype = 258 bytes but data_offsets span 256");
+}
+
+static void case_unknown_dtype(void) {
+    const char *d = make_dir("unknown_dtype");
+    json_t *h = hdr_copy();
+    json_object_set_new(entry(h, "0.input_layernorm.weight"), "dtype", json_string("Q4_K"));
+    write_st(d, "model.safetensors", h, orig_data, orig_data_len);
+    json_decref(h);
+    expect_failure(d, "unknown dtype 'Q4_K'");
+}
+
+static void case_duplicate(void) {
+    const char *d = make_dir("duplicate");
+    char *s = json_dumps(orig_hdr, JSON_COMPACT);
+    /* the same key twice: append a second copy of the first entry */
+    const char *key = "\"lm_head.weight\":";
+    char *at = strstr(s, key), *end = strchr(at, '}');
+    size_t len = strlen(s);
+    char *dup = malloc(len + (size_t)(end - at) + 8);
+    memcpy(dup, s, len - 1);
+    size_t o = len - 1;
+    dup[o++] = ',';
+    memcpy(dup + o, at, (size_t)(end - at) + 1);
+    o += (size_t)(end - at) + 1;
+    dup[o++] = '}';
+    write_st_raw(d, "model.safetensors", dup, o, orig_data, orig_data_len);
+    free(dup);
+    free(s);
+    expect_failure(d, "duplicate");
+}
+
+static void case_missing_tensor(void) {
+    const char *d = make_dir("missing_tensor");
+    json_t *h = hdr_copy();
+    json_object_del(h, "model.language_model.layers.3.self_attn.k_norm.weight");
+    write_st(d, "model.safetensors", h, orig_data, orig_data_len);
+    json_decref(h);
+    expect_failure(d, "missing tensor 'model.language_model.layers.3.self_attn.k_norm.weight'");
+}
+
+static void case_wrong_shape(void) {
+    const char *d = make_dir("wrong_shape");
+    json_t *h = hdr_copy();
+    json_object_set_new(entry(h, "0.linear_attn.in_proj_qkv.weight"), "shape", json_pack("[ii]", 128, 256));
+    write_st(d, "model.safetensors", h, orig_data, orig_data_len);
+    json_decref(h);
+    expect_failure(d, "has shape [128, 256], expected [256, 128]");
+}
+
+static void case_unsupported_type(void) {
+    const char *d = make_dir("model_type");
+    char path[600];
+    snprintf(path, sizeof path, "%s/config.json", d);
+    write_text(path, "{\"model_type\": \"llama\", \"hidden_size\": 64}");
+    write_subset(d, "model.safetensors", not_layer3, NULL);
+    expect_failure(d, "model_type \"llama\" is not supported");
+}
+
+static void write_index(const char *dir, json_t *map) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    json_t *idx = json_pack("{s:{s:i}, s:O}", "metadata", "total_size", 0, "weight_map", map);
+    json_dump_file(idx, path, 0);
+    json_decref(idx);
+}
+
+static void case_sharded(void) {
+    const char *d = make_dir("sharded");
+    json_t *map = json_object();
+    write_subset(d, "model-00001-of-00002.safetensors", not_layer3, map);
+    write_subset(d, "model-00002-of-00002.safetensors", is_layer3, map);
+    write_index(d, map);
+    qf_model *m = NULL;
+    CHECK(qf_model_load(&m, d, NULL) == QF_OK, "sharded load: %s", qf_last_error());
+    CHECK(m && m->st.n_files == 2, "sharded: %d files", m ? m->st.n_files : 0);
+    qf_model_free(m);
+    /* the same index with the second shard gone */
+    const char *d2 = make_dir("missing_shard");
+    write_subset(d2, "model-00001-of-00002.safetensors", not_layer3, NULL);
+    write_index(d2, map);
+    json_decref(map);
+    expect_failure(d2, "missing shard 'model-00002-of-00002.safetensors'");
+}
+
+static int run_verify(const char *args, char *out, size_t cap) {
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "'%s' verify %s 2>&1", qflash_bin, args);
+    FILE *p = popen(cmd, "r");
+    size_t n = p ? fread(out, 1, cap - 1, p) : 0;
+    out[n] = 0;
+    int st = p ? pclose(p) : -1;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void case_manifest(void) {
+    char good[64], manifest[600], args[1400], out[8192], hex[65];
+    snprintf(good, sizeof good, "%s", make_dir("manifest"));
+    write_subset(good, "model.safetensors", not_layer3, NULL);
+    write_subset(good, "model.safetensors", not_layer3, NULL);
+    char path[600];
+    snprintf(path, sizeof path, "%s/config.json", good);
+    CHECK(qf_sha256_file(path, hex) == QF_OK, "%s", qf_last_error());
+    snprintf(manifest, sizeof manifest, "%s/manifest.txt", tmp_root);
+    char text[400];
+    snprintf(text, sizeof text, "%s  config.json\n%064d  model.safetensors\n", hex, 0);
+    write_text(manifest, text);
+    snprintf(args, sizeof args, "'%s' --manifest '%s'", good, manifest);
+    /* layer 3 is missing, and the weights' hash is wrong: both are reported, config.json is not */
+    CHECK(run_verify(args, out, sizeof out) == 1, "verify passed:\n%s", out);
+    CHECK(strstr(out, "model.safetensors: sha256") && strstr(out, "does not match the manifest"), "%s", out);
+    CHECK(!strstr(out, "config.json: sha256"), "config.json reported:\n%s", out);
+    CHECK(strstr(out, "missing tensor"), "%s", out);
+    snprintf(args, sizeof args, "'%s'", qt_path("tests/data/qwen35moe-tiny"));
+    CHECK(run_verify(args, out, sizeof out) == 0, "fixture fails verify:\n%s", out);
+    CHECK(strstr(out, "OK: ") && strstr(out, "sha256 "), "%s", out);
+}
+
+int main(int argc, char **argv) {
+    qt_init(argc, argv);
+    qflash_bin = argc > 2 ? argv[2] : "build/qflash";
+    snprintf(tmp_root, sizeof tmp_root, "/tmp/qflash-loader-XXXXXX");
+    if (!mkdtemp(tmp_root) || qf_mapfile_open(&orig, qt_path("tests/data/qwen35moe-tiny/model.safetensors"))) return 2;
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | orig.data[i];
+    orig_hdr = json_loadb((const char *)orig.data + 8, hlen, 0, NULL);
+    orig_data = orig.data + 8 + hlen;
+    orig_data_len = orig.size - 8 - hlen;
+    case_truncated();
+    case_header_len();
+    case_bad_json();
+    case_overlap();
+    case_size_mismatch();
+    case_unknown_dtype();
+    case_duplicate();
+    case_missing_tensor();
+    case_wrong_shape();
+    case_unsupported_type();
+    case_sharded();
+    case_manifest();
+    json_decref(orig_hdr);
+    qf_mapfile_close(&orig);
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp_root);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmp_root);
+    return qt_finish();
+}
