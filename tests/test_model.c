@@ -96,7 +96,7 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
         qf_state_free(st);
     }
     for (int p = 0; p < n_prompts; p++) {
-        char pn[8];
+        char pn[16];
         snprintf(pn, sizeof pn, "p%d", p);
         check_prompt(m, &be, ws, &ref, pn, logits_name, &worst);
     }

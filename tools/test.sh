@@ -1,0 +1,13 @@
+#!/bin/sh
+# Builds qflash twice (optimised, and with AddressSanitizer + UBSan) and runs every test in both.
+set -e
+cd "$(dirname "$0")/.."
+JOBS=$(nproc 2>/dev/null || echo 2)
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j "$JOBS"
+ctest --test-dir build --output-on-failure
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DQFLASH_SANITIZE=ON >/dev/null
+cmake --build build-asan -j "$JOBS"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir build-asan --output-on-failure
+echo "test.sh: all tests passed (release and ASan/UBSan builds)"
