@@ -5,18 +5,28 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+/* Workers spin this many rounds on the generation counter before sleeping: a decode step issues
+ * hundreds of short parallel-fors, and a futex wake-up per op would cost more than the op. */
+#define SPIN_ROUNDS 20000
+
 struct qf_pool {
     int n_threads;
     pthread_t *workers;
     pthread_mutex_t mu;
     pthread_cond_t start_cv, done_cv;
-    unsigned long generation;
-    int busy, quit;
+    atomic_ulong generation;
+    atomic_int busy, quit;
     qf_task_fn fn;
     void *ctx;
     int n_tasks;
     atomic_int next;
 };
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
 
 static void drain(qf_pool *p) {
     for (;;) {
@@ -26,20 +36,30 @@ static void drain(qf_pool *p) {
     }
 }
 
+static void wait_for_work(qf_pool *p, unsigned long seen) {
+    for (int i = 0; i < SPIN_ROUNDS; i++) {
+        if (atomic_load(&p->generation) != seen || atomic_load(&p->quit)) return;
+        cpu_relax();
+    }
+    pthread_mutex_lock(&p->mu);
+    while (atomic_load(&p->generation) == seen && !atomic_load(&p->quit)) pthread_cond_wait(&p->start_cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}
+
 static void *worker_main(void *arg) {
     qf_pool *p = arg;
     unsigned long seen = 0;
-    pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (!p->quit && p->generation == seen) pthread_cond_wait(&p->start_cv, &p->mu);
-        if (p->quit) break;
-        seen = p->generation;
-        pthread_mutex_unlock(&p->mu);
+        wait_for_work(p, seen);
+        if (atomic_load(&p->quit)) break;
+        seen = atomic_load(&p->generation);
         drain(p);
-        pthread_mutex_lock(&p->mu);
-        if (--p->busy == 0) pthread_cond_signal(&p->done_cv);
+        if (atomic_fetch_sub(&p->busy, 1) == 1) {
+            pthread_mutex_lock(&p->mu);
+            pthread_cond_signal(&p->done_cv);
+            pthread_mutex_unlock(&p->mu);
+        }
     }
-    pthread_mutex_unlock(&p->mu);
     return NULL;
 }
 
@@ -68,7 +88,7 @@ qf_pool *qf_pool_create(int n_threads) {
 void qf_pool_destroy(qf_pool *p) {
     if (!p) return;
     pthread_mutex_lock(&p->mu);
-    p->quit = 1;
+    atomic_store(&p->quit, 1);
     pthread_cond_broadcast(&p->start_cv);
     pthread_mutex_unlock(&p->mu);
     for (int i = 1; i < p->n_threads && p->workers; i++) pthread_join(p->workers[i], NULL);
@@ -87,19 +107,22 @@ void qf_pool_run(qf_pool *p, qf_task_fn fn, void *ctx, int n_tasks) {
         for (int i = 0; i < n_tasks; i++) fn(ctx, i);
         return;
     }
-    pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->ctx = ctx;
     p->n_tasks = n_tasks;
     atomic_store(&p->next, 0);
-    p->busy = p->n_threads - 1;
-    p->generation++;
+    atomic_store(&p->busy, p->n_threads - 1);
+    pthread_mutex_lock(&p->mu);
+    atomic_fetch_add(&p->generation, 1);
     pthread_cond_broadcast(&p->start_cv);
     pthread_mutex_unlock(&p->mu);
     drain(p);
-    pthread_mutex_lock(&p->mu);
-    while (p->busy > 0) pthread_cond_wait(&p->done_cv, &p->mu);
-    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < SPIN_ROUNDS && atomic_load(&p->busy) > 0; i++) cpu_relax();
+    if (atomic_load(&p->busy) > 0) {
+        pthread_mutex_lock(&p->mu);
+        while (atomic_load(&p->busy) > 0) pthread_cond_wait(&p->done_cv, &p->mu);
+        pthread_mutex_unlock(&p->mu);
+    }
 }
 
 int qf_cpu_count(void) {
