@@ -107,6 +107,34 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
     qf_model_free(m);
 }
 
+/* Two sequences in one batched forward (one prefilling, one decoding) give the logits each gives
+ * alone: the batch shares projections, never state. */
+static void check_batching(const char *dir) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
+    qf_backend be = {qf_cpu_ops_best(), NULL};
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    int V = m->cfg.vocab;
+    int32_t a[12] = {5, 17, 300, 42, 9, 1000, 77, 3, 8, 250, 11, 600}, b[5] = {1500, 2, 2, 700, 31};
+    qf_state *sa = qf_state_create(m, 32), *sb = qf_state_create(m, 32), *ra = qf_state_create(m, 32), *rb = qf_state_create(m, 32);
+    float *la = malloc((size_t)V * 4 * 12), *lb = malloc((size_t)V * 4), *wa = malloc((size_t)V * 4 * 12), *wb = malloc((size_t)V * 4);
+    /* sequence b first gets 4 tokens alone, then its 5th token rides along with all of a */
+    CHECK(qf_forward_seq(m, &be, ws, sb, b, 4, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
+    qf_seq_step steps[2] = {{sa, a, 12, QF_LOGITS_ALL, la}, {sb, b + 4, 1, QF_LOGITS_LAST, lb}};
+    CHECK(qf_forward(m, &be, ws, steps, 2) == QF_OK, "%s", qf_last_error());
+    CHECK(qf_forward_seq(m, &be, ws, ra, a, 12, QF_LOGITS_ALL, wa) == QF_OK, "%s", qf_last_error());
+    CHECK(qf_forward_seq(m, &be, ws, rb, b, 5, QF_LOGITS_LAST, wb) == QF_OK, "%s", qf_last_error());
+    double da = qt_max_abs_diff(la, wa, (int64_t)V * 12), db = qt_max_abs_diff(lb, wb, V);
+    CHECK(da < 1e-4 && db < 1e-4, "%s batched vs alone: %.3g / %.3g", dir, da, db);
+    int32_t bad = V;
+    qf_seq_step oob = {sa, &bad, 1, QF_LOGITS_NONE, NULL};
+    CHECK(qf_forward(m, &be, ws, &oob, 1) == QF_EINVAL && sa->pos == 12, "out-of-range token accepted");
+    free(la), free(lb), free(wa), free(wb);
+    qf_state_free(sa), qf_state_free(sb), qf_state_free(ra), qf_state_free(rb);
+    qf_workspace_free(ws);
+    qf_model_free(m);
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     const qf_ops *tables[2] = {&qf_cpu_ops_ref, qf_cpu_ops_best()};
@@ -116,5 +144,7 @@ int main(int argc, char **argv) {
         run_model("tests/data/qwen35-tiny", "logits", 4, tables[i], 1);
     }
     run_model("models/qwen36moe-code-14m", "logits_tail", 5, qf_cpu_ops_best(), 0);
+    check_batching("tests/data/qwen35moe-tiny");
+    check_batching("tests/data/qwen35-tiny");
     return qt_finish();
 }

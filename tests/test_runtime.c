@@ -162,6 +162,17 @@ static void test_cli_chat(void) {
     CHECK(strstr(out, "prompt is empty") && strstr(out, "--temp expects a number") && strstr(out, "unknown command 'bogus'"), "%s", out);
 }
 
+/* Perplexity over the reference windows within 0.5% of HF's 6.3763 (reference.json). */
+static void test_cli_perplexity(void) {
+    char cmd[4096], out[8192];
+    snprintf(cmd, sizeof cmd, "'%s' perplexity -m '%s' -f '%s/heldout.txt' --window 512 --windows 8 2>/dev/null", qflash_bin, model_dir, model_dir);
+    int rc = run_capture(cmd, out, sizeof out);
+    double ppl = 0, want = json_number_value(json_object_get(json_object_get(ref_json, "heldout_ppl"), "ppl"));
+    CHECK(rc == 0 && sscanf(out, "perplexity: %lf", &ppl) == 1, "perplexity output [%s]", out);
+    CHECK(fabs(ppl - want) / want < 0.005, "perplexity %.4f, reference %.4f", ppl, want);
+    fprintf(stderr, "perplexity %.4f (reference %.4f)\n", ppl, want);
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     qflash_bin = argc > 2 ? argv[2] : "build/qflash";
@@ -176,6 +187,7 @@ int main(int argc, char **argv) {
     test_sampler();
     test_cli_run(t);
     test_cli_chat();
+    test_cli_perplexity();
     qf_tok_free(t);
     json_decref(ref_json);
     return qt_finish();
