@@ -2,6 +2,7 @@
 # Builds qflash twice (optimised, and with AddressSanitizer + UBSan) and runs every test in both.
 set -e
 cd "$(dirname "$0")/.."
+tools/check_deps.sh
 JOBS=$(nproc 2>/dev/null || echo 2)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$JOBS"

@@ -1,6 +1,7 @@
 /* Error codes and the per-thread error message.
  * Library functions return 0 or a negative qf_status and leave a one-line message naming what is
- * wrong and where; only app/ decides to print it or exit. */
+ * wrong and where; only app/ decides to print it or exit. Cleanup functions (_free, _close,
+ * _destroy) never call qf_fail, so a constructor may clean up after a failure and return rc. */
 #ifndef QF_BASE_ERR_H
 #define QF_BASE_ERR_H
 

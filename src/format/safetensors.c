@@ -174,10 +174,7 @@ int qf_st_open(qf_st_set *set, const char *path) {
     memset(set, 0, sizeof *set);
     int rc = qf_st_add_file(set, path);
     if (rc != QF_OK) {
-        char msg[1024];
-        snprintf(msg, sizeof msg, "%s", qf_last_error());
-        qf_st_close(set);
-        qf_fail(rc, "%s", msg);
+        qf_st_close(set); /* cleanup never touches the error message */
     }
     return rc;
 }
@@ -263,10 +260,7 @@ int qf_st_open_dir(qf_st_set *set, const char *dir, qf_diag *diag) {
     free(index);
     free(single);
     if (rc != QF_OK) {
-        char msg[1024];
-        snprintf(msg, sizeof msg, "%s", qf_last_error());
-        qf_st_close(set);
-        qf_fail(rc, "%s", msg);
+        qf_st_close(set); /* cleanup never touches the error message */
     }
     return rc;
 }

@@ -30,11 +30,8 @@ int qf_model_load(qf_model **out, const char *dir, const qf_load_opts *opts) {
             m->inv_freq[i] = 1.0f / powf((float)m->cfg.rope_theta, (float)(2 * i) / (float)m->cfg.rot_dim);
     }
     if (rc != QF_OK) {
-        char msg[1024];
-        strncpy(msg, qf_last_error(), sizeof msg - 1);
-        msg[sizeof msg - 1] = 0;
-        qf_model_free(m);
-        return qf_fail(rc, "%s", msg);
+        qf_model_free(m); /* cleanup never touches the error message */
+        return rc;
     }
     *out = m;
     return QF_OK;

@@ -26,10 +26,8 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         if (!e->pool || !e->ws || !e->logits) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
     }
     if (rc != QF_OK) {
-        char msg[1024];
-        snprintf(msg, sizeof msg, "%s", qf_last_error());
-        qf_engine_close(e);
-        return qf_fail(rc, "%s", msg);
+        qf_engine_close(e); /* cleanup never touches the error message */
+        return rc;
     }
     e->load_seconds = qf_now() - t0;
     *out = e;
