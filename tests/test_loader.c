@@ -40,8 +40,9 @@ static const char *make_dir(const char *name) {
     mkdir(path, 0755);
     const char *files[] = {"config.json", "generation_config.json"};
     for (int i = 0; i < 2; i++) {
-        char *text, dst[600];
-        if (qf_read_file(qt_path(files[i] == files[0] ? "tests/data/qwen35moe-tiny/config.json" : "tests/data/qwen35moe-tiny/generation_config.json"), &text, NULL)) exit(2);
+        char *text, src[600], dst[600];
+        snprintf(src, sizeof src, "tests/data/qwen35moe-tiny/%s", files[i]);
+        if (qf_read_file(qt_path(src), &text, NULL)) exit(2);
         snprintf(dst, sizeof dst, "%s/%s", path, files[i]);
         write_text(dst, text);
         free(text);
@@ -96,13 +97,10 @@ static void expect_failure(const char *dir, const char *want) {
     int rc = qf_model_load(&m, dir, NULL);
     CHECK(rc != QF_OK && m == NULL, "%s: loaded although broken", dir);
     CHECK(strstr(qf_last_error(), want) != NULL, "%s: message '%s' lacks '%s'", dir, qf_last_error(), want);
-    char cmd[1200], out[8192] = "";
+    char cmd[1200], out[8192];
     snprintf(cmd, sizeof cmd, "'%s' verify --no-hash '%s' 2>&1", qflash_bin, dir);
-    FILE *p = popen(cmd, "r");
-    size_t n = p ? fread(out, 1, sizeof out - 1, p) : 0;
-    out[n] = 0;
-    int status = p ? pclose(p) : -1;
-    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 1, "%s: verify exit status %d", dir, status);
+    int status = qt_run_capture(cmd, out, sizeof out);
+    CHECK(status == 1, "%s: verify exit status %d", dir, status);
     CHECK(strstr(out, want) && strstr(out, "problem: "), "%s: verify output lacks '%s':\n%s", dir, want, out);
 }
 
@@ -241,13 +239,9 @@ static void case_sharded(void) {
 }
 
 static int run_verify(const char *args, char *out, size_t cap) {
-    char cmd[1200];
+    char cmd[1600];
     snprintf(cmd, sizeof cmd, "'%s' verify %s 2>&1", qflash_bin, args);
-    FILE *p = popen(cmd, "r");
-    size_t n = p ? fread(out, 1, cap - 1, p) : 0;
-    out[n] = 0;
-    int st = p ? pclose(p) : -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return qt_run_capture(cmd, out, cap);
 }
 
 static void case_manifest(void) {

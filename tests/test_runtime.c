@@ -104,14 +104,6 @@ static void test_sampler(void) {
     CHECK(qf_sampling_check(&badp) == QF_EINVAL && qf_sampler_create(V, &badp) == NULL, "top_p 0 accepted");
 }
 
-static int run_capture(const char *cmd, char *out, size_t cap) {
-    FILE *p = popen(cmd, "r");
-    size_t n = p ? fread(out, 1, cap - 1, p) : 0;
-    out[n] = 0;
-    int st = p ? pclose(p) : -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
 /* `qflash run --temp 0` on the decoded reference prompts prints exactly HF's greedy text. */
 static void test_cli_run(const qf_tokenizer *t) {
     qf_st_set ref;
@@ -142,7 +134,7 @@ static void test_cli_run(const qf_tokenizer *t) {
         free(text);
         char cmd[8192], out[8192];
         snprintf(cmd, sizeof cmd, "'%s' run -m '%s' -f '%s' -n 32 --temp 0 2>/dev/null", qflash_bin, model_dir, prompt_file);
-        int rc = run_capture(cmd, out, sizeof out);
+        int rc = qt_run_capture(cmd, out, sizeof out);
         const char *want = json_string_value(json_object_get(json_array_get(prompts, i), "greedy_text"));
         CHECK(rc == 0 && !strcmp(out, want), "p%zu: run printed\n[%s]\nwant\n[%s]", i, out, want);
         unlink(prompt_file);
@@ -154,11 +146,11 @@ static void test_cli_chat(void) {
     char cmd[4096], out[8192];
     snprintf(cmd, sizeof cmd, "printf 'Sum a list.\\nAnd now?\\n' | '%s' chat -m '%s' --no-think --temp 0 -n 24 --system 'You write Python.' 2>/dev/null",
              qflash_bin, model_dir);
-    int rc = run_capture(cmd, out, sizeof out);
+    int rc = qt_run_capture(cmd, out, sizeof out);
     CHECK(rc == 0 && strlen(out) > 10, "chat exit %d, output [%s]", rc, out);
     snprintf(cmd, sizeof cmd, "'%s' run -m '%s' -p '' 2>&1; '%s' run -m '%s' -p x --temp -1 2>&1; '%s' bogus 2>&1", qflash_bin, model_dir,
              qflash_bin, model_dir, qflash_bin);
-    run_capture(cmd, out, sizeof out);
+    qt_run_capture(cmd, out, sizeof out);
     CHECK(strstr(out, "prompt is empty") && strstr(out, "--temp expects a number") && strstr(out, "unknown command 'bogus'"), "%s", out);
 }
 
@@ -166,7 +158,7 @@ static void test_cli_chat(void) {
 static void test_cli_perplexity(void) {
     char cmd[4096], out[8192];
     snprintf(cmd, sizeof cmd, "'%s' perplexity -m '%s' -f '%s/heldout.txt' --window 512 --windows 8 2>/dev/null", qflash_bin, model_dir, model_dir);
-    int rc = run_capture(cmd, out, sizeof out);
+    int rc = qt_run_capture(cmd, out, sizeof out);
     double ppl = 0, want = json_number_value(json_object_get(json_object_get(ref_json, "heldout_ppl"), "ppl"));
     CHECK(rc == 0 && sscanf(out, "perplexity: %lf", &ppl) == 1, "perplexity output [%s]", out);
     CHECK(fabs(ppl - want) / want < 0.005, "perplexity %.4f, reference %.4f", ppl, want);

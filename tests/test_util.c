@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "base/dtype.h"
 
@@ -62,4 +63,12 @@ int qt_argmax(const float *x, int n) {
     for (int i = 1; i < n; i++)
         if (x[i] > x[b]) b = i;
     return b;
+}
+
+int qt_run_capture(const char *cmd, char *out, size_t cap) {
+    FILE *p = popen(cmd, "r");
+    size_t n = p ? fread(out, 1, cap - 1, p) : 0;
+    out[n] = 0;
+    int st = p ? pclose(p) : -1;
+    return st != -1 && WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }

@@ -32,5 +32,8 @@ const float *qt_ref_f32(const qf_st_set *s, const char *name, int64_t *n, int64_
 const int32_t *qt_ref_i32(const qf_st_set *s, const char *name, int64_t *n);
 double qt_max_abs_diff(const float *a, const float *b, int64_t n);
 int qt_argmax(const float *x, int n);
+/* Runs a shell command, captures its stdout into out (NUL-terminated); returns the exit status
+ * (-1 when it did not exit normally). */
+int qt_run_capture(const char *cmd, char *out, size_t cap);
 
 #endif
