@@ -60,7 +60,7 @@ static int on_token(void *ud, int32_t tok, const char *text, size_t len) {
 }
 
 /* Feeds only the part of the new prompt the state does not hold yet; restarts otherwise. */
-static int prepare_prompt(chat_ctx *c, qf_state *st, const int32_t *ids, int n, int *skip) {
+static void prepare_prompt(chat_ctx *c, qf_state *st, const int32_t *ids, int n, int *skip) {
     int common = 0;
     while (common < n && common < c->n_hist && ids[common] == c->hist[common]) common++;
     if (common < c->n_hist || common == n) {
@@ -70,7 +70,6 @@ static int prepare_prompt(chat_ctx *c, qf_state *st, const int32_t *ids, int n, 
     }
     *skip = common;
     for (int i = common; i < n; i++) hist_push(c, ids[i]);
-    return QF_OK;
 }
 
 typedef struct chat_opts {
@@ -127,7 +126,7 @@ static int chat_turn(chat_ctx *c, const chat_opts *o, const qf_chat_tmpl *ct, hi
     int rc = qf_chat_render(ct, h->m, h->n, 1, o->think, &text);
     if (rc == QF_OK) rc = qf_tok_encode(c->e->tok, text, strlen(text), &ids, &n);
     if (rc == QF_OK && n + 1 >= st->max_ctx) rc = qf_fail(QF_EINVAL, "the conversation (%d tokens) no longer fits the context (%d)", n, st->max_ctx);
-    if (rc == QF_OK) rc = prepare_prompt(c, st, ids, n, &skip);
+    if (rc == QF_OK) prepare_prompt(c, st, ids, n, &skip);
     c->in_think = ct->think_prompt && o->think;
     if (rc == QF_OK && c->in_think) fputs(c->tty ? "\033[2m[thinking]\n" : "[thinking]\n", stdout);
     memset(&c->cur, 0, sizeof c->cur);

@@ -19,6 +19,7 @@ struct qf_sampler {
     int32_t *touched;           /* ids with a non-zero count, to reset and penalise cheaply */
     int n_touched;
     cand *c;                    /* (vocab) candidates */
+    double *w;                  /* (vocab) exp(logit - max) of the sorted candidates */
 };
 
 qf_sampling qf_sampling_default(void) {
@@ -70,7 +71,8 @@ qf_sampler *qf_sampler_create(int vocab, const qf_sampling *p) {
     s->count_gen = calloc((size_t)vocab, sizeof(int));
     s->touched = malloc((size_t)vocab * sizeof(int32_t));
     s->c = malloc((size_t)vocab * sizeof(cand));
-    if (!s->count_all || !s->count_gen || !s->touched || !s->c) {
+    s->w = malloc((size_t)vocab * sizeof(double));
+    if (!s->count_all || !s->count_gen || !s->touched || !s->c || !s->w) {
         qf_sampler_free(s);
         return NULL;
     }
@@ -84,6 +86,7 @@ void qf_sampler_free(qf_sampler *s) {
     free(s->count_gen);
     free(s->touched);
     free(s->c);
+    free(s->w);
     free(s);
 }
 
@@ -157,29 +160,28 @@ int32_t qf_sampler_sample(qf_sampler *s, float *logits) {
     }
     for (int i = 0; i < s->vocab; i++) s->c[i] = (cand){logits[i] / p->temperature, i};
     int n = select_top_k(s->c, s->vocab, p->top_k);
-    /* softmax over the survivors (sorted, best first) */
+    /* softmax over the survivors (sorted, best first): w[i] / sum is candidate i's probability */
     double sum = 0, mx = s->c[0].logit;
-    for (int i = 0; i < n; i++) sum += exp((double)s->c[i].logit - mx);
+    for (int i = 0; i < n; i++) sum += s->w[i] = exp((double)s->c[i].logit - mx);
     /* top-p over the sorted probabilities; min-p drops tokens below min_p x the top one */
     double cum = 0, keep_min = p->min_p;
     int kept = n;
     for (int i = 0; i < n; i++) {
-        double pr = exp((double)s->c[i].logit - mx) / sum;
-        if (i > 0 && exp((double)s->c[i].logit - mx) < keep_min) {
+        if (i > 0 && s->w[i] < keep_min) {
             kept = i;
             break;
         }
-        cum += pr;
+        cum += s->w[i] / sum;
         if (cum >= p->top_p) {
             kept = i + 1;
             break;
         }
     }
     double total = 0;
-    for (int i = 0; i < kept; i++) total += exp((double)s->c[i].logit - mx);
+    for (int i = 0; i < kept; i++) total += s->w[i];
     double u = next_unit(s->rng) * total, acc = 0;
     for (int i = 0; i < kept; i++) {
-        acc += exp((double)s->c[i].logit - mx);
+        acc += s->w[i];
         if (u < acc) return s->c[i].id;
     }
     return s->c[kept - 1].id;
