@@ -137,32 +137,33 @@ static void case_bad_json(void) {
     expect_failure(d, "header is not valid JSON");
 }
 
-static void case_overlap(void) {
-    const char *d = make_dir("overlap");
-    json_t *h = hdr_copy();
-    json_t *a = entry(h, "0.input_layernorm.weight"), *b = entry(h, "0.post_attention_layernorm.weight");
-    json_object_set(b, "data_offsets", json_object_get(a, "data_offsets"));
+/* The fixture's data under a changed header h (consumed), in a fresh directory; both the loader
+ * and verify must fail naming want. */
+static void expect_header_failure(const char *name, json_t *h, const char *want) {
+    const char *d = make_dir(name);
     write_st(d, "model.safetensors", h, orig_data, orig_data_len);
     json_decref(h);
-    expect_failure(d, "overlap");
+    expect_failure(d, want);
 }
 
-static void case_size_mismatch(void) {
-    const char *d = make_dir("size_mismatch");
+/* A copy of the fixture's header with one field of one layer tensor replaced. */
+static json_t *with_field(const char *suffix, const char *key, json_t *value) {
     json_t *h = hdr_copy();
-    json_object_set_new(entry(h, "0.input_layernorm.weight"), "shape", json_pack("[i]", 129));
-    write_st(d, "model.safetensors", h, orig_data, orig_data_len);
-    json_decref(h);
-    expect_failure(d, "shape x dtype = 258 bytes but data_offsets span 256");
+    json_object_set_new(entry(h, suffix), key, value);
+    return h;
 }
 
-static void case_unknown_dtype(void) {
-    const char *d = make_dir("unknown_dtype");
+static void case_bad_headers(void) {
+    json_t *offsets = json_object_get(entry(orig_hdr, "0.input_layernorm.weight"), "data_offsets");
+    expect_header_failure("overlap", with_field("0.post_attention_layernorm.weight", "data_offsets", json_deep_copy(offsets)), "overlap");
+    expect_header_failure("size_mismatch", with_field("0.input_layernorm.weight", "shape", json_pack("[i]", 129)),
+                          "shape x dtype = 258 bytes but data_offsets span 256");
+    expect_header_failure("unknown_dtype", with_field("0.input_layernorm.weight", "dtype", json_string("Q4_K")), "unknown dtype 'Q4_K'");
+    expect_header_failure("wrong_shape", with_field("0.linear_attn.in_proj_qkv.weight", "shape", json_pack("[ii]", 128, 256)),
+                          "has shape [128, 256], expected [256, 128]");
     json_t *h = hdr_copy();
-    json_object_set_new(entry(h, "0.input_layernorm.weight"), "dtype", json_string("Q4_K"));
-    write_st(d, "model.safetensors", h, orig_data, orig_data_len);
-    json_decref(h);
-    expect_failure(d, "unknown dtype 'Q4_K'");
+    json_object_del(h, "model.language_model.layers.3.self_attn.k_norm.weight");
+    expect_header_failure("missing_tensor", h, "missing tensor 'model.language_model.layers.3.self_attn.k_norm.weight'");
 }
 
 static void case_duplicate(void) {
@@ -183,24 +184,6 @@ static void case_duplicate(void) {
     free(dup);
     free(s);
     expect_failure(d, "duplicate");
-}
-
-static void case_missing_tensor(void) {
-    const char *d = make_dir("missing_tensor");
-    json_t *h = hdr_copy();
-    json_object_del(h, "model.language_model.layers.3.self_attn.k_norm.weight");
-    write_st(d, "model.safetensors", h, orig_data, orig_data_len);
-    json_decref(h);
-    expect_failure(d, "missing tensor 'model.language_model.layers.3.self_attn.k_norm.weight'");
-}
-
-static void case_wrong_shape(void) {
-    const char *d = make_dir("wrong_shape");
-    json_t *h = hdr_copy();
-    json_object_set_new(entry(h, "0.linear_attn.in_proj_qkv.weight"), "shape", json_pack("[ii]", 128, 256));
-    write_st(d, "model.safetensors", h, orig_data, orig_data_len);
-    json_decref(h);
-    expect_failure(d, "has shape [128, 256], expected [256, 128]");
 }
 
 static void case_unsupported_type(void) {
@@ -280,12 +263,8 @@ int main(int argc, char **argv) {
     case_truncated();
     case_header_len();
     case_bad_json();
-    case_overlap();
-    case_size_mismatch();
-    case_unknown_dtype();
+    case_bad_headers();
     case_duplicate();
-    case_missing_tensor();
-    case_wrong_shape();
     case_unsupported_type();
     case_sharded();
     case_manifest();
