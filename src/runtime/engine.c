@@ -23,7 +23,9 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         e->be = (qf_backend){qf_cpu_ops_best(), e->pool};
         e->ws = qf_workspace_create(e->model, opts->max_batch > 0 ? opts->max_batch : 512);
         e->logits = malloc((size_t)e->model->cfg.vocab * sizeof(float));
-        if (!e->pool || !e->ws || !e->logits) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
+        e->text_cap = 3 * (e->tok ? qf_tok_max_piece_len(e->tok) : 0) + 8;
+        e->text = malloc(e->text_cap);
+        if (!e->pool || !e->ws || !e->logits || !e->text) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
     }
     if (rc != QF_OK) {
         qf_engine_close(e); /* cleanup never touches the error message */
@@ -37,6 +39,7 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
 void qf_engine_close(qf_engine *e) {
     if (!e) return;
     free(e->logits);
+    free(e->text);
     qf_workspace_free(e->ws);
     qf_pool_destroy(e->pool);
     qf_tok_free(e->tok);
@@ -52,12 +55,10 @@ int qf_engine_is_eos(const qf_engine *e, int32_t tok) {
 }
 
 /* Text of one token through the stream decoder; special tokens pass verbatim. */
-static size_t token_text(qf_engine *e, qf_utf8_stream *us, int32_t tok, char *buf, size_t cap) {
+static size_t token_text(qf_engine *e, qf_utf8_stream *us, int32_t tok) {
     size_t len = 0;
     const char *p = e->tok ? qf_tok_piece(e->tok, tok, &len) : NULL;
-    if (!p) return 0;
-    if (len * 3 + 8 > cap) len = (cap - 8) / 3;
-    return qf_utf8_stream_push(us, p, len, buf, cap);
+    return p ? qf_utf8_stream_push(us, p, len, e->text, e->text_cap) : 0;
 }
 
 int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats) {
@@ -73,7 +74,6 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
     stats->prompt_tokens = req->n_prompt;
     stats->prompt_seconds = t1 - t0;
     qf_utf8_stream us = {0};
-    char text[1024];
     for (int n = 0; n < req->max_tokens; n++) {
         int32_t tok = qf_sampler_sample(req->sampler, e->logits);
         stats->gen_tokens++;
@@ -82,8 +82,8 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
             break;
         }
         qf_sampler_accept(req->sampler, tok, 1);
-        size_t len = token_text(e, &us, tok, text, sizeof text);
-        int stop = req->on_token && req->on_token(req->ud, tok, text, len);
+        size_t len = token_text(e, &us, tok);
+        int stop = req->on_token && req->on_token(req->ud, tok, e->text, len);
         if (stop || n + 1 == req->max_tokens || st->pos + 1 >= st->max_ctx) {
             /* the last token is fed too, so the state holds everything generated */
             rc = qf_forward_seq(e->model, &e->be, e->ws, st, &tok, 1, QF_LOGITS_NONE, NULL);
@@ -92,8 +92,8 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
         rc = qf_forward_seq(e->model, &e->be, e->ws, st, &tok, 1, QF_LOGITS_LAST, e->logits);
         if (rc != QF_OK) break;
     }
-    size_t tail = qf_utf8_stream_flush(&us, text, sizeof text);
-    if (tail && req->on_token) req->on_token(req->ud, -1, text, tail);
+    size_t tail = qf_utf8_stream_flush(&us, e->text, e->text_cap);
+    if (tail && req->on_token) req->on_token(req->ud, -1, e->text, tail);
     stats->gen_seconds = qf_now() - t1;
     return rc;
 }

@@ -25,6 +25,8 @@ typedef struct qf_engine {
     qf_backend be;
     qf_workspace *ws;
     float *logits;     /* (vocab) */
+    char *text;        /* one token's text: 3 x longest piece + 8 (every byte may become U+FFFD) */
+    size_t text_cap;
     double load_seconds;
 } qf_engine;
 

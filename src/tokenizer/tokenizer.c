@@ -489,6 +489,12 @@ int qf_tok_decode(const qf_tokenizer *t, const int32_t *ids, int n, int skip_spe
 
 int qf_tok_vocab_size(const qf_tokenizer *t) { return t->n_vocab; }
 
+size_t qf_tok_max_piece_len(const qf_tokenizer *t) {
+    int m = 0;
+    for (int i = 0; i < t->n_vocab; i++) m = t->dec_len[i] > m ? t->dec_len[i] : m;
+    return (size_t)m;
+}
+
 int qf_tok_lookup(const qf_tokenizer *t, const char *token) { return qf_strmap_get(&t->vocab, token, strlen(token)); }
 
 int qf_tok_is_special(const qf_tokenizer *t, int32_t id) { return id >= 0 && id < t->n_vocab && t->special[id]; }

@@ -25,6 +25,7 @@ const char *qf_tok_piece(const qf_tokenizer *t, int32_t id, size_t *len);
 int qf_tok_decode(const qf_tokenizer *t, const int32_t *ids, int n, int skip_special, char **out);
 
 int qf_tok_vocab_size(const qf_tokenizer *t); /* highest id + 1 */
+size_t qf_tok_max_piece_len(const qf_tokenizer *t); /* longest qf_tok_piece, in bytes */
 int qf_tok_lookup(const qf_tokenizer *t, const char *token); /* id of an exact token, or -1 */
 int qf_tok_is_special(const qf_tokenizer *t, int32_t id);
 /* The chat template text, or NULL when the checkpoint has none. */
