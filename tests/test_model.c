@@ -107,8 +107,9 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
     qf_model_free(m);
 }
 
-/* Two sequences in one batched forward (one prefilling, one decoding) give the logits each gives
- * alone: the batch shares projections, never state. */
+/* Two sequences in one batched forward (one prefilling, one decoding), their KV pages interleaved
+ * in one small shared pool, give bit for bit the logits each gives alone: the batch shares
+ * projections, never state, and the server's exactness rests on this. */
 static void check_batching(const char *dir) {
     qf_model *m;
     if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
@@ -116,7 +117,8 @@ static void check_batching(const char *dir) {
     qf_workspace *ws = qf_workspace_create(m, 64);
     int V = m->cfg.vocab;
     int32_t a[12] = {5, 17, 300, 42, 9, 1000, 77, 3, 8, 250, 11, 600}, b[5] = {1500, 2, 2, 700, 31};
-    qf_state *sa = qf_state_create(m, 32), *sb = qf_state_create(m, 32), *ra = qf_state_create(m, 32), *rb = qf_state_create(m, 32);
+    qf_kv_pool *pool = qf_kv_pool_create(m, 4, 5);
+    qf_state *sa = qf_state_create_paged(m, pool, 32), *sb = qf_state_create_paged(m, pool, 32), *ra = qf_state_create(m, 32), *rb = qf_state_create(m, 32);
     float *la = malloc((size_t)V * 4 * 12), *lb = malloc((size_t)V * 4), *wa = malloc((size_t)V * 4 * 12), *wb = malloc((size_t)V * 4);
     /* sequence b first gets 4 tokens alone, then its 5th token rides along with all of a */
     CHECK(qf_forward_seq(m, &be, ws, sb, b, 4, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
@@ -125,12 +127,21 @@ static void check_batching(const char *dir) {
     CHECK(qf_forward_seq(m, &be, ws, ra, a, 12, QF_LOGITS_ALL, wa) == QF_OK, "%s", qf_last_error());
     CHECK(qf_forward_seq(m, &be, ws, rb, b, 5, QF_LOGITS_LAST, wb) == QF_OK, "%s", qf_last_error());
     double da = qt_max_abs_diff(la, wa, (int64_t)V * 12), db = qt_max_abs_diff(lb, wb, V);
-    CHECK(da < 1e-4 && db < 1e-4, "%s batched vs alone: %.3g / %.3g", dir, da, db);
+    CHECK(da == 0 && db == 0, "%s batched vs alone: %.3g / %.3g", dir, da, db);
     int32_t bad = V;
     qf_seq_step oob = {sa, &bad, 1, QF_LOGITS_NONE, NULL};
     CHECK(qf_forward(m, &be, ws, &oob, 1) == QF_EINVAL && sa->pos == 12, "out-of-range token accepted");
+    /* a holds 3 pages and b 2: the pool is empty, so a 13th token of a must fail and change nothing */
+    int32_t more = 5;
+    qf_seq_step full = {sa, &more, 1, QF_LOGITS_NONE, NULL};
+    CHECK(qf_kv_pool_free_pages(pool) == 0 && qf_forward(m, &be, ws, &full, 1) == QF_ENOMEM && sa->pos == 12,
+          "%s: full KV pool not reported (%d free)", dir, qf_kv_pool_free_pages(pool));
+    qf_state_reset(sb);
+    CHECK(qf_kv_pool_free_pages(pool) == 2 && qf_forward(m, &be, ws, &full, 1) == QF_OK, "reset did not return pages");
     free(la), free(lb), free(wa), free(wb);
     qf_state_free(sa), qf_state_free(sb), qf_state_free(ra), qf_state_free(rb);
+    CHECK(qf_kv_pool_free_pages(pool) == 5, "freed states kept pages");
+    qf_kv_pool_free(pool);
     qf_workspace_free(ws);
     qf_model_free(m);
 }

@@ -99,16 +99,23 @@ static void test_gdn(qf_backend *fast, qf_backend *ref, int nk, int nv, int dk, 
     free(qkv), free(beta), free(g), free(S0), free(S1), free(o0), free(o1);
 }
 
+/* The cache is paged with its pages in scrambled order, as a shared pool hands them out. */
 static void test_attention(qf_backend *fast, qf_backend *ref, int nh, int nkv, int hd, int T, int pos0) {
-    int ctx = pos0 + T, qs = nh * 2 * hd;
-    float *q = rnd((size_t)T * qs, 1.0f), *kc = rnd((size_t)ctx * nkv * hd, 1.0f), *vc = rnd((size_t)ctx * nkv * hd, 1.0f);
+    int ctx = pos0 + T, qs = nh * 2 * hd, pt = 16, np = (ctx + pt - 1) / pt + 3;
+    size_t layer = (size_t)pt * nkv * hd, stride = 3 * layer; /* pages hold 1.5 layers' worth: k at 0, v at 2 */
+    float *q = rnd((size_t)T * qs, 1.0f), *pool = rnd((size_t)np * stride, 1.0f);
+    float *k = rnd((size_t)T * nkv * hd, 1.0f), *v = rnd((size_t)T * nkv * hd, 1.0f);
+    int32_t *pages = malloc((size_t)np * sizeof *pages);
+    for (int i = 0; i < np; i++) pages[i] = (i * 7 + 3) % np; /* np is never a multiple of 7 here */
     float *o0 = calloc((size_t)T * nh * hd, 4), *o1 = calloc((size_t)T * nh * hd, 4);
-    qf_attn_args a = {q, qs, 2 * hd, kc, vc, o0, T, pos0, nh, nkv, hd, 1.0f / sqrtf((float)hd)};
+    qf_attn_args a = {q, qs, 2 * hd, {pool, pages, pt, stride, 0, 2 * layer}, o0, T, pos0, nh, nkv, hd, 1.0f / sqrtf((float)hd)};
+    ref->ops->kv_store(ref, &a.kv, k, v, T, pos0, nkv, hd);
+    CHECK(qf_kv_row(&a.kv, pos0 + T - 1, nkv, hd, nkv - 1, 1)[hd - 1] == v[(size_t)T * nkv * hd - 1], "kv_store misplaced a value");
     ref->ops->attention(ref, &a);
     a.out = o1;
     fast->ops->attention(fast, &a);
     CHECK(rel_err(o1, o0, (size_t)T * nh * hd) < 1e-5, "%s attention nh %d hd %d T %d pos0 %d", fast->ops->name, nh, hd, T, pos0);
-    free(q), free(kc), free(vc), free(o0), free(o1);
+    free(q), free(pool), free(k), free(v), free(pages), free(o0), free(o1);
 }
 
 /* Ops the SIMD tables take from the reference must still agree (guards a future override). */

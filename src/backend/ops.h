@@ -31,13 +31,29 @@ typedef struct qf_gdn_args {
     int T, nk, nv, dk, dv;
 } qf_gdn_args;
 
+/* One layer's view of a paged KV cache: pages of page_tokens tokens from a shared pool. Token j's
+ * key for kv-head h starts at base + pages[j / page_tokens] * page_stride + k_off
+ * + ((j % page_tokens) * nkv + h) * hd (values at v_off). */
+typedef struct qf_kv_view {
+    float *base;
+    const int32_t *pages;
+    int page_tokens;
+    size_t page_stride, k_off, v_off;
+} qf_kv_view;
+
+static inline float *qf_kv_row(const qf_kv_view *v, int j, int nkv, int hd, int h, int is_v) {
+    size_t page = (size_t)v->pages[j / v->page_tokens];
+    return v->base + page * v->page_stride + (is_v ? v->v_off : v->k_off) +
+           ((size_t)(j % v->page_tokens) * (size_t)nkv + (size_t)h) * (size_t)hd;
+}
+
 /* Causal attention for one sequence: T queries at positions pos0..pos0+T-1, each seeing keys
  * 0..its own position. Query head h of token t: q + t*q_stride + h*q_hstride;
- * kc/vc: caches [ctx][nkv][hd] already holding the new keys. out: [T][nh][hd]. */
+ * kv: the cache, already holding the new keys. out: [T][nh][hd]. */
 typedef struct qf_attn_args {
     const float *q;
     int q_stride, q_hstride;
-    const float *kc, *vc;
+    qf_kv_view kv;
     float *out;
     int T, pos0, nh, nkv, hd;
     float scale;
@@ -65,6 +81,8 @@ typedef struct qf_ops {
                       const float *w, float *state, float *y);
     void (*gdn)(qf_backend *be, const qf_gdn_args *a);
     void (*attention)(qf_backend *be, const qf_attn_args *a);
+    /* writes T tokens' keys and values (rows of nkv*hd) into the cache at positions pos0.. */
+    void (*kv_store)(qf_backend *be, const qf_kv_view *kv, const float *k, const float *v, int T, int pos0, int nkv, int hd);
     /* y[n][d] = silu(g) * u, with g/u rows g_stride/u_stride apart */
     void (*swiglu)(qf_backend *be, const float *g, const float *u, int stride, int n, int d, float *y);
     /* x[i] *= sigmoid(g[i]) for n rows of d (row strides x_stride, g_stride) */

@@ -73,10 +73,9 @@ static void full_attn(fwd *f, int L, const float *xn, float *out) {
         float *qs = qg + (size_t)r0 * nh * 2 * hd, *ks = kb + (size_t)r0 * nkv * hd;
         OPS->rope(be, qs, nh * 2 * hd, 2 * hd, q->n, nh, c->rot_dim, pos0, m->inv_freq);
         OPS->rope(be, ks, nkv * hd, hd, q->n, nkv, c->rot_dim, pos0, m->inv_freq);
-        size_t at = (size_t)pos0 * nkv * hd, len = (size_t)q->n * nkv * hd * sizeof(float);
-        memcpy(q->st->kc[L] + at, ks, len);
-        memcpy(q->st->vc[L] + at, vb + (size_t)r0 * nkv * hd, len);
-        qf_attn_args a = {qs, nh * 2 * hd, 2 * hd, q->st->kc[L], q->st->vc[L], core + (size_t)r0 * nh * hd,
+        qf_kv_view kv = qf_state_kv_view(q->st, L);
+        OPS->kv_store(be, &kv, ks, vb + (size_t)r0 * nkv * hd, q->n, pos0, nkv, hd);
+        qf_attn_args a = {qs, nh * 2 * hd, 2 * hd, kv, core + (size_t)r0 * nh * hd,
                           q->n, pos0, nh, nkv, hd, 1.0f / sqrtf((float)hd)};
         OPS->attention(be, &a);
     }
@@ -172,14 +171,17 @@ static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_s
     for (int s = 0; s < n_seqs; s++) {
         const qf_seq_step *q = &seqs[s];
         if (q->n < 1) return qf_fail(QF_EINVAL, "sequence %d of the batch has no tokens", s);
-        if (q->st->pos + q->n > q->st->max_ctx)
-            return qf_fail(QF_EINVAL, "context full: %d cached + %d new tokens > context size %d", q->st->pos, q->n, q->st->max_ctx);
         for (int i = 0; i < q->n; i++)
             if (q->tokens[i] < 0 || q->tokens[i] >= m->cfg.vocab)
                 return qf_fail(QF_EINVAL, "token id %d at position %d is outside the vocabulary (0..%d)", q->tokens[i], i, m->cfg.vocab - 1);
         *N += q->n;
     }
     if (*N > ws->max_rows) return qf_fail(QF_EINVAL, "batch of %d tokens exceeds the workspace (%d)", *N, ws->max_rows);
+    /* pages last: a failure above must leave every state as it was */
+    for (int s = 0; s < n_seqs; s++) {
+        int rc = qf_state_reserve(seqs[s].st, seqs[s].n);
+        if (rc != QF_OK) return rc;
+    }
     return QF_OK;
 }
 

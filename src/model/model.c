@@ -46,57 +46,6 @@ void qf_model_free(qf_model *m) {
     free(m);
 }
 
-/* ---- per-sequence state ---- */
-
-qf_state *qf_state_create(const qf_model *m, int max_ctx) {
-    const qf_config *c = &m->cfg;
-    if (max_ctx < 1) return NULL;
-    size_t conv = (size_t)(c->conv_kernel - 1) * (size_t)qf_cfg_conv_dim(c);
-    size_t ssm = (size_t)c->lin_v_heads * (size_t)c->lin_k_dim * (size_t)c->lin_v_dim;
-    size_t kv = (size_t)max_ctx * (size_t)c->n_kv_heads * (size_t)c->head_dim;
-    size_t total = 0;
-    for (int L = 0; L < c->n_layers; L++) total += c->layer_kind[L] == QF_LAYER_FULL ? 2 * kv : conv + ssm;
-    qf_state *s = calloc(1, sizeof *s);
-    if (!s) return NULL;
-    s->conv = calloc((size_t)c->n_layers * 4, sizeof(float *));
-    s->block = calloc(total ? total : 1, sizeof(float));
-    if (!s->conv || !s->block) {
-        qf_state_free(s);
-        return NULL;
-    }
-    s->ssm = s->conv + c->n_layers;
-    s->kc = s->ssm + c->n_layers;
-    s->vc = s->kc + c->n_layers;
-    float *p = s->block;
-    for (int L = 0; L < c->n_layers; L++) {
-        if (c->layer_kind[L] == QF_LAYER_FULL) {
-            s->kc[L] = p;
-            s->vc[L] = p + kv;
-            p += 2 * kv;
-        } else {
-            s->conv[L] = p;
-            s->ssm[L] = p + conv;
-            p += conv + ssm;
-        }
-    }
-    s->max_ctx = max_ctx;
-    s->block_floats = total;
-    return s;
-}
-
-void qf_state_reset(qf_state *s) {
-    /* KV entries past pos are never read, but DeltaNet state must restart from zero */
-    memset(s->block, 0, s->block_floats * sizeof(float));
-    s->pos = 0;
-}
-
-void qf_state_free(qf_state *s) {
-    if (!s) return;
-    free(s->conv);
-    free(s->block);
-    free(s);
-}
-
 /* ---- workspace ---- */
 
 static int imax(int a, int b) { return a > b ? a : b; }

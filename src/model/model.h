@@ -61,20 +61,49 @@ typedef struct qf_load_opts {
 int qf_model_load(qf_model **out, const char *dir, const qf_load_opts *opts);
 void qf_model_free(qf_model *m);
 
-/* Per-sequence state: DeltaNet conv + recurrent state, and the full-attention KV cache. */
+/* The full-attention KV cache lives in fixed-size pages from a pool allocated once: a page holds
+ * page_tokens tokens' keys and values for every full-attention layer. Not thread-safe: one owner
+ * (the scheduler) allocates and frees pages. */
+typedef struct qf_kv_pool qf_kv_pool;
+
+qf_kv_pool *qf_kv_pool_create(const qf_model *m, int page_tokens, int n_pages); /* NULL on OOM */
+void qf_kv_pool_free(qf_kv_pool *p);
+int qf_kv_pool_pages(const qf_kv_pool *p);
+int qf_kv_pool_free_pages(const qf_kv_pool *p);
+int qf_kv_pool_page_tokens(const qf_kv_pool *p);
+size_t qf_kv_pool_page_bytes(const qf_model *m, int page_tokens);
+
+/* Per-sequence state: DeltaNet conv + recurrent state, and the page table of its KV cache. */
 typedef struct qf_state {
     int pos;       /* tokens consumed so far */
     int max_ctx;
     float **conv;  /* per layer (linear only): (K-1, conv_dim) */
     float **ssm;   /* per layer (linear only): (nv, dk, dv) */
-    float **kc, **vc; /* per layer (full only): (max_ctx, n_kv, head_dim) */
-    void *block;   /* one allocation behind all of the above */
+    size_t *kv_off;   /* per layer (full only): offset of its keys inside a page */
+    size_t kv_layer_floats; /* one layer's keys in a page; its values follow */
+    qf_kv_pool *kv;
+    int32_t *pages;   /* page table: (max_ctx / page_tokens rounded up) */
+    int n_pages;      /* pages held */
+    int owns_kv;
+    float *block;     /* one allocation behind conv and ssm */
     size_t block_floats;
 } qf_state;
 
+/* A state with its own private pool, big enough for max_ctx tokens. */
 qf_state *qf_state_create(const qf_model *m, int max_ctx);
+/* A state whose pages come from a shared pool as it grows. */
+qf_state *qf_state_create_paged(const qf_model *m, qf_kv_pool *kv, int max_ctx);
+/* Makes sure pages exist for n more tokens; QF_ENOMEM (state unchanged) when the pool is empty. */
+int qf_state_reserve(qf_state *s, int n);
+/* Pages needed beyond those held to add n tokens. */
+int qf_state_pages_needed(const qf_state *s, int n);
+/* Back to an empty sequence; its pages return to the pool. */
 void qf_state_reset(qf_state *s);
 void qf_state_free(qf_state *s);
+/* Layer L's (full attention) view of the state's KV pages, for the attention ops. */
+qf_kv_view qf_state_kv_view(const qf_state *s, int L);
+/* Bytes of one state excluding KV pages. */
+size_t qf_state_bytes(const qf_model *m);
 
 /* Scratch for one forward of up to max_rows tokens in total, allocated once. */
 typedef struct qf_workspace qf_workspace;

@@ -135,8 +135,8 @@ static void ref_attention(qf_backend *be, const qf_attn_args *a) {
             float m = -INFINITY, l = 0.0f;
             for (int i = 0; i < a->hd; i++) o[i] = 0.0f;
             for (int j = 0; j <= a->pos0 + t; j++) {
-                const float *k = a->kc + ((int64_t)j * a->nkv + kvh) * a->hd;
-                const float *v = a->vc + ((int64_t)j * a->nkv + kvh) * a->hd;
+                const float *k = qf_kv_row(&a->kv, j, a->nkv, a->hd, kvh, 0);
+                const float *v = qf_kv_row(&a->kv, j, a->nkv, a->hd, kvh, 1);
                 float s = 0.0f;
                 for (int i = 0; i < a->hd; i++) s += q[i] * k[i];
                 s *= a->scale;
@@ -147,6 +147,16 @@ static void ref_attention(qf_backend *be, const qf_attn_args *a) {
                 m = m_new;
             }
             for (int i = 0; i < a->hd; i++) o[i] /= l;
+        }
+}
+
+void qf_ref_kv_store(qf_backend *be, const qf_kv_view *kv, const float *k, const float *v, int T, int pos0, int nkv, int hd) {
+    (void)be;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < nkv; h++) {
+            size_t src = ((size_t)t * nkv + h) * hd;
+            memcpy(qf_kv_row(kv, pos0 + t, nkv, hd, h, 0), k + src, (size_t)hd * sizeof(float));
+            memcpy(qf_kv_row(kv, pos0 + t, nkv, hd, h, 1), v + src, (size_t)hd * sizeof(float));
         }
 }
 
@@ -176,6 +186,7 @@ const qf_ops qf_cpu_ops_ref = {
     .conv_silu = qf_ref_conv_silu,
     .gdn = ref_gdn,
     .attention = ref_attention,
+    .kv_store = qf_ref_kv_store,
     .swiglu = qf_ref_swiglu,
     .sigmoid_mul = qf_ref_sigmoid_mul,
     .axpy = qf_ref_axpy,

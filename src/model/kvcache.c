@@ -1,0 +1,153 @@
+/* Paged KV cache pool and per-sequence state. Pages are handed out from a free stack so that
+ * allocation is O(1) and nothing is allocated while tokens run. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model.h"
+
+struct qf_kv_pool {
+    int page_tokens, n_pages, n_free;
+    size_t page_floats;
+    float *mem;
+    int32_t *free_stack;
+};
+
+static size_t page_floats(const qf_config *c, int page_tokens) {
+    int n_full = 0;
+    for (int L = 0; L < c->n_layers; L++) n_full += c->layer_kind[L] == QF_LAYER_FULL;
+    return (size_t)n_full * 2 * (size_t)page_tokens * (size_t)c->n_kv_heads * (size_t)c->head_dim;
+}
+
+size_t qf_kv_pool_page_bytes(const qf_model *m, int page_tokens) { return page_floats(&m->cfg, page_tokens) * sizeof(float); }
+
+qf_kv_pool *qf_kv_pool_create(const qf_model *m, int page_tokens, int n_pages) {
+    if (page_tokens < 1 || n_pages < 1) return NULL;
+    qf_kv_pool *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->page_tokens = page_tokens;
+    p->n_pages = p->n_free = n_pages;
+    p->page_floats = page_floats(&m->cfg, page_tokens);
+    p->mem = calloc((size_t)n_pages * (p->page_floats ? p->page_floats : 1), sizeof(float));
+    p->free_stack = malloc((size_t)n_pages * sizeof *p->free_stack);
+    if (!p->mem || !p->free_stack) {
+        qf_kv_pool_free(p);
+        return NULL;
+    }
+    for (int i = 0; i < n_pages; i++) p->free_stack[i] = n_pages - 1 - i; /* page 0 handed out first */
+    return p;
+}
+
+void qf_kv_pool_free(qf_kv_pool *p) {
+    if (!p) return;
+    free(p->mem);
+    free(p->free_stack);
+    free(p);
+}
+
+int qf_kv_pool_pages(const qf_kv_pool *p) { return p->n_pages; }
+int qf_kv_pool_free_pages(const qf_kv_pool *p) { return p->n_free; }
+int qf_kv_pool_page_tokens(const qf_kv_pool *p) { return p->page_tokens; }
+
+/* ---- per-sequence state ---- */
+
+size_t qf_state_bytes(const qf_model *m) {
+    const qf_config *c = &m->cfg;
+    size_t conv = (size_t)(c->conv_kernel - 1) * (size_t)qf_cfg_conv_dim(c);
+    size_t ssm = (size_t)c->lin_v_heads * (size_t)c->lin_k_dim * (size_t)c->lin_v_dim;
+    size_t total = 0;
+    for (int L = 0; L < c->n_layers; L++) total += c->layer_kind[L] == QF_LAYER_FULL ? 0 : conv + ssm;
+    return total * sizeof(float);
+}
+
+static int div_up(int a, int b) { return (a + b - 1) / b; }
+
+qf_state *qf_state_create_paged(const qf_model *m, qf_kv_pool *kv, int max_ctx) {
+    const qf_config *c = &m->cfg;
+    if (max_ctx < 1 || !kv) return NULL;
+    size_t conv = (size_t)(c->conv_kernel - 1) * (size_t)qf_cfg_conv_dim(c);
+    size_t ssm = (size_t)c->lin_v_heads * (size_t)c->lin_k_dim * (size_t)c->lin_v_dim;
+    size_t total = qf_state_bytes(m) / sizeof(float);
+    qf_state *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->conv = calloc((size_t)c->n_layers * 2, sizeof(float *));
+    s->kv_off = calloc((size_t)c->n_layers, sizeof *s->kv_off);
+    s->pages = calloc((size_t)div_up(max_ctx, kv->page_tokens), sizeof *s->pages);
+    s->block = calloc(total ? total : 1, sizeof(float));
+    if (!s->conv || !s->kv_off || !s->pages || !s->block) {
+        qf_state_free(s);
+        return NULL;
+    }
+    s->ssm = s->conv + c->n_layers;
+    float *p = s->block;
+    size_t off = 0, layer_kv = (size_t)kv->page_tokens * (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    for (int L = 0; L < c->n_layers; L++) {
+        if (c->layer_kind[L] == QF_LAYER_FULL) {
+            s->kv_off[L] = off; /* keys, then values at off + kv_layer_floats */
+            off += 2 * layer_kv;
+        } else {
+            s->conv[L] = p;
+            s->ssm[L] = p + conv;
+            p += conv + ssm;
+        }
+    }
+    s->kv = kv;
+    s->kv_layer_floats = layer_kv;
+    s->max_ctx = max_ctx;
+    s->block_floats = total;
+    return s;
+}
+
+qf_state *qf_state_create(const qf_model *m, int max_ctx) {
+    if (max_ctx < 1) return NULL;
+    enum { PAGE = 64 };
+    qf_kv_pool *kv = qf_kv_pool_create(m, PAGE, div_up(max_ctx, PAGE));
+    qf_state *s = qf_state_create_paged(m, kv, max_ctx);
+    if (!s) {
+        qf_kv_pool_free(kv);
+        return NULL;
+    }
+    s->owns_kv = 1;
+    return s;
+}
+
+int qf_state_pages_needed(const qf_state *s, int n) {
+    int want = div_up(s->pos + n, s->kv->page_tokens);
+    return want > s->n_pages ? want - s->n_pages : 0;
+}
+
+int qf_state_reserve(qf_state *s, int n) {
+    if (s->pos + n > s->max_ctx)
+        return qf_fail(QF_EINVAL, "context full: %d cached + %d new tokens > context size %d", s->pos, n, s->max_ctx);
+    int need = qf_state_pages_needed(s, n);
+    if (need > s->kv->n_free) return qf_fail(QF_ENOMEM, "KV cache full: %d pages needed, %d free", need, s->kv->n_free);
+    while (need-- > 0) s->pages[s->n_pages++] = s->kv->free_stack[--s->kv->n_free];
+    return QF_OK;
+}
+
+static void release_pages(qf_state *s) {
+    while (s->n_pages > 0) s->kv->free_stack[s->kv->n_free++] = s->pages[--s->n_pages];
+}
+
+void qf_state_reset(qf_state *s) {
+    /* KV entries past pos are never read, but DeltaNet state must restart from zero */
+    memset(s->block, 0, s->block_floats * sizeof(float));
+    release_pages(s);
+    s->pos = 0;
+}
+
+void qf_state_free(qf_state *s) {
+    if (!s) return;
+    if (s->kv) release_pages(s);
+    if (s->owns_kv) qf_kv_pool_free(s->kv);
+    free(s->conv);
+    free(s->kv_off);
+    free(s->pages);
+    free(s->block);
+    free(s);
+}
+
+qf_kv_view qf_state_kv_view(const qf_state *s, int L) {
+    const qf_kv_pool *p = s->kv;
+    qf_kv_view v = {p->mem, s->pages, p->page_tokens, p->page_floats, s->kv_off[L], s->kv_off[L] + s->kv_layer_floats};
+    return v;
+}
