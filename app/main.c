@@ -12,6 +12,8 @@ static void usage(void) {
             "  chat       -m DIR [--no-think] [--system TEXT] [sampling flags]  interactive chat\n"
             "  verify     DIR [--manifest FILE] [--no-hash]  check a model directory\n"
             "  perplexity -m DIR -f FILE [--window 512] [--windows K]\n"
+            "  serve      -m DIR [--host H] [--port P] [--max-batch N] [--ctx N] [--api-key K] ...\n"
+            "             OpenAI-compatible HTTP server with continuous batching (serve --help)\n"
             "sampling flags: --temp --top-k --top-p --min-p --repeat-penalty --presence-penalty\n"
             "                --frequency-penalty --seed (defaults from generation_config.json)\n");
 }
@@ -26,6 +28,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "chat")) return cmd_chat(argc - 1, argv + 1);
     if (!strcmp(cmd, "verify")) return cmd_verify(argc - 1, argv + 1);
     if (!strcmp(cmd, "perplexity")) return cmd_perplexity(argc - 1, argv + 1);
+    if (!strcmp(cmd, "serve")) return cmd_serve(argc - 1, argv + 1);
     fprintf(stderr, "error: unknown command '%s'\n", cmd);
     usage();
     return 2;

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Includes point one way: base <- format <- {tokenizer, backend} <- {model, experts} <- runtime
-# <- app. Lists every #include "dir/..." in src/ that a folder may not use; exit 1 if any.
+# <- server <- app. Lists every #include "dir/..." in src/ that a folder may not use; exit 1 if any.
 cd "$(dirname "$0")/.." || exit 2
 allowed() {
     case "$1" in
@@ -11,6 +11,7 @@ allowed() {
     experts) echo "base format backend experts" ;;
     model) echo "base format backend experts model" ;;
     runtime) echo "base format tokenizer backend experts model runtime" ;;
+    server) echo "base format tokenizer backend experts model runtime server" ;;
     esac
 }
 bad=0

@@ -7,5 +7,5 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
     build-essential cmake pkg-config ca-certificates \
-    libpcre2-dev libutf8proc-dev libjansson-dev libssl-dev >/dev/null
+    libpcre2-dev libutf8proc-dev libjansson-dev libssl-dev libevent-dev >/dev/null
 echo "deps-debian: build dependencies installed"

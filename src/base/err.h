@@ -11,7 +11,8 @@ enum qf_status {
     QF_EIO = -2,         /* file missing, unreadable, short */
     QF_ENOMEM = -3,      /* allocation failed */
     QF_EFORMAT = -4,     /* corrupt or inconsistent file contents */
-    QF_EUNSUPPORTED = -5 /* valid input we do not handle (e.g. another model_type) */
+    QF_EUNSUPPORTED = -5, /* valid input we do not handle (e.g. another model_type) */
+    QF_EBUSY = -6         /* a bounded queue is full; try again later */
 };
 
 /* Records the message for this thread and returns code, so callers write

@@ -1,0 +1,75 @@
+/* qflash serve: flags to server options. Every flag also reads an environment variable
+ * (QFLASH_<FLAG>, e.g. QFLASH_API_KEY); the flag wins. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "server/server.h"
+
+static void serve_usage(void) {
+    fprintf(stderr,
+            "usage: qflash serve -m DIR [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--model-name NAME]\n"
+            "                    [--max-batch 16] [--ctx 4096] [--kv-pages N | --kv-mem MIB] [--page-tokens 16]\n"
+            "                    [--prefill-chunk 256] [--max-queue 256] [--max-body MIB] [--shutdown-timeout S]\n"
+            "                    [-t THREADS] [--verbose]\n");
+}
+
+static const char *env_or(const char *name, const char *dflt) {
+    const char *v = getenv(name);
+    return v && *v ? v : dflt;
+}
+
+static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib, double *body_mib) {
+    cli_args a = {argc, 1, argv, 0};
+    for (; a.i < argc && !a.bad; a.i++) {
+        if (cli_is(&a, "-m", "--model")) o->model_dir = cli_value(&a);
+        else if (cli_is(&a, NULL, "--host")) o->host = cli_value(&a);
+        else if (cli_is(&a, NULL, "--port")) o->port = cli_int(&a, 0, 65535);
+        else if (cli_is(&a, NULL, "--api-key")) o->api_key = cli_value(&a);
+        else if (cli_is(&a, NULL, "--model-name")) o->model_name = cli_value(&a);
+        else if (cli_is(&a, NULL, "--max-batch")) o->sched.max_batch = cli_int(&a, 1, 1024);
+        else if (cli_is(&a, "-c", "--ctx")) o->sched.ctx = cli_int(&a, 16, 1 << 24);
+        else if (cli_is(&a, NULL, "--kv-pages")) o->sched.kv_pages = cli_int(&a, 1, 1 << 30);
+        else if (cli_is(&a, NULL, "--kv-mem")) *kv_mib = cli_num(&a, 1, 1 << 30);
+        else if (cli_is(&a, NULL, "--page-tokens")) o->sched.page_tokens = cli_int(&a, 1, 4096);
+        else if (cli_is(&a, NULL, "--prefill-chunk")) o->sched.prefill_chunk = cli_int(&a, 1, 1 << 16);
+        else if (cli_is(&a, NULL, "--max-queue")) o->sched.max_queue = cli_int(&a, 0, 1 << 20);
+        else if (cli_is(&a, NULL, "--max-body")) *body_mib = cli_num(&a, 0.001, 4096);
+        else if (cli_is(&a, NULL, "--shutdown-timeout")) o->shutdown_timeout = cli_num(&a, 0, 86400);
+        else if (cli_is(&a, "-t", "--threads")) o->engine.n_threads = cli_int(&a, 1, 1024);
+        else if (cli_is(&a, "-v", "--verbose")) o->verbose = o->sched.verbose = 1;
+        else {
+            fprintf(stderr, "error: unknown option '%s' for serve\n", argv[a.i]);
+            a.bad = 1;
+        }
+    }
+    if (!a.bad && !o->model_dir) {
+        serve_usage();
+        a.bad = 1;
+    }
+    return a.bad ? 2 : 0;
+}
+
+int cmd_serve(int argc, char **argv) {
+    qf_server_opts o;
+    memset(&o, 0, sizeof o);
+    o.host = env_or("QFLASH_HOST", "127.0.0.1");
+    o.port = atoi(env_or("QFLASH_PORT", "8080"));
+    o.api_key = env_or("QFLASH_API_KEY", NULL);
+    o.model_dir = env_or("QFLASH_MODEL", NULL);
+    o.shutdown_timeout = 30;
+    o.sched = (qf_sched_opts){.max_batch = 16, .ctx = 4096, .page_tokens = 16, .prefill_chunk = 256, .max_queue = 256, .log = stderr};
+    double kv_mib = 0, body_mib = 8;
+    if (parse_serve(argc, argv, &o, &kv_mib, &body_mib)) return 2;
+    o.max_body = (size_t)(body_mib * 1048576.0);
+    o.engine.max_batch = o.sched.max_batch + o.sched.prefill_chunk; /* rows of one step */
+    o.engine.progress = NULL;
+    o.sched.kv_mib = kv_mib;
+    int rc = qf_server_run(&o);
+    if (rc != QF_OK) {
+        fprintf(stderr, "error: %s\n", qf_last_error());
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,649 @@
+#include "runtime/sched.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/timer.h"
+#include "base/utf8.h"
+
+const double qf_sched_ttft_buckets[15] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80};
+const double qf_sched_itl_buckets[15] = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5};
+
+enum { REC_TEXT = 1, REC_TOKEN = 2, CHAN_BASE = 64 * 1024 };
+
+struct qf_req {
+    pthread_mutex_t mu;
+    int refs;
+    atomic_int cancel;
+    /* set at submit, then the scheduler thread's alone */
+    int32_t *toks;
+    int n_prompt, n_toks, cap_toks, n_fed, n_gen, max_tokens, logprobs, ignore_eos, primed, slot;
+    char stop[QF_MAX_STOP][QF_MAX_STOP_LEN + 1];
+    size_t stop_len[QF_MAX_STOP], max_stop;
+    int n_stop;
+    qf_sampler *smp;
+    qf_utf8_stream us;
+    char *hold;
+    size_t hold_len;
+    double t_submit, t_last;
+    void (*notify)(void *ud);
+    void *notify_ud;
+    qf_req *next;
+    uint64_t seq_no;
+    /* shared with the reader, under mu */
+    unsigned char *chan;
+    size_t chan_len, chan_cap;
+    qf_req_status status;
+};
+
+typedef struct slot {
+    qf_state *st;
+    float *logits;
+    qf_req *req;
+    int batch_n; /* tokens fed this step */
+} slot;
+
+struct qf_sched {
+    qf_engine *e;
+    qf_sched_opts o;
+    qf_kv_pool *kv;
+    slot *slots;
+    qf_seq_step *steps;
+    int *step_slot;
+    float *lp_scratch;
+    char *text;
+    size_t text_cap, rec_max;
+    int rows;
+    uint64_t next_seq_no;
+    pthread_t th;
+    int th_started;
+    pthread_mutex_t mu; /* queue, stop flag and stats */
+    pthread_cond_t cv;
+    int stop;
+    qf_req *q_head, *q_tail;
+    int n_waiting;
+    qf_sched_stats stats;
+};
+
+#define LOG(s, ...)                                                      \
+    do {                                                                 \
+        if ((s)->o.verbose && (s)->o.log) {                              \
+            fprintf((s)->o.log, "[FLASH-SCHEDULER] " __VA_ARGS__);       \
+            fflush((s)->o.log);                                          \
+        }                                                                \
+    } while (0)
+
+/* ---- requests ---- */
+
+static void req_free(qf_req *r) {
+    qf_sampler_free(r->smp);
+    free(r->toks);
+    free(r->hold);
+    free(r->chan);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+}
+
+void qf_req_release(qf_req *r) {
+    if (!r) return;
+    pthread_mutex_lock(&r->mu);
+    int left = --r->refs;
+    pthread_mutex_unlock(&r->mu);
+    if (left == 0) req_free(r);
+}
+
+static int check_params(const qf_sched *s, const qf_req_params *p) {
+    int ctx = s->o.ctx;
+    if (p->n_prompt < 1) return qf_fail(QF_EINVAL, "the prompt is empty");
+    if (p->n_prompt + 1 > ctx)
+        return qf_fail(QF_EINVAL, "the prompt has %d tokens; with at least 1 generated token it exceeds the context of %d tokens",
+                       p->n_prompt, ctx);
+    int V = s->e->model->cfg.vocab;
+    for (int i = 0; i < p->n_prompt; i++)
+        if (p->prompt[i] < 0 || p->prompt[i] >= V)
+            return qf_fail(QF_EINVAL, "prompt token %d (id %d) is outside the vocabulary (0..%d)", i, p->prompt[i], V - 1);
+    if (p->n_stop < 0 || p->n_stop > QF_MAX_STOP) return qf_fail(QF_EINVAL, "at most %d stop strings", QF_MAX_STOP);
+    for (int i = 0; i < p->n_stop; i++) {
+        size_t n = strlen(p->stop[i]);
+        if (n == 0 || n > QF_MAX_STOP_LEN) return qf_fail(QF_EINVAL, "stop strings must be 1..%d bytes", QF_MAX_STOP_LEN);
+    }
+    if (p->logprobs > QF_MAX_TOP_LOGPROBS) return qf_fail(QF_EINVAL, "top_logprobs must be at most %d", QF_MAX_TOP_LOGPROBS);
+    return qf_sampling_check(&p->sampling);
+}
+
+static qf_req *req_new(qf_sched *s, const qf_req_params *p) {
+    qf_req *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    pthread_mutex_init(&r->mu, NULL);
+    r->refs = 2; /* the caller's and the scheduler's */
+    int room = s->o.ctx - p->n_prompt;
+    r->max_tokens = p->max_tokens > 0 && p->max_tokens < room ? p->max_tokens : room;
+    r->cap_toks = p->n_prompt + r->max_tokens;
+    r->toks = malloc((size_t)r->cap_toks * sizeof *r->toks);
+    r->smp = qf_sampler_create(s->e->model->cfg.vocab, &p->sampling);
+    r->n_stop = p->n_stop;
+    for (int i = 0; i < p->n_stop; i++) {
+        r->stop_len[i] = strlen(p->stop[i]);
+        memcpy(r->stop[i], p->stop[i], r->stop_len[i] + 1);
+        if (r->stop_len[i] > r->max_stop) r->max_stop = r->stop_len[i];
+    }
+    r->hold = malloc(r->max_stop + s->text_cap + 1);
+    r->chan_cap = CHAN_BASE + 2 * s->rec_max;
+    r->chan = malloc(r->chan_cap);
+    if (!r->toks || !r->smp || !r->hold || !r->chan) {
+        req_free(r);
+        return NULL;
+    }
+    memcpy(r->toks, p->prompt, (size_t)p->n_prompt * sizeof *r->toks);
+    r->n_prompt = r->n_toks = p->n_prompt;
+    r->logprobs = p->logprobs;
+    r->ignore_eos = p->ignore_eos;
+    r->notify = p->notify;
+    r->notify_ud = p->notify_ud;
+    r->slot = -1;
+    r->status.prompt_tokens = p->n_prompt;
+    r->t_submit = qf_now();
+    return r;
+}
+
+int qf_sched_submit(qf_sched *s, const qf_req_params *p, qf_req **out) {
+    *out = NULL;
+    int rc = check_params(s, p);
+    if (rc != QF_OK) return rc;
+    qf_req *r = req_new(s, p);
+    if (!r) return qf_fail(QF_ENOMEM, "out of memory for a request");
+    pthread_mutex_lock(&s->mu);
+    if (s->stop || s->n_waiting >= s->o.max_queue) {
+        int stopping = s->stop;
+        pthread_mutex_unlock(&s->mu);
+        req_free(r);
+        return stopping ? qf_fail(QF_EBUSY, "the server is shutting down") : qf_fail(QF_EBUSY, "the request queue is full (%d waiting)", s->o.max_queue);
+    }
+    r->seq_no = ++s->next_seq_no;
+    if (s->q_tail) s->q_tail->next = r;
+    else s->q_head = r;
+    s->q_tail = r;
+    s->n_waiting++;
+    s->stats.requests++;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    *out = r;
+    return QF_OK;
+}
+
+void qf_req_cancel(qf_req *r) { atomic_store(&r->cancel, 1); }
+
+void qf_req_poll(qf_req *r, const qf_req_sink *sink, qf_req_status *st) {
+    pthread_mutex_lock(&r->mu);
+    size_t i = 0;
+    while (i < r->chan_len) {
+        unsigned char type = r->chan[i++];
+        if (type == REC_TEXT) {
+            uint32_t n;
+            memcpy(&n, r->chan + i, 4);
+            if (sink && sink->text) sink->text(sink->ud, (const char *)r->chan + i + 4, n);
+            i += 4 + n;
+        } else {
+            qf_token_lp t;
+            memcpy(&t, r->chan + i, sizeof t);
+            if (sink && sink->token) sink->token(sink->ud, &t);
+            i += sizeof t;
+        }
+    }
+    r->chan_len = 0;
+    *st = r->status;
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* Channel writes happen with r->mu held by the caller. Room is checked before a request is
+ * scheduled, so a record always fits. */
+static void chan_text(qf_req *r, const char *p, size_t n) {
+    if (!n) return;
+    uint32_t n32 = (uint32_t)n;
+    r->chan[r->chan_len] = REC_TEXT;
+    memcpy(r->chan + r->chan_len + 1, &n32, 4);
+    memcpy(r->chan + r->chan_len + 5, p, n);
+    r->chan_len += 5 + n;
+}
+
+static void chan_token(qf_req *r, const qf_token_lp *t) {
+    r->chan[r->chan_len] = REC_TOKEN;
+    memcpy(r->chan + r->chan_len + 1, t, sizeof *t);
+    r->chan_len += 1 + sizeof *t;
+}
+
+/* ---- stop strings ---- */
+
+/* Longest suffix of h[0..n) that is a proper prefix of some stop string. */
+static size_t partial_stop(const qf_req *r, const char *h, size_t n) {
+    size_t best = 0;
+    for (int i = 0; i < r->n_stop; i++)
+        for (size_t k = r->stop_len[i] - 1; k > best; k--)
+            if (k <= n && memcmp(h + n - k, r->stop[i], k) == 0) {
+                best = k;
+                break;
+            }
+    return best;
+}
+
+/* Earliest complete stop string in h[0..n), or n when none. */
+static size_t find_stop(const qf_req *r, const char *h, size_t n) {
+    size_t at = n;
+    for (int i = 0; i < r->n_stop; i++) {
+        const char *p = memmem(h, n, r->stop[i], r->stop_len[i]);
+        if (p && (size_t)(p - h) < at) at = (size_t)(p - h);
+    }
+    return at;
+}
+
+/* Adds new text to the holdback buffer and releases what can no longer start a stop string.
+ * Returns 1 when a stop string completed (the text before it is released, the rest dropped). */
+static int push_text(qf_req *r, const char *p, size_t n, int final) {
+    memcpy(r->hold + r->hold_len, p, n);
+    r->hold_len += n;
+    size_t at = find_stop(r, r->hold, r->hold_len);
+    if (at < r->hold_len) {
+        chan_text(r, r->hold, at);
+        r->hold_len = 0;
+        return 1;
+    }
+    size_t keep = final ? 0 : partial_stop(r, r->hold, r->hold_len);
+    chan_text(r, r->hold, r->hold_len - keep);
+    memmove(r->hold, r->hold + r->hold_len - keep, keep);
+    r->hold_len = keep;
+    return 0;
+}
+
+/* ---- logprobs ---- */
+
+static void fill_logprobs(const float *logits, int V, int top, int32_t tok, qf_token_lp *t) {
+    float mx = -INFINITY;
+    for (int i = 0; i < V; i++) mx = logits[i] > mx ? logits[i] : mx;
+    double sum = 0;
+    for (int i = 0; i < V; i++) sum += exp((double)(logits[i] - mx));
+    float lse = mx + (float)log(sum);
+    t->id = tok;
+    t->logprob = logits[tok] - lse;
+    t->n_top = 0;
+    for (int i = 0; i < V; i++) { /* insertion into a short sorted list */
+        float v = logits[i];
+        if (t->n_top == top && (top == 0 || v <= t->top_lp[top - 1])) continue;
+        int j = t->n_top < top ? t->n_top++ : top - 1;
+        while (j > 0 && t->top_lp[j - 1] < v) {
+            t->top_lp[j] = t->top_lp[j - 1];
+            t->top_id[j] = t->top_id[j - 1];
+            j--;
+        }
+        t->top_lp[j] = v;
+        t->top_id[j] = i;
+    }
+    for (int j = 0; j < t->n_top; j++) t->top_lp[j] -= lse;
+}
+
+/* ---- histograms and stats (s->mu held) ---- */
+
+static void hist_add(uint64_t *h, const double *bounds, double v) {
+    for (int i = 0; i < 15; i++)
+        if (v <= bounds[i]) h[i]++;
+    h[15]++;
+}
+
+void qf_sched_get_stats(qf_sched *s, qf_sched_stats *out) {
+    pthread_mutex_lock(&s->mu);
+    *out = s->stats;
+    out->waiting = s->n_waiting;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- slots ---- */
+
+/* Ends a request: its last status goes to the reader, its slot and pages are freed. */
+static void finish(qf_sched *s, qf_req *r, int why, const char *err) {
+    if (r->slot >= 0) {
+        slot *sl = &s->slots[r->slot];
+        int pages = sl->st->n_pages;
+        qf_state_reset(sl->st);
+        sl->req = NULL;
+        LOG(s, "seq %llu finished (%s): %d prompt + %d generated tokens, %d pages freed, %d/%d pages free\n",
+            (unsigned long long)r->seq_no, why == QF_FINISH_STOP ? "stop" : why == QF_FINISH_LENGTH ? "length" : why == QF_FINISH_CANCELLED ? "cancelled" : "error",
+            r->n_prompt, r->n_gen, pages, qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
+        r->slot = -1;
+    }
+    pthread_mutex_lock(&r->mu);
+    r->status.finish = why;
+    r->status.gen_tokens = r->n_gen;
+    if (err) snprintf(r->status.error, sizeof r->status.error, "%s", err);
+    pthread_mutex_unlock(&r->mu);
+    if (r->notify) r->notify(r->notify_ud);
+    pthread_mutex_lock(&s->mu);
+    s->stats.finished += why != QF_FINISH_CANCELLED;
+    s->stats.cancelled += why == QF_FINISH_CANCELLED;
+    pthread_mutex_unlock(&s->mu);
+    qf_req_release(r);
+}
+
+/* Takes the next waiting request (s->mu held) when a slot and pages for its tokens are free.
+ * Cancelled waiters are finished on the way. */
+static qf_req *pop_admissible(qf_sched *s, int free_slot, qf_req **cancelled) {
+    while (s->q_head && atomic_load(&s->q_head->cancel)) {
+        qf_req *c = s->q_head;
+        s->q_head = c->next;
+        if (!s->q_head) s->q_tail = NULL;
+        s->n_waiting--;
+        c->next = *cancelled;
+        *cancelled = c;
+    }
+    qf_req *r = s->q_head;
+    if (!r || free_slot < 0) return NULL;
+    int pt = qf_kv_pool_page_tokens(s->kv), need = (r->n_toks + 1 + pt - 1) / pt;
+    if (need > qf_kv_pool_free_pages(s->kv)) return NULL;
+    s->q_head = r->next;
+    if (!s->q_head) s->q_tail = NULL;
+    s->n_waiting--;
+    r->next = NULL;
+    return r;
+}
+
+static int free_slot(const qf_sched *s) {
+    for (int i = 0; i < s->o.max_batch; i++)
+        if (!s->slots[i].req) return i;
+    return -1;
+}
+
+static void admit(qf_sched *s) {
+    for (;;) {
+        qf_req *cancelled = NULL;
+        pthread_mutex_lock(&s->mu);
+        int fs = free_slot(s);
+        qf_req *r = pop_admissible(s, fs, &cancelled);
+        pthread_mutex_unlock(&s->mu);
+        while (cancelled) {
+            qf_req *c = cancelled;
+            cancelled = c->next;
+            finish(s, c, QF_FINISH_CANCELLED, NULL);
+        }
+        if (!r) return;
+        r->slot = fs;
+        r->n_fed = 0;
+        s->slots[fs].req = r;
+        if (!r->primed) {
+            for (int i = 0; i < r->n_prompt; i++) qf_sampler_accept(r->smp, r->toks[i], 0);
+            r->primed = 1;
+            pthread_mutex_lock(&s->mu);
+            s->stats.prompt_tokens += (uint64_t)r->n_prompt;
+            pthread_mutex_unlock(&s->mu);
+        }
+        LOG(s, "seq %llu admitted to slot %d: %d tokens to prefill\n", (unsigned long long)r->seq_no, fs, r->n_toks);
+    }
+}
+
+/* Frees the newest running sequence and puts it back at the head of the queue; it is prefilled
+ * again (prompt and generated tokens) when pages are free, and continues where it was. */
+static void preempt_newest(qf_sched *s) {
+    slot *victim = NULL;
+    for (int i = 0; i < s->o.max_batch; i++)
+        if (s->slots[i].req && (!victim || s->slots[i].req->seq_no > victim->req->seq_no)) victim = &s->slots[i];
+    qf_req *r = victim->req;
+    LOG(s, "seq %llu preempted: %d pages freed, to be recomputed (%d tokens)\n", (unsigned long long)r->seq_no, victim->st->n_pages, r->n_toks);
+    qf_state_reset(victim->st);
+    victim->req = NULL;
+    r->slot = -1;
+    r->n_fed = 0;
+    pthread_mutex_lock(&s->mu);
+    r->next = s->q_head;
+    s->q_head = r;
+    if (!s->q_tail) s->q_tail = r;
+    s->n_waiting++;
+    s->stats.preempted++;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static size_t chan_room(qf_req *r) {
+    pthread_mutex_lock(&r->mu);
+    size_t room = r->chan_cap - r->chan_len;
+    pthread_mutex_unlock(&r->mu);
+    return room;
+}
+
+/* Picks the step's rows: one token for every decoding sequence first, then prompt chunks.
+ * Returns the number of sequences; pages for all of them are guaranteed free. */
+static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
+    for (;;) {
+        int n = 0, rows = 0, pages = 0;
+        *n_decode = 0;
+        for (int pass = 0; pass < 2; pass++)
+            for (int i = 0; i < s->o.max_batch; i++) {
+                slot *sl = &s->slots[i];
+                qf_req *r = sl->req;
+                if (!r) continue;
+                int left = r->n_toks - r->n_fed, decode = left == 1;
+                if (decode != (pass == 0) || chan_room(r) < 2 * s->rec_max) continue;
+                int take = left < s->o.prefill_chunk ? left : s->o.prefill_chunk;
+                if (take > s->rows - rows) take = s->rows - rows;
+                if (take <= 0) continue;
+                sl->batch_n = take;
+                s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, take == left ? QF_LOGITS_LAST : QF_LOGITS_NONE, sl->logits};
+                s->step_slot[n++] = i;
+                rows += take;
+                pages += qf_state_pages_needed(sl->st, take);
+                *n_decode += decode;
+            }
+        if (pages <= qf_kv_pool_free_pages(s->kv)) {
+            *rows_out = rows;
+            return n;
+        }
+        preempt_newest(s);
+    }
+}
+
+/* Samples the next token of a sequence whose logits are ready and routes its text. Returns a
+ * finish reason, or QF_FINISH_NONE to go on. */
+static int emit_token(qf_sched *s, qf_req *r, float *logits) {
+    const qf_engine *e = s->e;
+    int V = e->model->cfg.vocab;
+    qf_token_lp lp;
+    if (r->logprobs >= 0) memcpy(s->lp_scratch, logits, (size_t)V * sizeof(float));
+    int32_t tok = qf_sampler_sample(r->smp, logits);
+    if (r->logprobs >= 0) fill_logprobs(s->lp_scratch, V, r->logprobs, tok, &lp);
+    double now = qf_now();
+    pthread_mutex_lock(&s->mu);
+    if (r->n_gen == 0) {
+        hist_add(s->stats.ttft_hist, qf_sched_ttft_buckets, now - r->t_submit);
+        s->stats.ttft_n++;
+        s->stats.ttft_sum += now - r->t_submit;
+    } else {
+        hist_add(s->stats.itl_hist, qf_sched_itl_buckets, now - r->t_last);
+        s->stats.itl_n++;
+        s->stats.itl_sum += now - r->t_last;
+    }
+    s->stats.gen_tokens++;
+    pthread_mutex_unlock(&s->mu);
+    r->t_last = now;
+    r->n_gen++;
+    int eos = qf_engine_is_eos(e, tok) && !r->ignore_eos;
+    size_t len = 0;
+    if (!eos) {
+        qf_sampler_accept(r->smp, tok, 1);
+        r->toks[r->n_toks++] = tok;
+        const char *p = e->tok ? qf_tok_piece(e->tok, tok, &len) : NULL;
+        len = p ? qf_utf8_stream_push(&r->us, p, len, s->text, s->text_cap) : 0;
+    }
+    int done = eos || r->n_gen >= r->max_tokens || r->n_toks >= s->o.ctx;
+    if (done) len += qf_utf8_stream_flush(&r->us, s->text + len, s->text_cap - len);
+    pthread_mutex_lock(&r->mu);
+    if (r->n_gen == 1) r->status.ttft = now - r->t_submit;
+    r->status.gen_tokens = r->n_gen;
+    if (r->logprobs >= 0 && !eos) chan_token(r, &lp);
+    int stopped = push_text(r, s->text, len, done);
+    pthread_mutex_unlock(&r->mu);
+    if (stopped || eos) return QF_FINISH_STOP;
+    return done ? QF_FINISH_LENGTH : QF_FINISH_NONE;
+}
+
+static void drop_cancelled(qf_sched *s) {
+    for (int i = 0; i < s->o.max_batch; i++) {
+        qf_req *r = s->slots[i].req;
+        if (r && atomic_load(&r->cancel)) finish(s, r, QF_FINISH_CANCELLED, NULL);
+    }
+}
+
+static void publish_stats(qf_sched *s) {
+    int running = 0;
+    for (int i = 0; i < s->o.max_batch; i++) running += s->slots[i].req != NULL;
+    pthread_mutex_lock(&s->mu);
+    s->stats.running = running;
+    s->stats.kv_pages_total = qf_kv_pool_pages(s->kv);
+    s->stats.kv_pages_used = s->stats.kv_pages_total - qf_kv_pool_free_pages(s->kv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Returns 0 when there was nothing it could run. */
+static int run_step(qf_sched *s) {
+    int n_decode, rows, n = plan_step(s, &n_decode, &rows);
+    if (n == 0) return 0;
+    int rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->steps, n);
+    pthread_mutex_lock(&s->mu);
+    s->stats.steps++;
+    uint64_t step_no = s->stats.steps;
+    pthread_mutex_unlock(&s->mu);
+    LOG(s, "step %llu: %d decode + %d prefill sequences, %d rows, KV pages %d/%d in use\n", (unsigned long long)step_no, n_decode,
+        n - n_decode, rows, qf_kv_pool_pages(s->kv) - qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
+    const char *err = rc == QF_OK ? NULL : qf_last_error();
+    for (int j = 0; j < n; j++) {
+        slot *sl = &s->slots[s->step_slot[j]];
+        qf_req *r = sl->req;
+        if (err) {
+            finish(s, r, QF_FINISH_ERROR, err);
+            continue;
+        }
+        r->n_fed += sl->batch_n;
+        int why = r->n_fed == r->n_toks ? emit_token(s, r, sl->logits) : QF_FINISH_NONE;
+        if (why != QF_FINISH_NONE) finish(s, r, why, NULL);
+        else if (r->n_fed + 1 == r->n_toks && r->notify) r->notify(r->notify_ud);
+    }
+    return 1;
+}
+
+/* Every running stream is waiting for its reader to drain output: nap instead of spinning. */
+static void nap(qf_sched *s) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += 2000000;
+    if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
+    pthread_mutex_lock(&s->mu);
+    pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void *sched_main(void *arg) {
+    qf_sched *s = arg;
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        for (;;) {
+            int busy = s->q_head != NULL;
+            for (int i = 0; i < s->o.max_batch && !busy; i++) busy = s->slots[i].req != NULL;
+            if (s->stop || busy) break;
+            pthread_cond_wait(&s->cv, &s->mu);
+        }
+        int stop = s->stop;
+        pthread_mutex_unlock(&s->mu);
+        if (stop) break;
+        drop_cancelled(s);
+        admit(s);
+        int ran = run_step(s);
+        publish_stats(s);
+        if (!ran) nap(s);
+    }
+    return NULL;
+}
+
+/* ---- lifetime ---- */
+
+int qf_sched_create(qf_sched **out, qf_engine *e, const qf_sched_opts *o) {
+    *out = NULL;
+    if (o->max_batch < 1 || o->ctx < 2 || o->max_queue < 0) return qf_fail(QF_EINVAL, "max_batch, ctx and max_queue must be positive");
+    qf_sched *s = calloc(1, sizeof *s);
+    if (!s) return qf_fail(QF_ENOMEM, "out of memory");
+    s->e = e;
+    s->o = *o;
+    if (s->o.page_tokens <= 0) s->o.page_tokens = 16;
+    if (s->o.prefill_chunk <= 0) s->o.prefill_chunk = 256;
+    int pt = s->o.page_tokens, ctx_pages = (o->ctx + pt - 1) / pt;
+    if (s->o.kv_pages <= 0 && o->kv_mib > 0) s->o.kv_pages = (int)(o->kv_mib * 1048576.0 / (double)qf_kv_pool_page_bytes(e->model, pt));
+    if (s->o.kv_pages <= 0) s->o.kv_pages = ctx_pages * o->max_batch;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    if (s->o.kv_pages < ctx_pages) {
+        qf_sched_destroy(s);
+        return qf_fail(QF_EINVAL, "%d KV pages of %d tokens cannot hold one full context of %d tokens (%d pages)", s->o.kv_pages, pt, o->ctx, ctx_pages);
+    }
+    int V = e->model->cfg.vocab;
+    s->rows = qf_workspace_rows(e->ws);
+    s->text_cap = e->text_cap + 16;
+    s->rec_max = 1 + sizeof(qf_token_lp) + 5 + QF_MAX_STOP_LEN + s->text_cap;
+    s->kv = qf_kv_pool_create(e->model, pt, s->o.kv_pages);
+    s->slots = calloc((size_t)o->max_batch, sizeof *s->slots);
+    s->steps = calloc((size_t)o->max_batch, sizeof *s->steps);
+    s->step_slot = calloc((size_t)o->max_batch, sizeof *s->step_slot);
+    s->lp_scratch = malloc((size_t)V * sizeof(float));
+    s->text = malloc(s->text_cap);
+    int ok = s->kv && s->slots && s->steps && s->step_slot && s->lp_scratch && s->text;
+    for (int i = 0; ok && i < o->max_batch; i++) {
+        s->slots[i].st = qf_state_create_paged(e->model, s->kv, o->ctx);
+        s->slots[i].logits = malloc((size_t)V * sizeof(float));
+        ok = s->slots[i].st && s->slots[i].logits;
+    }
+    if (!ok) {
+        qf_sched_destroy(s);
+        return qf_fail(QF_ENOMEM, "out of memory for %d sequences and %d KV pages", o->max_batch, s->o.kv_pages);
+    }
+    s->stats.kv_pages_total = s->o.kv_pages;
+    LOG(s, "%d slots, context %d, %d KV pages of %d tokens (%.1f MiB), prefill chunk %d, %d rows per step\n", o->max_batch, o->ctx,
+        s->o.kv_pages, pt, (double)s->o.kv_pages * (double)qf_kv_pool_page_bytes(e->model, pt) / 1048576.0, s->o.prefill_chunk, s->rows);
+    if (pthread_create(&s->th, NULL, sched_main, s) != 0) {
+        qf_sched_destroy(s);
+        return qf_fail(QF_ENOMEM, "cannot start the scheduler thread");
+    }
+    s->th_started = 1;
+    *out = s;
+    return QF_OK;
+}
+
+void qf_sched_destroy(qf_sched *s) {
+    if (!s) return;
+    pthread_mutex_lock(&s->mu);
+    s->stop = 1;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    if (s->th_started) pthread_join(s->th, NULL);
+    for (int i = 0; s->slots && i < s->o.max_batch; i++) {
+        if (s->slots[i].req) finish(s, s->slots[i].req, QF_FINISH_CANCELLED, NULL);
+        qf_state_free(s->slots[i].st);
+        free(s->slots[i].logits);
+    }
+    while (s->q_head) {
+        qf_req *r = s->q_head;
+        s->q_head = r->next;
+        finish(s, r, QF_FINISH_CANCELLED, NULL);
+    }
+    qf_kv_pool_free(s->kv);
+    free(s->slots);
+    free(s->steps);
+    free(s->step_slot);
+    free(s->lp_scratch);
+    free(s->text);
+    pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+/* Wakes the thread after a cancel so the slot is freed without waiting for other work. */
+void qf_sched_kick(qf_sched *s) {
+    pthread_mutex_lock(&s->mu);
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}

@@ -1,0 +1,107 @@
+/* The scheduler: continuous (iteration-level) batching of many sequences on one engine.
+ *
+ * One thread runs steps. A step is one batched forward holding the next token of every decoding
+ * sequence plus prompt chunks of sequences still prefilling, so running streams keep flowing
+ * while new prompts come in. States (DeltaNet conv + recurrent state) exist once per slot; the
+ * full-attention KV cache comes from a page pool allocated at start. When the pool runs dry the
+ * most recently admitted sequence is preempted and later recomputed, which gives the same tokens.
+ *
+ * Requests are submitted from any thread. Output (text released past stop-string holdback, and
+ * per-token logprobs) goes into a fixed-size channel per request that the owner drains in
+ * qf_req_poll after a notify callback; a request whose channel is full is skipped for a step,
+ * so a slow reader slows only itself. Nothing is allocated per token. */
+#ifndef QF_RUNTIME_SCHED_H
+#define QF_RUNTIME_SCHED_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "runtime/engine.h"
+#include "runtime/sampler.h"
+
+#define QF_MAX_STOP 16
+#define QF_MAX_STOP_LEN 256
+#define QF_MAX_TOP_LOGPROBS 20
+
+typedef struct qf_sched_opts {
+    int max_batch;     /* running sequences */
+    int ctx;           /* tokens per sequence (prompt + generated) */
+    int kv_pages;      /* 0 = kv_mib, or else enough for max_batch full contexts */
+    double kv_mib;     /* KV pool as a memory budget instead of a page count */
+    int page_tokens;   /* 0 = 16 */
+    int prefill_chunk; /* prompt tokens per sequence per step; 0 = 256 */
+    int max_queue;     /* waiting requests before submit says busy */
+    int verbose;       /* [FLASH-SCHEDULER] lines on log */
+    FILE *log;
+} qf_sched_opts;
+
+typedef struct qf_sched qf_sched;
+typedef struct qf_req qf_req;
+
+enum qf_finish { QF_FINISH_NONE = 0, QF_FINISH_STOP, QF_FINISH_LENGTH, QF_FINISH_CANCELLED, QF_FINISH_ERROR };
+
+typedef struct qf_req_params {
+    const int32_t *prompt; /* copied */
+    int n_prompt;
+    int max_tokens;        /* <= 0: up to the context */
+    qf_sampling sampling;
+    const char *stop[QF_MAX_STOP];
+    int n_stop;
+    int logprobs;          /* top alternatives per token, -1 = no logprobs */
+    int ignore_eos;
+    void (*notify)(void *ud); /* called from the scheduler thread when output is ready */
+    void *notify_ud;
+} qf_req_params;
+
+/* Starts the scheduler thread. The engine stays owned by the caller and must outlive it. */
+int qf_sched_create(qf_sched **out, qf_engine *e, const qf_sched_opts *o);
+/* Cancels everything still running, joins the thread, frees. */
+void qf_sched_destroy(qf_sched *s);
+
+/* QF_EINVAL: bad parameters or prompt over the context (message gives both counts);
+ * QF_EBUSY: the queue is full. On success *out holds a reference the caller releases. */
+int qf_sched_submit(qf_sched *s, const qf_req_params *p, qf_req **out);
+/* Stops the request; its slot and pages are freed within one step. */
+void qf_req_cancel(qf_req *r);
+void qf_req_release(qf_req *r);
+/* Wakes the scheduler thread (after a cancel, so the slot is freed at once). */
+void qf_sched_kick(qf_sched *s);
+
+typedef struct qf_req_status {
+    int finish;            /* enum qf_finish; NONE while running */
+    int prompt_tokens, gen_tokens;
+    double ttft;           /* seconds from submit to the first token; 0 before it */
+    char error[256];
+} qf_req_status;
+
+typedef struct qf_token_lp {
+    int32_t id;
+    float logprob;
+    int n_top;
+    int32_t top_id[QF_MAX_TOP_LOGPROBS];
+    float top_lp[QF_MAX_TOP_LOGPROBS];
+} qf_token_lp;
+
+typedef struct qf_req_sink {
+    void (*text)(void *ud, const char *s, size_t n);
+    void (*token)(void *ud, const qf_token_lp *t); /* only when logprobs were asked for */
+    void *ud;
+} qf_req_sink;
+
+/* Hands everything produced since the last poll to sink, in order, and fills st. */
+void qf_req_poll(qf_req *r, const qf_req_sink *sink, qf_req_status *st);
+
+typedef struct qf_sched_stats {
+    uint64_t requests, finished, cancelled, preempted, prompt_tokens, gen_tokens, steps;
+    int running, waiting, kv_pages_used, kv_pages_total;
+    /* cumulative histogram counts at the bucket bounds of qf_sched_*_buckets */
+    uint64_t ttft_hist[16], itl_hist[16], ttft_n, itl_n;
+    double ttft_sum, itl_sum;
+} qf_sched_stats;
+
+extern const double qf_sched_ttft_buckets[15];
+extern const double qf_sched_itl_buckets[15];
+
+void qf_sched_get_stats(qf_sched *s, qf_sched_stats *out);
+
+#endif

@@ -1,0 +1,398 @@
+/* Generation calls: submit to the scheduler, drain output on wake-ups, and write it as OpenAI
+ * SSE chunks, a final JSON body, or (native /generate) plain text chunks. */
+#include <event2/buffer.h>
+#include <event2/keyvalq_struct.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/utf8.h"
+#include "server/srv_int.h"
+
+static const char *finish_name(int f) { return f == QF_FINISH_LENGTH ? "length" : "stop"; }
+
+/* A JSON string from bytes that may not be valid UTF-8 (a token's piece): bad bytes become U+FFFD. */
+static json_t *jstr_lossy(const char *p, size_t n) {
+    if (qf_utf8_valid_prefix(p, n) == n) return json_stringn(p, n);
+    char small[256], *buf = 3 * n + 1 <= sizeof small ? small : malloc(3 * n + 1);
+    if (!buf) return json_string("");
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        int k = qf_utf8_seq_len((const unsigned char *)p + i, n - i);
+        if (k > 0) {
+            memcpy(buf + o, p + i, (size_t)k);
+            o += (size_t)k, i += (size_t)k;
+        } else {
+            memcpy(buf + o, "\xEF\xBF\xBD", 3);
+            o += 3, i++;
+        }
+    }
+    json_t *j = json_stringn(buf, o);
+    if (buf != small) free(buf);
+    return j;
+}
+
+static void acc_add(char **buf, size_t *len, size_t *cap, const char *p, size_t n) {
+    if (*len + n + 1 > *cap) {
+        size_t nc = (*cap ? *cap * 2 : 256);
+        while (nc < *len + n + 1) nc *= 2;
+        char *nb = realloc(*buf, nc);
+        if (!nb) return; /* the reply loses text rather than the server crashing */
+        *buf = nb, *cap = nc;
+    }
+    memcpy(*buf + *len, p, n);
+    *len += n;
+    (*buf)[*len] = 0;
+}
+
+/* ---- per-poll deltas ---- */
+
+typedef struct delta {
+    call *c;
+    char *content, *reasoning;
+    size_t len_c, cap_c, len_r, cap_r;
+    json_t *lp; /* this poll's logprobs entries (streams) */
+} delta;
+
+static void emit(delta *d, int reasoning, const char *p, size_t n) {
+    call *c = d->c;
+    if (!reasoning && c->after_think) { /* the blank line after </think> is formatting */
+        while (n && (*p == '\n' || *p == '\r')) p++, n--;
+        if (!n) return;
+        c->after_think = 0;
+    }
+    if (!n) return;
+    c->seen_text = 1;
+    if (reasoning) acc_add(&d->reasoning, &d->len_r, &d->cap_r, p, n);
+    else acc_add(&d->content, &d->len_c, &d->cap_c, p, n);
+}
+
+/* Longest suffix of p[0..n) that is a proper prefix of tag. */
+static size_t tag_partial(const char *p, size_t n, const char *tag) {
+    size_t tl = strlen(tag);
+    for (size_t k = tl - 1; k > 0; k--)
+        if (k <= n && memcmp(p + n - k, tag, k) == 0) return k;
+    return 0;
+}
+
+/* Splits text into reasoning and content at <think> / </think>, holding back a partial tag. */
+static void split_text(delta *d, const char *text, size_t n, int final) {
+    call *c = d->c;
+    if (c->kind != CALL_CHAT) {
+        emit(d, 0, text, n);
+        return;
+    }
+    size_t tot = c->pend_len + n;
+    char *buf = malloc(tot + 1);
+    if (!buf) return;
+    memcpy(buf, c->pend, c->pend_len);
+    memcpy(buf + c->pend_len, text, n);
+    c->pend_len = 0;
+    size_t at = 0;
+    for (;;) {
+        /* an opening tag only counts before any text, as Qwen emits it when the prompt has none */
+        const char *tag = c->in_think ? "</think>" : !c->seen_text ? "<think>" : NULL;
+        const char *hit = tag ? memmem(buf + at, tot - at, tag, strlen(tag)) : NULL;
+        if (hit) {
+            emit(d, c->in_think, buf + at, (size_t)(hit - (buf + at)));
+            at = (size_t)(hit - buf) + strlen(tag);
+            c->after_think = c->in_think;
+            c->in_think = !c->in_think;
+            if (c->in_think) c->seen_text = 1;
+            continue;
+        }
+        size_t keep = tag && !final ? tag_partial(buf + at, tot - at, tag) : 0;
+        emit(d, c->in_think, buf + at, tot - at - keep);
+        memcpy(c->pend, buf + tot - keep, keep);
+        c->pend_len = keep;
+        break;
+    }
+    free(buf);
+}
+
+static void sink_text(void *ud, const char *p, size_t n) { split_text(ud, p, n, 0); }
+
+static json_t *top_entry_chat(const qf_tokenizer *t, int32_t id, float lp) {
+    size_t n = 0;
+    const char *p = qf_tok_piece(t, id, &n);
+    json_t *bytes = json_array();
+    for (size_t i = 0; i < n; i++) json_array_append_new(bytes, json_integer((unsigned char)p[i]));
+    return json_pack("{s:o,s:f,s:o}", "token", jstr_lossy(p ? p : "", n), "logprob", (double)lp, "bytes", bytes);
+}
+
+static void sink_token(void *ud, const qf_token_lp *t) {
+    delta *d = ud;
+    call *c = d->c;
+    const qf_tokenizer *tok = c->s->e->tok;
+    json_t *target = c->stream ? d->lp : c->lp;
+    if (c->kind == CALL_CHAT) {
+        json_t *e = top_entry_chat(tok, t->id, t->logprob), *tops = json_array();
+        for (int i = 0; i < t->n_top; i++) json_array_append_new(tops, top_entry_chat(tok, t->top_id[i], t->top_lp[i]));
+        json_object_set_new(e, "top_logprobs", tops);
+        json_array_append_new(target, e);
+        return;
+    }
+    size_t n = 0;
+    const char *p = qf_tok_piece(tok, t->id, &n);
+    json_t *tops = json_object();
+    for (int i = 0; i < t->n_top; i++) {
+        size_t m = 0;
+        const char *q = qf_tok_piece(tok, t->top_id[i], &m);
+        json_t *key = jstr_lossy(q ? q : "", m);
+        json_object_set_new(tops, json_string_value(key), json_real(t->top_lp[i]));
+        json_decref(key);
+    }
+    json_array_append_new(json_object_get(target, "tokens"), jstr_lossy(p ? p : "", n));
+    json_array_append_new(json_object_get(target, "token_logprobs"), json_real(t->logprob));
+    json_array_append_new(json_object_get(target, "top_logprobs"), tops);
+}
+
+static json_t *new_lp(const call *c) {
+    if (c->kind == CALL_CHAT) return json_array();
+    return json_pack("{s:[],s:[],s:[],s:[]}", "tokens", "token_logprobs", "top_logprobs", "text_offset");
+}
+
+/* ---- writing ---- */
+
+static void send_sse(call *c, json_t *obj) {
+    char *text = json_dumps(obj, JSON_COMPACT);
+    json_decref(obj);
+    struct evbuffer *b = evbuffer_new();
+    if (text && b) {
+        evbuffer_add_printf(b, "data: %s\n\n", text);
+        evhttp_send_reply_chunk(c->http, b);
+    }
+    if (b) evbuffer_free(b);
+    free(text);
+}
+
+static json_t *usage(const qf_req_status *st) {
+    return json_pack("{s:i,s:i,s:i}", "prompt_tokens", st->prompt_tokens, "completion_tokens", st->gen_tokens, "total_tokens",
+                     st->prompt_tokens + st->gen_tokens);
+}
+
+static json_t *chunk_head(const call *c) {
+    const char *obj = c->kind == CALL_CHAT ? "chat.completion.chunk" : "text_completion";
+    return json_pack("{s:s,s:s,s:I,s:s}", "id", c->id, "object", obj, "created", (json_int_t)c->created, "model", c->s->model_name);
+}
+
+static json_t *choice_delta(const call *c, const delta *d, const char *finish) {
+    json_t *ch = json_pack("{s:i}", "index", 0);
+    if (c->kind == CALL_CHAT) {
+        json_t *dl = json_object();
+        if (d && d->len_r) {
+            json_object_set_new(dl, "reasoning_content", jstr_lossy(d->reasoning, d->len_r));
+            json_object_set_new(dl, "reasoning", jstr_lossy(d->reasoning, d->len_r));
+        }
+        if (d && d->len_c) json_object_set_new(dl, "content", jstr_lossy(d->content, d->len_c));
+        json_object_set_new(ch, "delta", dl);
+        json_object_set_new(ch, "logprobs", d && d->lp && json_array_size(d->lp) ? json_pack("{s:O}", "content", d->lp) : json_null());
+    } else {
+        json_object_set_new(ch, "text", d && d->content ? jstr_lossy(d->content, d->len_c) : json_string(""));
+        json_object_set_new(ch, "logprobs", d && d->lp && json_array_size(json_object_get(d->lp, "tokens")) ? json_incref(d->lp) : json_null());
+    }
+    json_object_set_new(ch, "finish_reason", finish ? json_string(finish) : json_null());
+    return ch;
+}
+
+static void stream_delta(call *c, delta *d, const char *finish) {
+    if (c->kind == CALL_GENERATE) {
+        if (d->len_c) {
+            struct evbuffer *b = evbuffer_new();
+            if (b) {
+                evbuffer_add(b, d->content, d->len_c);
+                evhttp_send_reply_chunk(c->http, b);
+                evbuffer_free(b);
+            }
+        }
+        return;
+    }
+    json_t *ch = chunk_head(c);
+    json_object_set_new(ch, "choices", json_pack("[o]", choice_delta(c, d, finish)));
+    send_sse(c, ch);
+}
+
+static void stream_end(call *c, const qf_req_status *st) {
+    if (c->kind != CALL_GENERATE) {
+        if (st->finish == QF_FINISH_ERROR) {
+            send_sse(c, json_pack("{s:{s:s,s:s,s:i}}", "error", "message", st->error, "type", "server_error", "code", 500));
+        } else {
+            stream_delta(c, &(delta){c, NULL, NULL, 0, 0, 0, 0, NULL}, finish_name(st->finish));
+            if (c->include_usage) {
+                json_t *u = chunk_head(c);
+                json_object_set_new(u, "choices", json_array());
+                json_object_set_new(u, "usage", usage(st));
+                send_sse(c, u);
+            }
+        }
+        struct evbuffer *b = evbuffer_new();
+        if (b) {
+            evbuffer_add(b, "data: [DONE]\n\n", 14);
+            evhttp_send_reply_chunk(c->http, b);
+            evbuffer_free(b);
+        }
+    }
+    evhttp_send_reply_end(c->http);
+}
+
+static void reply_whole(call *c, const qf_req_status *st) {
+    if (st->finish == QF_FINISH_ERROR) {
+        srv_count(c->s, 500);
+        srv_send_error(c->http, 500, "server_error", "%s", st->error);
+        return;
+    }
+    json_t *body = chunk_head(c), *ch = json_pack("{s:i}", "index", 0);
+    if (c->kind == CALL_CHAT) {
+        json_object_set_new(body, "object", json_string("chat.completion"));
+        json_t *msg = json_pack("{s:s}", "role", "assistant");
+        json_object_set_new(msg, "content", jstr_lossy(c->acc_c ? c->acc_c : "", c->len_c));
+        json_object_set_new(msg, "reasoning_content", c->len_r ? jstr_lossy(c->acc_r, c->len_r) : json_null());
+        json_object_set_new(msg, "reasoning", c->len_r ? jstr_lossy(c->acc_r, c->len_r) : json_null());
+        json_object_set_new(ch, "message", msg);
+        json_object_set_new(ch, "logprobs", c->lp ? json_pack("{s:O}", "content", c->lp) : json_null());
+    } else {
+        json_object_set_new(ch, "text", jstr_lossy(c->acc_c ? c->acc_c : "", c->len_c));
+        json_object_set_new(ch, "logprobs", c->lp ? json_incref(c->lp) : json_null());
+    }
+    json_object_set_new(ch, "finish_reason", json_string(finish_name(st->finish)));
+    json_object_set_new(body, "choices", json_pack("[o]", ch));
+    json_object_set_new(body, "usage", usage(st));
+    srv_count(c->s, 200);
+    srv_send_json(c->http, 200, body);
+}
+
+/* ---- lifetime ---- */
+
+static void call_free(call *c) {
+    srv *s = c->s;
+    if (c->prev) c->prev->next = c->next;
+    else s->calls = c->next;
+    if (c->next) c->next->prev = c->prev;
+    s->n_calls--;
+    qf_req_release(c->r);
+    json_decref(c->lp);
+    free(c->acc_c);
+    free(c->acc_r);
+    free(c);
+}
+
+static void on_close(struct evhttp_connection *evcon, void *arg) {
+    (void)evcon;
+    call *c = arg;
+    /* the client left before the reply ended: libevent detached the request, we free it */
+    if (c->http && !evhttp_request_get_connection(c->http)) evhttp_request_free(c->http);
+    c->http = NULL;
+    qf_req_cancel(c->r);
+    if (c->s->sched) qf_sched_kick(c->s->sched);
+    call_free(c);
+}
+
+static void detach(call *c) {
+    struct evhttp_connection *evcon = evhttp_request_get_connection(c->http);
+    if (evcon) evhttp_connection_set_closecb(evcon, NULL, NULL);
+}
+
+void call_notify(void *ud) {
+    srv *s = ud;
+    event_active(s->wake, EV_READ, 0);
+}
+
+static void call_pump(call *c) {
+    delta d = {c, NULL, NULL, 0, 0, 0, 0, c->stream && c->logprobs ? new_lp(c) : NULL};
+    qf_req_sink sink = {sink_text, c->logprobs ? sink_token : NULL, &d};
+    qf_req_status st;
+    qf_req_poll(c->r, &sink, &st);
+    if (st.finish != QF_FINISH_NONE) split_text(&d, "", 0, 1);
+    if (!c->stream) {
+        acc_add(&c->acc_c, &c->len_c, &c->cap_c, d.content ? d.content : "", d.len_c);
+        acc_add(&c->acc_r, &c->len_r, &c->cap_r, d.reasoning ? d.reasoning : "", d.len_r);
+    } else if (d.len_c || d.len_r || (d.lp && json_array_size(c->kind == CALL_CHAT ? d.lp : json_object_get(d.lp, "tokens")))) {
+        stream_delta(c, &d, NULL);
+    }
+    free(d.content);
+    free(d.reasoning);
+    json_decref(d.lp);
+    if (st.finish == QF_FINISH_NONE) return;
+    detach(c);
+    if (st.finish == QF_FINISH_CANCELLED) { /* server shutdown: end what was sent */
+        if (c->stream) evhttp_send_reply_end(c->http);
+        else srv_send_error(c->http, 503, "unavailable_error", "the request was cancelled (server shutting down)");
+    } else if (c->stream) {
+        stream_end(c, &st);
+    } else {
+        reply_whole(c, &st);
+    }
+    call_free(c);
+}
+
+void calls_pump(srv *s) {
+    for (call *c = s->calls, *next; c; c = next) {
+        next = c->next;
+        call_pump(c);
+    }
+}
+
+void calls_cancel_all(srv *s) {
+    for (call *c = s->calls; c; c = c->next) qf_req_cancel(c->r);
+    if (s->sched) {
+        qf_sched_kick(s->sched);
+        return; /* the scheduler finishes them; the wake-up pump ends each reply */
+    }
+    while (s->calls) {
+        call *c = s->calls;
+        detach(c);
+        if (c->stream) evhttp_send_reply_end(c->http);
+        else srv_send_error(c->http, 503, "unavailable_error", "the server is shutting down");
+        call_free(c);
+    }
+}
+
+static void stream_begin(call *c) {
+    struct evkeyvalq *h = evhttp_request_get_output_headers(c->http);
+    evhttp_add_header(h, "Content-Type", c->kind == CALL_GENERATE ? "text/plain; charset=utf-8" : "text/event-stream");
+    evhttp_add_header(h, "Cache-Control", "no-cache");
+    evhttp_add_header(h, "X-Accel-Buffering", "no");
+    evhttp_send_reply_start(c->http, 200, "OK");
+    srv_count(c->s, 200);
+    if (c->kind == CALL_CHAT) {
+        json_t *ch = chunk_head(c);
+        json_object_set_new(ch, "choices", json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", 0, "delta", "role", "assistant", "content", "",
+                                                     "logprobs", "finish_reason"));
+        send_sse(c, ch);
+    }
+}
+
+void call_start(srv *s, struct evhttp_request *req, gen_req *g, int kind) {
+    call *c = calloc(1, sizeof *c);
+    if (!c) {
+        srv_count(s, 500);
+        srv_send_error(req, 500, "server_error", "out of memory");
+        return;
+    }
+    static unsigned long long counter;
+    c->s = s, c->http = req, c->kind = kind, c->stream = g->stream, c->include_usage = g->include_usage && g->stream;
+    c->logprobs = g->logprobs_on;
+    c->in_think = g->think_prompt;
+    c->created = (long long)time(NULL);
+    snprintf(c->id, sizeof c->id, "%s-%llx%06llx", kind == CALL_CHAT ? "chatcmpl" : "cmpl", c->created, ++counter);
+    if (c->logprobs && !c->stream) c->lp = new_lp(c);
+    g->p.notify = call_notify;
+    g->p.notify_ud = s;
+    int rc = qf_sched_submit(s->sched, &g->p, &c->r);
+    if (rc != QF_OK) {
+        int code = rc == QF_EBUSY ? 503 : rc == QF_EINVAL ? 400 : 500;
+        srv_count(s, code);
+        if (code == 503) evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", "1");
+        srv_send_error(req, code, code == 400 ? "invalid_request_error" : code == 503 ? "unavailable_error" : "server_error", "%s", qf_last_error());
+        json_decref(c->lp);
+        free(c);
+        return;
+    }
+    c->next = s->calls;
+    if (s->calls) s->calls->prev = c;
+    s->calls = c;
+    s->n_calls++;
+    evhttp_connection_set_closecb(evhttp_request_get_connection(req), on_close, c);
+    if (c->stream) stream_begin(c);
+}

@@ -1,0 +1,69 @@
+/* GET endpoints: /v1/models, /metrics (Prometheus text format), and the chat page at /. */
+#include <event2/buffer.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "server/srv_int.h"
+
+extern const char qf_webui_html[];
+extern const size_t qf_webui_html_len;
+
+void ep_models(srv *s, struct evhttp_request *req) {
+    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:i}", "id", s->model_name, "object", "model", "created", (json_int_t)time(NULL), "owned_by",
+                          "qflash", "max_model_len", s->o->sched.ctx);
+    srv_count(s, 200);
+    srv_send_json(req, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m));
+}
+
+static void histogram(struct evbuffer *b, const char *name, const char *help, const uint64_t *h, const double *bounds, uint64_t n,
+                      double sum) {
+    evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    for (int i = 0; i < 15; i++) evbuffer_add_printf(b, "%s_bucket{le=\"%g\"} %llu\n", name, bounds[i], (unsigned long long)h[i]);
+    evbuffer_add_printf(b, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name, (unsigned long long)h[15], name, sum, name,
+                        (unsigned long long)n);
+}
+
+static void metric(struct evbuffer *b, const char *name, const char *type, const char *help, double v) {
+    evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
+}
+
+void ep_metrics(srv *s, struct evhttp_request *req) {
+    qf_sched_stats st;
+    qf_sched_get_stats(s->sched, &st);
+    struct evbuffer *b = evbuffer_new();
+    if (!b) return;
+    metric(b, "qflash:requests_total", "counter", "Generation requests accepted.", (double)st.requests);
+    metric(b, "qflash:requests_finished_total", "counter", "Generation requests that ran to a stop or length.", (double)st.finished);
+    metric(b, "qflash:requests_cancelled_total", "counter", "Generation requests cancelled (client gone or shutdown).", (double)st.cancelled);
+    metric(b, "qflash:preemptions_total", "counter", "Sequences preempted for KV pages and recomputed.", (double)st.preempted);
+    metric(b, "qflash:prompt_tokens_total", "counter", "Prompt tokens admitted.", (double)st.prompt_tokens);
+    metric(b, "qflash:generation_tokens_total", "counter", "Tokens generated.", (double)st.gen_tokens);
+    metric(b, "qflash:scheduler_steps_total", "counter", "Batched forward steps.", (double)st.steps);
+    metric(b, "qflash:num_requests_running", "gauge", "Sequences holding a slot.", st.running);
+    metric(b, "qflash:num_requests_waiting", "gauge", "Requests in the queue.", st.waiting);
+    metric(b, "qflash:kv_cache_pages_used", "gauge", "KV cache pages in use.", st.kv_pages_used);
+    metric(b, "qflash:kv_cache_pages_total", "gauge", "KV cache pages in the pool.", st.kv_pages_total);
+    histogram(b, "qflash:time_to_first_token_seconds", "Time from request to its first generated token.", st.ttft_hist,
+              qf_sched_ttft_buckets, st.ttft_n, st.ttft_sum);
+    histogram(b, "qflash:inter_token_latency_seconds", "Time between consecutive generated tokens of a request.", st.itl_hist,
+              qf_sched_itl_buckets, st.itl_n, st.itl_sum);
+    static const char *codes[6] = {"2xx", "400", "401", "404", "405_413", "5xx"};
+    evbuffer_add_printf(b, "# HELP qflash:http_responses_total HTTP responses by status.\n# TYPE qflash:http_responses_total counter\n");
+    for (int i = 0; i < 6; i++) evbuffer_add_printf(b, "qflash:http_responses_total{code=\"%s\"} %llu\n", codes[i], (unsigned long long)s->http_requests[i]);
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "text/plain; version=0.0.4; charset=utf-8");
+    srv_count(s, 200);
+    evhttp_send_reply(req, 200, "OK", b);
+    evbuffer_free(b);
+}
+
+void ep_webui(srv *s, struct evhttp_request *req) {
+    struct evbuffer *b = evbuffer_new();
+    if (!b) return;
+    evbuffer_add_reference(b, qf_webui_html, qf_webui_html_len, NULL, NULL);
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "text/html; charset=utf-8");
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Security-Policy", "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'");
+    srv_count(s, 200);
+    evhttp_send_reply(req, 200, "OK", b);
+    evbuffer_free(b);
+}

@@ -1,0 +1,310 @@
+/* The event loop: binding, routing, auth, errors, loading in the background, and the drain on
+ * SIGINT/SIGTERM. */
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/keyvalq_struct.h>
+#include <event2/thread.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/timer.h"
+#include "base/utf8.h"
+#include "server/srv_int.h"
+
+void srv_count(srv *s, int code) {
+    int i = code < 300 ? 0 : code == 401 ? 2 : code == 404 ? 3 : code == 405 || code == 413 ? 4 : code < 500 ? 1 : 5;
+    s->http_requests[i]++;
+}
+
+void srv_send_json(struct evhttp_request *req, int code, json_t *body) {
+    char *text = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    struct evbuffer *b = evbuffer_new();
+    if (text && b) {
+        evbuffer_add(b, text, strlen(text));
+        evbuffer_add(b, "\n", 1);
+    }
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
+    evhttp_send_reply(req, code, code == 200 ? "OK" : "Error", b);
+    if (b) evbuffer_free(b);
+    free(text);
+}
+
+void srv_send_error(struct evhttp_request *req, int code, const char *type, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    msg[qf_utf8_valid_prefix(msg, strlen(msg))] = 0; /* a cut-off quote of the input must not break the JSON */
+    json_t *err = json_pack("{s:{s:s,s:s,s:i}}", "error", "message", msg, "type", type, "code", code);
+    srv_send_json(req, code, err);
+}
+
+/* ---- loading ---- */
+
+static void *load_main(void *arg) {
+    srv *s = arg;
+    const qf_server_opts *o = s->o;
+    int rc = qf_engine_open(&s->e, o->model_dir, &o->engine);
+    if (rc == QF_OK && !s->e->tok) rc = qf_fail(QF_EINVAL, "%s has no tokenizer.json; the server needs one", o->model_dir);
+    if (rc == QF_OK && qf_tok_chat_template(s->e->tok)) {
+        rc = qf_chat_tmpl_parse(&s->tmpl, qf_tok_chat_template(s->e->tok));
+        s->has_tmpl = rc == QF_OK;
+    }
+    if (rc == QF_OK) rc = qf_sched_create(&s->sched, s->e, &o->sched);
+    if (rc != QF_OK) {
+        fprintf(stderr, "error: %s\n", qf_last_error());
+        atomic_store(&s->load_failed, 1);
+    }
+    event_active(s->loaded, EV_READ, 0);
+    return NULL;
+}
+
+static void on_loaded(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    srv *s = arg;
+    if (atomic_load(&s->load_failed)) {
+        s->exit_rc = QF_EIO;
+        event_base_loopexit(s->base, NULL);
+        return;
+    }
+    atomic_store(&s->ready, 1);
+    fprintf(stderr, "qflash serve: model loaded in %.2f s; listening on http://%s:%d\n", s->e->load_seconds, s->o->host, s->o->port);
+    if (s->o->ready) s->o->ready(s->o->ready_ud, s->o->port);
+}
+
+/* Leaves the loop a moment later, so the last replies reach their clients. */
+static void exit_soon(srv *s) {
+    struct timeval tv = {0, 200000};
+    event_base_loopexit(s->base, &tv);
+}
+
+static void on_wake(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    srv *s = arg;
+    calls_pump(s);
+    if (s->draining && s->n_calls == 0) exit_soon(s);
+}
+
+/* ---- shutdown ---- */
+
+static void on_drain_timer(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    srv *s = arg;
+    if (s->n_calls > 0 && qf_now() >= s->drain_deadline) {
+        fprintf(stderr, "qflash serve: cancelling %d requests still running\n", s->n_calls);
+        calls_cancel_all(s);
+    }
+    if (s->n_calls == 0) exit_soon(s);
+}
+
+static void on_signal(evutil_socket_t sig, short what, void *arg) {
+    (void)what;
+    srv *s = arg;
+    if (s->draining) {
+        fprintf(stderr, "qflash serve: second signal, stopping now\n");
+        calls_cancel_all(s);
+        event_base_loopexit(s->base, NULL);
+        return;
+    }
+    s->draining = 1;
+    s->drain_deadline = qf_now() + s->o->shutdown_timeout;
+    fprintf(stderr, "qflash serve: signal %d: no new requests; waiting up to %.0f s for %d in flight\n", (int)sig, s->o->shutdown_timeout, s->n_calls);
+    if (s->sock) evhttp_del_accept_socket(s->http, s->sock);
+    s->sock = NULL;
+    struct timeval tv = {0, 100000};
+    event_add(s->drain_timer, &tv);
+    if (s->n_calls == 0) exit_soon(s);
+}
+
+/* ---- routing ---- */
+
+static int authorized(srv *s, struct evhttp_request *req) {
+    if (!s->o->api_key || !*s->o->api_key) return 1;
+    const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
+    if (!h || strncmp(h, "Bearer ", 7) != 0) return 0;
+    const char *k = h + 7, *want = s->o->api_key;
+    size_t n = strlen(want), m = strlen(k);
+    unsigned diff = (unsigned)(n ^ m); /* constant time over the key's length */
+    for (size_t i = 0; i < n; i++) diff |= (unsigned char)want[i] ^ (unsigned char)(i < m ? k[i] : 0);
+    return diff == 0;
+}
+
+/* Parses the body as a JSON object, or answers 400 and returns NULL. */
+static json_t *read_body(struct evhttp_request *req) {
+    struct evbuffer *b = evhttp_request_get_input_buffer(req);
+    size_t n = evbuffer_get_length(b);
+    const char *p = (const char *)evbuffer_pullup(b, -1);
+    json_error_t je;
+    json_t *j = json_loadb(p ? p : "", n, JSON_REJECT_DUPLICATES, &je);
+    if (!j) {
+        srv_send_error(req, 400, "invalid_request_error", "the body is not valid JSON: %s (line %d, column %d)", je.text, je.line, je.column);
+        return NULL;
+    }
+    if (!json_is_object(j)) {
+        json_decref(j);
+        srv_send_error(req, 400, "invalid_request_error", "the body must be a JSON object");
+        return NULL;
+    }
+    return j;
+}
+
+typedef struct route {
+    const char *path;
+    int method; /* EVHTTP_REQ_* */
+    int needs_model, needs_auth;
+    int id;
+} route;
+
+enum { R_CHAT, R_COMPL, R_GENERATE, R_MODELS, R_HEALTH, R_METRICS, R_TOKENIZE, R_DETOKENIZE, R_WEBUI };
+
+static const route ROUTES[] = {
+    {"/v1/chat/completions", EVHTTP_REQ_POST, 1, 1, R_CHAT},
+    {"/v1/completions", EVHTTP_REQ_POST, 1, 1, R_COMPL},
+    {"/generate", EVHTTP_REQ_POST, 1, 1, R_GENERATE},
+    {"/v1/models", EVHTTP_REQ_GET, 0, 1, R_MODELS},
+    {"/health", EVHTTP_REQ_GET, 0, 0, R_HEALTH},
+    {"/metrics", EVHTTP_REQ_GET, 0, 1, R_METRICS},
+    {"/tokenize", EVHTTP_REQ_POST, 1, 1, R_TOKENIZE},
+    {"/detokenize", EVHTTP_REQ_POST, 1, 1, R_DETOKENIZE},
+    {"/", EVHTTP_REQ_GET, 0, 0, R_WEBUI},
+    {"/index.html", EVHTTP_REQ_GET, 0, 0, R_WEBUI},
+};
+
+static void dispatch_body(srv *s, struct evhttp_request *req, int id) {
+    json_t *body = read_body(req);
+    if (!body) {
+        srv_count(s, 400);
+        return;
+    }
+    gen_req g;
+    memset(&g, 0, sizeof g);
+    int kind = id == R_CHAT ? CALL_CHAT : id == R_COMPL ? CALL_COMPLETION : CALL_GENERATE;
+    if (id == R_TOKENIZE) api_tokenize(s, req, body);
+    else if (id == R_DETOKENIZE) api_detokenize(s, req, body);
+    else if ((id == R_CHAT ? api_parse_chat(s, req, body, &g) : api_parse_completion(s, req, body, &g, id == R_GENERATE)) == 0)
+        call_start(s, req, &g, kind);
+    else srv_count(s, 400);
+    gen_req_clear(&g);
+    json_decref(body);
+}
+
+static void handle(struct evhttp_request *req, void *arg) {
+    srv *s = arg;
+    char path[512];
+    const char *uri = evhttp_request_get_uri(req);
+    size_t n = strcspn(uri, "?#");
+    snprintf(path, sizeof path, "%.*s", (int)(n < sizeof path ? n : sizeof path - 1), uri);
+    const route *rt = NULL;
+    for (size_t i = 0; i < sizeof ROUTES / sizeof *ROUTES; i++)
+        if (strcmp(ROUTES[i].path, path) == 0) rt = &ROUTES[i];
+    int method = (int)evhttp_request_get_command(req);
+    if (!rt) {
+        srv_count(s, 404);
+        srv_send_error(req, 404, "not_found_error", "no such endpoint: %s", path);
+    } else if (method != rt->method && !(method == EVHTTP_REQ_HEAD && rt->method == EVHTTP_REQ_GET)) {
+        srv_count(s, 405);
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", rt->method == EVHTTP_REQ_GET ? "GET, HEAD" : "POST");
+        srv_send_error(req, 405, "invalid_request_error", "%s accepts %s only", path, rt->method == EVHTTP_REQ_GET ? "GET" : "POST");
+    } else if (rt->needs_auth && !authorized(s, req)) {
+        srv_count(s, 401);
+        evhttp_add_header(evhttp_request_get_output_headers(req), "WWW-Authenticate", "Bearer");
+        srv_send_error(req, 401, "authentication_error", "missing or wrong API key (send Authorization: Bearer KEY)");
+    } else if (s->draining && rt->needs_model) {
+        srv_count(s, 503);
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", "5");
+        srv_send_error(req, 503, "unavailable_error", "the server is shutting down");
+    } else if ((rt->needs_model || rt->id == R_HEALTH) && !atomic_load(&s->ready)) {
+        srv_count(s, 503);
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", "1");
+        srv_send_error(req, 503, "unavailable_error", "Loading model");
+    } else if (rt->id == R_HEALTH) {
+        srv_count(s, 200);
+        srv_send_json(req, 200, json_pack("{s:s}", "status", "ok"));
+    } else if (rt->id == R_MODELS) {
+        ep_models(s, req);
+    } else if (rt->id == R_METRICS) {
+        ep_metrics(s, req);
+    } else if (rt->id == R_WEBUI) {
+        ep_webui(s, req);
+    } else {
+        dispatch_body(s, req, rt->id);
+    }
+}
+
+/* ---- setup ---- */
+
+static int start(srv *s) {
+    const qf_server_opts *o = s->o;
+    if (evthread_use_pthreads() != 0) return qf_fail(QF_ENOMEM, "libevent has no pthreads support");
+    s->base = event_base_new();
+    s->http = s->base ? evhttp_new(s->base) : NULL;
+    if (!s->http) return qf_fail(QF_ENOMEM, "cannot create the event loop");
+    evhttp_set_max_body_size(s->http, (ev_ssize_t)o->max_body);
+    evhttp_set_max_headers_size(s->http, 64 * 1024);
+    evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD | EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
+                                            EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
+    evhttp_set_timeout(s->http, 3600 * 24); /* idle keep-alive; never cuts a long stream (writes reset it) */
+    evhttp_set_gencb(s->http, handle, s);
+    s->sock = evhttp_bind_socket_with_handle(s->http, o->host, (ev_uint16_t)o->port);
+    if (!s->sock) return qf_fail(QF_EIO, "cannot listen on %s:%d: %s", o->host, o->port, strerror(errno));
+    s->wake = event_new(s->base, -1, EV_PERSIST, on_wake, s);
+    s->loaded = event_new(s->base, -1, 0, on_loaded, s);
+    s->drain_timer = event_new(s->base, -1, EV_PERSIST, on_drain_timer, s);
+    s->sigint = evsignal_new(s->base, SIGINT, on_signal, s);
+    s->sigterm = evsignal_new(s->base, SIGTERM, on_signal, s);
+    if (!s->wake || !s->loaded || !s->drain_timer || !s->sigint || !s->sigterm) return qf_fail(QF_ENOMEM, "out of memory");
+    event_add(s->sigint, NULL);
+    event_add(s->sigterm, NULL);
+    return QF_OK;
+}
+
+static void stop(srv *s) {
+    if (s->sched) qf_sched_destroy(s->sched); /* cancels what is left; no notify can fire after this */
+    s->sched = NULL;
+    calls_pump(s);                            /* ends the replies of those cancelled calls */
+    if (s->http) evhttp_free(s->http);        /* closes connections; close callbacks free calls */
+    qf_engine_close(s->e);
+    struct event *evs[] = {s->wake, s->loaded, s->drain_timer, s->sigint, s->sigterm};
+    for (size_t i = 0; i < sizeof evs / sizeof *evs; i++)
+        if (evs[i]) event_free(evs[i]);
+    if (s->base) event_base_free(s->base);
+}
+
+int qf_server_run(const qf_server_opts *o) {
+    srv s;
+    memset(&s, 0, sizeof s);
+    s.o = o;
+    const char *name = o->model_name;
+    if (!name) {
+        const char *slash = strrchr(o->model_dir, '/');
+        name = slash && slash[1] ? slash + 1 : o->model_dir;
+    }
+    snprintf(s.model_name, sizeof s.model_name, "%s", name);
+    signal(SIGPIPE, SIG_IGN);
+    int rc = start(&s);
+    pthread_t loader;
+    int loading = 0;
+    if (rc == QF_OK) {
+        fprintf(stderr, "qflash serve: bound to %s:%d; loading %s\n", o->host, o->port, o->model_dir);
+        loading = pthread_create(&loader, NULL, load_main, &s) == 0;
+        if (!loading) rc = qf_fail(QF_ENOMEM, "cannot start the loader thread");
+    }
+    if (rc == QF_OK) {
+        event_base_dispatch(s.base);
+        rc = s.exit_rc;
+        if (rc != QF_OK) qf_fail(rc, "the model did not load");
+    }
+    if (loading) pthread_join(loader, NULL); /* a signal during loading waits for it to end */
+    char saved[1024];
+    snprintf(saved, sizeof saved, "%s", qf_last_error());
+    stop(&s);
+    if (rc != QF_OK) qf_fail(rc, "%s", saved);
+    else fprintf(stderr, "qflash serve: stopped\n");
+    return rc;
+}

@@ -1,0 +1,31 @@
+/* qflash serve: an OpenAI-compatible HTTP server (libevent's evhttp, jansson) in front of the
+ * continuous-batching scheduler. The HTTP side runs on one event-loop thread; the model runs on
+ * the scheduler's thread; they meet only through qf_req channels and a wake-up event. */
+#ifndef QF_SERVER_SERVER_H
+#define QF_SERVER_SERVER_H
+
+#include <stddef.h>
+
+#include "runtime/engine.h"
+#include "runtime/sched.h"
+
+typedef struct qf_server_opts {
+    const char *model_dir;
+    const char *host;
+    int port;
+    const char *model_name;   /* id in /v1/models; default: the directory's name */
+    const char *api_key;      /* NULL: no auth */
+    size_t max_body;          /* bytes */
+    double shutdown_timeout;  /* seconds to let in-flight requests finish on SIGTERM */
+    int verbose;
+    qf_engine_opts engine;
+    qf_sched_opts sched;
+    void (*ready)(void *ud, int port); /* optional: called once the model is loaded */
+    void *ready_ud;
+} qf_server_opts;
+
+/* Binds, loads the model in the background (/health answers 503 meanwhile), serves until
+ * SIGINT/SIGTERM, drains, and returns QF_OK; an error when it cannot bind or load. */
+int qf_server_run(const qf_server_opts *o);
+
+#endif

@@ -1,0 +1,88 @@
+/* Internals shared by the server's files. Everything here runs on the event-loop thread except
+ * call_notify, which the scheduler thread calls. */
+#ifndef QF_SERVER_SRV_INT_H
+#define QF_SERVER_SRV_INT_H
+
+#include <event2/event.h>
+#include <event2/http.h>
+#include <jansson.h>
+#include <stdatomic.h>
+
+#include "server/server.h"
+#include "tokenizer/chat.h"
+
+enum call_kind { CALL_CHAT, CALL_COMPLETION, CALL_GENERATE };
+
+typedef struct srv srv;
+
+/* One generation request in flight, from submit to the last byte sent (or the client leaving). */
+typedef struct call {
+    srv *s;
+    struct evhttp_request *http; /* NULL once the client is gone or the reply has ended */
+    qf_req *r;
+    int kind, stream, include_usage, logprobs, done;
+    char id[64];
+    long long created;
+    /* reasoning split: text inside <think>..</think> is reasoning */
+    int in_think, seen_text, after_think;
+    char pend[16];
+    size_t pend_len;
+    /* non-streamed replies accumulate here */
+    char *acc_c, *acc_r;
+    size_t len_c, cap_c, len_r, cap_r;
+    json_t *lp;                  /* logprobs entries (chat: content array; completion: object) */
+    int stream_started;
+    struct call *prev, *next;
+} call;
+
+struct srv {
+    const qf_server_opts *o;
+    struct event_base *base;
+    struct evhttp *http;
+    struct evhttp_bound_socket *sock;
+    struct event *wake, *loaded, *sigint, *sigterm, *drain_timer;
+    atomic_int ready, load_failed;
+    qf_engine *e;
+    qf_sched *sched;
+    qf_chat_tmpl tmpl;
+    int has_tmpl;
+    char model_name[256];
+    int draining;
+    double drain_deadline;
+    call *calls;
+    int n_calls;
+    uint64_t http_requests[6]; /* 2xx 4xx(400) 401 404 413/405 5xx: see server.c */
+    int exit_rc;
+};
+
+/* server.c */
+void srv_send_json(struct evhttp_request *req, int code, json_t *body); /* steals body */
+void srv_send_error(struct evhttp_request *req, int code, const char *type, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void srv_count(srv *s, int code);
+
+/* api.c: request bodies to scheduler parameters. Each returns 0, or sends a 400 and returns -1. */
+typedef struct gen_req {
+    qf_req_params p;
+    int32_t *prompt;            /* heap */
+    int stream, include_usage, logprobs_on, top_logprobs, think_prompt;
+} gen_req;
+int api_parse_chat(srv *s, struct evhttp_request *req, json_t *body, gen_req *g);
+int api_parse_completion(srv *s, struct evhttp_request *req, json_t *body, gen_req *g, int native);
+void gen_req_clear(gen_req *g);
+/* POST /tokenize and /detokenize */
+void api_tokenize(srv *s, struct evhttp_request *req, json_t *body);
+void api_detokenize(srv *s, struct evhttp_request *req, json_t *body);
+
+/* call.c */
+void call_start(srv *s, struct evhttp_request *req, gen_req *g, int kind);
+void call_notify(void *ud);      /* scheduler thread */
+void calls_pump(srv *s);          /* event thread: drain every call's output */
+void calls_cancel_all(srv *s);
+
+/* endpoints.c */
+void ep_models(srv *s, struct evhttp_request *req);
+void ep_metrics(srv *s, struct evhttp_request *req);
+void ep_webui(srv *s, struct evhttp_request *req);
+
+#endif
