@@ -66,6 +66,7 @@ int cmd_serve(int argc, char **argv) {
     o.engine.max_batch = o.sched.max_batch + o.sched.prefill_chunk; /* rows of one step */
     o.engine.progress = NULL;
     o.sched.kv_mib = kv_mib;
+    o.load_delay_ms = atoi(env_or("QFLASH_TEST_LOAD_DELAY_MS", "0"));
     int rc = qf_server_run(&o);
     if (rc != QF_OK) {
         fprintf(stderr, "error: %s\n", qf_last_error());

@@ -1,5 +1,6 @@
 /* The event loop: binding, routing, auth, errors, loading in the background, and the drain on
  * SIGINT/SIGTERM. */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <event2/buffer.h>
 #include <event2/keyvalq_struct.h>
@@ -10,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "base/timer.h"
 #include "base/utf8.h"
@@ -50,6 +52,7 @@ void srv_send_error(struct evhttp_request *req, int code, const char *type, cons
 static void *load_main(void *arg) {
     srv *s = arg;
     const qf_server_opts *o = s->o;
+    if (o->load_delay_ms > 0) usleep((useconds_t)o->load_delay_ms * 1000u); /* tests see the loading state */
     int rc = qf_engine_open(&s->e, o->model_dir, &o->engine);
     if (rc == QF_OK && !s->e->tok) rc = qf_fail(QF_EINVAL, "%s has no tokenizer.json; the server needs one", o->model_dir);
     if (rc == QF_OK && qf_tok_chat_template(s->e->tok)) {
@@ -74,8 +77,8 @@ static void on_loaded(evutil_socket_t fd, short what, void *arg) {
         return;
     }
     atomic_store(&s->ready, 1);
-    fprintf(stderr, "qflash serve: model loaded in %.2f s; listening on http://%s:%d\n", s->e->load_seconds, s->o->host, s->o->port);
-    if (s->o->ready) s->o->ready(s->o->ready_ud, s->o->port);
+    fprintf(stderr, "qflash serve: model loaded in %.2f s; listening on http://%s:%d\n", s->e->load_seconds, s->o->host, s->port);
+    if (s->o->ready) s->o->ready(s->o->ready_ud, s->port);
 }
 
 /* Leaves the loop a moment later, so the last replies reach their clients. */
@@ -253,6 +256,11 @@ static int start(srv *s) {
     evhttp_set_gencb(s->http, handle, s);
     s->sock = evhttp_bind_socket_with_handle(s->http, o->host, (ev_uint16_t)o->port);
     if (!s->sock) return qf_fail(QF_EIO, "cannot listen on %s:%d: %s", o->host, o->port, strerror(errno));
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    s->port = o->port;
+    if (getsockname(evhttp_bound_socket_get_fd(s->sock), (struct sockaddr *)&ss, &sl) == 0)
+        s->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port : ((struct sockaddr_in *)&ss)->sin_port);
     s->wake = event_new(s->base, -1, EV_PERSIST, on_wake, s);
     s->loaded = event_new(s->base, -1, 0, on_loaded, s);
     s->drain_timer = event_new(s->base, -1, EV_PERSIST, on_drain_timer, s);
@@ -291,7 +299,7 @@ int qf_server_run(const qf_server_opts *o) {
     pthread_t loader;
     int loading = 0;
     if (rc == QF_OK) {
-        fprintf(stderr, "qflash serve: bound to %s:%d; loading %s\n", o->host, o->port, o->model_dir);
+        fprintf(stderr, "qflash serve: bound to %s:%d; loading %s\n", o->host, s.port, o->model_dir);
         loading = pthread_create(&loader, NULL, load_main, &s) == 0;
         if (!loading) rc = qf_fail(QF_ENOMEM, "cannot start the loader thread");
     }

@@ -47,6 +47,7 @@ struct srv {
     qf_chat_tmpl tmpl;
     int has_tmpl;
     char model_name[256];
+    int port; /* the bound port (o->port may be 0: any free port) */
     int draining;
     double drain_deadline;
     call *calls;

@@ -1,0 +1,247 @@
+"""The server through the official `openai` package, plus what the package cannot reach."""
+import concurrent.futures
+import http.client
+import json
+import signal
+
+import openai
+import pytest
+
+from qfserver import Server, run_cli, wait_for
+
+PROMPTS = ["def fib(n):", "import numpy as np\n", "class Stack:\n", "# sort a list\n", "for i in range(10):",
+           "def read_file(path):", "import os\nimport sys\n", "x = [", "def main():\n    ", "while True:",
+           "try:\n    ", "def add(a, b):", "# TODO", "print(", "with open(", "return "]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server("--max-batch", "16", "--ctx", "1024") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["qwen36moe-code-14m"]
+
+
+def test_completion_equals_cli(client):
+    for prompt in PROMPTS[:3]:
+        r = client.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
+        assert r.choices[0].text == run_cli(prompt, 24)
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 24 and r.usage.total_tokens == r.usage.prompt_tokens + 24
+
+
+def test_completion_token_ids_prompt(client, server):
+    ids = json.loads(post(server, "/tokenize", {"prompt": "def fib(n):"})[2])["tokens"]
+    a = client.completions.create(model="m", prompt=ids, max_tokens=12, temperature=0)
+    b = client.completions.create(model="m", prompt="def fib(n):", max_tokens=12, temperature=0)
+    assert a.choices[0].text == b.choices[0].text and a.usage.prompt_tokens == len(ids)
+
+
+def test_chat_stream_matches_non_stream(client):
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
+    whole = client.chat.completions.create(model="m", messages=msgs, max_tokens=32, temperature=0)
+    chunks = list(client.chat.completions.create(model="m", messages=msgs, max_tokens=32, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert whole.usage.prompt_tokens > 0 and whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+
+def test_chat_content_parts(client):
+    a = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "def fib(n):"}], max_tokens=8, temperature=0)
+    b = client.chat.completions.create(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "def fib"},
+                                                                                           {"type": "text", "text": "(n):"}]}],
+                                       max_tokens=8, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model="m", prompt="def fib(n):", max_tokens=30, temperature=0).choices[0].text
+    cut = full[10:14]
+    first = full.index(cut)
+    r = client.completions.create(model="m", prompt="def fib(n):", max_tokens=30, temperature=0, stop=["zzzz-never", cut])
+    assert r.choices[0].text == full[:first] and r.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model="m", prompt="def fib(n):", max_tokens=30, temperature=0, stop=cut, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[:first]
+
+
+def test_seed_reproducible(client):
+    kw = dict(model="m", prompt="import numpy as np\n", max_tokens=24, temperature=1.0, top_p=0.95)
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    c = [client.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)]
+    assert a == b
+    assert any(x != a for x in c)
+
+
+def test_enable_thinking_false(client, server):
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    on = json.loads(post(server, "/tokenize", {"messages": msgs})[2])["count"]
+    off = json.loads(post(server, "/tokenize", {"messages": msgs, "chat_template_kwargs": {"enable_thinking": False}})[2])
+    assert off["count"] > on
+    text = json.loads(post(server, "/detokenize", {"tokens": off["tokens"]})[2])["prompt"]
+    assert text.endswith("<think>\n\n</think>\n\n")
+    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens == off["count"]
+    assert r.choices[0].message.content is not None
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x = ["}], max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens or len(lp) == r.usage.completion_tokens - 1  # a final eos has no entry
+    for e in lp:
+        assert len(e.top_logprobs) == 3
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and all(t <= 0 for t in tops)
+        assert e.token == e.top_logprobs[0].token and abs(e.logprob - tops[0]) < 1e-6  # greedy takes the best
+    assert "".join(e.token for e in lp) == r.choices[0].message.content
+    c = client.completions.create(model="m", prompt="x = [", max_tokens=4, temperature=0, logprobs=2)
+    assert len(c.choices[0].logprobs.tokens) == 4 and all(len(t) == 2 for t in c.choices[0].logprobs.top_logprobs)
+
+
+def test_concurrent_streams_equal_alone(client):
+    def one(prompt):
+        chunks = client.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    alone = [one(p) for p in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        together = list(ex.map(one, PROMPTS))
+    assert together == alone
+
+
+def test_disconnect_frees_slot(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = json.dumps({"prompt": "def fib(n):", "max_tokens": 900, "stream": True, "ignore_eos": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.readline()  # the first event
+    assert wait_for(lambda: server.metrics()["qflash:num_requests_running"] == 1)
+    conn.sock.close()
+    conn.close()
+    assert wait_for(lambda: server.metrics()["qflash:num_requests_running"] == 0, timeout=10)
+    m = server.metrics()
+    assert m["qflash:kv_cache_pages_used"] == 0 and m["qflash:requests_cancelled_total"] >= 1
+
+
+def post(server, path, body, headers=None, raw=None, method="POST"):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request(method, path, data, dict({"Content-Type": "application/json"}, **(headers or {})))
+    r = conn.getresponse()
+    out = (r.status, dict(r.getheaders()), r.read().decode("utf-8", "replace"))
+    conn.close()
+    return out
+
+
+def test_wire_format_exact(server):
+    """The bytes of a stream: data: {json}\\n\\n per event, [DONE] last."""
+    status, headers, body = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                                  "temperature": 0, "stream": True})
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    events = body.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for e in events[:-2]:
+        assert e.startswith("data: {") and "\n" not in e
+        assert json.loads(e[6:])["object"] == "chat.completion.chunk"
+
+
+def test_prompt_over_context(server):
+    status, _, body = post(server, "/v1/completions", {"prompt": "x = 1\n" * 600, "max_tokens": 4})
+    err = json.loads(body)["error"]
+    assert status == 400 and "1024" in err["message"] and err["type"] == "invalid_request_error"
+    n = json.loads(post(server, "/tokenize", {"prompt": "x = 1\n" * 600})[2])["count"]
+    assert str(n) in err["message"]
+
+
+def test_generate_native(server):
+    status, headers, body = post(server, "/generate", {"prompt": "def fib(n):", "max_tokens": 24, "temperature": 0})
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    assert body == run_cli("def fib(n):", 24)
+
+
+def test_health_and_errors(server):
+    assert post(server, "/health", None, method="GET", raw=b"")[0] == 200
+    assert post(server, "/nope", {})[0] == 404
+    status, headers, _ = post(server, "/v1/chat/completions", None, method="GET", raw=b"")
+    assert status == 405 and headers["Allow"] == "POST"
+    m = server.metrics()
+    for name in ["qflash:requests_total", "qflash:prompt_tokens_total", "qflash:generation_tokens_total", "qflash:num_requests_waiting",
+                 "qflash:time_to_first_token_seconds_count", "qflash:inter_token_latency_seconds_bucket{le=\"+Inf\"}",
+                 "qflash:kv_cache_pages_total"]:
+        assert name in m
+
+
+def test_api_key():
+    with Server("--api-key", "s3cret") as s:
+        assert post(s, "/v1/models", None, method="GET", raw=b"")[0] == 401
+        assert post(s, "/v1/models", None, method="GET", raw=b"", headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert post(s, "/v1/models", None, method="GET", raw=b"", headers={"Authorization": "Bearer s3cret"})[0] == 200
+        assert post(s, "/health", None, method="GET", raw=b"")[0] == 200
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert c.completions.create(model="m", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_health_503_while_loading():
+    with Server(env={"QFLASH_TEST_LOAD_DELAY_MS": "1500"}, wait_ready=False) as s:
+        status, headers, body = post(s, "/health", None, method="GET", raw=b"")
+        assert status == 503 and json.loads(body)["error"]["message"] == "Loading model" and "Retry-After" in headers
+        assert post(s, "/v1/completions", {"prompt": "x"})[0] == 503
+        assert s.ready.wait(30)
+        assert post(s, "/health", None, method="GET", raw=b"")[0] == 200
+
+
+def test_queue_full_503():
+    with Server("--max-batch", "1", "--max-queue", "1") as s:
+        body = {"prompt": "def fib(n):", "max_tokens": 400, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            results = list(ex.map(lambda _: post(s, "/v1/completions", body), range(4)))
+        codes = sorted(r[0] for r in results)
+        assert codes.count(200) >= 2 and 503 in codes
+        busy = [r for r in results if r[0] == 503][0]
+        assert busy[1].get("Retry-After") and json.loads(busy[2])["error"]["type"] == "unavailable_error"
+
+
+def test_preemption_gives_same_tokens():
+    """A pool of 8 pages of 16 tokens for 4 sequences: they preempt one another and still agree."""
+    prompts = PROMPTS[:4]
+    with Server("--max-batch", "4", "--ctx", "128", "--kv-pages", "8") as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        one = lambda p: c.completions.create(model="m", prompt=p, max_tokens=60, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+        alone = [one(p) for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            together = list(ex.map(one, prompts))
+        assert together == alone
+        assert s.metrics()["qflash:preemptions_total"] > 0
+
+
+def test_sigterm_finishes_in_flight():
+    s = Server()
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "def f():", "max_tokens": 200, "stream": True, "ignore_eos": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    resp.readline()
+    s.proc.send_signal(signal.SIGTERM)
+    body = resp.read().decode()
+    assert body.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in body
+    assert s.proc.wait(30) == 0
+    s.reader.join(5)

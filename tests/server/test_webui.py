@@ -1,0 +1,79 @@
+"""The chat page in headless Chromium (Debian's chromium + chromium-driver): type a message, see a
+streamed reply that equals the API's reply, and stop a long one with the stop button."""
+import json
+import os
+import shutil
+import urllib.request
+
+import pytest
+
+from qfserver import Server, wait_for
+
+selenium = pytest.importorskip("selenium")
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+DRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+BROWSER = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(DRIVER) or not os.path.exists(BROWSER):
+        pytest.fail("chromium and chromium-driver are needed (apt-get install chromium chromium-driver)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = BROWSER
+    for a in ["--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]:
+        opts.add_argument(a)
+    d = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    d.set_page_load_timeout(60)
+    yield d
+    d.quit()
+
+
+def api_reply(url, text):
+    body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 64, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["message"]["content"]
+
+
+def test_type_and_see_streamed_reply(browser):
+    # greedy and short, so the page's reply can be compared with the API's
+    with Server("--ctx", "512") as s:
+        browser.get(s.url + "/")
+        WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "model").text == "qwen36moe-code-14m")
+        # the page sends the server's default sampling; make it greedy for a comparable answer
+        browser.execute_script("""
+            const f = window.fetch;
+            window.fetch = (u, o) => { if (o && o.body) { const b = JSON.parse(o.body); b.temperature = 0; b.max_tokens = 64;
+                                                          o.body = JSON.stringify(b); } return f(u, o); };""")
+        box = browser.find_element(By.ID, "input")
+        box.send_keys("write fib in python")
+        browser.find_element(By.ID, "send").click()
+        WebDriverWait(browser, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .content"))
+        # the usage chunk at the end of the stream fills in the stats line
+        WebDriverWait(browser, 60).until(lambda d: "tokens" in d.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").text)
+        assert browser.find_element(By.ID, "stop").get_attribute("disabled")
+        shown = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .content").get_attribute("textContent")
+        stats = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").get_attribute("textContent")
+        assert len(shown) > 10 and shown == api_reply(s.url, "write fib in python")
+        assert stats.startswith("64 tokens")
+
+
+def test_stop_button_cancels(browser):
+    with Server("--ctx", "4096") as s:
+        browser.get(s.url + "/")
+        browser.execute_script("""
+            const f = window.fetch;
+            window.fetch = (u, o) => { if (o && o.body) { const b = JSON.parse(o.body); b.max_tokens = 4000; b.ignore_eos = true;
+                                                          o.body = JSON.stringify(b); } return f(u, o); };""")
+        browser.find_element(By.ID, "input").send_keys("class Stack:")
+        browser.find_element(By.ID, "send").click()
+        WebDriverWait(browser, 60).until(
+            lambda d: len(d.find_element(By.CSS_SELECTOR, ".msg.assistant .content").get_attribute("textContent")) > 20)
+        browser.find_element(By.ID, "stop").click()
+        WebDriverWait(browser, 20).until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").text == "stopped")
+        assert wait_for(lambda: s.metrics()["qflash:num_requests_running"] == 0, timeout=10)
+        assert s.metrics()["qflash:requests_cancelled_total"] == 1
