@@ -55,60 +55,15 @@ typedef struct delta {
     json_t *lp; /* this poll's logprobs entries (streams) */
 } delta;
 
-static void emit(delta *d, int reasoning, const char *p, size_t n) {
-    call *c = d->c;
-    if (!reasoning && c->after_think) { /* the blank line after </think> is formatting */
-        while (n && (*p == '\n' || *p == '\r')) p++, n--;
-        if (!n) return;
-        c->after_think = 0;
-    }
-    if (!n) return;
-    c->seen_text = 1;
+static void emit(void *ud, int reasoning, const char *p, size_t n) {
+    delta *d = ud;
     if (reasoning) acc_add(&d->reasoning, &d->len_r, &d->cap_r, p, n);
     else acc_add(&d->content, &d->len_c, &d->cap_c, p, n);
 }
 
-/* Longest suffix of p[0..n) that is a proper prefix of tag. */
-static size_t tag_partial(const char *p, size_t n, const char *tag) {
-    size_t tl = strlen(tag);
-    for (size_t k = tl - 1; k > 0; k--)
-        if (k <= n && memcmp(p + n - k, tag, k) == 0) return k;
-    return 0;
-}
-
-/* Splits text into reasoning and content at <think> / </think>, holding back a partial tag. */
 static void split_text(delta *d, const char *text, size_t n, int final) {
-    call *c = d->c;
-    if (c->kind != CALL_CHAT) {
-        emit(d, 0, text, n);
-        return;
-    }
-    size_t tot = c->pend_len + n;
-    char *buf = malloc(tot + 1);
-    if (!buf) return;
-    memcpy(buf, c->pend, c->pend_len);
-    memcpy(buf + c->pend_len, text, n);
-    c->pend_len = 0;
-    size_t at = 0;
-    for (;;) {
-        /* an opening tag only counts before any text, as Qwen emits it when the prompt has none */
-        const char *tag = c->in_think ? "</think>" : !c->seen_text ? "<think>" : NULL;
-        const char *hit = tag ? memmem(buf + at, tot - at, tag, strlen(tag)) : NULL;
-        if (hit) {
-            emit(d, c->in_think, buf + at, (size_t)(hit - (buf + at)));
-            at = (size_t)(hit - buf) + strlen(tag);
-            c->after_think = c->in_think;
-            c->in_think = !c->in_think;
-            if (c->in_think) c->seen_text = 1;
-            continue;
-        }
-        size_t keep = tag && !final ? tag_partial(buf + at, tot - at, tag) : 0;
-        emit(d, c->in_think, buf + at, tot - at - keep);
-        memcpy(c->pend, buf + tot - keep, keep);
-        c->pend_len = keep;
-        break;
-    }
-    free(buf);
+    if (d->c->kind != CALL_CHAT) emit(d, 0, text, n);
+    else think_feed(&d->c->think, text, n, final, emit, d);
 }
 
 static void sink_text(void *ud, const char *p, size_t n) { split_text(ud, p, n, 0); }
@@ -373,7 +328,7 @@ void call_start(srv *s, struct evhttp_request *req, gen_req *g, int kind) {
     static unsigned long long counter;
     c->s = s, c->http = req, c->kind = kind, c->stream = g->stream, c->include_usage = g->include_usage && g->stream;
     c->logprobs = g->logprobs_on;
-    c->in_think = g->think_prompt;
+    c->think.in_think = g->think_prompt;
     c->created = (long long)time(NULL);
     snprintf(c->id, sizeof c->id, "%s-%llx%06llx", kind == CALL_CHAT ? "chatcmpl" : "cmpl", c->created, ++counter);
     if (c->logprobs && !c->stream) c->lp = new_lp(c);

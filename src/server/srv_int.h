@@ -9,6 +9,7 @@
 #include <stdatomic.h>
 
 #include "server/server.h"
+#include "server/think.h"
 #include "tokenizer/chat.h"
 
 enum call_kind { CALL_CHAT, CALL_COMPLETION, CALL_GENERATE };
@@ -23,10 +24,7 @@ typedef struct call {
     int kind, stream, include_usage, logprobs, done;
     char id[64];
     long long created;
-    /* reasoning split: text inside <think>..</think> is reasoning */
-    int in_think, seen_text, after_think;
-    char pend[16];
-    size_t pend_len;
+    think_split think;
     /* non-streamed replies accumulate here */
     char *acc_c, *acc_r;
     size_t len_c, cap_c, len_r, cap_r;
