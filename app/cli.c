@@ -84,7 +84,7 @@ void cli_progress(void *ud, int done, int total) {
 }
 
 int cli_open_engine(qf_engine **e, const char *dir, int threads) {
-    qf_engine_opts o = {threads, 0, NULL, cli_progress, NULL};
+    qf_engine_opts o = {.n_threads = threads, .progress = cli_progress};
     int rc = qf_engine_open(e, dir, &o);
     if (rc != QF_OK) {
         fprintf(stderr, "\nerror: %s\n", qf_last_error());

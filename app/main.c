@@ -14,6 +14,8 @@ static void usage(void) {
             "  perplexity -m DIR -f FILE [--window 512] [--windows K]\n"
             "  serve      -m DIR [--host H] [--port P] [--max-batch N] [--ctx N] [--api-key K] ...\n"
             "             OpenAI-compatible HTTP server with continuous batching (serve --help)\n"
+            "  bench      (-m DIR | --synthetic qwen3.6-35b-a3b [--layers N]) [--prompt-len P] [--gen-len G]\n"
+            "             [--concurrency 1,16] [--runs R] [--json FILE] [--plot FILE.svg]\n"
             "sampling flags: --temp --top-k --top-p --min-p --repeat-penalty --presence-penalty\n"
             "                --frequency-penalty --seed (defaults from generation_config.json)\n");
 }
@@ -29,6 +31,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "verify")) return cmd_verify(argc - 1, argv + 1);
     if (!strcmp(cmd, "perplexity")) return cmd_perplexity(argc - 1, argv + 1);
     if (!strcmp(cmd, "serve")) return cmd_serve(argc - 1, argv + 1);
+    if (!strcmp(cmd, "bench")) return cmd_bench(argc - 1, argv + 1);
     fprintf(stderr, "error: unknown command '%s'\n", cmd);
     usage();
     return 2;

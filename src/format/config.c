@@ -136,15 +136,10 @@ static int read_generation_config(qf_config *c, const char *dir) {
     return r.rc;
 }
 
-int qf_config_load(qf_config *c, const char *dir) {
+static int from_root(qf_config *c, json_t *root, const char *path) {
     memset(c, 0, sizeof *c);
     c->gen_temperature = 1.0f;
     c->gen_top_p = 1.0f;
-    char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    json_error_t jerr;
-    json_t *root = json_load_file(path, 0, &jerr);
-    if (!root) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", path, jerr.text, jerr.line);
     int rc = QF_OK;
     json_t *text = json_object_get(root, "text_config");
     json_t *obj = json_is_object(text) ? text : root;
@@ -165,7 +160,26 @@ int qf_config_load(qf_config *c, const char *dir) {
         add_eos(c, json_object_get(obj, "eos_token_id"));
         if (!c->n_eos) add_eos(c, json_object_get(root, "eos_token_id"));
     }
+    return rc;
+}
+
+int qf_config_load(qf_config *c, const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr);
+    if (!root) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", path, jerr.text, jerr.line);
+    int rc = from_root(c, root, path);
     json_decref(root);
     if (rc == QF_OK) rc = read_generation_config(c, dir);
+    return rc;
+}
+
+int qf_config_parse(qf_config *c, const char *text, size_t len, const char *label) {
+    json_error_t jerr;
+    json_t *root = json_loadb(text, len, 0, &jerr);
+    if (!root) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", label, jerr.text, jerr.line);
+    int rc = from_root(c, root, label);
+    json_decref(root);
     return rc;
 }

@@ -2,6 +2,8 @@
 #ifndef QF_FORMAT_CONFIG_H
 #define QF_FORMAT_CONFIG_H
 
+#include <stddef.h>
+
 #define QF_MAX_LAYERS 256
 #define QF_MAX_EOS    8
 
@@ -32,6 +34,8 @@ typedef struct qf_config {
 /* Reads dir/config.json and, when present, dir/generation_config.json. Errors name the file and
  * the field; another model_type is QF_EUNSUPPORTED naming it. */
 int qf_config_load(qf_config *cfg, const char *dir);
+/* The same from config.json text (no generation_config); label names it in errors. */
+int qf_config_parse(qf_config *cfg, const char *text, size_t len, const char *label);
 
 /* Derived sizes. */
 static inline int qf_cfg_conv_dim(const qf_config *c) {

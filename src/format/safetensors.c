@@ -270,8 +270,33 @@ const qf_st_tensor *qf_st_find(const qf_st_set *set, const char *name) {
     return i >= 0 ? &set->tensors[i] : NULL;
 }
 
+int qf_st_add_memory(qf_st_set *set, const char *name, int dtype, int ndim, const int64_t *shape, void *data) {
+    int rc = ensure_init(set);
+    if (rc == QF_OK) rc = grow_tensors(set, 1);
+    if (rc == QF_OK && qf_st_find(set, name)) rc = qf_fail(QF_EINVAL, "tensor '%s' added twice", name);
+    if (rc == QF_OK && (ndim < 0 || ndim > QF_ST_MAX_DIMS)) rc = qf_fail(QF_EINVAL, "tensor '%s': %d dimensions", name, ndim);
+    qf_st_tensor *t = rc == QF_OK ? &set->tensors[set->n_tensors] : NULL;
+    if (t) {
+        memset(t, 0, sizeof *t);
+        t->name = strdup(name);
+        t->dtype = dtype, t->ndim = ndim, t->n_elem = 1, t->file = -1;
+        for (int i = 0; i < ndim; i++) t->shape[i] = shape[i], t->n_elem *= shape[i];
+        t->nbytes = (size_t)t->n_elem * qf_dtype_size(dtype);
+        t->data = t->owned = data;
+        if (!t->name) rc = qf_fail(QF_ENOMEM, "out of memory");
+    }
+    if (rc == QF_OK && qf_strmap_put(&set->by_name, t->name, strlen(t->name), set->n_tensors) <= 0) rc = qf_fail(QF_ENOMEM, "out of memory");
+    if (rc != QF_OK) {
+        if (t) free(t->name);
+        free(data);
+        return rc;
+    }
+    set->n_tensors++;
+    return QF_OK;
+}
+
 void qf_st_close(qf_st_set *set) {
-    for (int i = 0; i < set->n_tensors; i++) free(set->tensors[i].name);
+    for (int i = 0; i < set->n_tensors; i++) free(set->tensors[i].name), free(set->tensors[i].owned);
     for (int i = 0; i < set->n_files; i++) {
         qf_mapfile_close(&set->files[i].map);
         free(set->files[i].path);

@@ -21,7 +21,8 @@ typedef struct qf_st_tensor {
     int64_t n_elem;
     const void *data; /* inside the file's map */
     size_t nbytes;
-    int file;         /* index into qf_st_set.files */
+    int file;         /* index into qf_st_set.files; -1 for a tensor held in memory */
+    void *owned;      /* memory tensors: the buffer, freed with the set */
 } qf_st_tensor;
 
 typedef struct qf_st_file {
@@ -48,6 +49,10 @@ int qf_st_open_dir(qf_st_set *set, const char *dir, qf_diag *diag);
 
 /* Opens a single file as a set (reference files, tests). */
 int qf_st_open(qf_st_set *set, const char *path);
+
+/* Adds a tensor held in memory (a synthetic model's weights). The set takes ownership of data
+ * (malloc'd, n_elem * dtype size bytes), also on failure. */
+int qf_st_add_memory(qf_st_set *set, const char *name, int dtype, int ndim, const int64_t *shape, void *data);
 
 const qf_st_tensor *qf_st_find(const qf_st_set *set, const char *name);
 void qf_st_close(qf_st_set *set);

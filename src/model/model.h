@@ -47,6 +47,7 @@ typedef struct qf_model {
     qf_layer_w *layers;
     qf_expert_store *experts;
     void **owned;       /* converted small tensors, freed with the model */
+    uint64_t synth_seed; /* synthetic models: the weights' seed */
     int n_owned, cap_owned;
 } qf_model;
 
@@ -60,6 +61,16 @@ typedef struct qf_load_opts {
  * the message names the file or tensor. */
 int qf_model_load(qf_model **out, const char *dir, const qf_load_opts *opts);
 void qf_model_free(qf_model *m);
+
+/* A model with a real checkpoint's shapes and generated weights (see synthetic.c). */
+typedef struct qf_synth_opts {
+    const char *preset;      /* "qwen3.6-35b-a3b", ... */
+    const char *config_file; /* or any config.json */
+    int layers;              /* 0 = all; else the first N layers, full per-layer shapes */
+    uint64_t seed;
+} qf_synth_opts;
+int qf_model_synthetic(qf_model **out, const qf_synth_opts *so, const qf_load_opts *opts);
+const char *qf_synth_presets(void);
 
 /* The full-attention KV cache lives in fixed-size pages from a pool allocated once: a page holds
  * page_tokens tokens' keys and values for every full-attention layer. Not thread-safe: one owner

@@ -6,7 +6,13 @@
 
 /* Takes ownership of p (freed with the model); frees p and fails when it cannot. */
 int qf_model_own(qf_model *m, void *p);
-/* Binds every weight of m->cfg from m->st. */
-int qf_model_bind(qf_model *m, const qf_load_opts *opts);
+/* Binds every weight of m->cfg from m->st; with synth, missing tensors are generated. */
+int qf_model_bind(qf_model *m, const qf_load_opts *opts, int synth);
+/* Generates a tensor for a synthetic model (values by kind of name, deterministic), adds it to
+ * m->st and returns it; NULL when out of memory. */
+const qf_st_tensor *qf_synth_tensor(qf_model *m, const char *name, int ndim, const int64_t *shape);
+/* What every load does after binding: limits checked, RoPE frequencies. */
+int qf_model_finish(qf_model *m);
+int qf_model_check_limits(const qf_config *c);
 
 #endif

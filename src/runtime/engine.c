@@ -14,10 +14,10 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
     qf_engine *e = calloc(1, sizeof *e);
     if (!e) return qf_fail(QF_ENOMEM, "out of memory");
     qf_load_opts lo = {opts->diag, opts->progress, opts->progress_ud};
-    int rc = qf_model_load(&e->model, dir, &lo);
+    int rc = opts->synth ? qf_model_synthetic(&e->model, opts->synth, &lo) : qf_model_load(&e->model, dir, &lo);
     char tj[4096];
-    snprintf(tj, sizeof tj, "%s/tokenizer.json", dir);
-    if (rc == QF_OK && access(tj, R_OK) == 0) rc = qf_tok_load(&e->tok, dir);
+    snprintf(tj, sizeof tj, "%s/tokenizer.json", dir ? dir : "");
+    if (rc == QF_OK && dir && access(tj, R_OK) == 0) rc = qf_tok_load(&e->tok, dir);
     if (rc == QF_OK) {
         e->pool = qf_pool_create(opts->n_threads > 0 ? opts->n_threads : qf_cpu_count());
         e->be = (qf_backend){qf_cpu_ops_best(), e->pool};

@@ -14,6 +14,7 @@ typedef struct qf_engine_opts {
     int n_threads;   /* 0 = all cores */
     int max_batch;   /* workspace rows (prefill chunk); 0 = 512 */
     qf_diag *diag;
+    const qf_synth_opts *synth; /* make a synthetic model instead of loading dir (no tokenizer) */
     void (*progress)(void *ud, int done, int total);
     void *progress_ud;
 } qf_engine_opts;

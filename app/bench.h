@@ -1,0 +1,45 @@
+/* qflash bench: what one run of the benchmark measured, and its writers (table, JSON, SVG). */
+#ifndef QF_APP_BENCH_H
+#define QF_APP_BENCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct bench_stat {
+    double median, min, max;
+} bench_stat;
+
+/* One concurrency setting: medians over the runs, spread as min..max. */
+typedef struct bench_cfg {
+    int concurrency, prompt_len, gen_len, runs;
+    bench_stat prefill_ms, prefill_tok_s, ttft_ms, decode_s, decode_tok_s_total, decode_tok_s_stream;
+    double itl_mean_ms, itl_p50_ms, itl_p99_ms; /* over every step of every run */
+    double *itl_ms;                             /* every step, for the histogram */
+    int n_itl;
+    int decode_steps;                           /* per stream per run: gen_len - 1 */
+    double experts_per_step, bytes_per_step, bytes_per_token, roofline_tok_s, roofline_pct;
+} bench_cfg;
+
+typedef struct bench_mem {
+    double t;          /* seconds since start */
+    double rss_bytes;
+    const char *phase;
+} bench_mem;
+
+typedef struct bench_result {
+    char cpu[128], source[512], model_type[96], ops[32];
+    int cores, threads, layers, experts, experts_used;
+    double load_s, weight_bytes, bw_gbs;
+    int bw_measured; /* 1: the probe, 0: --bw */
+    bench_cfg *cfgs;
+    int n_cfgs;
+    bench_mem *mem;
+    int n_mem;
+    double peak_rss_bytes;
+} bench_result;
+
+void bench_print(const bench_result *r);
+int bench_write_json(const bench_result *r, const char *path);
+int bench_write_svg(const bench_result *r, const char *path);
+
+#endif

@@ -1,0 +1,414 @@
+/* qflash bench: load time, prefill, time to first token, inter-token latency, decode throughput
+ * at several concurrencies, memory over time, and the bandwidth roofline, on a checkpoint or on a
+ * synthetic model of real shapes. The forward path is the one `run` and `serve` use. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/timer.h"
+#include "bench.h"
+#include "cli.h"
+
+typedef struct bench_opts {
+    const char *model, *synthetic, *config, *json, *plot;
+    int layers, prompt_len, gen_len, runs, threads;
+    int conc[16], n_conc;
+    double bw;
+} bench_opts;
+
+/* ---- memory trace: a thread samples RSS every 100 ms ---- */
+
+typedef struct tracer {
+    pthread_t th;
+    atomic_int stop;
+    _Atomic(const char *) phase;
+    double t0;
+    bench_mem *mem;
+    int n, cap;
+} tracer;
+
+static double rss_bytes(void) {
+    long pages = 0, resident = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (f) {
+        if (fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+        fclose(f);
+    }
+    return (double)resident * (double)sysconf(_SC_PAGESIZE);
+}
+
+static double peak_rss(void) {
+    char line[256];
+    double kb = 0;
+    FILE *f = fopen("/proc/self/status", "r");
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmHWM:", 6)) kb = atof(line + 6);
+    if (f) fclose(f);
+    return kb * 1024.0;
+}
+
+static void trace_sample(tracer *t) {
+    if (t->n == t->cap) return; /* the trace stops growing rather than allocate while measuring */
+    t->mem[t->n++] = (bench_mem){qf_now() - t->t0, rss_bytes(), atomic_load(&t->phase)};
+}
+
+static void *trace_main(void *arg) {
+    tracer *t = arg;
+    while (!atomic_load(&t->stop)) {
+        trace_sample(t);
+        usleep(100000);
+    }
+    return NULL;
+}
+
+/* ---- copy bandwidth over the engine's threads ---- */
+
+typedef struct copy_job {
+    char *dst;
+    const char *src;
+    size_t chunk, n;
+} copy_job;
+
+static void copy_task(void *ctx, int i) {
+    copy_job *j = ctx;
+    size_t off = (size_t)i * j->chunk, len = off + j->chunk <= j->n ? j->chunk : j->n - off;
+    memcpy(j->dst + off, j->src + off, len);
+}
+
+/* GB/s of read + write, best of 5 copies of 256 MiB. */
+static double probe_bw(qf_pool *pool) {
+    size_t n = (size_t)256 << 20;
+    char *a = malloc(n), *b = malloc(n);
+    if (!a || !b) {
+        free(a), free(b);
+        return 0;
+    }
+    memset(a, 1, n), memset(b, 2, n);
+    copy_job j = {b, a, (size_t)4 << 20, n};
+    double best = 1e9;
+    for (int r = 0; r < 5; r++) {
+        double t0 = qf_now();
+        qf_pool_run(pool, copy_task, &j, (int)(n / j.chunk));
+        double dt = qf_now() - t0;
+        best = dt < best ? dt : best;
+    }
+    free(a), free(b);
+    return 2.0 * (double)n / best / 1e9;
+}
+
+/* ---- prompts ---- */
+
+static void make_prompt(const qf_engine *e, int stream, int P, int32_t *out) {
+    static const char *text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+                              "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+                              "        self.items.append(x)\n";
+    int32_t *ids = NULL;
+    int n = 0;
+    if (e->tok && qf_tok_encode(e->tok, text, strlen(text), &ids, &n) == QF_OK && n > 0) {
+        for (int i = 0; i < P; i++) out[i] = ids[(i + 7 * stream) % n];
+    } else {
+        uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(stream + 1);
+        for (int i = 0; i < P; i++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            out[i] = (int32_t)(x % (uint64_t)e->model->cfg.vocab);
+        }
+    }
+    free(ids);
+}
+
+/* ---- bytes per decode step ---- */
+
+typedef struct model_bytes {
+    double total, experts, embed, per_expert;
+    int tied; /* lm_head is the embedding: the table is read whole every step */
+} model_bytes;
+
+static model_bytes count_bytes(const qf_model *m) {
+    model_bytes b = {0};
+    for (int i = 0; i < m->st.n_tensors; i++) {
+        const qf_st_tensor *t = &m->st.tensors[i];
+        b.total += (double)t->nbytes;
+        if (strstr(t->name, "mlp.experts.")) b.experts += (double)t->nbytes;
+        else if (strstr(t->name, "embed_tokens")) b.embed += (double)t->nbytes;
+    }
+    const qf_config *c = &m->cfg;
+    b.tied = m->lm_head.data == m->embed.data;
+    if (c->n_experts > 0) b.per_expert = b.experts / ((double)c->n_layers * c->n_experts);
+    return b;
+}
+
+/* Weights read once per step (all but the embedding table and routed experts), the experts the
+ * step used, and every sequence's recurrent state (read + write) and KV cache (read). */
+static double step_bytes(const qf_model *m, const model_bytes *b, double experts, int C, int pos) {
+    const qf_config *c = &m->cfg;
+    double dense = b->total - b->experts - (b->tied ? 0 : b->embed);
+    double state = 0;
+    for (int L = 0; L < c->n_layers; L++) {
+        if (c->layer_kind[L] == QF_LAYER_FULL) state += 2.0 * pos * c->n_kv_heads * c->head_dim * 4.0;
+        else state += 2.0 * ((double)c->lin_v_heads * c->lin_k_dim * c->lin_v_dim + (c->conv_kernel - 1.0) * qf_cfg_conv_dim(c)) * 4.0;
+    }
+    return dense + experts * b->per_expert + C * state;
+}
+
+/* ---- one concurrency setting ---- */
+
+typedef struct run_ctx {
+    qf_engine *e;
+    int C, P, G;
+    qf_state **st;
+    int32_t *prompts, *next;
+    float *logits;
+    qf_seq_step *steps;
+} run_ctx;
+
+static int32_t argmax(const float *x, int n) {
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+typedef struct run_out {
+    double prefill_s, ttft_s, decode_s, experts;
+} run_out;
+
+/* Prompts one after another, then G-1 batched decode steps of one token per stream (the first
+ * token comes from the prefill's logits). itl gets every step's seconds. */
+static int one_run(run_ctx *x, double *itl, run_out *o) {
+    qf_engine *e = x->e;
+    int V = e->model->cfg.vocab;
+    for (int s = 0; s < x->C; s++) qf_state_reset(x->st[s]);
+    double t0 = qf_now();
+    for (int s = 0; s < x->C; s++) {
+        int rc = qf_forward_seq(e->model, &e->be, e->ws, x->st[s], x->prompts + (size_t)s * x->P, x->P, QF_LOGITS_LAST,
+                                x->logits + (size_t)s * V);
+        if (rc != QF_OK) return rc;
+    }
+    o->prefill_s = qf_now() - t0;
+    for (int s = 0; s < x->C; s++) x->next[s] = argmax(x->logits + (size_t)s * V, V);
+    o->ttft_s = qf_now() - t0;
+    uint64_t acq0 = e->model->experts ? e->model->experts->stats.acquires : 0;
+    double d0 = qf_now();
+    for (int i = 0; i < x->G - 1; i++) {
+        double s0 = qf_now();
+        for (int s = 0; s < x->C; s++) x->steps[s] = (qf_seq_step){x->st[s], &x->next[s], 1, QF_LOGITS_LAST, x->logits + (size_t)s * V};
+        int rc = qf_forward(e->model, &e->be, e->ws, x->steps, x->C);
+        if (rc != QF_OK) return rc;
+        for (int s = 0; s < x->C; s++) x->next[s] = argmax(x->logits + (size_t)s * V, V);
+        itl[i] = qf_now() - s0;
+    }
+    o->decode_s = qf_now() - d0;
+    uint64_t acq = e->model->experts ? e->model->experts->stats.acquires - acq0 : 0;
+    o->experts = x->G > 1 ? (double)acq / (x->G - 1) : 0;
+    return QF_OK;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static bench_stat stat_of(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return (bench_stat){v[n / 2], v[0], v[n - 1]};
+}
+
+static double pct(const double *sorted, int n, double p) {
+    int i = (int)(p / 100.0 * (n - 1) + 0.5);
+    return n ? sorted[i < n ? i : n - 1] : 0;
+}
+
+static void summarize(bench_cfg *c, run_out *ro, int R) {
+    double v[5][64];
+    for (int r = 0; r < R; r++) {
+        v[0][r] = ro[r].prefill_s * 1e3;
+        v[1][r] = (double)c->concurrency * c->prompt_len / ro[r].prefill_s;
+        v[2][r] = ro[r].ttft_s * 1e3;
+        v[3][r] = ro[r].decode_s;
+        v[4][r] = ro[r].decode_s > 0 ? (double)c->concurrency * c->decode_steps / ro[r].decode_s : 0;
+    }
+    c->prefill_ms = stat_of(v[0], R), c->prefill_tok_s = stat_of(v[1], R), c->ttft_ms = stat_of(v[2], R);
+    c->decode_s = stat_of(v[3], R), c->decode_tok_s_total = stat_of(v[4], R);
+    c->decode_tok_s_stream = (bench_stat){c->decode_tok_s_total.median / c->concurrency, c->decode_tok_s_total.min / c->concurrency,
+                                          c->decode_tok_s_total.max / c->concurrency};
+    double sum = 0, ex = 0;
+    for (int i = 0; i < c->n_itl; i++) sum += c->itl_ms[i];
+    for (int r = 0; r < R; r++) ex += ro[r].experts / R;
+    double *sorted = malloc((size_t)(c->n_itl ? c->n_itl : 1) * sizeof *sorted);
+    if (sorted && c->n_itl) {
+        memcpy(sorted, c->itl_ms, (size_t)c->n_itl * sizeof *sorted);
+        qsort(sorted, (size_t)c->n_itl, sizeof *sorted, cmp_double);
+        c->itl_mean_ms = sum / c->n_itl, c->itl_p50_ms = pct(sorted, c->n_itl, 50), c->itl_p99_ms = pct(sorted, c->n_itl, 99);
+    }
+    free(sorted);
+    c->experts_per_step = ex;
+}
+
+static int bench_cfg_run(qf_engine *e, const bench_opts *o, int C, bench_cfg *c, tracer *tr) {
+    int V = e->model->cfg.vocab, P = o->prompt_len, G = o->gen_len, R = o->runs;
+    run_ctx x = {e, C, P, G, calloc((size_t)C, sizeof(qf_state *)), malloc((size_t)C * P * sizeof(int32_t)),
+                 malloc((size_t)C * sizeof(int32_t)), malloc((size_t)C * V * sizeof(float)), malloc((size_t)C * sizeof(qf_seq_step))};
+    run_out ro[64];
+    double *itl = malloc((size_t)(G > 1 ? G : 2) * sizeof *itl);
+    memset(c, 0, sizeof *c);
+    c->concurrency = C, c->prompt_len = P, c->gen_len = G, c->runs = R, c->decode_steps = G - 1;
+    c->itl_ms = malloc((size_t)(R * (G > 1 ? G - 1 : 1)) * sizeof *c->itl_ms);
+    int rc = x.st && x.prompts && x.next && x.logits && x.steps && itl && c->itl_ms ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
+    for (int s = 0; rc == QF_OK && s < C; s++) {
+        make_prompt(e, s, P, x.prompts + (size_t)s * P);
+        if (!(x.st[s] = qf_state_create(e->model, P + G + 1))) rc = qf_fail(QF_ENOMEM, "out of memory for %d states", C);
+    }
+    for (int r = -1; rc == QF_OK && r < R; r++) { /* run -1 warms caches and pages up, and is dropped */
+        atomic_store(&tr->phase, r < 0 ? "warm-up" : "measure");
+        run_out out;
+        rc = one_run(&x, itl, &out);
+        if (rc != QF_OK || r < 0) continue;
+        ro[r] = out;
+        for (int i = 0; i < G - 1; i++) c->itl_ms[c->n_itl++] = itl[i] * 1e3;
+    }
+    if (rc == QF_OK) summarize(c, ro, R);
+    for (int s = 0; x.st && s < C; s++) qf_state_free(x.st[s]);
+    free(x.st), free(x.prompts), free(x.next), free(x.logits), free(x.steps), free(itl);
+    return rc;
+}
+
+/* ---- the command ---- */
+
+static int parse_list(const char *s, int *out, int cap) {
+    int n = 0;
+    while (s && *s && n < cap) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 1 || v > 4096) return -1;
+        out[n++] = (int)v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',') return -1;
+    }
+    return n;
+}
+
+static int parse_bench(int argc, char **argv, bench_opts *o) {
+    cli_args a = {argc, 1, argv, 0};
+    for (; a.i < argc && !a.bad; a.i++) {
+        if (cli_is(&a, "-m", "--model")) o->model = cli_value(&a);
+        else if (cli_is(&a, NULL, "--synthetic")) o->synthetic = cli_value(&a);
+        else if (cli_is(&a, NULL, "--config")) o->config = cli_value(&a);
+        else if (cli_is(&a, NULL, "--layers")) o->layers = cli_int(&a, 1, 4096);
+        else if (cli_is(&a, "-p", "--prompt-len")) o->prompt_len = cli_int(&a, 1, 1 << 20);
+        else if (cli_is(&a, "-n", "--gen-len")) o->gen_len = cli_int(&a, 1, 1 << 20);
+        else if (cli_is(&a, NULL, "--runs")) o->runs = cli_int(&a, 1, 64);
+        else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
+        else if (cli_is(&a, NULL, "--bw")) o->bw = cli_num(&a, 0.001, 1e6);
+        else if (cli_is(&a, NULL, "--json")) o->json = cli_value(&a);
+        else if (cli_is(&a, NULL, "--plot")) o->plot = cli_value(&a);
+        else if (cli_is(&a, NULL, "--concurrency")) {
+            const char *v = cli_value(&a);
+            if (v && (o->n_conc = parse_list(v, o->conc, 16)) < 1) {
+                fprintf(stderr, "error: --concurrency wants a list like 1,16 (each 1..4096)\n");
+                a.bad = 1;
+            }
+        } else {
+            fprintf(stderr, "error: unknown option '%s' for bench\n", argv[a.i]);
+            a.bad = 1;
+        }
+    }
+    if (!a.bad && !o->model == !(o->synthetic || o->config)) {
+        fprintf(stderr, "usage: qflash bench (-m DIR | --synthetic %s [--layers N] | --config FILE [--layers N])\n"
+                        "       [--prompt-len 128] [--gen-len 64] [--concurrency 1,16] [--runs 3] [--bw GB/s] [-t THREADS]\n"
+                        "       [--json FILE] [--plot FILE.svg]\n", qf_synth_presets());
+        a.bad = 1;
+    }
+    return a.bad ? 2 : 0;
+}
+
+static void cpu_name(char *out, size_t cap) {
+    char line[256];
+    snprintf(out, cap, "unknown CPU");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    while (f && fgets(line, sizeof line, f)) {
+        char *colon = strchr(line, ':');
+        if (!strncmp(line, "model name", 10) && colon) {
+            snprintf(out, cap, "%s", colon + 2);
+            out[strcspn(out, "\n")] = 0;
+            break;
+        }
+    }
+    if (f) fclose(f);
+}
+
+static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
+    int max_c = 1;
+    for (int i = 0; i < o->n_conc; i++) max_c = o->conc[i] > max_c ? o->conc[i] : max_c;
+    qf_synth_opts so = {o->synthetic, o->config, o->layers, 0};
+    qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > 512 ? max_c : 512, .synth = o->model ? NULL : &so};
+    double t0 = qf_now();
+    int rc = qf_engine_open(e, o->model, &eo);
+    *load_s = qf_now() - t0;
+    if (rc != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
+    return rc;
+}
+
+static void fill_roofline(const qf_model *m, bench_result *r) {
+    model_bytes mb = count_bytes(m);
+    r->weight_bytes = mb.total;
+    for (int i = 0; i < r->n_cfgs; i++) {
+        bench_cfg *c = &r->cfgs[i];
+        int mid_pos = c->prompt_len + c->gen_len / 2; /* the average context over the decode */
+        c->bytes_per_step = step_bytes(m, &mb, c->experts_per_step, c->concurrency, mid_pos);
+        c->bytes_per_token = c->bytes_per_step / c->concurrency;
+        c->roofline_tok_s = r->bw_gbs * 1e9 / c->bytes_per_token;
+        c->roofline_pct = 100.0 * c->decode_tok_s_total.median / c->roofline_tok_s;
+    }
+}
+
+int cmd_bench(int argc, char **argv) {
+    bench_opts o = {.prompt_len = 128, .gen_len = 64, .runs = 3, .conc = {1, 16}, .n_conc = 2};
+    if (parse_bench(argc, argv, &o)) return 2;
+    enum { TRACE_CAP = 1 << 16 };
+    tracer tr = {.t0 = qf_now(), .mem = malloc(TRACE_CAP * sizeof(bench_mem)), .cap = TRACE_CAP};
+    atomic_store(&tr.phase, "load");
+    if (!tr.mem || pthread_create(&tr.th, NULL, trace_main, &tr) != 0) return 1;
+    bench_result r = {0};
+    qf_engine *e = NULL;
+    int rc = open_model(&o, &e, &r.load_s);
+    if (rc == QF_OK) {
+        atomic_store(&tr.phase, "bandwidth probe");
+        r.bw_measured = o.bw <= 0;
+        r.bw_gbs = o.bw > 0 ? o.bw : probe_bw(e->pool);
+        r.cfgs = calloc((size_t)o.n_conc, sizeof *r.cfgs);
+        if (!r.cfgs) rc = QF_ENOMEM;
+    }
+    for (int i = 0; rc == QF_OK && i < o.n_conc; i++, r.n_cfgs++) {
+        fprintf(stderr, "bench: concurrency %d: prompt %d, %d tokens, 1 warm-up + %d runs\n", o.conc[i], o.prompt_len, o.gen_len, o.runs);
+        rc = bench_cfg_run(e, &o, o.conc[i], &r.cfgs[i], &tr);
+        if (rc != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
+    }
+    atomic_store(&tr.phase, "done");
+    atomic_store(&tr.stop, 1);
+    pthread_join(tr.th, NULL);
+    trace_sample(&tr);
+    if (rc == QF_OK) {
+        const qf_config *c = &e->model->cfg;
+        cpu_name(r.cpu, sizeof r.cpu);
+        r.cores = qf_cpu_count(), r.threads = qf_pool_size(e->pool), r.layers = c->n_layers;
+        r.experts = c->n_experts, r.experts_used = c->n_experts_used;
+        snprintf(r.source, sizeof r.source, "%s%s", o.model ? o.model : "synthetic:", o.model ? "" : o.config ? o.config : o.synthetic);
+        snprintf(r.model_type, sizeof r.model_type, "%s", c->model_type);
+        snprintf(r.ops, sizeof r.ops, "%s", e->be.ops->name);
+        r.mem = tr.mem, r.n_mem = tr.n, r.peak_rss_bytes = peak_rss();
+        fill_roofline(e->model, &r);
+        bench_print(&r);
+        if (o.json && bench_write_json(&r, o.json) != QF_OK) rc = QF_EIO;
+        if (o.plot && bench_write_svg(&r, o.plot) != QF_OK) rc = QF_EIO;
+        if (rc != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
+    }
+    for (int i = 0; i < r.n_cfgs; i++) free(r.cfgs[i].itl_ms);
+    free(r.cfgs);
+    free(tr.mem);
+    qf_engine_close(e);
+    return rc == QF_OK ? 0 : 1;
+}
