@@ -17,6 +17,7 @@ typedef struct bench_cfg {
     double *itl_ms;                             /* every step, for the histogram */
     int n_itl;
     int decode_steps;                           /* per stream per run: gen_len - 1 */
+    double run_prefill_ms[64], run_ttft_ms[64], run_decode_s[64], run_itl_sum_ms[64]; /* each run, in order */
     double experts_per_step, bytes_per_step, bytes_per_token, roofline_tok_s, roofline_pct;
 } bench_cfg;
 

@@ -50,6 +50,11 @@ static json_t *jcfg(const bench_cfg *c) {
     json_object_set_new(j, "bytes_per_token", json_real(c->bytes_per_token));
     json_object_set_new(j, "roofline_tok_s", json_real(c->roofline_tok_s));
     json_object_set_new(j, "roofline_pct", json_real(c->roofline_pct));
+    json_t *runs = json_array();
+    for (int r = 0; r < c->runs; r++)
+        json_array_append_new(runs, json_pack("{s:f,s:f,s:f,s:f}", "prefill_ms", c->run_prefill_ms[r], "ttft_ms", c->run_ttft_ms[r],
+                                              "decode_seconds", c->run_decode_s[r], "itl_sum_ms", c->run_itl_sum_ms[r]));
+    json_object_set_new(j, "run_details", runs);
     json_object_set_new(j, "streaming_loads", json_integer(0));
     json_object_set_new(j, "expert_cache_hit_rate", json_real(0));
     json_object_set_new(j, "inactive_block_ratio", json_real(0));

@@ -268,7 +268,8 @@ static int bench_cfg_run(qf_engine *e, const bench_opts *o, int C, bench_cfg *c,
         rc = one_run(&x, itl, &out);
         if (rc != QF_OK || r < 0) continue;
         ro[r] = out;
-        for (int i = 0; i < G - 1; i++) c->itl_ms[c->n_itl++] = itl[i] * 1e3;
+        c->run_prefill_ms[r] = out.prefill_s * 1e3, c->run_ttft_ms[r] = out.ttft_s * 1e3, c->run_decode_s[r] = out.decode_s;
+        for (int i = 0; i < G - 1; i++) c->itl_ms[c->n_itl++] = itl[i] * 1e3, c->run_itl_sum_ms[r] += itl[i] * 1e3;
     }
     if (rc == QF_OK) summarize(c, ro, R);
     for (int s = 0; x.st && s < C; s++) qf_state_free(x.st[s]);
