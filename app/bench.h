@@ -30,7 +30,7 @@ typedef struct bench_mem {
 typedef struct bench_result {
     char cpu[128], source[512], model_type[96], ops[32];
     int cores, threads, layers, experts, experts_used;
-    double load_s, weight_bytes, bw_gbs;
+    double load_s, weight_bytes, bw_gbs, copy_gbs; /* bw_gbs: the roofline's (read probe, or --bw) */
     int bw_measured; /* 1: the probe, 0: --bw */
     bench_cfg *cfgs;
     int n_cfgs;

@@ -16,8 +16,11 @@ void bench_print(const bench_result *r) {
            "  prompts prefilled one after another; TTFT = start of the run to every stream's first token;\n"
            "  each decode step = one batched forward of one token per stream (ITL); greedy.\n",
            r->n_cfgs ? r->cfgs[0].runs : 0);
-    printf("load: %.2f s   bandwidth: %.1f GB/s copy (%s)   peak RSS: %.0f MiB\n", r->load_s, r->bw_gbs,
-           r->bw_measured ? "probe: 256 MiB memcpy, read+write" : "--bw", r->peak_rss_bytes / 1048576.0);
+    if (r->bw_measured)
+        printf("load: %.2f s   bandwidth: %.1f GB/s read (roofline), %.1f GB/s copy (read+write), 256 MiB probes   peak RSS: %.0f MiB\n",
+               r->load_s, r->bw_gbs, r->copy_gbs, r->peak_rss_bytes / 1048576.0);
+    else
+        printf("load: %.2f s   bandwidth: %.1f GB/s (--bw)   peak RSS: %.0f MiB\n", r->load_s, r->bw_gbs, r->peak_rss_bytes / 1048576.0);
     printf("streaming loads: 0, expert cache hit rate: 0, inactive-block ratio: 0 (not active: no streaming store or sparsity yet)\n\n");
     printf("%5s %6s %5s | %10s %10s %9s | %8s %8s %8s | %10s %10s | %9s %9s %7s\n", "conc", "prompt", "gen", "prefill ms",
            "prefill/s", "TTFT ms", "ITL mean", "p50", "p99", "tok/s/strm", "tok/s all", "MB/token", "roofline", "% roof");
@@ -70,7 +73,9 @@ int bench_write_json(const bench_result *r, const char *path) {
                         json_pack("{s:i,s:i,s:s,s:s,s:s}", "warmup_runs", 1, "runs", r->n_cfgs ? r->cfgs[0].runs : 0, "statistic", "median",
                                   "spread", "min..max", "ttft", "start of the run to every stream's first token (prompts one after another)"));
     json_object_set_new(root, "load_seconds", json_real(r->load_s));
-    json_object_set_new(root, "bandwidth", json_pack("{s:f,s:s}", "gb_s", r->bw_gbs, "source", r->bw_measured ? "probe: 256 MiB memcpy, read+write" : "--bw"));
+    json_t *bw = json_pack("{s:f,s:s}", "gb_s", r->bw_gbs, "source", r->bw_measured ? "probe: 256 MiB read" : "--bw");
+    if (r->bw_measured) json_object_set_new(bw, "copy_gb_s", json_real(r->copy_gbs));
+    json_object_set_new(root, "bandwidth", bw);
     json_object_set_new(root, "peak_rss_bytes", json_real(r->peak_rss_bytes));
     json_object_set_new(root, "peak_device_bytes", json_null());
     json_t *cfgs = json_array(), *mem = json_array();
