@@ -11,7 +11,9 @@ void bench_print(const bench_result *r) {
     printf("qflash bench: %s (%s), %d layers", r->source, r->model_type, r->layers);
     if (r->experts) printf(", %d experts (top-%d)", r->experts, r->experts_used);
     printf(", %.2f GB of weights\n", r->weight_bytes / 1e9);
-    printf("machine: %s, %d cores; %d threads, ops %s\n", r->cpu, r->cores, r->threads, r->ops);
+    printf("machine: %s, %d cores; %d threads, ops %s", r->cpu, r->cores, r->threads, r->ops);
+    if (r->peak_device_bytes > 0) printf("; device %s, peak device memory %.2f GiB", r->device, r->peak_device_bytes / 1073741824.0);
+    printf("\n");
     printf("methodology: 1 warm-up run (dropped), then %d runs per setting; median, spread min..max;\n"
            "  prompts prefilled one after another; TTFT = start of the run to every stream's first token;\n"
            "  each decode step = one batched forward of one token per stream (ITL); greedy.\n",
@@ -66,7 +68,7 @@ static json_t *jcfg(const bench_cfg *c) {
 }
 
 int bench_write_json(const bench_result *r, const char *path) {
-    json_t *root = json_pack("{s:s,s:{s:s,s:i,s:i},s:{s:s,s:s,s:i,s:i,s:i,s:f}}", "device", "cpu", "machine", "cpu", r->cpu, "cores",
+    json_t *root = json_pack("{s:s,s:{s:s,s:i,s:i},s:{s:s,s:s,s:i,s:i,s:i,s:f}}", "device", r->peak_device_bytes > 0 ? "cuda" : "cpu", "machine", "cpu", r->cpu, "cores",
                              r->cores, "threads", r->threads, "model", "source", r->source, "model_type", r->model_type, "layers",
                              r->layers, "experts", r->experts, "experts_used", r->experts_used, "weight_bytes", r->weight_bytes);
     json_object_set_new(root, "methodology",
@@ -77,7 +79,8 @@ int bench_write_json(const bench_result *r, const char *path) {
     if (r->bw_measured) json_object_set_new(bw, "copy_gb_s", json_real(r->copy_gbs));
     json_object_set_new(root, "bandwidth", bw);
     json_object_set_new(root, "peak_rss_bytes", json_real(r->peak_rss_bytes));
-    json_object_set_new(root, "peak_device_bytes", json_null());
+    json_object_set_new(root, "peak_device_bytes", r->peak_device_bytes > 0 ? json_real(r->peak_device_bytes) : json_null());
+    if (r->peak_device_bytes > 0) json_object_set_new(json_object_get(root, "machine"), "gpu", json_string(r->device));
     json_t *cfgs = json_array(), *mem = json_array();
     for (int i = 0; i < r->n_cfgs; i++) json_array_append_new(cfgs, jcfg(&r->cfgs[i]));
     for (int i = 0; i < r->n_mem; i++)

@@ -83,8 +83,10 @@ void cli_progress(void *ud, int done, int total) {
     if (done == total) fputc('\n', stderr);
 }
 
+const char *cli_device = "cpu";
+
 int cli_open_engine(qf_engine **e, const char *dir, int threads) {
-    qf_engine_opts o = {.n_threads = threads, .progress = cli_progress};
+    qf_engine_opts o = {.n_threads = threads, .progress = cli_progress, .device = cli_device};
     int rc = qf_engine_open(e, dir, &o);
     if (rc != QF_OK) {
         fprintf(stderr, "\nerror: %s\n", qf_last_error());

@@ -27,6 +27,8 @@ int cli_prepare_sampling(const qf_engine *e, const qf_sampling *user, int seed_s
 #define CLI_SAMPLING_UNSET {-1, -1, -1, -1, -1, -9, -9, 0}
 
 void cli_progress(void *ud, int done, int total);
+/* --device cpu|cuda[:N], shared by the commands that run the model */
+extern const char *cli_device;
 int cli_open_engine(qf_engine **e, const char *dir, int threads);
 
 int cmd_run(int argc, char **argv);

@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "backend/cuda/ops_cuda.h"
 #include "base/timer.h"
 #include "bench.h"
 #include "cli.h"
@@ -324,6 +325,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         else if (cli_is(&a, "-n", "--gen-len")) o->gen_len = cli_int(&a, 1, 1 << 20);
         else if (cli_is(&a, NULL, "--runs")) o->runs = cli_int(&a, 1, 64);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
+        else if (cli_is(&a, NULL, "--device")) cli_device = cli_value(&a);
         else if (cli_is(&a, NULL, "--bw")) o->bw = cli_num(&a, 0.001, 1e6);
         else if (cli_is(&a, NULL, "--json")) o->json = cli_value(&a);
         else if (cli_is(&a, NULL, "--plot")) o->plot = cli_value(&a);
@@ -366,7 +368,7 @@ static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
     int max_c = 1;
     for (int i = 0; i < o->n_conc; i++) max_c = o->conc[i] > max_c ? o->conc[i] : max_c;
     qf_synth_opts so = {o->synthetic, o->config, o->layers, 0};
-    qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > 512 ? max_c : 512, .synth = o->model ? NULL : &so};
+    qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > 512 ? max_c : 512, .synth = o->model ? NULL : &so, .device = cli_device};
     double t0 = qf_now();
     int rc = qf_engine_open(e, o->model, &eo);
     *load_s = qf_now() - t0;
@@ -400,6 +402,7 @@ int cmd_bench(int argc, char **argv) {
     if (rc == QF_OK) {
         atomic_store(&tr.phase, "bandwidth probe");
         r.bw_measured = o.bw <= 0;
+        if (e->on_gpu && o.bw <= 0) fprintf(stderr, "bench: the bandwidth probe measures host memory; give --bw for the GPU's roofline\n");
         r.bw_gbs = o.bw > 0 ? o.bw : probe_bw(e->pool, &r.copy_gbs);
         r.cfgs = calloc((size_t)o.n_conc, sizeof *r.cfgs);
         if (!r.cfgs) rc = QF_ENOMEM;
@@ -421,6 +424,8 @@ int cmd_bench(int argc, char **argv) {
         snprintf(r.source, sizeof r.source, "%s%s", o.model ? o.model : "synthetic:", o.model ? "" : o.config ? o.config : o.synthetic);
         snprintf(r.model_type, sizeof r.model_type, "%s", c->model_type);
         snprintf(r.ops, sizeof r.ops, "%s", e->be.ops->name);
+        snprintf(r.device, sizeof r.device, "%s", e->on_gpu ? qf_cuda_device_name(&e->be) : "cpu");
+        if (e->on_gpu) qf_cuda_sync(&e->be), r.peak_device_bytes = (double)qf_cuda_peak_bytes(&e->be);
         r.mem = tr.mem, r.n_mem = tr.n, r.peak_rss_bytes = peak_rss();
         fill_roofline(e->model, &r);
         bench_print(&r);

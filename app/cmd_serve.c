@@ -38,6 +38,7 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
         else if (cli_is(&a, NULL, "--max-body")) *body_mib = cli_num(&a, 0.001, 4096);
         else if (cli_is(&a, NULL, "--shutdown-timeout")) o->shutdown_timeout = cli_num(&a, 0, 86400);
         else if (cli_is(&a, "-t", "--threads")) o->engine.n_threads = cli_int(&a, 1, 1024);
+        else if (cli_is(&a, NULL, "--device")) o->engine.device = cli_value(&a);
         else if (cli_is(&a, "-v", "--verbose")) o->verbose = o->sched.verbose = 1;
         else {
             fprintf(stderr, "error: unknown option '%s' for serve\n", argv[a.i]);

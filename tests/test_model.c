@@ -5,11 +5,26 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/cuda/ops_cuda.h"
 #include "model/model.h"
 #include "test_util.h"
 
 #define TOL_LOGITS 1e-3
 #define TOL_HIDDEN 1e-3
+/* The CUDA default path rounds prefill activations to bf16 for the tensor cores: a looser
+ * tolerance, and a greedy id may differ only where the reference's top-2 gap is within the error. */
+#define TOL_GPU_BF16 5e-2
+
+static int g_gpu, g_lenient;
+static double g_tol = TOL_LOGITS;
+
+static double ref_gap(const float *l, int V) {
+    int a = qt_argmax(l, V);
+    float second = -INFINITY;
+    for (int i = 0; i < V; i++)
+        if (i != a && l[i] > second) second = l[i];
+    return (double)l[a] - second;
+}
 
 typedef struct hidden_check {
     const qf_st_set *ref;
@@ -50,11 +65,13 @@ static void check_prompt(const qf_model *m, qf_backend *be, qf_workspace *ws, co
     CHECK(qf_forward_seq(m, be, ws, st, ids, (int)n_in, QF_LOGITS_ALL, logits) == QF_OK, "%s", qf_last_error());
     double d = qt_max_abs_diff(logits + (n_in - ref_rows) * V, want, n_ref);
     *worst = d > *worst ? d : *worst;
-    CHECK(d < TOL_LOGITS, "%s prompt logits max abs diff %.3g", p, d);
-    int next = qt_argmax(logits + (n_in - 1) * V, V), mismatches = 0;
+    CHECK(d < g_tol, "%s prompt logits max abs diff %.3g", p, d);
+    int next = qt_argmax(logits + (n_in - 1) * V, V), mismatches = 0, near_ties = 0;
     double gd = 0;
     for (int i = 0; i < n_gen; i++) {
-        if (next != gen[i]) mismatches++;
+        const float *ref_row = i == 0 ? want + (ref_rows - 1) * V : want_gen + (int64_t)i * V;
+        if (next != gen[i] && g_lenient && ref_gap(ref_row, V) < 2 * (d > gd ? d : gd)) near_ties++;
+        else if (next != gen[i]) mismatches++;
         int32_t tok = gen[i]; /* teacher-force the reference path so one flip is reported once */
         if (i + 1 == n_gen) break;
         CHECK(qf_forward_seq(m, be, ws, st, &tok, 1, QF_LOGITS_LAST, logits) == QF_OK, "%s", qf_last_error());
@@ -64,7 +81,8 @@ static void check_prompt(const qf_model *m, qf_backend *be, qf_workspace *ws, co
     }
     *worst = gd > *worst ? gd : *worst;
     CHECK(mismatches == 0, "%s: %d of %lld greedy ids differ", p, mismatches, (long long)n_gen);
-    CHECK(gd < TOL_LOGITS, "%s generation logits max abs diff %.3g", p, gd);
+    CHECK(gd < g_tol, "%s generation logits max abs diff %.3g", p, gd);
+    if (near_ties) fprintf(stderr, "%s: %d greedy ids differ where the reference's top-2 gap is within the error\n", p, near_ties);
     free(logits);
     qf_state_free(st);
 }
@@ -79,7 +97,11 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
     qf_st_set ref;
     CHECK(qf_st_open(&ref, refpath) == QF_OK, "%s", qf_last_error());
     qf_pool *pool = qf_pool_create(qf_cpu_count());
-    qf_backend be = {ops, pool};
+    qf_backend be = {ops, pool, NULL};
+    if (g_gpu) {
+        CHECK(qf_cuda_backend_init(&be, 0) == QF_OK && qf_model_to_device(m, &be, 0) == QF_OK, "%s", qf_last_error());
+        ops = be.ops;
+    }
     /* a small workspace on purpose: prompts longer than 64 rows run in chunks */
     qf_workspace *ws = qf_workspace_create(m, 64);
     double worst = 0;
@@ -100,11 +122,12 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
         snprintf(pn, sizeof pn, "p%d", p);
         check_prompt(m, &be, ws, &ref, pn, logits_name, &worst);
     }
-    fprintf(stderr, "%s [%s]: largest logits error over %d prompts: %.3g\n", dir, ops->name, n_prompts, worst);
+    fprintf(stderr, "%s [%s%s]: largest logits error over %d prompts: %.3g\n", dir, ops->name, g_gpu && !g_lenient ? ", fp32" : "", n_prompts, worst);
     qf_workspace_free(ws);
     qf_pool_destroy(pool);
     qf_st_close(&ref);
     qf_model_free(m);
+    if (g_gpu) qf_cuda_backend_free(&be);
 }
 
 /* Two sequences in one batched forward (one prefilling, one decoding), their KV pages interleaved
@@ -113,7 +136,7 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
 static void check_batching(const char *dir) {
     qf_model *m;
     if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
-    qf_backend be = {qf_cpu_ops_best(), NULL};
+    qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
     qf_workspace *ws = qf_workspace_create(m, 64);
     int V = m->cfg.vocab;
     int32_t a[12] = {5, 17, 300, 42, 9, 1000, 77, 3, 8, 250, 11, 600}, b[5] = {1500, 2, 2, 700, 31};
@@ -150,6 +173,16 @@ static void check_batching(const char *dir) {
 
 int main(int argc, char **argv) {
     qt_init(argc, argv);
+    const char *dev = getenv("QFLASH_TEST_DEVICE");
+    if (dev && strcmp(dev, "cuda") == 0) { /* the same references on the GPU (run by hand there) */
+        const char *fp32 = getenv("QFLASH_CUDA_FP32");
+        g_gpu = 1, g_lenient = !(fp32 && *fp32 == '1');
+        g_tol = g_lenient ? TOL_GPU_BF16 : TOL_LOGITS;
+        run_model("tests/data/qwen35moe-tiny", "logits", 4, NULL, 0);
+        run_model("tests/data/qwen35-tiny", "logits", 4, NULL, 0);
+        run_model("models/qwen36moe-code-14m", "logits_tail", 5, NULL, 0);
+        return qt_finish();
+    }
     const qf_ops *tables[2] = {&qf_cpu_ops_ref, qf_cpu_ops_best()};
     for (int i = 0; i < 2; i++) {
         if (i == 1 && tables[1] == tables[0]) break;

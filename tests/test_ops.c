@@ -147,7 +147,7 @@ static void test_conv_carry(void) {
     int C = 8, K = 4, T = 6;
     float *x = rnd((size_t)T * C, 1), *w = rnd((size_t)C * K, 1), *s_one = calloc((size_t)(K - 1) * C, 4), *s_two = calloc((size_t)(K - 1) * C, 4);
     float *y_one = calloc((size_t)T * C, 4), *y_two = calloc((size_t)T * C, 4);
-    qf_backend ref = {&qf_cpu_ops_ref, NULL};
+    qf_backend ref = {&qf_cpu_ops_ref, NULL, NULL};
     ref.ops->conv_silu(&ref, x, C, T, C, K, w, s_one, y_one);
     ref.ops->conv_silu(&ref, x, C, 2, C, K, w, s_two, y_two);
     ref.ops->conv_silu(&ref, x + 2 * C, C, 1, C, K, w, s_two, y_two + 2 * C);
@@ -159,7 +159,7 @@ static void test_conv_carry(void) {
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     qf_pool *pool = qf_pool_create(qf_cpu_count() > 1 ? qf_cpu_count() : 2);
-    qf_backend ref = {&qf_cpu_ops_ref, NULL};
+    qf_backend ref = {&qf_cpu_ops_ref, NULL, NULL};
     const qf_ops *tables[2] = {qf_cpu_ops_avx2(), qf_cpu_ops_avx512()};
     int tested = 0;
     for (int t = 0; t < 2; t++) {
@@ -167,7 +167,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "%s not supported by this CPU: skipped\n", t ? "AVX-512" : "AVX2");
             continue;
         }
-        qf_backend fast = {tables[t], pool};
+        qf_backend fast = {tables[t], pool, NULL};
         test_matmul(&fast, &ref);
         test_rmsnorm(&fast, &ref);
         test_gdn(&fast, &ref, 16, 32, 128, 128, 4);

@@ -7,6 +7,7 @@
 #ifndef QF_BACKEND_OPS_H
 #define QF_BACKEND_OPS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "base/pool.h"
@@ -59,6 +60,23 @@ typedef struct qf_attn_args {
     float scale;
 } qf_attn_args;
 
+/* One routed expert's weights. */
+typedef struct qf_expert {
+    qf_mat gate, up; /* [ffn][hidden] */
+    qf_mat down;     /* [hidden][ffn] */
+} qf_expert;
+
+/* The routed experts of one MoE layer for N rows, routing included: softmax over the router
+ * logits, top-k, renormalised weights, and out[r] = sum_k w_k * down_k(silu(gate_k x) * up_k x).
+ * experts: the layer's E experts (a host array; the views point at the backend's memory). */
+typedef struct qf_moe_args {
+    const qf_expert *experts;
+    int n_experts, top_k, N, hidden, ffn;
+    const float *router_logits; /* [N][E] */
+    const float *x;             /* [N][hidden] */
+    float *out;                 /* [N][hidden], overwritten */
+} qf_moe_args;
+
 typedef struct qf_backend qf_backend;
 
 typedef struct qf_ops {
@@ -89,12 +107,35 @@ typedef struct qf_ops {
     void (*sigmoid_mul)(qf_backend *be, float *x, int x_stride, const float *g, int g_stride, int n, int d);
     /* y[i] += a[i] * s (s may be NULL = 1) over n floats */
     void (*axpy)(qf_backend *be, float *y, const float *a, float s, int64_t n);
+    /* DeltaNet gates over n rows of nv heads, in place: b = sigmoid(b), a = neg_A * softplus(a + dt_bias) */
+    void (*gdn_gates)(qf_backend *be, float *b, float *a, const float *dt_bias, const float *neg_A, int n, int nv);
+    /* y[r] += sigmoid(g[r]) * x[r] for n rows of d (the shared expert's gate) */
+    void (*sigmoid_scale_add)(qf_backend *be, float *y, const float *x, const float *g, int n, int d);
+
+    /* Optional (NULL in the CPU tables, which route on the host through the expert store). */
+    void (*moe)(qf_backend *be, const qf_moe_args *a);
+
+    /* Memory of a device backend (all NULL on the CPU: host memory is used directly). Ops may run
+     * asynchronously; download waits for them. */
+    void *(*alloc)(qf_backend *be, size_t bytes); /* zero-filled; NULL when out of memory */
+    void (*free)(qf_backend *be, void *p);
+    void (*upload)(qf_backend *be, void *dst, const void *src, size_t bytes);
+    void (*download)(qf_backend *be, void *dst, const void *src, size_t bytes);
+    void (*zero)(qf_backend *be, void *p, size_t bytes);
 } qf_ops;
 
 struct qf_backend {
     const qf_ops *ops;
     qf_pool *pool; /* may be NULL: single-threaded */
+    void *dev;     /* a device backend's context */
 };
+
+/* Host-or-device helpers: plain libc when the table has no memory functions. */
+void *qf_be_alloc(qf_backend *be, size_t bytes);
+void qf_be_free(qf_backend *be, void *p);
+void qf_be_upload(qf_backend *be, void *dst, const void *src, size_t bytes);
+void qf_be_download(qf_backend *be, void *dst, const void *src, size_t bytes);
+void qf_be_zero(qf_backend *be, void *p, size_t bytes);
 
 /* CPU tables. qf_cpu_ops_best() picks AVX-512, AVX2/FMA or scalar at run time. */
 extern const qf_ops qf_cpu_ops_ref;

@@ -12,11 +12,6 @@
 
 #include "backend/ops.h"
 
-typedef struct qf_expert {
-    qf_mat gate, up; /* [ffn][hidden] */
-    qf_mat down;     /* [hidden][ffn] */
-} qf_expert;
-
 typedef struct qf_expert_stats {
     uint64_t acquires, hits, misses, bytes_loaded;
 } qf_expert_stats;
@@ -28,6 +23,8 @@ typedef struct qf_expert_store_ops {
     void (*release)(qf_expert_store *s, int layer, int expert);
     void (*prefetch)(qf_expert_store *s, int layer, const int *experts, int n); /* optional */
     void (*destroy)(qf_expert_store *s);
+    /* All E experts of a layer at once, for backends that route on the device (optional). */
+    const qf_expert *(*table)(qf_expert_store *s, int layer);
 } qf_expert_store_ops;
 
 struct qf_expert_store {

@@ -31,11 +31,17 @@ static void resident_destroy(qf_expert_store *s) {
     free(r);
 }
 
+static const qf_expert *resident_table(qf_expert_store *s, int layer) {
+    resident_store *r = (resident_store *)s;
+    return &r->experts[(int64_t)layer * r->n_experts];
+}
+
 static const qf_expert_store_ops k_resident_ops = {
     .acquire = resident_acquire,
     .release = resident_release,
     .prefetch = NULL,
     .destroy = resident_destroy,
+    .table = resident_table,
 };
 
 qf_expert_store *qf_es_resident_create(int n_layers, int n_experts) {

@@ -17,8 +17,6 @@ typedef struct fwd {
     int n_seqs, N; /* sequences, total rows */
 } fwd;
 
-static float softplus(float u) { return u > 20.0f ? u : log1pf(expf(u)); }
-
 /* ---- Gated DeltaNet (§5) ---- */
 static void linear_attn(fwd *f, int L, const float *xn, float *out) {
     const qf_model *m = f->m;
@@ -34,11 +32,7 @@ static void linear_attn(fwd *f, int L, const float *xn, float *out) {
     OPS->matmul(be, &w->w_z, xn, N, z);
     OPS->matmul(be, &w->w_b, xn, N, bb);
     OPS->matmul(be, &w->w_a, xn, N, aa);
-    for (int i = 0; i < N * nv; i++) { /* bb becomes beta, aa becomes g */
-        int h = i % nv;
-        bb[i] = 1.0f / (1.0f + expf(-bb[i]));
-        aa[i] = w->neg_A[h] * softplus(aa[i] + w->dt_bias[h]);
-    }
+    OPS->gdn_gates(be, bb, aa, w->dt_bias, w->neg_A, N, nv); /* bb becomes beta, aa becomes g */
     for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
         qf_seq_step *q = &f->seqs[s];
         float *cv = conv + (size_t)r0 * cd;
@@ -135,6 +129,19 @@ static void route(fwd *f, const float *logits) {
     ws->counts[0] = 0;
 }
 
+static int shared_expert(fwd *f, const qf_layer_w *w, const float *xn, float *out) {
+    const qf_config *c = &f->m->cfg;
+    qf_backend *be = f->be;
+    qf_workspace *ws = f->ws;
+    if (c->shared_ffn > 0) {
+        float *shs = WS(ws, shs), *ex_out = WS(ws, ex_out);
+        swiglu_mlp(f, &w->sh_gate, &w->sh_up, &w->sh_down, xn, f->N, ex_out);
+        OPS->matmul(be, &w->sh_gate_w, xn, f->N, shs);
+        OPS->sigmoid_scale_add(be, out, ex_out, shs, f->N, c->hidden);
+    }
+    return QF_OK;
+}
+
 static int moe(fwd *f, int L, const float *xn, float *out) {
     const qf_model *m = f->m;
     const qf_config *c = &m->cfg;
@@ -144,6 +151,11 @@ static int moe(fwd *f, int L, const float *xn, float *out) {
     int H = c->hidden, N = f->N;
     float *ex_in = WS(ws, ex_in), *ex_out = WS(ws, ex_out), *asw = WS(ws, asw);
     OPS->matmul(be, &w->router, xn, N, WS(ws, rl));
+    if (OPS->moe) { /* a device routes and runs the experts itself */
+        qf_moe_args a = {m->experts->ops->table(m->experts, L), c->n_experts, c->n_experts_used, N, H, c->expert_ffn, WS(ws, rl), xn, out};
+        OPS->moe(be, &a);
+        return shared_expert(f, w, xn, out);
+    }
     route(f, WS(ws, rl));
     memset(out, 0, (size_t)N * H * sizeof(float));
     for (int e = 0; e < c->n_experts; e++) {
@@ -157,13 +169,7 @@ static int moe(fwd *f, int L, const float *xn, float *out) {
         for (int j = 0; j < cnt; j++) OPS->axpy(be, out + (size_t)ws->asr[g0 + j] * H, ex_out + (size_t)j * H, asw[g0 + j], H);
         m->experts->ops->release(m->experts, L, e);
     }
-    if (c->shared_ffn > 0) {
-        float *shs = WS(ws, shs);
-        swiglu_mlp(f, &w->sh_gate, &w->sh_up, &w->sh_down, xn, N, ex_out);
-        OPS->matmul(be, &w->sh_gate_w, xn, N, shs);
-        for (int r = 0; r < N; r++) OPS->axpy(be, out + (size_t)r * H, ex_out + (size_t)r * H, 1.0f / (1.0f + expf(-shs[r])), H);
-    }
-    return QF_OK;
+    return shared_expert(f, w, xn, out);
 }
 
 static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_step *seqs, int n_seqs, int *N) {
@@ -191,27 +197,31 @@ static void logits(fwd *f) {
     const qf_model *m = f->m;
     qf_backend *be = f->be;
     qf_workspace *ws = f->ws;
-    int H = m->cfg.hidden, V = m->cfg.vocab, n_last = 0;
+    int H = m->cfg.hidden, V = m->cfg.vocab, n_last = 0, R = ws->max_logit_rows;
     float *x = WS(ws, x), *lrows = WS(ws, lrows), *lg = WS(ws, lg);
     for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
         qf_seq_step *q = &f->seqs[s];
-        if (q->logits_mode == QF_LOGITS_ALL) {
-            float *xn = WS(ws, xn) + (size_t)r0 * H;
-            OPS->rmsnorm(be, x + (size_t)r0 * H, H, m->final_norm, q->n, H, m->cfg.norm_eps, xn, H);
-            OPS->matmul(be, &m->lm_head, xn, q->n, q->logits);
+        if (q->logits_mode == QF_LOGITS_ALL) { /* through lg in chunks: q->logits is host memory */
+            for (int i0 = 0; i0 < q->n; i0 += R) {
+                int cnt = q->n - i0 < R ? q->n - i0 : R;
+                OPS->rmsnorm(be, x + (size_t)(r0 + i0) * H, H, m->final_norm, cnt, H, m->cfg.norm_eps, lrows, H);
+                OPS->matmul(be, &m->lm_head, lrows, cnt, lg);
+                qf_be_download(be, q->logits + (size_t)i0 * V, lg, (size_t)cnt * V * sizeof(float));
+            }
         } else if (q->logits_mode == QF_LOGITS_LAST) {
             ws->lrow_src[n_last++] = s;
         }
     }
-    for (int i0 = 0; i0 < n_last; i0 += ws->max_logit_rows) {
-        int cnt = n_last - i0 < ws->max_logit_rows ? n_last - i0 : ws->max_logit_rows;
+    for (int i0 = 0; i0 < n_last; i0 += R) {
+        int cnt = n_last - i0 < R ? n_last - i0 : R;
         for (int j = 0; j < cnt; j++) {
             int s = ws->lrow_src[i0 + j], row = -1;
             for (int k = 0; k <= s; k++) row += f->seqs[k].n;
             OPS->rmsnorm(be, x + (size_t)row * H, H, m->final_norm, 1, H, m->cfg.norm_eps, lrows + (size_t)j * H, H);
         }
         OPS->matmul(be, &m->lm_head, lrows, cnt, lg);
-        for (int j = 0; j < cnt; j++) memcpy(f->seqs[ws->lrow_src[i0 + j]].logits, lg + (size_t)j * V, (size_t)V * sizeof(float));
+        for (int j = 0; j < cnt; j++)
+            qf_be_download(be, f->seqs[ws->lrow_src[i0 + j]].logits, lg + (size_t)j * V, (size_t)V * sizeof(float));
     }
 }
 
@@ -223,7 +233,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     int H = c->hidden;
     float *x = WS(ws, x), *xn = WS(ws, xn), *tmp = WS(ws, tmp);
     for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) OPS->embed(be, &m->embed, seqs[s].tokens, seqs[s].n, x + (size_t)r0 * H);
-    if (ws->hook) ws->hook(ws->hook_ud, 0, x, f.N, H);
+    if (ws->hook && !m->dev) ws->hook(ws->hook_ud, 0, x, f.N, H);
     for (int L = 0; L < c->n_layers; L++) {
         const qf_layer_w *w = &m->layers[L];
         OPS->rmsnorm(be, x, H, w->attn_norm, f.N, H, c->norm_eps, xn, H);
@@ -237,9 +247,9 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
             swiglu_mlp(&f, &w->gate, &w->up, &w->down, xn, f.N, tmp);
         }
         OPS->axpy(be, x, tmp, 1.0f, (int64_t)f.N * H);
-        if (ws->hook && L + 1 < c->n_layers) ws->hook(ws->hook_ud, L + 1, x, f.N, H);
+        if (ws->hook && !m->dev && L + 1 < c->n_layers) ws->hook(ws->hook_ud, L + 1, x, f.N, H);
     }
-    if (ws->hook) {
+    if (ws->hook && !m->dev) {
         OPS->rmsnorm(be, x, H, m->final_norm, f.N, H, c->norm_eps, xn, H);
         ws->hook(ws->hook_ud, c->n_layers, xn, f.N, H);
     }

@@ -6,6 +6,7 @@
 #include "model/model.h"
 
 struct qf_kv_pool {
+    qf_backend *dev;
     int page_tokens, n_pages, n_free;
     size_t page_floats;
     float *mem;
@@ -27,7 +28,8 @@ qf_kv_pool *qf_kv_pool_create(const qf_model *m, int page_tokens, int n_pages) {
     p->page_tokens = page_tokens;
     p->n_pages = p->n_free = n_pages;
     p->page_floats = page_floats(&m->cfg, page_tokens);
-    p->mem = calloc((size_t)n_pages * (p->page_floats ? p->page_floats : 1), sizeof(float));
+    p->dev = m->dev;
+    p->mem = qf_be_alloc(p->dev, (size_t)n_pages * (p->page_floats ? p->page_floats : 1) * sizeof(float));
     p->free_stack = malloc((size_t)n_pages * sizeof *p->free_stack);
     if (!p->mem || !p->free_stack) {
         qf_kv_pool_free(p);
@@ -39,7 +41,7 @@ qf_kv_pool *qf_kv_pool_create(const qf_model *m, int page_tokens, int n_pages) {
 
 void qf_kv_pool_free(qf_kv_pool *p) {
     if (!p) return;
-    free(p->mem);
+    qf_be_free(p->dev, p->mem);
     free(p->free_stack);
     free(p);
 }
@@ -71,9 +73,12 @@ qf_state *qf_state_create_paged(const qf_model *m, qf_kv_pool *kv, int max_ctx) 
     if (!s) return NULL;
     s->conv = calloc((size_t)c->n_layers * 2, sizeof(float *));
     s->kv_off = calloc((size_t)c->n_layers, sizeof *s->kv_off);
-    s->pages = calloc((size_t)div_up(max_ctx, kv->page_tokens), sizeof *s->pages);
-    s->block = calloc(total ? total : 1, sizeof(float));
-    if (!s->conv || !s->kv_off || !s->pages || !s->block) {
+    size_t max_pages = (size_t)div_up(max_ctx, kv->page_tokens);
+    s->dev = m->dev;
+    s->pages = calloc(max_pages, sizeof *s->pages);
+    if (m->dev) s->pages_dev = qf_be_alloc(m->dev, max_pages * sizeof *s->pages);
+    s->block = qf_be_alloc(m->dev, (total ? total : 1) * sizeof(float));
+    if (!s->conv || !s->kv_off || !s->pages || !s->block || (m->dev && !s->pages_dev)) {
         qf_state_free(s);
         return NULL;
     }
@@ -120,7 +125,10 @@ int qf_state_reserve(qf_state *s, int n) {
         return qf_fail(QF_EINVAL, "context full: %d cached + %d new tokens > context size %d", s->pos, n, s->max_ctx);
     int need = qf_state_pages_needed(s, n);
     if (need > s->kv->n_free) return qf_fail(QF_ENOMEM, "KV cache full: %d pages needed, %d free", need, s->kv->n_free);
+    int first = s->n_pages;
     while (need-- > 0) s->pages[s->n_pages++] = s->kv->free_stack[--s->kv->n_free];
+    if (s->pages_dev && s->n_pages > first)
+        qf_be_upload(s->dev, s->pages_dev + first, s->pages + first, (size_t)(s->n_pages - first) * sizeof *s->pages);
     return QF_OK;
 }
 
@@ -130,7 +138,7 @@ static void release_pages(qf_state *s) {
 
 void qf_state_reset(qf_state *s) {
     /* KV entries past pos are never read, but DeltaNet state must restart from zero */
-    memset(s->block, 0, s->block_floats * sizeof(float));
+    qf_be_zero(s->dev, s->block, (s->block_floats ? s->block_floats : 1) * sizeof(float));
     release_pages(s);
     s->pos = 0;
 }
@@ -142,12 +150,13 @@ void qf_state_free(qf_state *s) {
     free(s->conv);
     free(s->kv_off);
     free(s->pages);
-    free(s->block);
+    qf_be_free(s->dev, s->pages_dev);
+    qf_be_free(s->dev, s->block);
     free(s);
 }
 
 qf_kv_view qf_state_kv_view(const qf_state *s, int L) {
     const qf_kv_pool *p = s->kv;
-    qf_kv_view v = {p->mem, s->pages, p->page_tokens, p->page_floats, s->kv_off[L], s->kv_off[L] + s->kv_layer_floats};
+    qf_kv_view v = {p->mem, s->pages_dev ? s->pages_dev : s->pages, p->page_tokens, p->page_floats, s->kv_off[L], s->kv_off[L] + s->kv_layer_floats};
     return v;
 }

@@ -42,6 +42,8 @@ int qf_model_load(qf_model **out, const char *dir, const qf_load_opts *opts) {
 
 void qf_model_free(qf_model *m) {
     if (!m) return;
+    for (int i = 0; i < m->n_dev_bufs; i++) qf_be_free(m->dev, m->dev_bufs[i]);
+    free(m->dev_bufs);
     qf_es_destroy(m->experts);
     for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
     free(m->owned);
@@ -90,7 +92,8 @@ qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
     CARVE(lrows, w->max_logit_rows * H);
     CARVE(lg, (size_t)w->max_logit_rows * (size_t)c->vocab);
 #undef CARVE
-    w->f = malloc(total * sizeof(float));
+    w->dev = m->dev;
+    w->f = qf_be_alloc(m->dev, total * sizeof(float));
     w->ints = malloc(((size_t)R * K * 2 + (size_t)E + 1 + (size_t)R) * sizeof(int));
     if (!w->f || !w->ints) {
         qf_workspace_free(w);
@@ -105,7 +108,7 @@ qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
 
 void qf_workspace_free(qf_workspace *w) {
     if (!w) return;
-    free(w->f);
+    qf_be_free(w->dev, w->f);
     free(w->ints);
     free(w);
 }

@@ -48,6 +48,9 @@ typedef struct qf_model {
     qf_expert_store *experts;
     void **owned;       /* converted small tensors, freed with the model */
     uint64_t synth_seed; /* synthetic models: the weights' seed */
+    qf_backend *dev;     /* set by qf_model_to_device: weights, states and scratch live there */
+    void **dev_bufs;     /* device copies of the weights, freed with the model */
+    int n_dev_bufs;
     int n_owned, cap_owned;
 } qf_model;
 
@@ -61,6 +64,11 @@ typedef struct qf_load_opts {
  * the message names the file or tensor. */
 int qf_model_load(qf_model **out, const char *dir, const qf_load_opts *opts);
 void qf_model_free(qf_model *m);
+
+/* Copies every weight to the backend's memory (straight from the mapped checkpoint) and points
+ * the model at it; states and workspaces made afterwards live there too. drop_host frees
+ * generated (synthetic) weights once copied. */
+int qf_model_to_device(qf_model *m, qf_backend *be, int drop_host);
 
 /* A model with a real checkpoint's shapes and generated weights (see synthetic.c). */
 typedef struct qf_synth_opts {
@@ -94,6 +102,8 @@ typedef struct qf_state {
     size_t kv_layer_floats; /* one layer's keys in a page; its values follow */
     qf_kv_pool *kv;
     int32_t *pages;   /* page table: (max_ctx / page_tokens rounded up) */
+    int32_t *pages_dev; /* its copy in device memory (NULL on the host) */
+    qf_backend *dev;
     int n_pages;      /* pages held */
     int owns_kv;
     float *block;     /* one allocation behind conv and ssm */

@@ -8,6 +8,7 @@
 #include "model/model.h"
 
 struct qf_workspace {
+    qf_backend *dev; /* where f lives (NULL: host) */
     int max_rows, max_logit_rows;
     float *f;
     size_t x_off, xn_off, tmp_off, big_off, conv_off, kb_off, vb_off, z_off, bb_off, aa_off, core_off;

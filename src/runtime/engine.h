@@ -15,6 +15,7 @@ typedef struct qf_engine_opts {
     int max_batch;   /* workspace rows (prefill chunk); 0 = 512 */
     qf_diag *diag;
     const qf_synth_opts *synth; /* make a synthetic model instead of loading dir (no tokenizer) */
+    const char *device;         /* "cpu" (default) or "cuda" / "cuda:N" */
     void (*progress)(void *ud, int done, int total);
     void *progress_ud;
 } qf_engine_opts;
@@ -24,6 +25,7 @@ typedef struct qf_engine {
     qf_tokenizer *tok; /* NULL when the directory has no tokenizer.json */
     qf_pool *pool;
     qf_backend be;
+    int on_gpu;
     qf_workspace *ws;
     float *logits;     /* (vocab) */
     char *text;        /* one token's text: 3 x longest piece + 8 (every byte may become U+FFFD) */

@@ -16,6 +16,8 @@ void qf_ref_conv_silu(qf_backend *be, const float *x, int x_stride, int T, int C
 void qf_ref_kv_store(qf_backend *be, const qf_kv_view *kv, const float *k, const float *v, int T, int pos0, int nkv, int hd);
 void qf_ref_swiglu(qf_backend *be, const float *g, const float *u, int stride, int n, int d, float *y);
 void qf_ref_sigmoid_mul(qf_backend *be, float *x, int x_stride, const float *g, int g_stride, int n, int d);
+void qf_ref_gdn_gates(qf_backend *be, float *b, float *a, const float *dt_bias, const float *neg_A, int n, int nv);
+void qf_ref_sigmoid_scale_add(qf_backend *be, float *y, const float *x, const float *g, int n, int d);
 void qf_ref_axpy(qf_backend *be, float *y, const float *a, float s, int64_t n);
 
 static inline float qf_silu(float x) { return x / (1.0f + expf(-x)); }

@@ -160,6 +160,24 @@ void qf_ref_kv_store(qf_backend *be, const qf_kv_view *kv, const float *k, const
         }
 }
 
+void qf_ref_gdn_gates(qf_backend *be, float *b, float *a, const float *dt_bias, const float *neg_A, int n, int nv) {
+    (void)be;
+    for (int i = 0; i < n * nv; i++) {
+        int h = i % nv;
+        float u = a[i] + dt_bias[h];
+        b[i] = 1.0f / (1.0f + expf(-b[i]));
+        a[i] = neg_A[h] * (u > 20.0f ? u : log1pf(expf(u)));
+    }
+}
+
+void qf_ref_sigmoid_scale_add(qf_backend *be, float *y, const float *x, const float *g, int n, int d) {
+    (void)be;
+    for (int r = 0; r < n; r++) {
+        float s = 1.0f / (1.0f + expf(-g[r]));
+        for (int i = 0; i < d; i++) y[(int64_t)r * d + i] += x[(int64_t)r * d + i] * s;
+    }
+}
+
 void qf_ref_swiglu(qf_backend *be, const float *g, const float *u, int stride, int n, int d, float *y) {
     (void)be;
     for (int t = 0; t < n; t++)
@@ -190,4 +208,6 @@ const qf_ops qf_cpu_ops_ref = {
     .swiglu = qf_ref_swiglu,
     .sigmoid_mul = qf_ref_sigmoid_mul,
     .axpy = qf_ref_axpy,
+    .gdn_gates = qf_ref_gdn_gates,
+    .sigmoid_scale_add = qf_ref_sigmoid_scale_add,
 };

@@ -1,0 +1,753 @@
+// The CUDA ops table. Every kernel mirrors the CPU reference op of the same name
+// (src/backend/cpu/ops_ref.c); tests/test_cuda.c compares them on random data of the real shapes.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+#include "backend/cuda/ops_cuda.h"
+#include "base/dtype.h"
+#include "base/err.h"
+}
+
+namespace {
+
+struct expert_tab {
+    const qf_expert *host; // the store's table for one layer
+    const void **dev;      // [3][E] device pointers: gate, up, down
+};
+
+struct ctx {
+    int device, fp32;
+    cublasHandle_t blas;
+    size_t total, peak;
+    char name[256];
+    void *tok, *xb, *moe, *attn;
+    size_t tok_cap, xb_cap, moe_cap, attn_cap;
+    expert_tab tabs[512];
+    int n_tabs;
+};
+
+ctx *C(qf_backend *be) { return (ctx *)be->dev; }
+
+void note_peak(ctx *c) {
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) == cudaSuccess && tot - fr > c->peak) c->peak = tot - fr;
+}
+
+void check(cudaError_t e, const char *what) {
+    if (e != cudaSuccess) {
+        // a failed kernel or copy leaves the model in an unknown state: say so loudly, once
+        fprintf(stderr, "qflash cuda: %s: %s\n", what, cudaGetErrorString(e));
+    }
+}
+
+// Grows a scratch buffer (only while sizes are still rising: the first steps of a run).
+void *scratch(void **p, size_t *cap, size_t need) {
+    if (need <= *cap) return *p;
+    if (*p) cudaFree(*p);
+    size_t n = need + need / 2;
+    if (cudaMalloc(p, n) != cudaSuccess) {
+        *p = NULL;
+        *cap = 0;
+        return NULL;
+    }
+    *cap = n;
+    return *p;
+}
+
+__device__ __forceinline__ float bf16f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+
+__device__ __forceinline__ float ldw(const void *w, int dtype, int64_t i) {
+    if (dtype == QF_DT_BF16) return bf16f(((const uint16_t *)w)[i]);
+    if (dtype == QF_DT_F16) return __half2float(((const __half *)w)[i]);
+    return ((const float *)w)[i];
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// ---- matrix-vector products: a warp per output row, NT tokens at once ----
+
+// bf16 rows, 16-byte aligned, cols % 8 == 0: each lane streams 8 weights at a time.
+template <int NT>
+__global__ void gemv_bf16(const uint16_t *__restrict__ W, int64_t rows, int64_t cols, const float *__restrict__ x, float *__restrict__ y) {
+    int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const uint4 *wr = (const uint4 *)(W + row * cols);
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+    int64_t n8 = cols / 8;
+    for (int64_t c = lane; c < n8; c += 32) {
+        uint4 v = __ldg(wr + c);
+        float w[8] = {bf16f(v.x & 0xffff), bf16f(v.x >> 16), bf16f(v.y & 0xffff), bf16f(v.y >> 16),
+                      bf16f(v.z & 0xffff), bf16f(v.z >> 16), bf16f(v.w & 0xffff), bf16f(v.w >> 16)};
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float *xp = x + t * cols + c * 8;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[t] += w[i] * xp[i];
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float s = warp_sum(acc[t]);
+        if (lane == 0) y[t * rows + row] = s;
+    }
+}
+
+// Any dtype and alignment.
+template <int NT>
+__global__ void gemv_any(const void *__restrict__ W, int dtype, int64_t rows, int64_t cols, const float *__restrict__ x, float *__restrict__ y) {
+    int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+    for (int64_t c = lane; c < cols; c += 32) {
+        float w = ldw(W, dtype, row * cols + c);
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[t] += w * x[t * cols + c];
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float s = warp_sum(acc[t]);
+        if (lane == 0) y[t * rows + row] = s;
+    }
+}
+
+template <int NT>
+void gemv_launch(const qf_mat *w, const float *x, float *y) {
+    int warps = 8;
+    dim3 grid((unsigned)((w->rows + warps - 1) / warps));
+    int fast = w->dtype == QF_DT_BF16 && w->cols % 8 == 0 && ((uintptr_t)w->data % 16) == 0;
+    if (fast) gemv_bf16<NT><<<grid, warps * 32>>>((const uint16_t *)w->data, w->rows, w->cols, x, y);
+    else gemv_any<NT><<<grid, warps * 32>>>(w->data, w->dtype, w->rows, w->cols, x, y);
+}
+
+void gemv(const qf_mat *w, const float *x, int n, float *y) {
+    for (int t0 = 0; t0 < n; t0 += 8) {
+        int nt = n - t0 < 8 ? n - t0 : 8;
+        const float *xt = x + (int64_t)t0 * w->cols;
+        float *yt = y + (int64_t)t0 * w->rows;
+        switch (nt) {
+        case 1: gemv_launch<1>(w, xt, yt); break;
+        case 2: gemv_launch<2>(w, xt, yt); break;
+        case 3: gemv_launch<3>(w, xt, yt); break;
+        case 4: gemv_launch<4>(w, xt, yt); break;
+        case 5: gemv_launch<5>(w, xt, yt); break;
+        case 6: gemv_launch<6>(w, xt, yt); break;
+        case 7: gemv_launch<7>(w, xt, yt); break;
+        default: gemv_launch<8>(w, xt, yt); break;
+        }
+    }
+}
+
+__global__ void to_bf16(const float *__restrict__ x, __nv_bfloat16 *__restrict__ y, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __float2bfloat16(x[i]);
+}
+
+unsigned blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
+
+void cu_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, float *y) {
+    ctx *c = C(be);
+    if (n <= 8 || c->fp32 || (w->dtype != QF_DT_BF16 && w->dtype != QF_DT_F32)) {
+        gemv(w, x, n, y);
+        return;
+    }
+    float one = 1.0f, zero = 0.0f;
+    if (w->dtype == QF_DT_F32) {
+        cublasSgemm(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, n, (int)w->cols, &one, (const float *)w->data, (int)w->cols, x,
+                    (int)w->cols, &zero, y, (int)w->rows);
+        return;
+    }
+    int64_t nx = (int64_t)n * w->cols;
+    __nv_bfloat16 *xb = (__nv_bfloat16 *)scratch(&c->xb, &c->xb_cap, (size_t)nx * 2);
+    if (!xb) {
+        gemv(w, x, n, y);
+        return;
+    }
+    to_bf16<<<blocks(nx, 256), 256>>>(x, xb, nx);
+    cublasStatus_t st = cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, n, (int)w->cols, &one, w->data, CUDA_R_16BF,
+                                     (int)w->cols, xb, CUDA_R_16BF, (int)w->cols, &zero, y, CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT);
+    if (st != CUBLAS_STATUS_SUCCESS) gemv(w, x, n, y);
+}
+
+// ---- small ops ----
+
+__global__ void k_embed(const void *emb, int dtype, int64_t cols, const int32_t *ids, int n, float *y) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)n * cols) return;
+    int64_t t = i / cols, c = i % cols;
+    y[i] = ldw(emb, dtype, (int64_t)ids[t] * cols + c);
+}
+
+void cu_embed(qf_backend *be, const qf_mat *emb, const int32_t *ids, int n, float *y) {
+    ctx *c = C(be);
+    int32_t *d = (int32_t *)scratch(&c->tok, &c->tok_cap, (size_t)n * 4);
+    if (!d) return;
+    cudaMemcpy(d, ids, (size_t)n * 4, cudaMemcpyHostToDevice);
+    k_embed<<<blocks((int64_t)n * emb->cols, 256), 256>>>(emb->data, emb->dtype, emb->cols, d, n, y);
+}
+
+__global__ void k_rmsnorm(const float *x, int xs, const float *w, int dim, float eps, float *y, int ys) {
+    __shared__ float red[32];
+    const float *xr = x + (int64_t)blockIdx.x * xs;
+    float *yr = y + (int64_t)blockIdx.x * ys;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0.0f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) red[0] = v;
+    }
+    __syncthreads();
+    float inv = 1.0f / sqrtf(red[0] / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = xr[i] * inv * (w ? w[i] : 1.0f);
+}
+
+void cu_rmsnorm(qf_backend *be, const float *x, int xs, const float *w, int n_rows, int dim, float eps, float *y, int ys) {
+    (void)be;
+    if (n_rows > 0) k_rmsnorm<<<n_rows, 256>>>(x, xs, w, dim, eps, y, ys);
+}
+
+__global__ void k_rope(float *x, int stride, int hstride, int T, int nh, int half, int pos0, const float *inv_freq) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)T * nh * half) return;
+    int k = (int)(i % half), h = (int)((i / half) % nh), t = (int)(i / half / nh);
+    float *v = x + (int64_t)t * stride + (int64_t)h * hstride;
+    float ang = (float)(pos0 + t) * inv_freq[k];
+    float cs = cosf(ang), sn = sinf(ang), a = v[k], b = v[k + half];
+    v[k] = a * cs - b * sn;
+    v[k + half] = b * cs + a * sn;
+}
+
+void cu_rope(qf_backend *be, float *x, int stride, int hstride, int T, int nh, int rot, int pos0, const float *inv_freq) {
+    (void)be;
+    int64_t n = (int64_t)T * nh * (rot / 2);
+    if (n > 0) k_rope<<<blocks(n, 256), 256>>>(x, stride, hstride, T, nh, rot / 2, pos0, inv_freq);
+}
+
+__global__ void k_conv(const float *x, int xs, int T, int Cn, int K, const float *w, float *state, float *y) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= Cn) return;
+    float hist[16], wk[16];
+    for (int j = 0; j < K - 1; j++) hist[j] = state[(int64_t)j * Cn + c];
+    for (int j = 0; j < K; j++) wk[j] = w[c * K + j];
+    for (int t = 0; t < T; t++) {
+        float xt = x[(int64_t)t * xs + c], acc = 0.0f;
+        for (int j = 0; j < K - 1; j++) acc += wk[j] * hist[j];
+        acc += wk[K - 1] * xt;
+        y[(int64_t)t * Cn + c] = silu(acc);
+        for (int j = 0; j + 1 < K - 1; j++) hist[j] = hist[j + 1];
+        if (K > 1) hist[K - 2] = xt;
+    }
+    for (int j = 0; j < K - 1; j++) state[(int64_t)j * Cn + c] = hist[j];
+}
+
+void cu_conv_silu(qf_backend *be, const float *x, int xs, int T, int Cn, int K, const float *w, float *state, float *y) {
+    (void)be;
+    k_conv<<<blocks(Cn, 128), 128>>>(x, xs, T, Cn, K, w, state, y);
+}
+
+// Gated delta rule: a block per v-head, a thread per value column j holding S[:, j].
+template <int DK>
+__global__ void k_gdn(qf_gdn_args a) {
+    __shared__ float qn[DK], kn[DK], red[2][32];
+    int h = blockIdx.x, j = threadIdx.x, dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk);
+    float s[DK];
+    float *S = a.S + (int64_t)h * dk * dv;
+#pragma unroll
+    for (int i = 0; i < DK; i++) s[i] = i < dk && j < dv ? S[(int64_t)i * dv + j] : 0.0f;
+    float qscale = rsqrtf((float)dk);
+    for (int t = 0; t < a.T; t++) {
+        const float *q = a.q + (int64_t)t * a.stride + kh * dk, *k = a.k + (int64_t)t * a.stride + kh * dk;
+        float sq = 0.0f, sk = 0.0f;
+        for (int i = j; i < dk; i += blockDim.x) sq += q[i] * q[i], sk += k[i] * k[i];
+        sq = warp_sum(sq), sk = warp_sum(sk);
+        if ((j & 31) == 0) red[0][j / 32] = sq, red[1][j / 32] = sk;
+        __syncthreads();
+        float tq = 0.0f, tk = 0.0f;
+        for (int w = 0; w < (int)(blockDim.x + 31) / 32; w++) tq += red[0][w], tk += red[1][w];
+        float iq = qscale / sqrtf(tq + 1e-6f), ik = 1.0f / sqrtf(tk + 1e-6f);
+        for (int i = j; i < dk; i += blockDim.x) qn[i] = q[i] * iq, kn[i] = k[i] * ik;
+        __syncthreads();
+        if (j < dv) {
+            float decay = expf(a.g[t * a.nv + h]), beta = a.beta[t * a.nv + h], u = 0.0f, o = 0.0f;
+#pragma unroll
+            for (int i = 0; i < DK; i++)
+                if (i < dk) s[i] *= decay, u += s[i] * kn[i];
+            u = beta * (a.v[(int64_t)t * a.stride + h * dv + j] - u);
+#pragma unroll
+            for (int i = 0; i < DK; i++)
+                if (i < dk) s[i] += kn[i] * u, o += s[i] * qn[i];
+            a.out[((int64_t)t * a.nv + h) * dv + j] = o;
+        }
+        __syncthreads(); // qn/kn and red are rewritten by the next token
+    }
+#pragma unroll
+    for (int i = 0; i < DK; i++)
+        if (i < dk && j < dv) S[(int64_t)i * dv + j] = s[i];
+}
+
+void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
+    (void)be;
+    int threads = ((a->dv + 31) / 32) * 32;
+    if (a->dk <= 32) k_gdn<32><<<a->nv, threads>>>(*a);
+    else if (a->dk <= 64) k_gdn<64><<<a->nv, threads>>>(*a);
+    else if (a->dk <= 128) k_gdn<128><<<a->nv, threads>>>(*a);
+    else fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
+}
+
+// ---- paged attention: split over keys, then combined ----
+
+__device__ __forceinline__ const float *kv_row(const qf_kv_view &v, int j, int nkv, int hd, int h, int is_v) {
+    size_t page = (size_t)v.pages[j / v.page_tokens];
+    return v.base + page * v.page_stride + (is_v ? v.v_off : v.k_off) + ((size_t)(j % v.page_tokens) * nkv + h) * hd;
+}
+
+#define ATT_WARPS 4
+#define ATT_DPL 8 // dims per lane: head_dim up to 256
+
+// Block (t*nh + h, split): keys [split*chunk, ...) up to the query's position; writes the
+// unnormalised partial (m, l, o[hd]).
+__global__ void k_attn_part(qf_attn_args a, int chunk, int splits, float *part) {
+    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], so[ATT_WARPS][ATT_DPL * 32];
+    int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, kvh = h / (a.nh / a.nkv);
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, hd = a.hd;
+    int n_keys = a.pos0 + t + 1, j0 = sp * chunk, j1 = min(n_keys, j0 + chunk);
+    const float *q = a.q + (int64_t)t * a.q_stride + (int64_t)h * a.q_hstride;
+    float qr[ATT_DPL], o[ATT_DPL], m = -INFINITY, l = 0.0f;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) {
+        int d = lane + 32 * u;
+        qr[u] = d < hd ? q[d] : 0.0f;
+        o[u] = 0.0f;
+    }
+    for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
+        const float *k = kv_row(a.kv, j, a.nkv, hd, kvh, 0), *v = kv_row(a.kv, j, a.nkv, hd, kvh, 1);
+        float s = 0.0f;
+#pragma unroll
+        for (int u = 0; u < ATT_DPL; u++) {
+            int d = lane + 32 * u;
+            if (d < hd) s += qr[u] * k[d];
+        }
+        s = warp_sum(s) * a.scale;
+        float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
+        l = l * corr + p;
+#pragma unroll
+        for (int u = 0; u < ATT_DPL; u++) {
+            int d = lane + 32 * u;
+            o[u] = o[u] * corr + (d < hd ? p * v[d] : 0.0f);
+        }
+        m = mn;
+    }
+    if (lane == 0) sm[warp] = m, sl[warp] = l;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) so[warp][lane + 32 * u] = o[u];
+    __syncthreads();
+    if (warp != 0) return;
+    float M = -INFINITY;
+    for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm[w]);
+    float L = 0.0f;
+    for (int w = 0; w < ATT_WARPS; w++) L += sm[w] == -INFINITY ? 0.0f : sl[w] * expf(sm[w] - M);
+    float *out = part + ((int64_t)th * splits + sp) * (hd + 2);
+    if (lane == 0) out[0] = M, out[1] = L;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) {
+        int d = lane + 32 * u;
+        if (d >= hd) continue;
+        float acc = 0.0f;
+        for (int w = 0; w < ATT_WARPS; w++) acc += sm[w] == -INFINITY ? 0.0f : so[w][d] * expf(sm[w] - M);
+        out[2 + d] = acc;
+    }
+}
+
+__global__ void k_attn_combine(int splits, int hd, const float *part, float *out) {
+    int th = blockIdx.x;
+    const float *p = part + (int64_t)th * splits * (hd + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, p[s * (hd + 2)]);
+    float L = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        float ms = p[s * (hd + 2)];
+        if (ms != -INFINITY) L += p[s * (hd + 2) + 1] * expf(ms - M);
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            float ms = p[s * (hd + 2)];
+            if (ms != -INFINITY) acc += p[s * (hd + 2) + 2 + d] * expf(ms - M);
+        }
+        out[(int64_t)th * hd + d] = acc / L;
+    }
+}
+
+void cu_attention(qf_backend *be, const qf_attn_args *a) {
+    ctx *c = C(be);
+    if (a->hd > ATT_DPL * 32) {
+        fprintf(stderr, "qflash cuda: head_dim %d > %d is not supported\n", a->hd, ATT_DPL * 32);
+        return;
+    }
+    int max_keys = a->pos0 + a->T, rows = a->T * a->nh;
+    // few query rows (decode): split the keys so every SM has work
+    int splits = rows >= 264 ? 1 : min(64, max(1, (264 / rows)));
+    int chunk = (max_keys + splits - 1) / splits;
+    if (chunk < 64) chunk = 64, splits = (max_keys + 63) / 64;
+    float *part = (float *)scratch(&c->attn, &c->attn_cap, (size_t)rows * splits * (a->hd + 2) * sizeof(float));
+    if (!part) return;
+    k_attn_part<<<dim3(rows, splits), ATT_WARPS * 32>>>(*a, chunk, splits, part);
+    k_attn_combine<<<rows, 128>>>(splits, a->hd, part, a->out);
+}
+
+__global__ void k_kv_store(qf_kv_view kv, const float *k, const float *v, int T, int pos0, int nkv, int hd) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)T * nkv * hd) return;
+    int d = (int)(i % hd), h = (int)((i / hd) % nkv), t = (int)(i / hd / nkv);
+    size_t page = (size_t)kv.pages[(pos0 + t) / kv.page_tokens];
+    size_t at = page * kv.page_stride + ((size_t)((pos0 + t) % kv.page_tokens) * nkv + h) * hd + d;
+    kv.base[at + kv.k_off] = k[i];
+    kv.base[at + kv.v_off] = v[i];
+}
+
+void cu_kv_store(qf_backend *be, const qf_kv_view *kv, const float *k, const float *v, int T, int pos0, int nkv, int hd) {
+    (void)be;
+    int64_t n = (int64_t)T * nkv * hd;
+    if (n > 0) k_kv_store<<<blocks(n, 256), 256>>>(*kv, k, v, T, pos0, nkv, hd);
+}
+
+__global__ void k_swiglu(const float *g, const float *u, int stride, int n, int d, float *y) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)n * d) return;
+    int64_t t = i / d, c = i % d;
+    y[i] = silu(g[t * stride + c]) * u[t * stride + c];
+}
+
+void cu_swiglu(qf_backend *be, const float *g, const float *u, int stride, int n, int d, float *y) {
+    (void)be;
+    if ((int64_t)n * d > 0) k_swiglu<<<blocks((int64_t)n * d, 256), 256>>>(g, u, stride, n, d, y);
+}
+
+__global__ void k_sigmoid_mul(float *x, int xs, const float *g, int gs, int n, int d) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)n * d) return;
+    int64_t t = i / d, c = i % d;
+    x[t * xs + c] *= 1.0f / (1.0f + expf(-g[t * gs + c]));
+}
+
+void cu_sigmoid_mul(qf_backend *be, float *x, int xs, const float *g, int gs, int n, int d) {
+    (void)be;
+    if ((int64_t)n * d > 0) k_sigmoid_mul<<<blocks((int64_t)n * d, 256), 256>>>(x, xs, g, gs, n, d);
+}
+
+__global__ void k_axpy(float *y, const float *a, float s, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += a[i] * s;
+}
+
+void cu_axpy(qf_backend *be, float *y, const float *a, float s, int64_t n) {
+    (void)be;
+    if (n > 0) k_axpy<<<blocks(n, 256), 256>>>(y, a, s, n);
+}
+
+__global__ void k_gdn_gates(float *b, float *a, const float *dt_bias, const float *neg_A, int n, int nv) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * nv) return;
+    int h = i % nv;
+    float u = a[i] + dt_bias[h];
+    b[i] = 1.0f / (1.0f + expf(-b[i]));
+    a[i] = neg_A[h] * (u > 20.0f ? u : log1pf(expf(u)));
+}
+
+void cu_gdn_gates(qf_backend *be, float *b, float *a, const float *dt_bias, const float *neg_A, int n, int nv) {
+    (void)be;
+    if (n * nv > 0) k_gdn_gates<<<blocks((int64_t)n * nv, 256), 256>>>(b, a, dt_bias, neg_A, n, nv);
+}
+
+__global__ void k_sig_scale_add(float *y, const float *x, const float *g, int n, int d) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)n * d) return;
+    y[i] += x[i] * (1.0f / (1.0f + expf(-g[i / d])));
+}
+
+void cu_sigmoid_scale_add(qf_backend *be, float *y, const float *x, const float *g, int n, int d) {
+    (void)be;
+    if ((int64_t)n * d > 0) k_sig_scale_add<<<blocks((int64_t)n * d, 256), 256>>>(y, x, g, n, d);
+}
+
+// ---- MoE: routing, then one GEMV per (row, chosen expert) ----
+
+// A block per row: softmax over E, k rounds of argmax (ties to the lower index, as the CPU), renormalise.
+__global__ void k_route(const float *logits, int E, int K, int *topi, float *topw) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    __shared__ float s_mx, s_sum;
+    __shared__ int chosen[64];
+    const float *l = logits + (int64_t)blockIdx.x * E;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid / 32, nw = blockDim.x / 32;
+    float mx = -INFINITY;
+    for (int e = tid; e < E; e += blockDim.x) mx = fmaxf(mx, l[e]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) sv[warp] = mx;
+    __syncthreads();
+    if (tid == 0) {
+        float m = sv[0];
+        for (int w = 1; w < nw; w++) m = fmaxf(m, sv[w]);
+        s_mx = m;
+    }
+    __syncthreads();
+    float sum = 0.0f;
+    for (int e = tid; e < E; e += blockDim.x) sum += expf(l[e] - s_mx);
+    sum = warp_sum(sum);
+    __syncthreads();
+    if (lane == 0) sv[warp] = sum;
+    __syncthreads();
+    if (tid == 0) {
+        float s = 0.0f;
+        for (int w = 0; w < nw; w++) s += sv[w];
+        s_sum = s;
+    }
+    __syncthreads();
+    for (int k = 0; k < K; k++) {
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+        for (int e = tid; e < E; e += blockDim.x) {
+            int taken = 0;
+            for (int j = 0; j < k; j++) taken |= chosen[j] == e;
+            if (!taken && (l[e] > bv || (l[e] == bv && e < bi))) bv = l[e], bi = e;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+        }
+        if (lane == 0) sv[warp] = bv, si[warp] = bi;
+        __syncthreads();
+        if (tid == 0) {
+            float v = sv[0];
+            int i = si[0];
+            for (int w = 1; w < nw; w++)
+                if (sv[w] > v || (sv[w] == v && si[w] < i)) v = sv[w], i = si[w];
+            chosen[k] = i;
+        }
+        __syncthreads();
+    }
+    if (tid == 0) {
+        float w[64], ts = 0.0f;
+        for (int k = 0; k < K; k++) w[k] = expf(l[chosen[k]] - s_mx) / s_sum, ts += w[k];
+        for (int k = 0; k < K; k++) topi[blockIdx.x * K + k] = chosen[k], topw[blockIdx.x * K + k] = w[k] / ts;
+    }
+}
+
+// h[rk][j] = silu(gate_e[j] . x[r]) * (up_e[j] . x[r]) for the pair rk = r*K + k; a warp per j.
+__global__ void k_expert_gate_up(const void *const *tab, int E, int dtype, const int *topi, int K, const float *x, int H, int I, float *hbuf) {
+    int rk = blockIdx.x, j = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (j >= I) return;
+    int e = topi[rk], r = rk / K;
+    const void *G = tab[e], *U = tab[E + e];
+    const float *xr = x + (int64_t)r * H;
+    float g = 0.0f, u = 0.0f;
+    if (dtype == QF_DT_BF16 && H % 8 == 0) {
+        const uint4 *gr = (const uint4 *)((const uint16_t *)G + (int64_t)j * H), *ur = (const uint4 *)((const uint16_t *)U + (int64_t)j * H);
+        for (int c = lane; c < H / 8; c += 32) {
+            uint4 a = __ldg(gr + c), b = __ldg(ur + c);
+            const float *xp = xr + c * 8;
+            uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                g += bf16f(av[q] & 0xffff) * xp[2 * q] + bf16f(av[q] >> 16) * xp[2 * q + 1];
+                u += bf16f(bv[q] & 0xffff) * xp[2 * q] + bf16f(bv[q] >> 16) * xp[2 * q + 1];
+            }
+        }
+    } else {
+        for (int c = lane; c < H; c += 32) g += ldw(G, dtype, (int64_t)j * H + c) * xr[c], u += ldw(U, dtype, (int64_t)j * H + c) * xr[c];
+    }
+    g = warp_sum(g), u = warp_sum(u);
+    if (lane == 0) hbuf[(int64_t)rk * I + j] = silu(g) * u;
+}
+
+// y[rk][i] = down_e[i] . h[rk]; a warp per i.
+__global__ void k_expert_down(const void *const *tab, int E, int dtype, const int *topi, const float *hbuf, int H, int I, float *ybuf) {
+    int rk = blockIdx.x, i = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (i >= H) return;
+    const void *D = tab[2 * E + topi[rk]];
+    const float *hr = hbuf + (int64_t)rk * I;
+    float s = 0.0f;
+    if (dtype == QF_DT_BF16 && I % 8 == 0) {
+        const uint4 *dr = (const uint4 *)((const uint16_t *)D + (int64_t)i * I);
+        for (int c = lane; c < I / 8; c += 32) {
+            uint4 a = __ldg(dr + c);
+            const float *hp = hr + c * 8;
+            uint32_t av[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+            for (int q = 0; q < 4; q++) s += bf16f(av[q] & 0xffff) * hp[2 * q] + bf16f(av[q] >> 16) * hp[2 * q + 1];
+        }
+    } else {
+        for (int c = lane; c < I; c += 32) s += ldw(D, dtype, (int64_t)i * I + c) * hr[c];
+    }
+    s = warp_sum(s);
+    if (lane == 0) ybuf[(int64_t)rk * H + i] = s;
+}
+
+__global__ void k_expert_sum(const float *ybuf, const float *topw, int K, int N, int H, float *out) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)N * H) return;
+    int64_t r = i / H, c = i % H;
+    float acc = 0.0f;
+    for (int k = 0; k < K; k++) acc += topw[r * K + k] * ybuf[(r * K + k) * H + c];
+    out[i] = acc;
+}
+
+const void **expert_table(ctx *c, const qf_moe_args *a) {
+    for (int i = 0; i < c->n_tabs; i++)
+        if (c->tabs[i].host == a->experts) return c->tabs[i].dev;
+    if (c->n_tabs == (int)(sizeof c->tabs / sizeof *c->tabs)) return NULL;
+    int E = a->n_experts;
+    const void **host = (const void **)malloc(3 * (size_t)E * sizeof(void *));
+    void *dev = NULL;
+    if (!host || cudaMalloc(&dev, 3 * (size_t)E * sizeof(void *)) != cudaSuccess) {
+        free(host);
+        return NULL;
+    }
+    for (int e = 0; e < E; e++) host[e] = a->experts[e].gate.data, host[E + e] = a->experts[e].up.data, host[2 * E + e] = a->experts[e].down.data;
+    cudaMemcpy(dev, host, 3 * (size_t)E * sizeof(void *), cudaMemcpyHostToDevice);
+    free(host);
+    c->tabs[c->n_tabs++] = {a->experts, (const void **)dev};
+    return (const void **)dev;
+}
+
+void cu_moe(qf_backend *be, const qf_moe_args *a) {
+    ctx *c = C(be);
+    const void **tab = expert_table(c, a);
+    int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
+    size_t need = (size_t)N * K * (sizeof(int) + sizeof(float) + (size_t)(I + H) * sizeof(float));
+    char *s = (char *)scratch(&c->moe, &c->moe_cap, need);
+    if (!tab || !s || K > 64) {
+        fprintf(stderr, "qflash cuda: moe: out of device memory (or top-k %d > 64)\n", K);
+        return;
+    }
+    int *topi = (int *)s;
+    float *topw = (float *)(s + (size_t)N * K * sizeof(int)), *hbuf = topw + (size_t)N * K, *ybuf = hbuf + (size_t)N * K * I;
+    k_route<<<N, 256>>>(a->router_logits, E, K, topi, topw);
+    int dtype = a->experts[0].gate.dtype;
+    k_expert_gate_up<<<dim3(N * K, (I + 7) / 8), 256>>>(tab, E, dtype, topi, K, a->x, H, I, hbuf);
+    k_expert_down<<<dim3(N * K, (H + 7) / 8), 256>>>(tab, E, dtype, topi, hbuf, H, I, ybuf);
+    k_expert_sum<<<blocks((int64_t)N * H, 256), 256>>>(ybuf, topw, K, N, H, a->out);
+}
+
+// ---- memory ----
+
+void *cu_alloc(qf_backend *be, size_t bytes) {
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes) != cudaSuccess) return NULL;
+    cudaMemset(p, 0, bytes);
+    note_peak(C(be));
+    return p;
+}
+
+void cu_free(qf_backend *be, void *p) {
+    (void)be;
+    cudaFree(p);
+}
+
+void cu_upload(qf_backend *be, void *dst, const void *src, size_t n) {
+    (void)be;
+    check(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "upload");
+}
+
+void cu_download(qf_backend *be, void *dst, const void *src, size_t n) {
+    (void)be;
+    check(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "download");
+}
+
+void cu_zero(qf_backend *be, void *p, size_t n) {
+    (void)be;
+    cudaMemsetAsync(p, 0, n, 0);
+}
+
+const qf_ops k_cuda_ops = {
+    "cuda",
+    cu_matmul,
+    cu_embed,
+    cu_rmsnorm,
+    cu_rope,
+    cu_conv_silu,
+    cu_gdn,
+    cu_attention,
+    cu_kv_store,
+    cu_swiglu,
+    cu_sigmoid_mul,
+    cu_axpy,
+    cu_gdn_gates,
+    cu_sigmoid_scale_add,
+    cu_moe,
+    cu_alloc,
+    cu_free,
+    cu_upload,
+    cu_download,
+    cu_zero,
+};
+
+} // namespace
+
+extern "C" int qf_cuda_available(void) { return 1; }
+
+extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) return qf_fail(QF_EUNSUPPORTED, "no CUDA device: %s", e != cudaSuccess ? cudaGetErrorString(e) : "none found");
+    if (device < 0 || device >= n) return qf_fail(QF_EINVAL, "CUDA device %d does not exist (%d found)", device, n);
+    cudaSetDevice(device);
+    ctx *c = (ctx *)calloc(1, sizeof(ctx));
+    if (!c) return qf_fail(QF_ENOMEM, "out of memory");
+    c->device = device;
+    const char *fp = getenv("QFLASH_CUDA_FP32");
+    c->fp32 = fp && *fp == '1';
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) snprintf(c->name, sizeof c->name, "%s", prop.name);
+    if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS) {
+        free(c);
+        return qf_fail(QF_EUNSUPPORTED, "cuBLAS did not start");
+    }
+    cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH);
+    note_peak(c);
+    be->ops = &k_cuda_ops;
+    be->dev = c;
+    return QF_OK;
+}
+
+extern "C" void qf_cuda_backend_free(qf_backend *be) {
+    ctx *c = C(be);
+    if (!c) return;
+    cudaDeviceSynchronize();
+    for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn);
+    cublasDestroy(c->blas);
+    free(c);
+    be->dev = NULL;
+}
+
+extern "C" size_t qf_cuda_peak_bytes(const qf_backend *be) { return be->dev ? ((ctx *)be->dev)->peak : 0; }
+
+extern "C" const char *qf_cuda_device_name(const qf_backend *be) { return be->dev ? ((ctx *)be->dev)->name : ""; }
+
+extern "C" void qf_cuda_sync(qf_backend *be) {
+    cudaDeviceSynchronize();
+    if (be->dev) note_peak(C(be));
+}

@@ -1,0 +1,115 @@
+/* Moving a bound model to a device backend: each checkpoint tensor a weight view points into is
+ * copied once, straight from the map, and the views are re-pointed at the copy. The small fp32
+ * vectors made at bind time are copied one by one. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/dtype.h"
+#include "model/model_int.h"
+
+typedef struct mover {
+    qf_model *m;
+    qf_backend *be;
+    const qf_st_tensor **by_addr; /* tensors sorted by data address */
+    void **dev;                   /* device copy of by_addr[i], made on first use */
+    int n, rc;
+} mover;
+
+static int cmp_addr(const void *a, const void *b) {
+    const char *x = (*(const qf_st_tensor *const *)a)->data, *y = (*(const qf_st_tensor *const *)b)->data;
+    return (x > y) - (x < y);
+}
+
+static int keep(mover *mv, void *p) {
+    qf_model *m = mv->m;
+    void **nb = realloc(m->dev_bufs, (size_t)(m->n_dev_bufs + 1) * sizeof *nb);
+    if (!nb) return 0;
+    m->dev_bufs = nb;
+    m->dev_bufs[m->n_dev_bufs++] = p;
+    return 1;
+}
+
+static void *copy_up(mover *mv, const void *src, size_t bytes) {
+    void *d = qf_be_alloc(mv->be, bytes);
+    if (!d || !keep(mv, d)) {
+        qf_be_free(mv->be, d);
+        mv->rc = qf_fail(QF_ENOMEM, "out of device memory copying %zu bytes of weights", bytes);
+        return NULL;
+    }
+    qf_be_upload(mv->be, d, src, bytes);
+    return d;
+}
+
+static void move_mat(mover *mv, qf_mat *w) {
+    if (!w->data || mv->rc != QF_OK) return;
+    const char *p = w->data;
+    int lo = 0, hi = mv->n - 1, at = -1;
+    while (lo <= hi) { /* the last tensor starting at or before p */
+        int mid = (lo + hi) / 2;
+        if ((const char *)mv->by_addr[mid]->data <= p) at = mid, lo = mid + 1;
+        else hi = mid - 1;
+    }
+    size_t bytes = (size_t)(w->rows * w->cols) * qf_dtype_size(w->dtype);
+    const qf_st_tensor *t = at >= 0 ? mv->by_addr[at] : NULL;
+    if (t && p + bytes <= (const char *)t->data + t->nbytes) {
+        if (!mv->dev[at]) mv->dev[at] = copy_up(mv, t->data, t->nbytes);
+        if (mv->dev[at]) w->data = (char *)mv->dev[at] + (p - (const char *)t->data);
+    } else { /* a copy made at bind time (misaligned in the file) */
+        void *d = copy_up(mv, w->data, bytes);
+        if (d) w->data = d;
+    }
+}
+
+static void move_vec(mover *mv, float **v, size_t n) {
+    if (!*v || mv->rc != QF_OK) return;
+    float *d = copy_up(mv, *v, n * sizeof(float));
+    if (d) *v = d;
+}
+
+static void move_layer(mover *mv, int L) {
+    qf_model *m = mv->m;
+    const qf_config *c = &m->cfg;
+    qf_layer_w *w = &m->layers[L];
+    qf_mat *mats[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_qkv, &w->w_z, &w->w_b, &w->w_a, &w->w_out, &w->router,
+                      &w->sh_gate, &w->sh_up, &w->sh_down, &w->sh_gate_w, &w->gate, &w->up, &w->down};
+    for (size_t i = 0; i < sizeof mats / sizeof *mats; i++) move_mat(mv, mats[i]);
+    move_vec(mv, &w->attn_norm, (size_t)c->hidden);
+    move_vec(mv, &w->ffn_norm, (size_t)c->hidden);
+    move_vec(mv, &w->q_norm, (size_t)c->head_dim);
+    move_vec(mv, &w->k_norm, (size_t)c->head_dim);
+    move_vec(mv, &w->conv_w, (size_t)qf_cfg_conv_dim(c) * (size_t)c->conv_kernel);
+    move_vec(mv, &w->dt_bias, (size_t)c->lin_v_heads);
+    move_vec(mv, &w->neg_A, (size_t)c->lin_v_heads);
+    move_vec(mv, &w->gnorm, (size_t)c->lin_v_dim);
+    if (!m->experts) return;
+    const qf_expert *tab = m->experts->ops->table(m->experts, L);
+    for (int e = 0; e < c->n_experts && mv->rc == QF_OK; e++) {
+        qf_expert x = tab[e];
+        move_mat(mv, &x.gate), move_mat(mv, &x.up), move_mat(mv, &x.down);
+        qf_es_resident_set(m->experts, L, e, &x);
+    }
+}
+
+int qf_model_to_device(qf_model *m, qf_backend *be, int drop_host) {
+    if (!be->ops->alloc) return QF_OK; /* host memory already is the backend's */
+    mover mv = {m, be, malloc((size_t)(m->st.n_tensors + 1) * sizeof(void *)), calloc((size_t)m->st.n_tensors + 1, sizeof(void *)),
+                m->st.n_tensors, QF_OK};
+    if (!mv.by_addr || !mv.dev) mv.rc = qf_fail(QF_ENOMEM, "out of memory");
+    for (int i = 0; mv.rc == QF_OK && i < m->st.n_tensors; i++) mv.by_addr[i] = &m->st.tensors[i];
+    if (mv.rc == QF_OK) qsort(mv.by_addr, (size_t)mv.n, sizeof *mv.by_addr, cmp_addr);
+    m->dev = be; /* set first: the device buffers are freed through it even if this fails */
+    int tied = m->lm_head.data == m->embed.data;
+    move_mat(&mv, &m->embed);
+    if (tied) m->lm_head = m->embed;
+    else move_mat(&mv, &m->lm_head);
+    move_vec(&mv, &m->final_norm, (size_t)m->cfg.hidden);
+    move_vec(&mv, &m->inv_freq, (size_t)(m->cfg.rot_dim / 2));
+    for (int L = 0; L < m->cfg.n_layers && mv.rc == QF_OK; L++) move_layer(&mv, L);
+    for (int i = 0; drop_host && mv.rc == QF_OK && i < m->st.n_tensors; i++) {
+        qf_st_tensor *t = &m->st.tensors[i];
+        if (t->owned) free(t->owned), t->owned = NULL, t->data = NULL;
+    }
+    free(mv.by_addr);
+    free(mv.dev);
+    return mv.rc;
+}
