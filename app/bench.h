@@ -18,6 +18,7 @@ typedef struct bench_cfg {
     int n_itl;
     int decode_steps;                           /* per stream per run: gen_len - 1 */
     double run_prefill_ms[64], run_ttft_ms[64], run_decode_s[64], run_itl_sum_ms[64]; /* each run, in order */
+    int experts_estimated; /* experts_per_step from uniform routing, not counted */
     double experts_per_step, bytes_per_step, bytes_per_token, roofline_tok_s, roofline_pct;
 } bench_cfg;
 

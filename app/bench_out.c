@@ -32,8 +32,9 @@ void bench_print(const bench_result *r) {
                c->prompt_len, c->gen_len, c->prefill_ms.median, c->prefill_tok_s.median, c->ttft_ms.median, c->itl_mean_ms,
                c->itl_p50_ms, c->itl_p99_ms, c->decode_tok_s_stream.median, c->decode_tok_s_total.median, c->bytes_per_token / 1e6,
                c->roofline_tok_s, c->roofline_pct);
-        printf("%5s spread: prefill %.1f..%.1f ms, decode %.1f..%.1f tok/s total; %.1f experts per step\n", "", c->prefill_ms.min,
-               c->prefill_ms.max, c->decode_tok_s_total.min, c->decode_tok_s_total.max, c->experts_per_step);
+        printf("%5s spread: prefill %.1f..%.1f ms, decode %.1f..%.1f tok/s total; %.1f experts per step%s\n", "", c->prefill_ms.min,
+               c->prefill_ms.max, c->decode_tok_s_total.min, c->decode_tok_s_total.max, c->experts_per_step,
+               c->experts_estimated ? " (estimated: uniform routing)" : "");
     }
 }
 
@@ -51,6 +52,7 @@ static json_t *jcfg(const bench_cfg *c) {
     json_object_set_new(j, "itl_ms", json_pack("{s:f,s:f,s:f,s:i}", "mean", c->itl_mean_ms, "p50", c->itl_p50_ms, "p99", c->itl_p99_ms,
                                                "samples", c->n_itl));
     json_object_set_new(j, "experts_per_step", json_real(c->experts_per_step));
+    json_object_set_new(j, "experts_per_step_source", json_string(c->experts_estimated ? "estimated (uniform routing)" : "counted"));
     json_object_set_new(j, "bytes_per_step", json_real(c->bytes_per_step));
     json_object_set_new(j, "bytes_per_token", json_real(c->bytes_per_token));
     json_object_set_new(j, "roofline_tok_s", json_real(c->roofline_tok_s));

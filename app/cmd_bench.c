@@ -378,9 +378,18 @@ static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
 
 static void fill_roofline(const qf_model *m, bench_result *r) {
     model_bytes mb = count_bytes(m);
+    const qf_config *cf = &m->cfg;
     r->weight_bytes = mb.total;
     for (int i = 0; i < r->n_cfgs; i++) {
         bench_cfg *c = &r->cfgs[i];
+        if (c->experts_per_step == 0 && cf->n_experts > 0) {
+            /* a device routes without the store's counters: expected distinct experts under
+             * uniform routing (exact for one stream: top-k in every layer) */
+            double miss = 1.0, p = (double)cf->n_experts_used / cf->n_experts;
+            for (int k = 0; k < c->concurrency; k++) miss *= 1.0 - p;
+            c->experts_per_step = cf->n_layers * cf->n_experts * (1.0 - miss);
+            c->experts_estimated = 1;
+        }
         int mid_pos = c->prompt_len + c->gen_len / 2; /* the average context over the decode */
         c->bytes_per_step = step_bytes(m, &mb, c->experts_per_step, c->concurrency, mid_pos);
         c->bytes_per_token = c->bytes_per_step / c->concurrency;

@@ -4,10 +4,15 @@ set -e
 cd "$(dirname "$0")/.."
 tools/check_deps.sh
 JOBS=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+# The release build compiles the CUDA backend too where a CUDA toolkit is installed (its GPU test
+# is skipped without a GPU); the sanitizer build is CPU-only.
+if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export CUDACXX=/usr/local/cuda/bin/nvcc
+fi
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DQFLASH_CUDA=AUTO >/dev/null
 cmake --build build -j "$JOBS"
 ctest --test-dir build --output-on-failure
-cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DQFLASH_SANITIZE=ON >/dev/null
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DQFLASH_SANITIZE=ON -DQFLASH_CUDA=OFF >/dev/null
 cmake --build build-asan -j "$JOBS"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan --output-on-failure

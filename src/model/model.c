@@ -67,7 +67,8 @@ qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
     w->max_rows = R;
     w->max_logit_rows = R < 64 ? R : 64;
     size_t total = 0;
-#define CARVE(field, n) (w->field##_off = total, total += (size_t)(n))
+    /* regions start on 256-byte boundaries: device kernels load activations 16 bytes at a time */
+#define CARVE(field, n) (total = (total + 63) & ~(size_t)63, w->field##_off = total, total += (size_t)(n))
     CARVE(x, R * H);
     CARVE(xn, R * H);
     CARVE(tmp, R * H);

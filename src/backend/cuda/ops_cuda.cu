@@ -77,33 +77,44 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 // ---- matrix-vector products: a warp per output row, NT tokens at once ----
 
-// bf16 rows, 16-byte aligned, cols % 8 == 0: each lane streams 8 weights at a time.
+// bf16 rows, 16-byte aligned, cols % 8 == 0, x 16-byte aligned: each lane streams 8 weights at a
+// time (bypassing L1, which keeps x), two rows per warp for more loads in flight.
+#define GEMV_ROWS 2
 template <int NT>
 __global__ void gemv_bf16(const uint16_t *__restrict__ W, int64_t rows, int64_t cols, const float *__restrict__ x, float *__restrict__ y) {
-    int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int64_t row0 = ((int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * GEMV_ROWS;
     int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    const uint4 *wr = (const uint4 *)(W + row * cols);
-    float acc[NT];
+    if (row0 >= rows) return;
+    int nr = rows - row0 < GEMV_ROWS ? (int)(rows - row0) : GEMV_ROWS;
+    float acc[GEMV_ROWS][NT];
 #pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+    for (int r = 0; r < GEMV_ROWS; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[r][t] = 0.0f;
     int64_t n8 = cols / 8;
     for (int64_t c = lane; c < n8; c += 32) {
-        uint4 v = __ldg(wr + c);
-        float w[8] = {bf16f(v.x & 0xffff), bf16f(v.x >> 16), bf16f(v.y & 0xffff), bf16f(v.y >> 16),
-                      bf16f(v.z & 0xffff), bf16f(v.z >> 16), bf16f(v.w & 0xffff), bf16f(v.w >> 16)};
+        uint4 v[GEMV_ROWS];
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; r++) v[r] = r < nr ? __ldcs((const uint4 *)(W + (row0 + r) * cols) + c) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
-            const float *xp = x + t * cols + c * 8;
+            const float4 *xp = (const float4 *)(x + t * cols + c * 8);
+            float4 a = xp[0], b = xp[1];
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc[t] += w[i] * xp[i];
+            for (int r = 0; r < GEMV_ROWS; r++) {
+                acc[r][t] += bf16f(v[r].x & 0xffff) * a.x + bf16f(v[r].x >> 16) * a.y + bf16f(v[r].y & 0xffff) * a.z +
+                             bf16f(v[r].y >> 16) * a.w + bf16f(v[r].z & 0xffff) * b.x + bf16f(v[r].z >> 16) * b.y +
+                             bf16f(v[r].w & 0xffff) * b.z + bf16f(v[r].w >> 16) * b.w;
+            }
         }
     }
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float s = warp_sum(acc[t]);
-        if (lane == 0) y[t * rows + row] = s;
-    }
+    for (int r = 0; r < GEMV_ROWS; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float s = warp_sum(acc[r][t]);
+            if (lane == 0 && r < nr) y[t * rows + row0 + r] = s;
+        }
 }
 
 // Any dtype and alignment.
@@ -130,10 +141,13 @@ __global__ void gemv_any(const void *__restrict__ W, int dtype, int64_t rows, in
 template <int NT>
 void gemv_launch(const qf_mat *w, const float *x, float *y) {
     int warps = 8;
-    dim3 grid((unsigned)((w->rows + warps - 1) / warps));
-    int fast = w->dtype == QF_DT_BF16 && w->cols % 8 == 0 && ((uintptr_t)w->data % 16) == 0;
-    if (fast) gemv_bf16<NT><<<grid, warps * 32>>>((const uint16_t *)w->data, w->rows, w->cols, x, y);
-    else gemv_any<NT><<<grid, warps * 32>>>(w->data, w->dtype, w->rows, w->cols, x, y);
+    int fast = w->dtype == QF_DT_BF16 && w->cols % 8 == 0 && ((uintptr_t)w->data % 16) == 0 && ((uintptr_t)x % 16) == 0;
+    if (fast) {
+        int64_t per_block = (int64_t)warps * GEMV_ROWS;
+        gemv_bf16<NT><<<(unsigned)((w->rows + per_block - 1) / per_block), warps * 32>>>((const uint16_t *)w->data, w->rows, w->cols, x, y);
+    } else {
+        gemv_any<NT><<<(unsigned)((w->rows + warps - 1) / warps), warps * 32>>>(w->data, w->dtype, w->rows, w->cols, x, y);
+    }
 }
 
 void gemv(const qf_mat *w, const float *x, int n, float *y) {
@@ -566,7 +580,7 @@ __global__ void k_expert_gate_up(const void *const *tab, int E, int dtype, const
     if (dtype == QF_DT_BF16 && H % 8 == 0) {
         const uint4 *gr = (const uint4 *)((const uint16_t *)G + (int64_t)j * H), *ur = (const uint4 *)((const uint16_t *)U + (int64_t)j * H);
         for (int c = lane; c < H / 8; c += 32) {
-            uint4 a = __ldg(gr + c), b = __ldg(ur + c);
+            uint4 a = __ldcs(gr + c), b = __ldcs(ur + c);
             const float *xp = xr + c * 8;
             uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
@@ -592,7 +606,7 @@ __global__ void k_expert_down(const void *const *tab, int E, int dtype, const in
     if (dtype == QF_DT_BF16 && I % 8 == 0) {
         const uint4 *dr = (const uint4 *)((const uint16_t *)D + (int64_t)i * I);
         for (int c = lane; c < I / 8; c += 32) {
-            uint4 a = __ldg(dr + c);
+            uint4 a = __ldcs(dr + c);
             const float *hp = hr + c * 8;
             uint32_t av[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
