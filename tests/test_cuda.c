@@ -267,8 +267,8 @@ int main(int argc, char **argv) {
     test_matmul(4096, 2048, 8, 1e-5);
     test_matmul(2048, 4096, 1, 1e-5);
     test_matmul(248320 / 8, 2048, 2, 1e-5);
-    test_matmul(2048, 2048, 64, 1e-2); /* cuBLAS with bf16 activations (QFLASH_CUDA_FP32=1: GEMV, exact) */
-    test_matmul(8192, 2048, 300, 1e-2);
+    test_matmul(2048, 2048, 64, 1e-4); /* cuBLAS, activations as two bf16 parts (QFLASH_CUDA_FP32=1: GEMV, exact) */
+    test_matmul(8192, 2048, 300, 1e-4);
     test_small_ops();
     test_conv_gdn(1);
     test_conv_gdn(7);

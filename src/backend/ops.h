@@ -122,6 +122,10 @@ typedef struct qf_ops {
     void (*upload)(qf_backend *be, void *dst, const void *src, size_t bytes);
     void (*download)(qf_backend *be, void *dst, const void *src, size_t bytes);
     void (*zero)(qf_backend *be, void *p, size_t bytes);
+    /* Optional: brackets one forward step of a given shape (key) and row count, so a device can
+     * record it once and replay it (CUDA graphs). step_end returns an error if the step failed. */
+    void (*step_begin)(qf_backend *be, uint64_t key, int rows);
+    int (*step_end)(qf_backend *be);
 } qf_ops;
 
 struct qf_backend {

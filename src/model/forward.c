@@ -225,6 +225,17 @@ static void logits(fwd *f) {
     }
 }
 
+/* What fixes the sequence of kernels of a step: its sequences, their row counts and the logits
+ * wanted (positions only change the kernels' arguments). */
+static uint64_t step_key(const qf_seq_step *seqs, int n_seqs) {
+    uint64_t h = 1469598103934665603ull ^ (uint64_t)n_seqs;
+    for (int s = 0; s < n_seqs; s++) {
+        uint64_t v[4] = {(uint64_t)(uintptr_t)seqs[s].st, (uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, (uint64_t)(uintptr_t)seqs[s].logits};
+        for (int i = 0; i < 4; i++) h = (h ^ v[i]) * 1099511628211ull;
+    }
+    return h;
+}
+
 int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step *seqs, int n_seqs) {
     fwd f = {m, be, ws, seqs, n_seqs, 0};
     int rc = check_batch(m, ws, seqs, n_seqs, &f.N);
@@ -232,6 +243,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     const qf_config *c = &m->cfg;
     int H = c->hidden;
     float *x = WS(ws, x), *xn = WS(ws, xn), *tmp = WS(ws, tmp);
+    if (OPS->step_begin) OPS->step_begin(be, step_key(seqs, n_seqs), f.N);
     for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) OPS->embed(be, &m->embed, seqs[s].tokens, seqs[s].n, x + (size_t)r0 * H);
     if (ws->hook && !m->dev) ws->hook(ws->hook_ud, 0, x, f.N, H);
     for (int L = 0; L < c->n_layers; L++) {
@@ -255,7 +267,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     }
     for (int s = 0; s < n_seqs; s++) seqs[s].st->pos += seqs[s].n;
     logits(&f);
-    return QF_OK;
+    return OPS->step_end ? OPS->step_end(be) : QF_OK;
 }
 
 int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, const int32_t *tokens, int n,

@@ -8,6 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <tuple>
+#include <utility>
+
 extern "C" {
 #include "backend/cuda/ops_cuda.h"
 #include "base/dtype.h"
@@ -21,8 +24,32 @@ struct expert_tab {
     const void **dev;      // [3][E] device pointers: gate, up, down
 };
 
+// Decode steps as CUDA graphs. A step with the same shape as the one before is recorded as a
+// graph (each kernel a node, in launch order) and launched whole; later steps of that shape only
+// update the nodes' arguments (positions, grid sizes) and launch it again, which removes the
+// per-kernel launch gaps that dominate a batch-1 decode step of ~1000 small kernels.
+enum { G_EAGER, G_RECORD, G_REPLAY };
+#define G_MAX_NODES 16384
+#define G_MAX_OUTS 256
+
+struct graph_state {
+    int enabled, mode, broken, n, n_rec;
+    uint64_t key, last_key;
+    cudaGraph_t g;
+    cudaGraphExec_t ex;
+    cudaGraphNode_t nodes[G_MAX_NODES];
+    const void *funcs[G_MAX_NODES]; // NULL for a copy node
+    struct out { void *dst; size_t off, bytes; } outs[G_MAX_OUTS];
+    int n_outs;
+    size_t out_used;
+    char *pin_out;   // pinned staging for downloads (logits)
+    int32_t *pin_tok; // pinned staging for token ids
+    size_t pin_out_cap, pin_tok_cap;
+};
+
 struct ctx {
-    int device, fp32;
+    int device, fp32, bf16_single;
+    graph_state gs;
     cublasHandle_t blas;
     size_t total, peak;
     char name[256];
@@ -33,6 +60,62 @@ struct ctx {
 };
 
 ctx *C(qf_backend *be) { return (ctx *)be->dev; }
+
+// Adds a node after the last one (a chain: the step's kernels run in order).
+void g_add_kernel(ctx *c, const void *fn, dim3 g, dim3 b, void **args) {
+    graph_state *s = &c->gs;
+    if (s->n >= G_MAX_NODES) {
+        s->broken = 1;
+        return;
+    }
+    cudaKernelNodeParams kp = {(void *)fn, g, b, 0, args, NULL};
+    cudaGraphNode_t dep = s->n ? s->nodes[s->n - 1] : NULL;
+    if (cudaGraphAddKernelNode(&s->nodes[s->n], s->g, s->n ? &dep : NULL, s->n ? 1 : 0, &kp) != cudaSuccess) s->broken = 1;
+    s->funcs[s->n++] = fn;
+}
+
+void g_set_kernel(ctx *c, const void *fn, dim3 g, dim3 b, void **args) {
+    graph_state *s = &c->gs;
+    if (s->n >= s->n_rec || s->funcs[s->n] != fn) {
+        s->broken = 1; // the step took another path than the recorded one
+        return;
+    }
+    cudaKernelNodeParams kp = {(void *)fn, g, b, 0, args, NULL};
+    if (cudaGraphExecKernelNodeSetParams(s->ex, s->nodes[s->n], &kp) != cudaSuccess) s->broken = 1;
+    s->n++;
+}
+
+template <typename... P, typename... A>
+void launch(ctx *c, void (*k)(P...), dim3 g, dim3 b, A &&...a) {
+    std::tuple<P...> vals(std::forward<A>(a)...); // converted to the kernel's own parameter types
+    void *args[sizeof...(P) + 1];
+    std::apply([&](auto &...v) {
+        int i = 0;
+        ((args[i++] = (void *)&v), ...);
+    }, vals);
+    if (c->gs.mode == G_RECORD) g_add_kernel(c, (const void *)k, g, b, args);
+    else if (c->gs.mode == G_REPLAY) g_set_kernel(c, (const void *)k, g, b, args);
+    else cudaLaunchKernel((const void *)k, g, b, args, 0, 0);
+}
+
+#define LAUNCH(c, k, g, b, ...) launch(c, k, dim3(g), dim3(b), __VA_ARGS__)
+
+// A host-to-device or device-to-host copy inside a step (token ids in, logits out).
+void g_copy(ctx *c, void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
+    graph_state *s = &c->gs;
+    if (s->mode == G_RECORD) {
+        cudaGraphNode_t dep = s->n ? s->nodes[s->n - 1] : NULL;
+        if (s->n >= G_MAX_NODES || cudaGraphAddMemcpyNode1D(&s->nodes[s->n], s->g, s->n ? &dep : NULL, s->n ? 1 : 0, dst, src, n, kind) != cudaSuccess)
+            s->broken = 1;
+        else s->funcs[s->n++] = NULL;
+    } else if (s->mode == G_REPLAY) {
+        if (s->n >= s->n_rec || s->funcs[s->n] != NULL || cudaGraphExecMemcpyNodeSetParams1D(s->ex, s->nodes[s->n], dst, src, n, kind) != cudaSuccess)
+            s->broken = 1;
+        s->n++;
+    } else {
+        cudaMemcpyAsync(dst, src, n, kind, 0);
+    }
+}
 
 void note_peak(ctx *c) {
     size_t fr = 0, tot = 0;
@@ -47,8 +130,9 @@ void check(cudaError_t e, const char *what) {
 }
 
 // Grows a scratch buffer (only while sizes are still rising: the first steps of a run).
-void *scratch(void **p, size_t *cap, size_t need) {
+void *scratch(ctx *c, void **p, size_t *cap, size_t need) {
     if (need <= *cap) return *p;
+    if (c->gs.mode != G_EAGER) c->gs.broken = 1; /* recorded nodes would point at the old buffer */
     if (*p) cudaFree(*p);
     size_t n = need + need / 2;
     if (cudaMalloc(p, n) != cudaSuccess) {
@@ -139,38 +223,43 @@ __global__ void gemv_any(const void *__restrict__ W, int dtype, int64_t rows, in
 }
 
 template <int NT>
-void gemv_launch(const qf_mat *w, const float *x, float *y) {
+void gemv_launch(ctx *c, const qf_mat *w, const float *x, float *y) {
     int warps = 8;
     int fast = w->dtype == QF_DT_BF16 && w->cols % 8 == 0 && ((uintptr_t)w->data % 16) == 0 && ((uintptr_t)x % 16) == 0;
     if (fast) {
         int64_t per_block = (int64_t)warps * GEMV_ROWS;
-        gemv_bf16<NT><<<(unsigned)((w->rows + per_block - 1) / per_block), warps * 32>>>((const uint16_t *)w->data, w->rows, w->cols, x, y);
+        LAUNCH(c, gemv_bf16<NT>, (unsigned)((w->rows + per_block - 1) / per_block), warps * 32, (const uint16_t *)w->data, w->rows, w->cols, x, y);
     } else {
-        gemv_any<NT><<<(unsigned)((w->rows + warps - 1) / warps), warps * 32>>>(w->data, w->dtype, w->rows, w->cols, x, y);
+        LAUNCH(c, gemv_any<NT>, (unsigned)((w->rows + warps - 1) / warps), warps * 32, w->data, w->dtype, w->rows, w->cols, x, y);
     }
 }
 
-void gemv(const qf_mat *w, const float *x, int n, float *y) {
+void gemv(ctx *c, const qf_mat *w, const float *x, int n, float *y) {
     for (int t0 = 0; t0 < n; t0 += 8) {
         int nt = n - t0 < 8 ? n - t0 : 8;
         const float *xt = x + (int64_t)t0 * w->cols;
         float *yt = y + (int64_t)t0 * w->rows;
         switch (nt) {
-        case 1: gemv_launch<1>(w, xt, yt); break;
-        case 2: gemv_launch<2>(w, xt, yt); break;
-        case 3: gemv_launch<3>(w, xt, yt); break;
-        case 4: gemv_launch<4>(w, xt, yt); break;
-        case 5: gemv_launch<5>(w, xt, yt); break;
-        case 6: gemv_launch<6>(w, xt, yt); break;
-        case 7: gemv_launch<7>(w, xt, yt); break;
-        default: gemv_launch<8>(w, xt, yt); break;
+        case 1: gemv_launch<1>(c, w, xt, yt); break;
+        case 2: gemv_launch<2>(c, w, xt, yt); break;
+        case 3: gemv_launch<3>(c, w, xt, yt); break;
+        case 4: gemv_launch<4>(c, w, xt, yt); break;
+        case 5: gemv_launch<5>(c, w, xt, yt); break;
+        case 6: gemv_launch<6>(c, w, xt, yt); break;
+        case 7: gemv_launch<7>(c, w, xt, yt); break;
+        default: gemv_launch<8>(c, w, xt, yt); break;
         }
     }
 }
 
-__global__ void to_bf16(const float *__restrict__ x, __nv_bfloat16 *__restrict__ y, int64_t n) {
+// x = hi + lo, both bf16: two tensor-core products keep ~16 bits of each activation (one bf16
+// keeps 8, which moves trained-model logits by ~1).
+__global__ void to_bf16x2(const float *__restrict__ x, __nv_bfloat16 *__restrict__ hi, __nv_bfloat16 *__restrict__ lo, int64_t n) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = __float2bfloat16(x[i]);
+    if (i >= n) return;
+    __nv_bfloat16 h = __float2bfloat16(x[i]);
+    hi[i] = h;
+    if (lo) lo[i] = __float2bfloat16(x[i] - __bfloat162float(h));
 }
 
 unsigned blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
@@ -178,7 +267,7 @@ unsigned blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
 void cu_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, float *y) {
     ctx *c = C(be);
     if (n <= 8 || c->fp32 || (w->dtype != QF_DT_BF16 && w->dtype != QF_DT_F32)) {
-        gemv(w, x, n, y);
+        gemv(c, w, x, n, y);
         return;
     }
     float one = 1.0f, zero = 0.0f;
@@ -188,16 +277,19 @@ void cu_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, float *y)
         return;
     }
     int64_t nx = (int64_t)n * w->cols;
-    __nv_bfloat16 *xb = (__nv_bfloat16 *)scratch(&c->xb, &c->xb_cap, (size_t)nx * 2);
+    __nv_bfloat16 *xb = (__nv_bfloat16 *)scratch(c, &c->xb, &c->xb_cap, (size_t)nx * 4), *lo = c->bf16_single ? NULL : xb + nx;
     if (!xb) {
-        gemv(w, x, n, y);
+        gemv(c, w, x, n, y);
         return;
     }
-    to_bf16<<<blocks(nx, 256), 256>>>(x, xb, nx);
+    LAUNCH(c, to_bf16x2, blocks(nx, 256), 256, x, xb, lo, nx);
     cublasStatus_t st = cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, n, (int)w->cols, &one, w->data, CUDA_R_16BF,
                                      (int)w->cols, xb, CUDA_R_16BF, (int)w->cols, &zero, y, CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F,
                                      CUBLAS_GEMM_DEFAULT);
-    if (st != CUBLAS_STATUS_SUCCESS) gemv(w, x, n, y);
+    if (st == CUBLAS_STATUS_SUCCESS && lo)
+        st = cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, n, (int)w->cols, &one, w->data, CUDA_R_16BF, (int)w->cols, lo,
+                          CUDA_R_16BF, (int)w->cols, &one, y, CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (st != CUBLAS_STATUS_SUCCESS) gemv(c, w, x, n, y);
 }
 
 // ---- small ops ----
@@ -211,10 +303,18 @@ __global__ void k_embed(const void *emb, int dtype, int64_t cols, const int32_t 
 
 void cu_embed(qf_backend *be, const qf_mat *emb, const int32_t *ids, int n, float *y) {
     ctx *c = C(be);
-    int32_t *d = (int32_t *)scratch(&c->tok, &c->tok_cap, (size_t)n * 4);
-    if (!d) return;
-    cudaMemcpy(d, ids, (size_t)n * 4, cudaMemcpyHostToDevice);
-    k_embed<<<blocks((int64_t)n * emb->cols, 256), 256>>>(emb->data, emb->dtype, emb->cols, d, n, y);
+    int32_t *d = (int32_t *)scratch(c, &c->tok, &c->tok_cap, (size_t)n * 4);
+    if (c->gs.pin_tok_cap < (size_t)n) {
+        if (c->gs.mode != G_EAGER) c->gs.broken = 1;
+        cudaDeviceSynchronize();
+        cudaFreeHost(c->gs.pin_tok);
+        c->gs.pin_tok = NULL;
+        c->gs.pin_tok_cap = cudaMallocHost((void **)&c->gs.pin_tok, (size_t)n * 8) == cudaSuccess ? (size_t)n * 2 : 0;
+    }
+    if (!d || !c->gs.pin_tok) return;
+    memcpy(c->gs.pin_tok, ids, (size_t)n * 4);
+    g_copy(c, d, c->gs.pin_tok, (size_t)n * 4, cudaMemcpyHostToDevice);
+    LAUNCH(c, k_embed, blocks((int64_t)n * emb->cols, 256), 256, emb->data, emb->dtype, emb->cols, d, n, y);
 }
 
 __global__ void k_rmsnorm(const float *x, int xs, const float *w, int dim, float eps, float *y, int ys) {
@@ -237,8 +337,8 @@ __global__ void k_rmsnorm(const float *x, int xs, const float *w, int dim, float
 }
 
 void cu_rmsnorm(qf_backend *be, const float *x, int xs, const float *w, int n_rows, int dim, float eps, float *y, int ys) {
-    (void)be;
-    if (n_rows > 0) k_rmsnorm<<<n_rows, 256>>>(x, xs, w, dim, eps, y, ys);
+    ctx *c = C(be);
+    if (n_rows > 0) LAUNCH(c, k_rmsnorm, n_rows, 256, x, xs, w, dim, eps, y, ys);
 }
 
 __global__ void k_rope(float *x, int stride, int hstride, int T, int nh, int half, int pos0, const float *inv_freq) {
@@ -253,9 +353,9 @@ __global__ void k_rope(float *x, int stride, int hstride, int T, int nh, int hal
 }
 
 void cu_rope(qf_backend *be, float *x, int stride, int hstride, int T, int nh, int rot, int pos0, const float *inv_freq) {
-    (void)be;
+    ctx *c = C(be);
     int64_t n = (int64_t)T * nh * (rot / 2);
-    if (n > 0) k_rope<<<blocks(n, 256), 256>>>(x, stride, hstride, T, nh, rot / 2, pos0, inv_freq);
+    if (n > 0) LAUNCH(c, k_rope, blocks(n, 256), 256, x, stride, hstride, T, nh, rot / 2, pos0, inv_freq);
 }
 
 __global__ void k_conv(const float *x, int xs, int T, int Cn, int K, const float *w, float *state, float *y) {
@@ -276,8 +376,8 @@ __global__ void k_conv(const float *x, int xs, int T, int Cn, int K, const float
 }
 
 void cu_conv_silu(qf_backend *be, const float *x, int xs, int T, int Cn, int K, const float *w, float *state, float *y) {
-    (void)be;
-    k_conv<<<blocks(Cn, 128), 128>>>(x, xs, T, Cn, K, w, state, y);
+    ctx *c = C(be);
+    LAUNCH(c, k_conv, blocks(Cn, 128), 128, x, xs, T, Cn, K, w, state, y);
 }
 
 // Gated delta rule: a block per v-head, a thread per value column j holding S[:, j].
@@ -321,11 +421,11 @@ __global__ void k_gdn(qf_gdn_args a) {
 }
 
 void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
-    (void)be;
+    ctx *c = C(be);
     int threads = ((a->dv + 31) / 32) * 32;
-    if (a->dk <= 32) k_gdn<32><<<a->nv, threads>>>(*a);
-    else if (a->dk <= 64) k_gdn<64><<<a->nv, threads>>>(*a);
-    else if (a->dk <= 128) k_gdn<128><<<a->nv, threads>>>(*a);
+    if (a->dk <= 32) LAUNCH(c, k_gdn<32>, a->nv, threads, *a);
+    else if (a->dk <= 64) LAUNCH(c, k_gdn<64>, a->nv, threads, *a);
+    else if (a->dk <= 128) LAUNCH(c, k_gdn<128>, a->nv, threads, *a);
     else fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
 }
 
@@ -424,10 +524,11 @@ void cu_attention(qf_backend *be, const qf_attn_args *a) {
     int splits = rows >= 264 ? 1 : min(64, max(1, (264 / rows)));
     int chunk = (max_keys + splits - 1) / splits;
     if (chunk < 64) chunk = 64, splits = (max_keys + 63) / 64;
-    float *part = (float *)scratch(&c->attn, &c->attn_cap, (size_t)rows * splits * (a->hd + 2) * sizeof(float));
+    // sized for the most splits, so a recorded graph's scratch never moves as the context grows
+    float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * (splits > 64 ? splits : 64) * (a->hd + 2) * sizeof(float));
     if (!part) return;
-    k_attn_part<<<dim3(rows, splits), ATT_WARPS * 32>>>(*a, chunk, splits, part);
-    k_attn_combine<<<rows, 128>>>(splits, a->hd, part, a->out);
+    LAUNCH(c, k_attn_part, dim3(rows, splits), ATT_WARPS * 32, *a, chunk, splits, part);
+    LAUNCH(c, k_attn_combine, rows, 128, splits, a->hd, part, a->out);
 }
 
 __global__ void k_kv_store(qf_kv_view kv, const float *k, const float *v, int T, int pos0, int nkv, int hd) {
@@ -441,9 +542,9 @@ __global__ void k_kv_store(qf_kv_view kv, const float *k, const float *v, int T,
 }
 
 void cu_kv_store(qf_backend *be, const qf_kv_view *kv, const float *k, const float *v, int T, int pos0, int nkv, int hd) {
-    (void)be;
+    ctx *c = C(be);
     int64_t n = (int64_t)T * nkv * hd;
-    if (n > 0) k_kv_store<<<blocks(n, 256), 256>>>(*kv, k, v, T, pos0, nkv, hd);
+    if (n > 0) LAUNCH(c, k_kv_store, blocks(n, 256), 256, *kv, k, v, T, pos0, nkv, hd);
 }
 
 __global__ void k_swiglu(const float *g, const float *u, int stride, int n, int d, float *y) {
@@ -454,8 +555,8 @@ __global__ void k_swiglu(const float *g, const float *u, int stride, int n, int 
 }
 
 void cu_swiglu(qf_backend *be, const float *g, const float *u, int stride, int n, int d, float *y) {
-    (void)be;
-    if ((int64_t)n * d > 0) k_swiglu<<<blocks((int64_t)n * d, 256), 256>>>(g, u, stride, n, d, y);
+    ctx *c = C(be);
+    if ((int64_t)n * d > 0) LAUNCH(c, k_swiglu, blocks((int64_t)n * d, 256), 256, g, u, stride, n, d, y);
 }
 
 __global__ void k_sigmoid_mul(float *x, int xs, const float *g, int gs, int n, int d) {
@@ -466,8 +567,8 @@ __global__ void k_sigmoid_mul(float *x, int xs, const float *g, int gs, int n, i
 }
 
 void cu_sigmoid_mul(qf_backend *be, float *x, int xs, const float *g, int gs, int n, int d) {
-    (void)be;
-    if ((int64_t)n * d > 0) k_sigmoid_mul<<<blocks((int64_t)n * d, 256), 256>>>(x, xs, g, gs, n, d);
+    ctx *c = C(be);
+    if ((int64_t)n * d > 0) LAUNCH(c, k_sigmoid_mul, blocks((int64_t)n * d, 256), 256, x, xs, g, gs, n, d);
 }
 
 __global__ void k_axpy(float *y, const float *a, float s, int64_t n) {
@@ -476,8 +577,8 @@ __global__ void k_axpy(float *y, const float *a, float s, int64_t n) {
 }
 
 void cu_axpy(qf_backend *be, float *y, const float *a, float s, int64_t n) {
-    (void)be;
-    if (n > 0) k_axpy<<<blocks(n, 256), 256>>>(y, a, s, n);
+    ctx *c = C(be);
+    if (n > 0) LAUNCH(c, k_axpy, blocks(n, 256), 256, y, a, s, n);
 }
 
 __global__ void k_gdn_gates(float *b, float *a, const float *dt_bias, const float *neg_A, int n, int nv) {
@@ -490,8 +591,8 @@ __global__ void k_gdn_gates(float *b, float *a, const float *dt_bias, const floa
 }
 
 void cu_gdn_gates(qf_backend *be, float *b, float *a, const float *dt_bias, const float *neg_A, int n, int nv) {
-    (void)be;
-    if (n * nv > 0) k_gdn_gates<<<blocks((int64_t)n * nv, 256), 256>>>(b, a, dt_bias, neg_A, n, nv);
+    ctx *c = C(be);
+    if (n * nv > 0) LAUNCH(c, k_gdn_gates, blocks((int64_t)n * nv, 256), 256, b, a, dt_bias, neg_A, n, nv);
 }
 
 __global__ void k_sig_scale_add(float *y, const float *x, const float *g, int n, int d) {
@@ -501,8 +602,8 @@ __global__ void k_sig_scale_add(float *y, const float *x, const float *g, int n,
 }
 
 void cu_sigmoid_scale_add(qf_backend *be, float *y, const float *x, const float *g, int n, int d) {
-    (void)be;
-    if ((int64_t)n * d > 0) k_sig_scale_add<<<blocks((int64_t)n * d, 256), 256>>>(y, x, g, n, d);
+    ctx *c = C(be);
+    if ((int64_t)n * d > 0) LAUNCH(c, k_sig_scale_add, blocks((int64_t)n * d, 256), 256, y, x, g, n, d);
 }
 
 // ---- MoE: routing, then one GEMV per (row, chosen expert) ----
@@ -651,18 +752,18 @@ void cu_moe(qf_backend *be, const qf_moe_args *a) {
     const void **tab = expert_table(c, a);
     int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
     size_t need = (size_t)N * K * (sizeof(int) + sizeof(float) + (size_t)(I + H) * sizeof(float));
-    char *s = (char *)scratch(&c->moe, &c->moe_cap, need);
+    char *s = (char *)scratch(c, &c->moe, &c->moe_cap, need);
     if (!tab || !s || K > 64) {
         fprintf(stderr, "qflash cuda: moe: out of device memory (or top-k %d > 64)\n", K);
         return;
     }
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)N * K * sizeof(int)), *hbuf = topw + (size_t)N * K, *ybuf = hbuf + (size_t)N * K * I;
-    k_route<<<N, 256>>>(a->router_logits, E, K, topi, topw);
+    LAUNCH(c, k_route, N, 256, a->router_logits, E, K, topi, topw);
     int dtype = a->experts[0].gate.dtype;
-    k_expert_gate_up<<<dim3(N * K, (I + 7) / 8), 256>>>(tab, E, dtype, topi, K, a->x, H, I, hbuf);
-    k_expert_down<<<dim3(N * K, (H + 7) / 8), 256>>>(tab, E, dtype, topi, hbuf, H, I, ybuf);
-    k_expert_sum<<<blocks((int64_t)N * H, 256), 256>>>(ybuf, topw, K, N, H, a->out);
+    LAUNCH(c, k_expert_gate_up, dim3(N * K, (I + 7) / 8), 256, tab, E, dtype, topi, K, a->x, H, I, hbuf);
+    LAUNCH(c, k_expert_down, dim3(N * K, (H + 7) / 8), 256, tab, E, dtype, topi, hbuf, H, I, ybuf);
+    LAUNCH(c, k_expert_sum, blocks((int64_t)N * H, 256), 256, ybuf, topw, K, N, H, a->out);
 }
 
 // ---- memory ----
@@ -676,22 +777,78 @@ void *cu_alloc(qf_backend *be, size_t bytes) {
 }
 
 void cu_free(qf_backend *be, void *p) {
-    (void)be;
+    ctx *c = C(be);
     cudaFree(p);
 }
 
 void cu_upload(qf_backend *be, void *dst, const void *src, size_t n) {
-    (void)be;
+    ctx *c = C(be);
     check(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "upload");
 }
 
 void cu_download(qf_backend *be, void *dst, const void *src, size_t n) {
-    (void)be;
-    check(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "download");
+    ctx *c = C(be);
+    graph_state *s = &c->gs;
+    if (s->mode == G_EAGER) {
+        check(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "download");
+        return;
+    }
+    // inside a graph step: into pinned staging, handed to dst once the graph has run
+    if (s->out_used + n > s->pin_out_cap || s->n_outs == G_MAX_OUTS) {
+        s->broken = 1;
+        return;
+    }
+    s->outs[s->n_outs++] = {dst, s->out_used, n};
+    g_copy(c, s->pin_out + s->out_used, src, n, cudaMemcpyDeviceToHost);
+    s->out_used += (n + 255) & ~(size_t)255;
+}
+
+// The step's shape decides: graphs for up to 8 rows (GEMV only, no cuBLAS), the same key twice
+// in a row to record, then replays while it stays the same.
+void cu_step_begin(qf_backend *be, uint64_t key, int rows) {
+    ctx *c = C(be);
+    graph_state *s = &c->gs;
+    s->n = 0, s->n_outs = 0, s->out_used = 0, s->broken = 0;
+    int eligible = s->enabled && rows <= 8;
+    if (!eligible) {
+        s->mode = G_EAGER;
+        s->last_key = 0;
+        return;
+    }
+    if (s->ex && key == s->key) s->mode = G_REPLAY;
+    else if (key == s->last_key) {
+        if (s->ex) cudaGraphExecDestroy(s->ex), s->ex = NULL;
+        if (s->g) cudaGraphDestroy(s->g), s->g = NULL;
+        s->mode = cudaGraphCreate(&s->g, 0) == cudaSuccess ? G_RECORD : G_EAGER;
+        s->key = key;
+    } else s->mode = G_EAGER;
+    s->last_key = key;
+}
+
+int cu_step_end(qf_backend *be) {
+    ctx *c = C(be);
+    graph_state *s = &c->gs;
+    int mode = s->mode;
+    s->mode = G_EAGER;
+    if (mode == G_EAGER) return QF_OK;
+    if (!s->broken && mode == G_RECORD) {
+        s->n_rec = s->n;
+        if (cudaGraphInstantiate(&s->ex, s->g, 0) != cudaSuccess) s->ex = NULL, s->broken = 1;
+    }
+    if (!s->broken && mode == G_REPLAY && s->n != s->n_rec) s->broken = 1;
+    if (s->broken) { // never launched: this step's work is lost, so the step fails and graphs stop
+        if (s->ex) cudaGraphExecDestroy(s->ex), s->ex = NULL;
+        s->enabled = 0;
+        return qf_fail(QF_EUNSUPPORTED, "CUDA graph step diverged from its recording (graphs now off: QFLASH_CUDA_GRAPHS=0)");
+    }
+    check(cudaGraphLaunch(s->ex, 0), "graph launch");
+    check(cudaStreamSynchronize(0), "graph step");
+    for (int i = 0; i < s->n_outs; i++) memcpy(s->outs[i].dst, s->pin_out + s->outs[i].off, s->outs[i].bytes);
+    return QF_OK;
 }
 
 void cu_zero(qf_backend *be, void *p, size_t n) {
-    (void)be;
+    ctx *c = C(be);
     cudaMemsetAsync(p, 0, n, 0);
 }
 
@@ -716,6 +873,8 @@ const qf_ops k_cuda_ops = {
     cu_upload,
     cu_download,
     cu_zero,
+    cu_step_begin,
+    cu_step_end,
 };
 
 } // namespace
@@ -733,6 +892,8 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     c->device = device;
     const char *fp = getenv("QFLASH_CUDA_FP32");
     c->fp32 = fp && *fp == '1';
+    const char *b1 = getenv("QFLASH_CUDA_BF16"); /* one bf16 product per GEMM: faster prefill, ~1 logit of error */
+    c->bf16_single = b1 && *b1 == '1';
     cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) snprintf(c->name, sizeof c->name, "%s", prop.name);
     if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS) {
@@ -740,6 +901,10 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
         return qf_fail(QF_EUNSUPPORTED, "cuBLAS did not start");
     }
     cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH);
+    const char *gr = getenv("QFLASH_CUDA_GRAPHS");
+    c->gs.enabled = !(gr && *gr == '0');
+    c->gs.pin_out_cap = (size_t)64 << 20;
+    if (cudaMallocHost((void **)&c->gs.pin_out, c->gs.pin_out_cap) != cudaSuccess) c->gs.pin_out = NULL, c->gs.pin_out_cap = 0;
     note_peak(c);
     be->ops = &k_cuda_ops;
     be->dev = c;
@@ -752,6 +917,9 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
     cudaDeviceSynchronize();
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
     cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn);
+    if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
+    if (c->gs.g) cudaGraphDestroy(c->gs.g);
+    cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);
     cublasDestroy(c->blas);
     free(c);
     be->dev = NULL;

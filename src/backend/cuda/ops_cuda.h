@@ -1,8 +1,10 @@
 /* The CUDA backend: the ops table on one NVIDIA GPU. Weights are bf16/f16/f32 as stored,
  * activations fp32. Decode-sized matrix products (up to 8 tokens) run a GEMV kernel that reads
- * each weight once; larger ones go to cuBLAS with bf16 inputs and fp32 accumulation, unless
- * QFLASH_CUDA_FP32=1 keeps fp32 activations everywhere (the exact path). Ops are asynchronous on
- * one stream; download() waits. */
+ * each weight once; larger ones go to cuBLAS on the tensor cores with each activation split into
+ * two bf16 parts (hi + lo, ~16 bits kept) and fp32 accumulation; QFLASH_CUDA_BF16=1 uses one
+ * bf16 part (faster, ~8 bits), QFLASH_CUDA_FP32=1 keeps fp32 activations everywhere (GEMV only:
+ * the exact path). Decode steps of up to 8 rows run as CUDA graphs (QFLASH_CUDA_GRAPHS=0: off).
+ * Ops are asynchronous on one stream; download() waits. */
 #ifndef QF_BACKEND_CUDA_OPS_CUDA_H
 #define QF_BACKEND_CUDA_OPS_CUDA_H
 
