@@ -47,8 +47,22 @@ struct graph_state {
     size_t pin_out_cap, pin_tok_cap;
 };
 
+// QFLASH_CUDA_PROFILE=1: every kernel timed with events (eager steps only), summed by kernel and
+// printed when the backend is freed.
+#define PROF_MAX 64
+#define PROF_RING 4096
+struct profile {
+    int on, n_names, n_pend;
+    const char *names[PROF_MAX];
+    double ms[PROF_MAX];
+    long calls[PROF_MAX];
+    cudaEvent_t ev[PROF_RING][2];
+    int pend_name[PROF_RING];
+};
+
 struct ctx {
     int device, fp32, bf16_single;
+    profile prof;
     graph_state gs;
     cublasHandle_t blas;
     size_t total, peak;
@@ -85,8 +99,30 @@ void g_set_kernel(ctx *c, const void *fn, dim3 g, dim3 b, void **args) {
     s->n++;
 }
 
+void prof_flush(ctx *c) {
+    profile *p = &c->prof;
+    if (!p->n_pend) return;
+    cudaEventSynchronize(p->ev[p->n_pend - 1][1]);
+    for (int i = 0; i < p->n_pend; i++) {
+        float ms = 0;
+        cudaEventElapsedTime(&ms, p->ev[i][0], p->ev[i][1]);
+        p->ms[p->pend_name[i]] += ms;
+        p->calls[p->pend_name[i]]++;
+    }
+    p->n_pend = 0;
+}
+
+int prof_name(ctx *c, const char *name) {
+    profile *p = &c->prof;
+    for (int i = 0; i < p->n_names; i++)
+        if (p->names[i] == name || strcmp(p->names[i], name) == 0) return i;
+    if (p->n_names == PROF_MAX) return PROF_MAX - 1;
+    p->names[p->n_names] = name;
+    return p->n_names++;
+}
+
 template <typename... P, typename... A>
-void launch(ctx *c, void (*k)(P...), dim3 g, dim3 b, A &&...a) {
+void launch(ctx *c, const char *name, void (*k)(P...), dim3 g, dim3 b, A &&...a) {
     std::tuple<P...> vals(std::forward<A>(a)...); // converted to the kernel's own parameter types
     void *args[sizeof...(P) + 1];
     std::apply([&](auto &...v) {
@@ -95,10 +131,19 @@ void launch(ctx *c, void (*k)(P...), dim3 g, dim3 b, A &&...a) {
     }, vals);
     if (c->gs.mode == G_RECORD) g_add_kernel(c, (const void *)k, g, b, args);
     else if (c->gs.mode == G_REPLAY) g_set_kernel(c, (const void *)k, g, b, args);
-    else cudaLaunchKernel((const void *)k, g, b, args, 0, 0);
+    else if (!c->prof.on) cudaLaunchKernel((const void *)k, g, b, args, 0, 0);
+    else {
+        profile *p = &c->prof;
+        if (p->n_pend == PROF_RING) prof_flush(c);
+        p->pend_name[p->n_pend] = prof_name(c, name);
+        cudaEventRecord(p->ev[p->n_pend][0], 0);
+        cudaLaunchKernel((const void *)k, g, b, args, 0, 0);
+        cudaEventRecord(p->ev[p->n_pend][1], 0);
+        p->n_pend++;
+    }
 }
 
-#define LAUNCH(c, k, g, b, ...) launch(c, k, dim3(g), dim3(b), __VA_ARGS__)
+#define LAUNCH(c, k, g, b, ...) launch(c, #k, k, dim3(g), dim3(b), __VA_ARGS__)
 
 // A host-to-device or device-to-host copy inside a step (token ids in, logits out).
 void g_copy(ctx *c, void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
@@ -901,8 +946,10 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
         return qf_fail(QF_EUNSUPPORTED, "cuBLAS did not start");
     }
     cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH);
-    const char *gr = getenv("QFLASH_CUDA_GRAPHS");
-    c->gs.enabled = !(gr && *gr == '0');
+    const char *gr = getenv("QFLASH_CUDA_GRAPHS"), *pr = getenv("QFLASH_CUDA_PROFILE");
+    c->prof.on = pr && *pr == '1';
+    c->gs.enabled = !(gr && *gr == '0') && !c->prof.on;
+    for (int i = 0; c->prof.on && i < PROF_RING; i++) cudaEventCreate(&c->prof.ev[i][0]), cudaEventCreate(&c->prof.ev[i][1]);
     c->gs.pin_out_cap = (size_t)64 << 20;
     if (cudaMallocHost((void **)&c->gs.pin_out, c->gs.pin_out_cap) != cudaSuccess) c->gs.pin_out = NULL, c->gs.pin_out_cap = 0;
     note_peak(c);
@@ -915,6 +962,16 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
     ctx *c = C(be);
     if (!c) return;
     cudaDeviceSynchronize();
+    if (c->prof.on) {
+        prof_flush(c);
+        double total = 0;
+        for (int i = 0; i < c->prof.n_names; i++) total += c->prof.ms[i];
+        fprintf(stderr, "qflash cuda profile (kernel time by kernel, eager):\n");
+        for (int i = 0; i < c->prof.n_names; i++)
+            fprintf(stderr, "  %-22s %9ld calls %10.2f ms %5.1f%% %8.2f us/call\n", c->prof.names[i], c->prof.calls[i], c->prof.ms[i],
+                    100 * c->prof.ms[i] / (total > 0 ? total : 1), 1e3 * c->prof.ms[i] / (c->prof.calls[i] ? c->prof.calls[i] : 1));
+        for (int i = 0; i < PROF_RING; i++) cudaEventDestroy(c->prof.ev[i][0]), cudaEventDestroy(c->prof.ev[i][1]);
+    }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
     cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
