@@ -221,6 +221,9 @@ __global__ void gemv_bf16(const uint16_t *__restrict__ W, int64_t rows, int64_t 
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[r][t] = 0.0f;
     int64_t n8 = cols / 8;
+    // unrolled so a lane issues several 16-byte loads before it needs the first: small matrices
+    // (a few rows) are bound by load latency, not bandwidth
+#pragma unroll 4
     for (int64_t c = lane; c < n8; c += 32) {
         uint4 v[GEMV_ROWS];
 #pragma unroll
@@ -725,6 +728,7 @@ __global__ void k_expert_gate_up(const void *const *tab, int E, int dtype, const
     float g = 0.0f, u = 0.0f;
     if (dtype == QF_DT_BF16 && H % 8 == 0) {
         const uint4 *gr = (const uint4 *)((const uint16_t *)G + (int64_t)j * H), *ur = (const uint4 *)((const uint16_t *)U + (int64_t)j * H);
+#pragma unroll 4
         for (int c = lane; c < H / 8; c += 32) {
             uint4 a = __ldcs(gr + c), b = __ldcs(ur + c);
             const float *xp = xr + c * 8;
@@ -742,27 +746,37 @@ __global__ void k_expert_gate_up(const void *const *tab, int E, int dtype, const
     if (lane == 0) hbuf[(int64_t)rk * I + j] = silu(g) * u;
 }
 
-// y[rk][i] = down_e[i] . h[rk]; a warp per i.
+// y[rk][i] = down_e[i] . h[rk]; a warp per DOWN_ROWS rows i (the rows are short: 512 columns give
+// a lane only two 16-byte loads each, so several rows keep more loads in flight).
+#define DOWN_ROWS 4
 __global__ void k_expert_down(const void *const *tab, int E, int dtype, const int *topi, const float *hbuf, int H, int I, float *ybuf) {
-    int rk = blockIdx.x, i = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
-    if (i >= H) return;
+    int rk = blockIdx.x, i0 = (blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32) * DOWN_ROWS, lane = threadIdx.x & 31;
+    if (i0 >= H) return;
     const void *D = tab[2 * E + topi[rk]];
     const float *hr = hbuf + (int64_t)rk * I;
-    float s = 0.0f;
+    float s[DOWN_ROWS] = {0};
     if (dtype == QF_DT_BF16 && I % 8 == 0) {
-        const uint4 *dr = (const uint4 *)((const uint16_t *)D + (int64_t)i * I);
         for (int c = lane; c < I / 8; c += 32) {
-            uint4 a = __ldcs(dr + c);
-            const float *hp = hr + c * 8;
-            uint32_t av[4] = {a.x, a.y, a.z, a.w};
+            uint4 a[DOWN_ROWS];
 #pragma unroll
-            for (int q = 0; q < 4; q++) s += bf16f(av[q] & 0xffff) * hp[2 * q] + bf16f(av[q] >> 16) * hp[2 * q + 1];
+            for (int r = 0; r < DOWN_ROWS; r++) a[r] = i0 + r < H ? __ldcs((const uint4 *)((const uint16_t *)D + (int64_t)(i0 + r) * I) + c) : make_uint4(0, 0, 0, 0);
+            const float *hp = hr + c * 8;
+#pragma unroll
+            for (int r = 0; r < DOWN_ROWS; r++) {
+                uint32_t av[4] = {a[r].x, a[r].y, a[r].z, a[r].w};
+#pragma unroll
+                for (int q = 0; q < 4; q++) s[r] += bf16f(av[q] & 0xffff) * hp[2 * q] + bf16f(av[q] >> 16) * hp[2 * q + 1];
+            }
         }
     } else {
-        for (int c = lane; c < I; c += 32) s += ldw(D, dtype, (int64_t)i * I + c) * hr[c];
+        for (int r = 0; r < DOWN_ROWS && i0 + r < H; r++)
+            for (int c = lane; c < I; c += 32) s[r] += ldw(D, dtype, (int64_t)(i0 + r) * I + c) * hr[c];
     }
-    s = warp_sum(s);
-    if (lane == 0) ybuf[(int64_t)rk * H + i] = s;
+#pragma unroll
+    for (int r = 0; r < DOWN_ROWS; r++) {
+        float v = warp_sum(s[r]);
+        if (lane == 0 && i0 + r < H) ybuf[(int64_t)rk * H + i0 + r] = v;
+    }
 }
 
 __global__ void k_expert_sum(const float *ybuf, const float *topw, int K, int N, int H, float *out) {
@@ -807,7 +821,7 @@ void cu_moe(qf_backend *be, const qf_moe_args *a) {
     LAUNCH(c, k_route, N, 256, a->router_logits, E, K, topi, topw);
     int dtype = a->experts[0].gate.dtype;
     LAUNCH(c, k_expert_gate_up, dim3(N * K, (I + 7) / 8), 256, tab, E, dtype, topi, K, a->x, H, I, hbuf);
-    LAUNCH(c, k_expert_down, dim3(N * K, (H + 7) / 8), 256, tab, E, dtype, topi, hbuf, H, I, ybuf);
+    LAUNCH(c, k_expert_down, dim3(N * K, (H + 8 * DOWN_ROWS - 1) / (8 * DOWN_ROWS)), 256, tab, E, dtype, topi, hbuf, H, I, ybuf);
     LAUNCH(c, k_expert_sum, blocks((int64_t)N * H, 256), 256, ybuf, topw, K, N, H, a->out);
 }
 
