@@ -66,13 +66,47 @@ static void move_vec(mover *mv, float **v, size_t n) {
     if (d) *v = d;
 }
 
+/* Copies parts (same dtype and columns) into one device matrix, one after another, and points
+ * each part's view into it. Returns the whole, or a zero matrix when the parts do not fit. */
+static qf_mat fuse(mover *mv, qf_mat **parts, int n) {
+    qf_mat all = {0};
+    if (mv->rc != QF_OK || !parts[0]->data) return all;
+    int64_t rows = 0;
+    for (int i = 0; i < n; i++) {
+        if (!parts[i]->data || parts[i]->dtype != parts[0]->dtype || parts[i]->cols != parts[0]->cols) return all;
+        rows += parts[i]->rows;
+    }
+    size_t es = qf_dtype_size(parts[0]->dtype), row_bytes = (size_t)parts[0]->cols * es;
+    char *host = malloc((size_t)rows * row_bytes);
+    if (!host) return all;
+    size_t at = 0;
+    for (int i = 0; i < n; i++) memcpy(host + at, parts[i]->data, (size_t)parts[i]->rows * row_bytes), at += (size_t)parts[i]->rows * row_bytes;
+    char *dev = copy_up(mv, host, (size_t)rows * row_bytes);
+    free(host);
+    if (!dev) return all;
+    all = (qf_mat){parts[0]->dtype, dev, rows, parts[0]->cols};
+    at = 0;
+    for (int i = 0; i < n; i++) parts[i]->data = dev + at, at += (size_t)parts[i]->rows * row_bytes;
+    return all;
+}
+
 static void move_layer(mover *mv, int L) {
     qf_model *m = mv->m;
     const qf_config *c = &m->cfg;
     qf_layer_w *w = &m->layers[L];
-    qf_mat *mats[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_qkv, &w->w_z, &w->w_b, &w->w_a, &w->w_out, &w->router,
-                      &w->sh_gate, &w->sh_up, &w->sh_down, &w->sh_gate_w, &w->gate, &w->up, &w->down};
-    for (size_t i = 0; i < sizeof mats / sizeof *mats; i++) move_mat(mv, mats[i]);
+    qf_mat *lin[] = {&w->w_qkv, &w->w_z, &w->w_b, &w->w_a}, *att[] = {&w->wq, &w->wk, &w->wv};
+    qf_mat *ffn[] = {&w->router, &w->sh_gate, &w->sh_up, &w->sh_gate_w};
+    if (w->kind == QF_LAYER_FULL) w->in_proj = fuse(mv, att, 3);
+    else w->in_proj = fuse(mv, lin, 4);
+    if (c->shared_ffn > 0) w->ffn_in = fuse(mv, ffn, 4);
+    /* what fuse placed is already on the device */
+    qf_mat *mats[] = {w->in_proj.data ? NULL : &w->wq, w->in_proj.data ? NULL : &w->wk, w->in_proj.data ? NULL : &w->wv, &w->wo,
+                      w->in_proj.data ? NULL : &w->w_qkv, w->in_proj.data ? NULL : &w->w_z, w->in_proj.data ? NULL : &w->w_b,
+                      w->in_proj.data ? NULL : &w->w_a, &w->w_out, w->ffn_in.data ? NULL : &w->router,
+                      w->ffn_in.data ? NULL : &w->sh_gate, w->ffn_in.data ? NULL : &w->sh_up, &w->sh_down,
+                      w->ffn_in.data ? NULL : &w->sh_gate_w, &w->gate, &w->up, &w->down};
+    for (size_t i = 0; i < sizeof mats / sizeof *mats; i++)
+        if (mats[i]) move_mat(mv, mats[i]);
     move_vec(mv, &w->attn_norm, (size_t)c->hidden);
     move_vec(mv, &w->ffn_norm, (size_t)c->hidden);
     move_vec(mv, &w->q_norm, (size_t)c->head_dim);

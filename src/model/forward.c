@@ -28,10 +28,15 @@ static void linear_attn(fwd *f, int L, const float *xn, float *out) {
     int qk = c->lin_k_heads * c->lin_k_dim;
     float *mixed = WS(ws, big), *conv = WS(ws, conv), *z = WS(ws, z), *bb = WS(ws, bb), *aa = WS(ws, aa);
     float *core = WS(ws, core);
-    OPS->matmul(be, &w->w_qkv, xn, N, mixed);
-    OPS->matmul(be, &w->w_z, xn, N, z);
-    OPS->matmul(be, &w->w_b, xn, N, bb);
-    OPS->matmul(be, &w->w_a, xn, N, aa);
+    if (N == 1 && w->in_proj.data) { /* one row: the four products are one, their outputs adjacent */
+        OPS->matmul(be, &w->in_proj, xn, 1, mixed);
+        z = mixed + cd, bb = z + nv * dv, aa = bb + nv;
+    } else {
+        OPS->matmul(be, &w->w_qkv, xn, N, mixed);
+        OPS->matmul(be, &w->w_z, xn, N, z);
+        OPS->matmul(be, &w->w_b, xn, N, bb);
+        OPS->matmul(be, &w->w_a, xn, N, aa);
+    }
     OPS->gdn_gates(be, bb, aa, w->dt_bias, w->neg_A, N, nv); /* bb becomes beta, aa becomes g */
     for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
         qf_seq_step *q = &f->seqs[s];
@@ -56,9 +61,14 @@ static void full_attn(fwd *f, int L, const float *xn, float *out) {
     qf_workspace *ws = f->ws;
     int N = f->N, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim;
     float *qg = WS(ws, big), *kb = WS(ws, kb), *vb = WS(ws, vb), *core = WS(ws, core);
-    OPS->matmul(be, &w->wq, xn, N, qg);
-    OPS->matmul(be, &w->wk, xn, N, kb);
-    OPS->matmul(be, &w->wv, xn, N, vb);
+    if (N == 1 && w->in_proj.data) {
+        OPS->matmul(be, &w->in_proj, xn, 1, qg);
+        kb = qg + nh * 2 * hd, vb = kb + nkv * hd;
+    } else {
+        OPS->matmul(be, &w->wq, xn, N, qg);
+        OPS->matmul(be, &w->wk, xn, N, kb);
+        OPS->matmul(be, &w->wv, xn, N, vb);
+    }
     OPS->rmsnorm(be, qg, 2 * hd, w->q_norm, N * nh, hd, c->norm_eps, qg, 2 * hd);
     OPS->rmsnorm(be, kb, hd, w->k_norm, N * nkv, hd, c->norm_eps, kb, hd);
     for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
@@ -129,12 +139,21 @@ static void route(fwd *f, const float *logits) {
     ws->counts[0] = 0;
 }
 
-static int shared_expert(fwd *f, const qf_layer_w *w, const float *xn, float *out) {
+/* fused: the one-row product of ffn_in (router logits, then the shared expert's gate, up and gate
+ * logit), or NULL. */
+static int shared_expert(fwd *f, const qf_layer_w *w, const float *xn, const float *fused, float *out) {
     const qf_config *c = &f->m->cfg;
     qf_backend *be = f->be;
     qf_workspace *ws = f->ws;
     if (c->shared_ffn > 0) {
         float *shs = WS(ws, shs), *ex_out = WS(ws, ex_out);
+        if (fused) {
+            const float *g = fused + c->n_experts, *u = g + c->shared_ffn;
+            OPS->swiglu(be, g, u, c->shared_ffn, 1, c->shared_ffn, WS(ws, ex_h));
+            OPS->matmul(be, &w->sh_down, WS(ws, ex_h), 1, ex_out);
+            OPS->sigmoid_scale_add(be, out, ex_out, u + c->shared_ffn, 1, c->hidden);
+            return QF_OK;
+        }
         swiglu_mlp(f, &w->sh_gate, &w->sh_up, &w->sh_down, xn, f->N, ex_out);
         OPS->matmul(be, &w->sh_gate_w, xn, f->N, shs);
         OPS->sigmoid_scale_add(be, out, ex_out, shs, f->N, c->hidden);
@@ -150,11 +169,12 @@ static int moe(fwd *f, int L, const float *xn, float *out) {
     qf_workspace *ws = f->ws;
     int H = c->hidden, N = f->N;
     float *ex_in = WS(ws, ex_in), *ex_out = WS(ws, ex_out), *asw = WS(ws, asw);
-    OPS->matmul(be, &w->router, xn, N, WS(ws, rl));
+    const float *fused = N == 1 && w->ffn_in.data ? WS(ws, rl) : NULL;
+    OPS->matmul(be, fused ? &w->ffn_in : &w->router, xn, N, WS(ws, rl));
     if (OPS->moe) { /* a device routes and runs the experts itself */
         qf_moe_args a = {m->experts->ops->table(m->experts, L), c->n_experts, c->n_experts_used, N, H, c->expert_ffn, WS(ws, rl), xn, out};
         OPS->moe(be, &a);
-        return shared_expert(f, w, xn, out);
+        return shared_expert(f, w, xn, fused, out);
     }
     route(f, WS(ws, rl));
     memset(out, 0, (size_t)N * H * sizeof(float));
@@ -169,7 +189,7 @@ static int moe(fwd *f, int L, const float *xn, float *out) {
         for (int j = 0; j < cnt; j++) OPS->axpy(be, out + (size_t)ws->asr[g0 + j] * H, ex_out + (size_t)j * H, asw[g0 + j], H);
         m->experts->ops->release(m->experts, L, e);
     }
-    return shared_expert(f, w, xn, out);
+    return shared_expert(f, w, xn, fused, out);
 }
 
 static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_step *seqs, int n_seqs, int *N) {

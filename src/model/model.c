@@ -72,7 +72,8 @@ qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
     CARVE(x, R * H);
     CARVE(xn, R * H);
     CARVE(tmp, R * H);
-    CARVE(big, R * imax(cd, qd));
+    /* big and rl also hold a one-row step's fused products (see qf_layer_w.in_proj / ffn_in) */
+    CARVE(big, imax(R * imax(cd, qd), imax(cd + vd + 2 * c->lin_v_heads, qd + 2 * kvd)));
     CARVE(conv, R * cd);
     CARVE(kb, R * kvd);
     CARVE(vb, R * kvd);
@@ -80,7 +81,7 @@ qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
     CARVE(bb, R * c->lin_v_heads);
     CARVE(aa, R * c->lin_v_heads);
     CARVE(core, R * imax(vd, c->n_heads * c->head_dim));
-    CARVE(rl, R * E);
+    CARVE(rl, imax(R * E, E + 2 * c->shared_ffn + 1));
     CARVE(topw, R * K);
     CARVE(asw, R * K);
     CARVE(ex_in, R * H);

@@ -35,6 +35,11 @@ typedef struct qf_layer_w {
     qf_mat sh_down;            /* (hidden, shared_ffn) */
     qf_mat sh_gate_w;          /* (1, hidden) */
     qf_mat gate, up, down;     /* dense: (ffn, hidden), (ffn, hidden), (hidden, ffn) */
+    /* On a device, the matrices that multiply the same input are stored one after another, so a
+     * one-row step reads them in one launch: in_proj = w_qkv|w_z|w_b|w_a (linear) or wq|wk|wv
+     * (full attention); ffn_in = router|sh_gate|sh_up|sh_gate_w. The separate views above point
+     * into them. data NULL: not fused. */
+    qf_mat in_proj, ffn_in;
 } qf_layer_w;
 
 typedef struct qf_model {
