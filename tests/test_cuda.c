@@ -162,10 +162,10 @@ static void test_attention(int T, int pos0) {
     float *dpool = up_f(pool, (size_t)np * stride), *dq = up_f(q, (size_t)T * qs), *dk = up_f(k, (size_t)T * nkv * hd), *dv = up_f(v, (size_t)T * nkv * hd);
     int32_t *dpages = up(pages, (size_t)np * 4);
     float *o = malloc((size_t)T * nh * hd * 4), *dout = gpu.ops->alloc(&gpu, (size_t)T * nh * hd * 4);
-    qf_attn_args a = {q, qs, 2 * hd, {pool, pages, pt, stride, 0, layer}, o, T, pos0, nh, nkv, hd, 1.0f / 16.0f};
+    qf_attn_args a = {q, qs, 2 * hd, {pool, pages, pt, stride, 0, layer}, o, T, pos0, nh, nkv, hd, 1.0f / 16.0f, NULL, 0};
     ref.ops->kv_store(&ref, &a.kv, k, v, T, pos0, nkv, hd);
     ref.ops->attention(&ref, &a);
-    qf_attn_args b = {dq, qs, 2 * hd, {dpool, dpages, pt, stride, 0, layer}, dout, T, pos0, nh, nkv, hd, 1.0f / 16.0f};
+    qf_attn_args b = {dq, qs, 2 * hd, {dpool, dpages, pt, stride, 0, layer}, dout, T, pos0, nh, nkv, hd, 1.0f / 16.0f, NULL, 0};
     gpu.ops->kv_store(&gpu, &b.kv, dk, dv, T, pos0, nkv, hd);
     gpu.ops->attention(&gpu, &b);
     char s[64];

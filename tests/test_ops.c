@@ -116,14 +116,17 @@ static void test_attention(qf_backend *fast, qf_backend *ref, int nh, int nkv, i
     int32_t *pages = malloc((size_t)np * sizeof *pages);
     for (int i = 0; i < np; i++) pages[i] = (i * 7 + 3) % np; /* np is never a multiple of 7 here */
     float *o0 = calloc((size_t)T * nh * hd, 4), *o1 = calloc((size_t)T * nh * hd, 4);
-    qf_attn_args a = {q, qs, 2 * hd, {pool, pages, pt, stride, 0, 2 * layer}, o0, T, pos0, nh, nkv, hd, 1.0f / sqrtf((float)hd)};
+    size_t scratch_n = (size_t)T * nh * 16 * (hd + 2);
+    float *scratch = malloc(scratch_n * sizeof(float));
+    qf_attn_args a = {q, qs, 2 * hd, {pool, pages, pt, stride, 0, 2 * layer}, o0, T, pos0, nh, nkv, hd, 1.0f / sqrtf((float)hd),
+                      scratch, scratch_n}; /* the fast ops may split long key ranges into it */
     ref->ops->kv_store(ref, &a.kv, k, v, T, pos0, nkv, hd);
     CHECK(qf_kv_row(&a.kv, pos0 + T - 1, nkv, hd, nkv - 1, 1)[hd - 1] == v[(size_t)T * nkv * hd - 1], "kv_store misplaced a value");
     ref->ops->attention(ref, &a);
     a.out = o1;
     fast->ops->attention(fast, &a);
     CHECK(rel_err(o1, o0, (size_t)T * nh * hd) < 1e-5, "%s attention nh %d hd %d T %d pos0 %d", fast->ops->name, nh, hd, T, pos0);
-    free(q), free(pool), free(k), free(v), free(pages), free(o0), free(o1);
+    free(q), free(pool), free(k), free(v), free(pages), free(o0), free(o1), free(scratch);
 }
 
 /* Ops the SIMD tables take from the reference must still agree (guards a future override). */
@@ -176,6 +179,10 @@ int main(int argc, char **argv) {
         test_attention(&fast, &ref, 16, 2, 256, 3, 300);
         test_attention(&fast, &ref, 4, 2, 64, 70, 0);
         test_attention(&fast, &ref, 3, 1, 20, 1, 129);
+        test_attention(&fast, &ref, 16, 2, 256, 1, 3000); /* decode at 3000 keys: split over keys */
+        test_attention(&fast, &ref, 4, 2, 64, 2, 700);
+        test_attention(&fast, &ref, 2, 1, 64, 1, 3000); /* 2 (query, head) pairs: split 4 ways over the keys */
+        test_attention(&fast, &ref, 4, 2, 64, 1, 1000);
         test_elementwise(&fast, &ref);
         tested++;
     }

@@ -58,6 +58,10 @@ typedef struct qf_attn_args {
     float *out;
     int T, pos0, nh, nkv, hd;
     float scale;
+    /* optional scratch (scratch_floats floats) a backend may use to split long key ranges across
+     * threads when there are few queries (decode); NULL: no split */
+    float *scratch;
+    size_t scratch_floats;
 } qf_attn_args;
 
 /* One routed expert's weights. */

@@ -79,8 +79,8 @@ static void full_attn(fwd *f, int L, const float *xn, float *out) {
         OPS->rope(be, ks, nkv * hd, hd, q->n, nkv, c->rot_dim, pos0, m->inv_freq);
         qf_kv_view kv = qf_state_kv_view(q->st, L);
         OPS->kv_store(be, &kv, ks, vb + (size_t)r0 * nkv * hd, q->n, pos0, nkv, hd);
-        qf_attn_args a = {qs, nh * 2 * hd, 2 * hd, kv, core + (size_t)r0 * nh * hd,
-                          q->n, pos0, nh, nkv, hd, 1.0f / sqrtf((float)hd)};
+        qf_attn_args a = {qs, nh * 2 * hd, 2 * hd, kv, core + (size_t)r0 * nh * hd, q->n, pos0, nh, nkv, hd, 1.0f / sqrtf((float)hd),
+                          WS(ws, att), (size_t)ATT_SCRATCH_ROWS * 16 * (size_t)(hd + 2)};
         OPS->attention(be, &a);
     }
     OPS->sigmoid_mul(be, core, hd, qg + hd, 2 * hd, N * nh, hd);

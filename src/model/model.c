@@ -91,6 +91,7 @@ qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
     CARVE(ex_out, R * H);
     CARVE(moe, R * H);
     CARVE(shs, R);
+    CARVE(att, (size_t)ATT_SCRATCH_ROWS * 16 * (size_t)(c->head_dim + 2)); /* decode attention split over keys */
     CARVE(lrows, w->max_logit_rows * H);
     CARVE(lg, (size_t)w->max_logit_rows * (size_t)c->vocab);
 #undef CARVE

@@ -13,7 +13,7 @@ struct qf_workspace {
     float *f;
     size_t x_off, xn_off, tmp_off, big_off, conv_off, kb_off, vb_off, z_off, bb_off, aa_off, core_off;
     size_t rl_off, topw_off, asw_off, ex_in_off, ex_g_off, ex_u_off, ex_h_off, ex_out_off, moe_off, shs_off;
-    size_t lrows_off, lg_off;
+    size_t lrows_off, lg_off, att_off;
     int *ints;
     int *topi;     /* (rows, k) chosen experts */
     int *asr;      /* (rows * k) rows grouped by expert */
@@ -24,5 +24,6 @@ struct qf_workspace {
 };
 
 #define WS(ws, name) ((ws)->f + (ws)->name##_off)
+#define ATT_SCRATCH_ROWS 256 /* (query, head) pairs whose keys may be split 16 ways */
 
 #endif
