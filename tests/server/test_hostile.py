@@ -64,13 +64,13 @@ def raw_request(port, data, timeout=30):
         try:
             s.sendall(data)
             s.shutdown(socket.SHUT_WR)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server answered (413) before reading it all
+        except OSError:
+            pass  # the server answered (413, 400) or closed before reading it all
         out = b""
         while True:
             try:
                 b = s.recv(65536)
-            except ConnectionResetError:
+            except OSError:
                 break
             if not b:
                 break
