@@ -16,7 +16,7 @@
 
 typedef struct bench_opts {
     const char *model, *synthetic, *config, *json, *plot;
-    int layers, prompt_len, gen_len, runs, threads;
+    int layers, prompt_len, gen_len, runs, threads, help;
     int conc[16], n_conc;
     double bw;
 } bench_opts;
@@ -317,6 +317,10 @@ static int parse_list(const char *s, int *out, int cap) {
 static int parse_bench(int argc, char **argv, bench_opts *o) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
+        if (cli_is(&a, "-h", "--help")) {
+            o->help = 1;
+            break;
+        }
         if (cli_is(&a, "-m", "--model")) o->model = cli_value(&a);
         else if (cli_is(&a, NULL, "--synthetic")) o->synthetic = cli_value(&a);
         else if (cli_is(&a, NULL, "--config")) o->config = cli_value(&a);
@@ -340,13 +344,13 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
             a.bad = 1;
         }
     }
-    if (!a.bad && !o->model == !(o->synthetic || o->config)) {
+    if (!a.bad && (o->help || !o->model == !(o->synthetic || o->config))) {
         fprintf(stderr, "usage: qflash bench (-m DIR | --synthetic %s [--layers N] | --config FILE [--layers N])\n"
                         "       [--prompt-len 128] [--gen-len 64] [--concurrency 1,16] [--runs 3] [--bw GB/s] [-t THREADS]\n"
-                        "       [--json FILE] [--plot FILE.svg]\n", qf_synth_presets());
-        a.bad = 1;
+                        "       [--json FILE] [--plot FILE.svg] [--device cpu|cuda[:N]]\n", qf_synth_presets());
+        a.bad = !o->help;
     }
-    return a.bad ? 2 : 0;
+    return a.bad ? 2 : o->help ? 1 : 0;
 }
 
 static void cpu_name(char *out, size_t cap) {
@@ -400,7 +404,8 @@ static void fill_roofline(const qf_model *m, bench_result *r) {
 
 int cmd_bench(int argc, char **argv) {
     bench_opts o = {.prompt_len = 128, .gen_len = 64, .runs = 3, .conc = {1, 16}, .n_conc = 2};
-    if (parse_bench(argc, argv, &o)) return 2;
+    int prc = parse_bench(argc, argv, &o);
+    if (prc) return prc == 1 ? 0 : 2; /* 1: --help */
     enum { TRACE_CAP = 1 << 16 };
     tracer tr = {.t0 = qf_now(), .mem = malloc(TRACE_CAP * sizeof(bench_mem)), .cap = TRACE_CAP};
     atomic_store(&tr.phase, "load");

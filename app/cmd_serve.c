@@ -1,5 +1,5 @@
-/* qflash serve: flags to server options. Every flag also reads an environment variable
- * (QFLASH_<FLAG>, e.g. QFLASH_API_KEY); the flag wins. */
+/* qflash serve: flags to server options. QFLASH_MODEL, QFLASH_HOST, QFLASH_PORT and QFLASH_API_KEY
+ * give defaults from the environment (so a key need not appear in the process list); flags win. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,7 +12,8 @@ static void serve_usage(void) {
             "usage: qflash serve -m DIR [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--model-name NAME]\n"
             "                    [--max-batch 16] [--ctx 4096] [--kv-pages N | --kv-mem MIB] [--page-tokens 16]\n"
             "                    [--prefill-chunk 256] [--max-queue 256] [--max-body MIB] [--shutdown-timeout S]\n"
-            "                    [-t THREADS] [--verbose]\n");
+            "                    [-t THREADS] [--device cpu|cuda[:N]] [--verbose]\n"
+            "Defaults from the environment: QFLASH_MODEL, QFLASH_HOST, QFLASH_PORT, QFLASH_API_KEY (flags win).\n");
 }
 
 static const char *env_or(const char *name, const char *dflt) {
@@ -23,6 +24,10 @@ static const char *env_or(const char *name, const char *dflt) {
 static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib, double *body_mib) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
+        if (cli_is(&a, "-h", "--help")) {
+            serve_usage();
+            return 1;
+        }
         if (cli_is(&a, "-m", "--model")) o->model_dir = cli_value(&a);
         else if (cli_is(&a, NULL, "--host")) o->host = cli_value(&a);
         else if (cli_is(&a, NULL, "--port")) o->port = cli_int(&a, 0, 65535);
@@ -62,7 +67,8 @@ int cmd_serve(int argc, char **argv) {
     o.shutdown_timeout = 30;
     o.sched = (qf_sched_opts){.max_batch = 16, .ctx = 4096, .page_tokens = 16, .prefill_chunk = 256, .max_queue = 256, .log = stderr};
     double kv_mib = 0, body_mib = 8;
-    if (parse_serve(argc, argv, &o, &kv_mib, &body_mib)) return 2;
+    int prc = parse_serve(argc, argv, &o, &kv_mib, &body_mib);
+    if (prc) return prc == 1 ? 0 : 2; /* 1: --help */
     o.max_body = (size_t)(body_mib * 1048576.0);
     o.engine.max_batch = o.sched.max_batch + o.sched.prefill_chunk; /* rows of one step */
     o.engine.progress = NULL;
