@@ -44,7 +44,8 @@ typedef struct slot {
     qf_state *st;
     float *logits;
     qf_req *req;
-    int batch_n; /* tokens fed this step */
+    int batch_n;      /* tokens fed this step */
+    int pages_before; /* pages held before this step */
 } slot;
 
 struct qf_sched {
@@ -505,6 +506,7 @@ static void publish_stats(qf_sched *s) {
 static int run_step(qf_sched *s) {
     int n_decode, rows, n = plan_step(s, &n_decode, &rows);
     if (n == 0) return 0;
+    for (int j = 0; j < n; j++) s->slots[s->step_slot[j]].pages_before = s->steps[j].st->n_pages;
     int rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->steps, n);
     pthread_mutex_lock(&s->mu);
     s->stats.steps++;
@@ -521,6 +523,9 @@ static int run_step(qf_sched *s) {
             continue;
         }
         r->n_fed += sl->batch_n;
+        if (sl->st->n_pages > sl->pages_before)
+            LOG(s, "seq %llu: %d KV pages allocated (%d held, %d free)\n", (unsigned long long)r->seq_no, sl->st->n_pages - sl->pages_before,
+                sl->st->n_pages, qf_kv_pool_free_pages(s->kv));
         int why = r->n_fed == r->n_toks ? emit_token(s, r, sl->logits) : QF_FINISH_NONE;
         if (why != QF_FINISH_NONE) finish(s, r, why, NULL);
         else if (r->n_fed + 1 == r->n_toks && r->notify) r->notify(r->notify_ud);

@@ -245,3 +245,11 @@ def test_sigterm_finishes_in_flight():
     assert body.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in body
     assert s.proc.wait(30) == 0
     s.reader.join(5)
+
+
+def test_verbose_scheduler_log(server):
+    """--verbose: batch composition per step, pages allocated and freed."""
+    post(server, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 20, "temperature": 0})
+    log = "".join(server.log)
+    assert "[FLASH-SCHEDULER] step " in log and " decode + " in log and " prefill sequences" in log
+    assert "KV pages allocated" in log and "pages freed" in log
