@@ -12,18 +12,6 @@
 #include "test_util.h"
 
 static qf_backend gpu, ref = {&qf_cpu_ops_ref, NULL, NULL};
-static uint64_t seed = 42;
-
-static float frand(void) {
-    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((seed >> 40) & 0xffffff) / 8388608.0f - 1.0f;
-}
-
-static float *rnd(size_t n, float scale) {
-    float *p = malloc(n * sizeof *p);
-    for (size_t i = 0; i < n; i++) p[i] = frand() * scale;
-    return p;
-}
 
 static void *up(const void *h, size_t bytes) {
     void *d = gpu.ops->alloc(&gpu, bytes);
@@ -37,19 +25,14 @@ static float *up_f(const float *h, size_t n) { return up(h, n * sizeof(float)); 
 static double cmp(const float *dev, const float *want, size_t n) {
     float *got = malloc(n * sizeof *got);
     gpu.ops->download(&gpu, got, dev, n * sizeof *got);
-    double d = 0, mx = 1e-30;
-    for (size_t i = 0; i < n; i++) {
-        d = fmax(d, fabs((double)got[i] - want[i]));
-        mx = fmax(mx, fabs(want[i]));
-        if (isnan(got[i])) d = INFINITY;
-    }
+    double e = qt_rel_err(got, want, n);
     free(got);
-    return d / mx;
+    return e;
 }
 
 static qf_mat bf16_mat(int64_t rows, int64_t cols, void **host) {
     uint16_t *p = malloc((size_t)(rows * cols) * 2);
-    for (int64_t i = 0; i < rows * cols; i++) p[i] = qf_f32_to_bf16(frand() * 0.05f);
+    for (int64_t i = 0; i < rows * cols; i++) p[i] = qf_f32_to_bf16(qt_frand() * 0.05f);
     *host = p;
     return (qf_mat){QF_DT_BF16, p, rows, cols};
 }
@@ -62,7 +45,7 @@ static void report(const char *op, const char *shape, double err, double tol) {
 static void test_matmul(int64_t rows, int64_t cols, int n, double tol) {
     void *hw;
     qf_mat w = bf16_mat(rows, cols, &hw);
-    float *x = rnd((size_t)n * cols, 1.0f), *y = malloc((size_t)n * rows * 4);
+    float *x = qt_rnd((size_t)n * cols, 1.0f), *y = malloc((size_t)n * rows * 4);
     ref.ops->matmul(&ref, &w, x, n, y);
     qf_mat dw = w;
     dw.data = up(hw, (size_t)(rows * cols) * 2);
@@ -88,21 +71,21 @@ static void test_small_ops(void) {
     gpu.ops->embed(&gpu, &de, ids, T, dy);
     report("embed", "bf16 [1000 x 2048], 5 ids", cmp(dy, y, (size_t)T * H), 1e-6);
 
-    float *x = rnd((size_t)T * H, 2.0f), *w = rnd(H, 1.0f), *dx = up_f(x, (size_t)T * H), *dw = up_f(w, H);
+    float *x = qt_rnd((size_t)T * H, 2.0f), *w = qt_rnd(H, 1.0f), *dx = up_f(x, (size_t)T * H), *dw = up_f(w, H);
     ref.ops->rmsnorm(&ref, x, H, w, T, H, 1e-6f, y, H);
     gpu.ops->rmsnorm(&gpu, dx, H, dw, T, H, 1e-6f, dy, H);
     report("rmsnorm", "5 x 2048", cmp(dy, y, (size_t)T * H), 1e-5);
 
     /* RoPE on q heads laid out [query | gate] per head, as the attention layer has them */
     int nh = 16, hd = 256, qs = nh * 2 * hd;
-    float *q = rnd((size_t)T * qs, 1.0f), *inv = malloc(32 * 4);
+    float *q = qt_rnd((size_t)T * qs, 1.0f), *inv = malloc(32 * 4);
     for (int i = 0; i < 32; i++) inv[i] = 1.0f / powf(1e7f, (float)(2 * i) / 64.0f);
     float *dq = up_f(q, (size_t)T * qs), *dinv = up_f(inv, 32);
     ref.ops->rope(&ref, q, qs, 2 * hd, T, nh, 64, 1234, inv);
     gpu.ops->rope(&gpu, dq, qs, 2 * hd, T, nh, 64, 1234, dinv);
     report("rope", "5 tokens x 16 heads, rot 64, pos 1234", cmp(dq, q, (size_t)T * qs), 1e-5);
 
-    float *g = rnd((size_t)T * 512, 3.0f), *u = rnd((size_t)T * 512, 1.0f), *dg = up_f(g, (size_t)T * 512), *du = up_f(u, (size_t)T * 512);
+    float *g = qt_rnd((size_t)T * 512, 3.0f), *u = qt_rnd((size_t)T * 512, 1.0f), *dg = up_f(g, (size_t)T * 512), *du = up_f(u, (size_t)T * 512);
     ref.ops->swiglu(&ref, g, u, 512, T, 512, y);
     gpu.ops->swiglu(&gpu, dg, du, 512, T, 512, dy);
     report("swiglu", "5 x 512", cmp(dy, y, (size_t)T * 512), 1e-6);
@@ -112,13 +95,13 @@ static void test_small_ops(void) {
     ref.ops->axpy(&ref, u, g, 0.5f, (int64_t)T * 512);
     gpu.ops->axpy(&gpu, du, dg, 0.5f, (int64_t)T * 512);
     report("axpy", "2560", cmp(du, u, (size_t)T * 512), 1e-6);
-    float *b = rnd((size_t)T * 32, 4.0f), *a = rnd((size_t)T * 32, 4.0f), *dtb = rnd(32, 1.0f), *na = rnd(32, 1.0f);
+    float *b = qt_rnd((size_t)T * 32, 4.0f), *a = qt_rnd((size_t)T * 32, 4.0f), *dtb = qt_rnd(32, 1.0f), *na = qt_rnd(32, 1.0f);
     float *db = up_f(b, (size_t)T * 32), *da = up_f(a, (size_t)T * 32), *ddtb = up_f(dtb, 32), *dna = up_f(na, 32);
     ref.ops->gdn_gates(&ref, b, a, dtb, na, T, 32);
     gpu.ops->gdn_gates(&gpu, db, da, ddtb, dna, T, 32);
     report("gdn_gates beta", "5 x 32", cmp(db, b, (size_t)T * 32), 1e-6);
     report("gdn_gates g", "5 x 32", cmp(da, a, (size_t)T * 32), 1e-6);
-    float *sg = rnd(T, 3.0f), *dsg = up_f(sg, T);
+    float *sg = qt_rnd(T, 3.0f), *dsg = up_f(sg, T);
     ref.ops->sigmoid_scale_add(&ref, u, g, sg, T, 512);
     gpu.ops->sigmoid_scale_add(&gpu, du, dg, dsg, T, 512);
     report("sigmoid_scale_add", "5 x 512", cmp(du, u, (size_t)T * 512), 1e-6);
@@ -129,7 +112,7 @@ static void test_small_ops(void) {
 
 static void test_conv_gdn(int T) {
     int C = 8192, K = 4, nk = 16, nv = 32, dk = 128, dv = 128, qk = nk * dk;
-    float *x = rnd((size_t)T * C, 1.0f), *w = rnd((size_t)C * K, 0.5f), *st = rnd((size_t)(K - 1) * C, 1.0f), *y = malloc((size_t)T * C * 4);
+    float *x = qt_rnd((size_t)T * C, 1.0f), *w = qt_rnd((size_t)C * K, 0.5f), *st = qt_rnd((size_t)(K - 1) * C, 1.0f), *y = malloc((size_t)T * C * 4);
     float *dx = up_f(x, (size_t)T * C), *dw = up_f(w, (size_t)C * K), *dst = up_f(st, (size_t)(K - 1) * C), *dy = gpu.ops->alloc(&gpu, (size_t)T * C * 4);
     ref.ops->conv_silu(&ref, x, C, T, C, K, w, st, y);
     gpu.ops->conv_silu(&gpu, dx, C, T, C, K, dw, dst, dy);
@@ -137,8 +120,8 @@ static void test_conv_gdn(int T) {
     snprintf(s, sizeof s, "%d tokens x 8192 channels, K 4", T);
     report("conv_silu", s, cmp(dy, y, (size_t)T * C), 1e-5);
     report("conv_silu state", s, cmp(dst, st, (size_t)(K - 1) * C), 1e-6);
-    float *beta = malloc((size_t)T * nv * 4), *g = malloc((size_t)T * nv * 4), *S = rnd((size_t)nv * dk * dv, 0.1f), *o = malloc((size_t)T * nv * dv * 4);
-    for (int i = 0; i < T * nv; i++) beta[i] = 0.5f + 0.4f * frand(), g[i] = -0.3f + 0.25f * frand();
+    float *beta = malloc((size_t)T * nv * 4), *g = malloc((size_t)T * nv * 4), *S = qt_rnd((size_t)nv * dk * dv, 0.1f), *o = malloc((size_t)T * nv * dv * 4);
+    for (int i = 0; i < T * nv; i++) beta[i] = 0.5f + 0.4f * qt_frand(), g[i] = -0.3f + 0.25f * qt_frand();
     float *dbeta = up_f(beta, (size_t)T * nv), *dg = up_f(g, (size_t)T * nv), *dS = up_f(S, (size_t)nv * dk * dv), *dout = gpu.ops->alloc(&gpu, (size_t)T * nv * dv * 4);
     qf_gdn_args a = {y, y + qk, y + 2 * qk, C, beta, g, S, o, T, nk, nv, dk, dv};
     ref.ops->gdn(&ref, &a);
@@ -156,7 +139,7 @@ static void test_conv_gdn(int T) {
 static void test_attention(int T, int pos0) {
     int nh = 16, nkv = 2, hd = 256, pt = 16, ctx = pos0 + T, np = (ctx + pt - 1) / pt + 3, qs = nh * 2 * hd;
     size_t layer = (size_t)pt * nkv * hd, stride = 2 * layer;
-    float *pool = rnd((size_t)np * stride, 1.0f), *q = rnd((size_t)T * qs, 1.0f), *k = rnd((size_t)T * nkv * hd, 1.0f), *v = rnd((size_t)T * nkv * hd, 1.0f);
+    float *pool = qt_rnd((size_t)np * stride, 1.0f), *q = qt_rnd((size_t)T * qs, 1.0f), *k = qt_rnd((size_t)T * nkv * hd, 1.0f), *v = qt_rnd((size_t)T * nkv * hd, 1.0f);
     int32_t *pages = malloc((size_t)np * 4);
     for (int i = 0; i < np; i++) pages[i] = (i * 7 + 3) % np;
     float *dpool = up_f(pool, (size_t)np * stride), *dq = up_f(q, (size_t)T * qs), *dk = up_f(k, (size_t)T * nkv * hd), *dv = up_f(v, (size_t)T * nkv * hd);
@@ -189,7 +172,7 @@ static void test_moe(int N, int bench) {
         host[e] = (qf_expert){{QF_DT_BF16, (char *)hgu + og, I, H}, {QF_DT_BF16, (char *)hgu + ou, I, H}, {QF_DT_BF16, (char *)hd + od, H, I}};
         dev[e] = (qf_expert){{QF_DT_BF16, dgu + og, I, H}, {QF_DT_BF16, dgu + ou, I, H}, {QF_DT_BF16, ddn + od, H, I}};
     }
-    float *rl = rnd((size_t)N * E, 2.0f), *x = rnd((size_t)N * H, 1.0f), *want = calloc((size_t)N * H, 4);
+    float *rl = qt_rnd((size_t)N * E, 2.0f), *x = qt_rnd((size_t)N * H, 1.0f), *want = calloc((size_t)N * H, 4);
     float *gb = malloc((size_t)I * 4), *ub = malloc((size_t)I * 4), *hb = malloc((size_t)I * 4), *yb = malloc((size_t)H * 4);
     for (int r = 0; r < N; r++) {
         const float *l = rl + (size_t)r * E;
@@ -241,7 +224,7 @@ static void bench_gemv(int64_t rows, int64_t cols, int n) {
     qf_mat w = bf16_mat(rows, cols, &hw);
     w.data = up(hw, (size_t)(rows * cols) * 2);
     free(hw);
-    float *x = rnd((size_t)n * cols, 1.0f), *dx = up_f(x, (size_t)n * cols), *dy = gpu.ops->alloc(&gpu, (size_t)n * rows * 4);
+    float *x = qt_rnd((size_t)n * cols, 1.0f), *dx = up_f(x, (size_t)n * cols), *dy = gpu.ops->alloc(&gpu, (size_t)n * rows * 4);
     gpu.ops->matmul(&gpu, &w, dx, n, dy);
     qf_cuda_sync(&gpu);
     int reps = 20;

@@ -10,29 +10,11 @@
 #include "backend/ops.h"
 #include "test_util.h"
 
-static uint64_t rs = 0x1234567;
-static float frand(void) {
-    rs = rs * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((rs >> 40) / (double)(1ull << 24)) * 2.0f - 1.0f;
-}
-static float *rnd(size_t n, float scale) {
-    float *p = malloc(n * sizeof *p);
-    for (size_t i = 0; i < n; i++) p[i] = frand() * scale;
-    return p;
-}
-
-/* relative to the largest reference magnitude */
-static double rel_err(const float *a, const float *ref, size_t n) {
-    double m = 1e-30, d = qt_max_abs_diff(a, ref, (int64_t)n);
-    for (size_t i = 0; i < n; i++) m = fabs(ref[i]) > m ? fabs(ref[i]) : m;
-    return d / m;
-}
-
 static qf_mat make_mat(int dtype, int64_t rows, int64_t cols, void **store) {
     size_t n = (size_t)(rows * cols);
     void *p = malloc(n * qf_dtype_size(dtype));
     for (size_t i = 0; i < n; i++) {
-        float v = frand();
+        float v = qt_frand();
         if (dtype == QF_DT_F32) ((float *)p)[i] = v;
         else if (dtype == QF_DT_BF16) ((uint16_t *)p)[i] = qf_f32_to_bf16(v);
         else { /* f16 via a value exactly representable: multiples of 2^-10 in (-1, 1) */
@@ -61,10 +43,10 @@ static void test_matmul(qf_backend *fast, qf_backend *ref) {
             for (int k = 0; k < 4; k++) {
                 void *store;
                 qf_mat w = make_mat(dtypes[d], shapes[s][0], shapes[s][1], &store);
-                float *x = rnd((size_t)ns[k] * w.cols, 1.0f), *y0 = calloc((size_t)ns[k] * w.rows, 4), *y1 = calloc((size_t)ns[k] * w.rows, 4);
+                float *x = qt_rnd((size_t)ns[k] * w.cols, 1.0f), *y0 = calloc((size_t)ns[k] * w.rows, 4), *y1 = calloc((size_t)ns[k] * w.rows, 4);
                 ref->ops->matmul(ref, &w, x, ns[k], y0);
                 fast->ops->matmul(fast, &w, x, ns[k], y1);
-                double e = rel_err(y1, y0, (size_t)ns[k] * w.rows);
+                double e = qt_rel_err(y1, y0, (size_t)ns[k] * w.rows);
                 CHECK(e < 1e-5, "%s matmul %s [%lld x %lld] n=%d: rel err %.3g", fast->ops->name, qf_dtype_name(dtypes[d]),
                       (long long)w.rows, (long long)w.cols, ns[k], e);
                 /* each token alone gives bit for bit what it gives in the batch (the server's exactness) */
@@ -83,27 +65,27 @@ static void test_rmsnorm(qf_backend *fast, qf_backend *ref) {
     int dims[] = {2048, 128, 37};
     for (int i = 0; i < 3; i++) {
         int d = dims[i], rows = 5;
-        float *x = rnd((size_t)rows * d * 2, 3.0f), *w = rnd((size_t)d, 1.0f), *y0 = calloc((size_t)rows * d * 2, 4), *y1 = calloc((size_t)rows * d * 2, 4);
+        float *x = qt_rnd((size_t)rows * d * 2, 3.0f), *w = qt_rnd((size_t)d, 1.0f), *y0 = calloc((size_t)rows * d * 2, 4), *y1 = calloc((size_t)rows * d * 2, 4);
         ref->ops->rmsnorm(ref, x, 2 * d, w, rows, d, 1e-6f, y0, d);
         fast->ops->rmsnorm(fast, x, 2 * d, w, rows, d, 1e-6f, y1, d);
-        CHECK(rel_err(y1, y0, (size_t)rows * d) < 1e-6, "%s rmsnorm dim %d", fast->ops->name, d);
+        CHECK(qt_rel_err(y1, y0, (size_t)rows * d) < 1e-6, "%s rmsnorm dim %d", fast->ops->name, d);
         free(x), free(w), free(y0), free(y1);
     }
 }
 
 static void test_gdn(qf_backend *fast, qf_backend *ref, int nk, int nv, int dk, int dv, int T) {
     int stride = 2 * nk * dk + nv * dv;
-    float *qkv = rnd((size_t)T * stride, 1.0f), *beta = rnd((size_t)T * nv, 0.5f), *g = rnd((size_t)T * nv, 1.0f);
+    float *qkv = qt_rnd((size_t)T * stride, 1.0f), *beta = qt_rnd((size_t)T * nv, 0.5f), *g = qt_rnd((size_t)T * nv, 1.0f);
     for (int i = 0; i < T * nv; i++) beta[i] = 0.5f + beta[i], g[i] = -fabsf(g[i]);
     size_t ns = (size_t)nv * dk * dv;
-    float *S0 = rnd(ns, 0.1f), *S1 = malloc(ns * 4), *o0 = calloc((size_t)T * nv * dv, 4), *o1 = calloc((size_t)T * nv * dv, 4);
+    float *S0 = qt_rnd(ns, 0.1f), *S1 = malloc(ns * 4), *o0 = calloc((size_t)T * nv * dv, 4), *o1 = calloc((size_t)T * nv * dv, 4);
     memcpy(S1, S0, ns * 4);
     qf_gdn_args a = {qkv, qkv + nk * dk, qkv + 2 * nk * dk, stride, beta, g, S0, o0, T, nk, nv, dk, dv};
     ref->ops->gdn(ref, &a);
     a.S = S1, a.out = o1;
     fast->ops->gdn(fast, &a);
-    CHECK(rel_err(o1, o0, (size_t)T * nv * dv) < 1e-5, "%s gdn out (nk %d nv %d dk %d)", fast->ops->name, nk, nv, dk);
-    CHECK(rel_err(S1, S0, ns) < 1e-5, "%s gdn state", fast->ops->name);
+    CHECK(qt_rel_err(o1, o0, (size_t)T * nv * dv) < 1e-5, "%s gdn out (nk %d nv %d dk %d)", fast->ops->name, nk, nv, dk);
+    CHECK(qt_rel_err(S1, S0, ns) < 1e-5, "%s gdn state", fast->ops->name);
     free(qkv), free(beta), free(g), free(S0), free(S1), free(o0), free(o1);
 }
 
@@ -111,8 +93,8 @@ static void test_gdn(qf_backend *fast, qf_backend *ref, int nk, int nv, int dk, 
 static void test_attention(qf_backend *fast, qf_backend *ref, int nh, int nkv, int hd, int T, int pos0) {
     int ctx = pos0 + T, qs = nh * 2 * hd, pt = 16, np = (ctx + pt - 1) / pt + 3;
     size_t layer = (size_t)pt * nkv * hd, stride = 3 * layer; /* pages hold 1.5 layers' worth: k at 0, v at 2 */
-    float *q = rnd((size_t)T * qs, 1.0f), *pool = rnd((size_t)np * stride, 1.0f);
-    float *k = rnd((size_t)T * nkv * hd, 1.0f), *v = rnd((size_t)T * nkv * hd, 1.0f);
+    float *q = qt_rnd((size_t)T * qs, 1.0f), *pool = qt_rnd((size_t)np * stride, 1.0f);
+    float *k = qt_rnd((size_t)T * nkv * hd, 1.0f), *v = qt_rnd((size_t)T * nkv * hd, 1.0f);
     int32_t *pages = malloc((size_t)np * sizeof *pages);
     for (int i = 0; i < np; i++) pages[i] = (i * 7 + 3) % np; /* np is never a multiple of 7 here */
     float *o0 = calloc((size_t)T * nh * hd, 4), *o1 = calloc((size_t)T * nh * hd, 4);
@@ -125,30 +107,30 @@ static void test_attention(qf_backend *fast, qf_backend *ref, int nh, int nkv, i
     ref->ops->attention(ref, &a);
     a.out = o1;
     fast->ops->attention(fast, &a);
-    CHECK(rel_err(o1, o0, (size_t)T * nh * hd) < 1e-5, "%s attention nh %d hd %d T %d pos0 %d", fast->ops->name, nh, hd, T, pos0);
+    CHECK(qt_rel_err(o1, o0, (size_t)T * nh * hd) < 1e-5, "%s attention nh %d hd %d T %d pos0 %d", fast->ops->name, nh, hd, T, pos0);
     free(q), free(pool), free(k), free(v), free(pages), free(o0), free(o1), free(scratch);
 }
 
 /* Ops the SIMD tables take from the reference must still agree (guards a future override). */
 static void test_elementwise(qf_backend *fast, qf_backend *ref) {
     int n = 3, d = 67, K = 4, C = 70;
-    float *g = rnd((size_t)n * d, 4), *u = rnd((size_t)n * d, 4), *y0 = calloc((size_t)n * d, 4), *y1 = calloc((size_t)n * d, 4);
+    float *g = qt_rnd((size_t)n * d, 4), *u = qt_rnd((size_t)n * d, 4), *y0 = calloc((size_t)n * d, 4), *y1 = calloc((size_t)n * d, 4);
     ref->ops->swiglu(ref, g, u, d, n, d, y0);
     fast->ops->swiglu(fast, g, u, d, n, d, y1);
-    CHECK(rel_err(y1, y0, (size_t)n * d) < 1e-6, "%s swiglu", fast->ops->name);
-    float *x = rnd((size_t)5 * C, 1), *w = rnd((size_t)C * K, 1), *s0 = rnd((size_t)(K - 1) * C, 1), *s1 = malloc((size_t)(K - 1) * C * 4);
+    CHECK(qt_rel_err(y1, y0, (size_t)n * d) < 1e-6, "%s swiglu", fast->ops->name);
+    float *x = qt_rnd((size_t)5 * C, 1), *w = qt_rnd((size_t)C * K, 1), *s0 = qt_rnd((size_t)(K - 1) * C, 1), *s1 = malloc((size_t)(K - 1) * C * 4);
     float *c0 = calloc((size_t)5 * C, 4), *c1 = calloc((size_t)5 * C, 4);
     memcpy(s1, s0, (size_t)(K - 1) * C * 4);
     ref->ops->conv_silu(ref, x, C, 5, C, K, w, s0, c0);
     fast->ops->conv_silu(fast, x, C, 5, C, K, w, s1, c1);
-    CHECK(rel_err(c1, c0, (size_t)5 * C) < 1e-6 && rel_err(s1, s0, (size_t)(K - 1) * C) == 0, "%s conv_silu", fast->ops->name);
+    CHECK(qt_rel_err(c1, c0, (size_t)5 * C) < 1e-6 && qt_rel_err(s1, s0, (size_t)(K - 1) * C) == 0, "%s conv_silu", fast->ops->name);
     free(g), free(u), free(y0), free(y1), free(x), free(w), free(s0), free(s1), free(c0), free(c1);
 }
 
 /* The conv carried across calls equals one call over the whole sequence. */
 static void test_conv_carry(void) {
     int C = 8, K = 4, T = 6;
-    float *x = rnd((size_t)T * C, 1), *w = rnd((size_t)C * K, 1), *s_one = calloc((size_t)(K - 1) * C, 4), *s_two = calloc((size_t)(K - 1) * C, 4);
+    float *x = qt_rnd((size_t)T * C, 1), *w = qt_rnd((size_t)C * K, 1), *s_one = calloc((size_t)(K - 1) * C, 4), *s_two = calloc((size_t)(K - 1) * C, 4);
     float *y_one = calloc((size_t)T * C, 4), *y_two = calloc((size_t)T * C, 4);
     qf_backend ref = {&qf_cpu_ops_ref, NULL, NULL};
     ref.ops->conv_silu(&ref, x, C, T, C, K, w, s_one, y_one);

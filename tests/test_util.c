@@ -58,6 +58,25 @@ double qt_max_abs_diff(const float *a, const float *b, int64_t n) {
     return m;
 }
 
+double qt_rel_err(const float *a, const float *ref, size_t n) {
+    double m = 1e-30, d = qt_max_abs_diff(a, ref, (int64_t)n);
+    for (size_t i = 0; i < n; i++) m = fabs(ref[i]) > m ? fabs(ref[i]) : m;
+    return d / m;
+}
+
+static uint64_t qt_rand_state = 0x1234567;
+
+float qt_frand(void) {
+    qt_rand_state = qt_rand_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((qt_rand_state >> 40) / (double)(1ull << 24)) * 2.0f - 1.0f;
+}
+
+float *qt_rnd(size_t n, float scale) {
+    float *p = malloc(n * sizeof *p);
+    for (size_t i = 0; p && i < n; i++) p[i] = qt_frand() * scale;
+    return p;
+}
+
 int qt_argmax(const float *x, int n) {
     int b = 0;
     for (int i = 1; i < n; i++)

@@ -31,6 +31,12 @@ const char *qt_path(const char *rel);
 const float *qt_ref_f32(const qf_st_set *s, const char *name, int64_t *n, int64_t *rows);
 const int32_t *qt_ref_i32(const qf_st_set *s, const char *name, int64_t *n);
 double qt_max_abs_diff(const float *a, const float *b, int64_t n);
+/* Largest difference relative to the largest reference magnitude (NaN: infinite). */
+double qt_rel_err(const float *a, const float *ref, size_t n);
+/* Uniform in [-1, 1) from one fixed-seed stream per test process; qt_rnd: n of them times scale,
+ * in a heap array the caller frees. */
+float qt_frand(void);
+float *qt_rnd(size_t n, float scale);
 int qt_argmax(const float *x, int n);
 /* Runs a shell command, captures its stdout into out (NUL-terminated); returns the exit status
  * (-1 when it did not exit normally). */
