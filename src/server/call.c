@@ -288,19 +288,11 @@ void calls_pump(srv *s) {
     }
 }
 
+/* Calls exist only once the scheduler does; it finishes each cancelled request and the wake-up
+ * pump ends its reply. */
 void calls_cancel_all(srv *s) {
     for (call *c = s->calls; c; c = c->next) qf_req_cancel(c->r);
-    if (s->sched) {
-        qf_sched_kick(s->sched);
-        return; /* the scheduler finishes them; the wake-up pump ends each reply */
-    }
-    while (s->calls) {
-        call *c = s->calls;
-        detach(c);
-        if (c->stream) evhttp_send_reply_end(c->http);
-        else srv_send_error(c->http, 503, "unavailable_error", "the server is shutting down");
-        call_free(c);
-    }
+    if (s->sched) qf_sched_kick(s->sched);
 }
 
 static void stream_begin(call *c) {

@@ -21,7 +21,7 @@ typedef struct call {
     srv *s;
     struct evhttp_request *http; /* NULL once the client is gone or the reply has ended */
     qf_req *r;
-    int kind, stream, include_usage, logprobs, done;
+    int kind, stream, include_usage, logprobs;
     char id[64];
     long long created;
     think_split think;
@@ -29,7 +29,6 @@ typedef struct call {
     char *acc_c, *acc_r;
     size_t len_c, cap_c, len_r, cap_r;
     json_t *lp;                  /* logprobs entries (chat: content array; completion: object) */
-    int stream_started;
     struct call *prev, *next;
 } call;
 
