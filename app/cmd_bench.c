@@ -105,8 +105,7 @@ static double probe_bw(qf_pool *pool, double *copy_gbs) {
     }
     memset(a, 1, n), memset(b, 2, n);
     copy_job j = {b, a, (size_t)4 << 20, n};
-    static read_job rj;
-    rj = (read_job){(const float *)a, ((size_t)4 << 20) / sizeof(float), n / sizeof(float), {0}};
+    read_job rj = {(const float *)a, ((size_t)4 << 20) / sizeof(float), n / sizeof(float), {0}};
     double best = 1e9, best_r = 1e9;
     for (int r = 0; r < 5; r++) {
         double t0 = qf_now();

@@ -52,11 +52,16 @@ int qf_kv_pool_page_tokens(const qf_kv_pool *p) { return p->page_tokens; }
 
 /* ---- per-sequence state ---- */
 
+/* Floats of one linear-attention layer's conv window and recurrent state. */
+static void linear_state_floats(const qf_config *c, size_t *conv, size_t *ssm) {
+    *conv = (size_t)(c->conv_kernel - 1) * (size_t)qf_cfg_conv_dim(c);
+    *ssm = (size_t)c->lin_v_heads * (size_t)c->lin_k_dim * (size_t)c->lin_v_dim;
+}
+
 size_t qf_state_bytes(const qf_model *m) {
     const qf_config *c = &m->cfg;
-    size_t conv = (size_t)(c->conv_kernel - 1) * (size_t)qf_cfg_conv_dim(c);
-    size_t ssm = (size_t)c->lin_v_heads * (size_t)c->lin_k_dim * (size_t)c->lin_v_dim;
-    size_t total = 0;
+    size_t conv, ssm, total = 0;
+    linear_state_floats(c, &conv, &ssm);
     for (int L = 0; L < c->n_layers; L++) total += c->layer_kind[L] == QF_LAYER_FULL ? 0 : conv + ssm;
     return total * sizeof(float);
 }
@@ -66,9 +71,8 @@ static int div_up(int a, int b) { return (a + b - 1) / b; }
 qf_state *qf_state_create_paged(const qf_model *m, qf_kv_pool *kv, int max_ctx) {
     const qf_config *c = &m->cfg;
     if (max_ctx < 1 || !kv) return NULL;
-    size_t conv = (size_t)(c->conv_kernel - 1) * (size_t)qf_cfg_conv_dim(c);
-    size_t ssm = (size_t)c->lin_v_heads * (size_t)c->lin_k_dim * (size_t)c->lin_v_dim;
-    size_t total = qf_state_bytes(m) / sizeof(float);
+    size_t conv, ssm, total = qf_state_bytes(m) / sizeof(float);
+    linear_state_floats(c, &conv, &ssm);
     qf_state *s = calloc(1, sizeof *s);
     if (!s) return NULL;
     s->conv = calloc((size_t)c->n_layers * 2, sizeof(float *));
