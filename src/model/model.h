@@ -53,6 +53,7 @@ typedef struct qf_model {
     qf_expert_store *experts;
     void **owned;       /* converted small tensors, freed with the model */
     uint64_t synth_seed; /* synthetic models: the weights' seed */
+    qf_pool *synth_pool; /* while a synthetic model's weights are made: the threads that fill them */
     qf_backend *dev;     /* set by qf_model_to_device: weights, states and scratch live there */
     void **dev_bufs;     /* device copies of the weights, freed with the model */
     int n_dev_bufs;

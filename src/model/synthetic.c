@@ -99,8 +99,6 @@ static void plan(fill *f, const char *name, const int64_t *shape, int ndim) {
     else if (ends_with(name, "conv1d.weight")) f->scale = 1.0f / sqrtf((float)shape[ndim - 1]);
 }
 
-static qf_pool *g_fill_pool; /* set while a synthetic model is being made */
-
 const qf_st_tensor *qf_synth_tensor(qf_model *m, const char *name, int ndim, const int64_t *shape) {
     fill f = {0};
     plan(&f, name, shape, ndim);
@@ -110,7 +108,7 @@ const qf_st_tensor *qf_synth_tensor(qf_model *m, const char *name, int ndim, con
     f.data = malloc((size_t)(f.n > 0 ? f.n : 1) * qf_dtype_size(f.dtype));
     if (!f.data) return NULL;
     int tasks = (int)((f.n + CHUNK - 1) / CHUNK);
-    if (g_fill_pool) qf_pool_run(g_fill_pool, fill_task, &f, tasks);
+    if (m->synth_pool) qf_pool_run(m->synth_pool, fill_task, &f, tasks);
     else
         for (int t = 0; t < tasks; t++) fill_task(&f, t);
     if (qf_st_add_memory(&m->st, name, f.dtype, ndim, shape, f.data) != QF_OK) return NULL;
@@ -148,10 +146,10 @@ int qf_model_synthetic(qf_model **out, const qf_synth_opts *so, const qf_load_op
         rc = qf_model_check_limits(&m->cfg);
     }
     if (rc == QF_OK) {
-        g_fill_pool = qf_pool_create(qf_cpu_count());
+        m->synth_pool = qf_pool_create(qf_cpu_count()); /* NULL: filled on this thread */
         rc = qf_model_bind(m, opts, 1);
-        qf_pool_destroy(g_fill_pool);
-        g_fill_pool = NULL;
+        qf_pool_destroy(m->synth_pool);
+        m->synth_pool = NULL;
     }
     if (rc == QF_OK) rc = qf_model_finish(m);
     if (rc != QF_OK) {
