@@ -83,6 +83,84 @@ typedef struct qf_moe_args {
 
 typedef struct qf_backend qf_backend;
 
+/* ---- Fused decode ops (optional; NULL in the CPU tables). A decode step has one token per
+ * sequence and at most QF_DEC_ROWS sequences: row t of every array below is sequence t. Each op is
+ * defined by the composition of plain ops its comment names, which is its reference
+ * (tests/test_cuda.c compares the two). ---- */
+#define QF_DEC_ROWS 8
+
+enum { QF_PRE_NONE = 0, QF_PRE_RMSNORM, QF_PRE_GATED_NORM, QF_PRE_SIGMOID };
+
+/* What a fused product does to each input row before multiplying:
+ * RMSNORM:    rmsnorm(x) * w                                   (w: [cols])
+ * GATED_NORM: per head of `head`: rmsnorm(x_h) * w * silu(g_h)  (w: [head]; g row t at g + t*g_stride,
+ *             head h at + h*g_hstride)
+ * SIGMOID:    per head: x_h * sigmoid(g_h)                     (g laid out as for GATED_NORM) */
+typedef struct qf_pre {
+    int kind;
+    const float *w, *g;
+    int g_stride, g_hstride, head;
+    float eps;
+} qf_pre;
+
+/* in_proj product of a Gated DeltaNet layer whose rows are [qkv conv channels | z | b | a]
+ * (model-spec §5), followed by what each row needs: conv_silu with the row's conv state for the
+ * channels, gdn_gates for b and a. So y[t] = [conv out | z | beta | g]. */
+typedef struct qf_gdn_epi {
+    int conv_dim, z_dim, nv, conv_k;
+    const float *conv_w, *dt_bias, *neg_A;
+    float *conv_state[QF_DEC_ROWS];
+} qf_gdn_epi;
+
+/* The delta rule for one token per row (gdn with T = 1) reading the output of a qf_gdn_epi
+ * product: row t at mixed + t*stride; S[t] its recurrent state; out [n][nv*dv]. */
+typedef struct qf_gdn_dec {
+    const float *mixed;
+    int stride, n, nk, nv, dk, dv;
+    float *S[QF_DEC_ROWS];
+    float *out;
+} qf_gdn_dec;
+
+/* Attention of one new token per row from the fused q|gate, k, v product (row t at
+ * qkv + t*stride; q head h at h*2*hd, k at k_off, v at v_off): rmsnorm of q and k heads with
+ * q_norm/k_norm, rope at pos[t], kv_store into kv[t], attention over pos[t] + 1 keys. */
+typedef struct qf_attn_dec {
+    const float *qkv;
+    int stride, k_off, v_off, n, nh, nkv, hd, rot;
+    const float *q_norm, *k_norm, *inv_freq;
+    float eps, scale;
+    qf_kv_view kv[QF_DEC_ROWS];
+    int pos[QF_DEC_ROWS];
+    float *out; /* [n][nh*hd] */
+} qf_attn_dec;
+
+/* The MoE block of one row per sequence, added to the residual stream: xn = rmsnorm(x) * norm_w;
+ * x += moe(router logits, xn) + sigmoid(sh_logit) * sh_down(silu(sh_g) * sh_u). The router
+ * logits, sh_g, sh_u and sh_logit come from one product (row t at rl + t*rl_stride; sh_g at
+ * + n_experts, sh_u at + n_experts + sh_ffn, sh_logit at + n_experts + 2*sh_ffn). */
+typedef struct qf_moe_dec {
+    const qf_expert *experts;
+    int n_experts, top_k, n, hidden, ffn, sh_ffn;
+    const float *norm_w;
+    float eps;
+    const float *rl;
+    int rl_stride;
+    const qf_mat *sh_down;
+    float *x;
+} qf_moe_dec;
+
+typedef struct qf_dec_ops {
+    /* y[n][w.rows] = W . pre(x), or += with accumulate; epi (may be NULL) as qf_gdn_epi says */
+    void (*matmul)(qf_backend *be, const qf_mat *w, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi,
+                   int accumulate, float *y);
+    void (*gdn)(qf_backend *be, const qf_gdn_dec *a);
+    void (*attention)(qf_backend *be, const qf_attn_dec *a);
+    void (*moe)(qf_backend *be, const qf_moe_dec *a);
+    /* out[r] = the index of the largest of x[r][0..cols) (the lowest on ties), rows of cols floats */
+    void (*argmax)(qf_backend *be, const float *x, int n, int cols, int32_t *out);
+} qf_dec_ops;
+
+
 typedef struct qf_ops {
     const char *name;
     /* y[n][w.rows] = x[n][w.cols] . W^T */
@@ -118,6 +196,7 @@ typedef struct qf_ops {
 
     /* Optional (NULL in the CPU tables, which route on the host through the expert store). */
     void (*moe)(qf_backend *be, const qf_moe_args *a);
+    const qf_dec_ops *dec;
 
     /* Memory of a device backend (all NULL on the CPU: host memory is used directly). Ops may run
      * asynchronously; download waits for them. */

@@ -1,6 +1,7 @@
 /* Moving a bound model to a device backend: each checkpoint tensor a weight view points into is
  * copied once, straight from the map, and the views are re-pointed at the copy. The small fp32
  * vectors made at bind time are copied one by one. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -124,6 +125,27 @@ static void move_layer(mover *mv, int L) {
     }
 }
 
+static int bf16_rows(const qf_mat *w) {
+    return w->data && w->dtype == QF_DT_BF16 && w->cols % 8 == 0 && (uintptr_t)w->data % 16 == 0;
+}
+
+/* Whether the fused decode ops (ops.h qf_dec_ops) can run this model: a MoE with a shared expert,
+ * every product's parts fused, bf16 rows of a multiple of 8, and shapes the kernels hold. */
+static int dec_fits(const qf_model *m) {
+    const qf_config *c = &m->cfg;
+    if (c->arch != QF_ARCH_QWEN35_MOE || c->shared_ffn <= 0 || !m->experts || c->hidden % 8 || c->expert_ffn % 8 || c->shared_ffn % 8 ||
+        c->head_dim > 256 || c->lin_k_dim > 128 || c->n_experts_used > 64 || c->n_heads % c->n_kv_heads || !bf16_rows(&m->lm_head))
+        return 0;
+    for (int L = 0; L < c->n_layers; L++) {
+        const qf_layer_w *w = &m->layers[L];
+        const qf_expert *x = m->experts->ops->table(m->experts, L);
+        if (!bf16_rows(&w->in_proj) || !bf16_rows(&w->ffn_in) || !bf16_rows(w->kind == QF_LAYER_FULL ? &w->wo : &w->w_out) ||
+            !bf16_rows(&w->sh_down) || !x || !bf16_rows(&x[0].gate) || !bf16_rows(&x[0].down))
+            return 0;
+    }
+    return 1;
+}
+
 int qf_model_to_device(qf_model *m, qf_backend *be, int drop_host) {
     if (!be->ops->alloc) return QF_OK; /* host memory already is the backend's */
     mover mv = {m, be, malloc((size_t)(m->st.n_tensors + 1) * sizeof(void *)), calloc((size_t)m->st.n_tensors + 1, sizeof(void *)),
@@ -145,5 +167,6 @@ int qf_model_to_device(qf_model *m, qf_backend *be, int drop_host) {
     }
     free(mv.by_addr);
     free(mv.dev);
+    m->dec_ok = mv.rc == QF_OK && dec_fits(m);
     return mv.rc;
 }

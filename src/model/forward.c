@@ -192,6 +192,83 @@ static int moe(fwd *f, int L, const float *xn, float *out) {
     return shared_expert(f, w, xn, fused, out);
 }
 
+/* ---- decode steps through the device's fused ops (ops.h qf_dec_ops): 6-7 launches a layer ---- */
+
+static int dec_usable(const fwd *f) {
+    if (!f->be->ops->dec || !f->m->dec_ok || f->N > QF_DEC_ROWS) return 0;
+    for (int s = 0; s < f->n_seqs; s++)
+        if (f->seqs[s].n != 1 || f->seqs[s].logits_mode == QF_LOGITS_ALL) return 0;
+    return 1;
+}
+
+static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
+    const qf_config *c = &f->m->cfg;
+    const qf_layer_w *w = &f->m->layers[L];
+    qf_backend *be = f->be;
+    const qf_dec_ops *d = OPS->dec;
+    int nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, stride = (int)w->in_proj.rows;
+    float *big = WS(f->ws, dec), *core = WS(f->ws, core);
+    d->matmul(be, &w->in_proj, WS(f->ws, x), f->N, norm, NULL, 0, big);
+    qf_attn_dec a = {big, stride, nh * 2 * hd, nh * 2 * hd + nkv * hd, f->N, nh, nkv, hd, c->rot_dim, w->q_norm, w->k_norm, f->m->inv_freq,
+                     c->norm_eps, 1.0f / sqrtf((float)hd), {{0}}, {0}, core};
+    for (int t = 0; t < f->N; t++) a.kv[t] = qf_state_kv_view(f->seqs[t].st, L), a.pos[t] = f->seqs[t].st->pos;
+    d->attention(be, &a);
+    qf_pre gate = {QF_PRE_SIGMOID, NULL, big + hd, stride, 2 * hd, hd, 0.0f};
+    d->matmul(be, &w->wo, core, f->N, &gate, NULL, 1, WS(f->ws, x));
+}
+
+static void dec_linear_attn(fwd *f, int L, const qf_pre *norm) {
+    const qf_config *c = &f->m->cfg;
+    const qf_layer_w *w = &f->m->layers[L];
+    qf_backend *be = f->be;
+    const qf_dec_ops *d = OPS->dec;
+    int nv = c->lin_v_heads, dv = c->lin_v_dim, cd = qf_cfg_conv_dim(c), stride = (int)w->in_proj.rows;
+    float *big = WS(f->ws, dec), *core = WS(f->ws, core);
+    qf_gdn_epi e = {cd, nv * dv, nv, c->conv_kernel, w->conv_w, w->dt_bias, w->neg_A, {0}};
+    qf_gdn_dec g = {big, stride, f->N, c->lin_k_heads, nv, c->lin_k_dim, dv, {0}, core};
+    for (int t = 0; t < f->N; t++) e.conv_state[t] = f->seqs[t].st->conv[L], g.S[t] = f->seqs[t].st->ssm[L];
+    d->matmul(be, &w->in_proj, WS(f->ws, x), f->N, norm, &e, 0, big);
+    d->gdn(be, &g);
+    qf_pre gn = {QF_PRE_GATED_NORM, w->gnorm, big + cd, stride, dv, dv, c->norm_eps};
+    d->matmul(be, &w->w_out, core, f->N, &gn, NULL, 1, WS(f->ws, x));
+}
+
+static void dec_layer(fwd *f, int L) {
+    const qf_model *m = f->m;
+    const qf_config *c = &m->cfg;
+    const qf_layer_w *w = &m->layers[L];
+    qf_backend *be = f->be;
+    qf_pre an = {QF_PRE_RMSNORM, w->attn_norm, NULL, 0, 0, 0, c->norm_eps}, fn = an;
+    fn.w = w->ffn_norm;
+    if (w->kind == QF_LAYER_FULL) dec_full_attn(f, L, &an);
+    else dec_linear_attn(f, L, &an);
+    float *rl = WS(f->ws, drl);
+    OPS->dec->matmul(be, &w->ffn_in, WS(f->ws, x), f->N, &fn, NULL, 0, rl);
+    qf_moe_dec mo = {m->experts->ops->table(m->experts, L), c->n_experts, c->n_experts_used, f->N, c->hidden, c->expert_ffn, c->shared_ffn,
+                     w->ffn_norm, c->norm_eps, rl, (int)w->ffn_in.rows, &w->sh_down, WS(f->ws, x)};
+    OPS->dec->moe(be, &mo);
+}
+
+/* Final norm + lm_head over every row (one per sequence), then each sequence's logits or pick. */
+static void dec_logits(fwd *f) {
+    const qf_model *m = f->m;
+    qf_backend *be = f->be;
+    int V = m->cfg.vocab;
+    float *lg = WS(f->ws, lg);
+    int32_t *amax = (int32_t *)WS(f->ws, amax);
+    qf_pre fin = {QF_PRE_RMSNORM, m->final_norm, NULL, 0, 0, 0, m->cfg.norm_eps};
+    int any = 0, top1 = 0;
+    for (int t = 0; t < f->N; t++) any |= f->seqs[t].logits_mode != QF_LOGITS_NONE, top1 |= f->seqs[t].logits_mode == QF_LOGITS_TOP1;
+    if (!any) return;
+    OPS->dec->matmul(be, &m->lm_head, WS(f->ws, x), f->N, &fin, NULL, 0, lg);
+    if (top1) OPS->dec->argmax(be, lg, f->N, V, amax);
+    for (int t = 0; t < f->N; t++) {
+        qf_seq_step *q = &f->seqs[t];
+        if (q->logits_mode == QF_LOGITS_LAST) qf_be_download(be, q->logits, lg + (size_t)t * V, (size_t)V * sizeof(float));
+        else if (q->logits_mode == QF_LOGITS_TOP1) qf_be_download(be, q->top1, amax + t, sizeof(int32_t));
+    }
+}
+
 static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_step *seqs, int n_seqs, int *N) {
     *N = 0;
     for (int s = 0; s < n_seqs; s++) {
@@ -211,6 +288,23 @@ static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_s
     return QF_OK;
 }
 
+/* The greedy pick of one row of logits: on the device when it can, else on the host (where the
+ * logits then are). */
+static void pick(fwd *f, const float *row, int32_t *out) {
+    qf_backend *be = f->be;
+    int V = f->m->cfg.vocab;
+    if (OPS->dec) {
+        int32_t *amax = (int32_t *)WS(f->ws, amax);
+        OPS->dec->argmax(be, row, 1, V, amax);
+        qf_be_download(be, out, amax, sizeof(int32_t));
+        return;
+    }
+    int32_t best = 0; /* the CPU tables have no device: row is host memory */
+    for (int i = 1; i < V; i++)
+        if (row[i] > row[best]) best = i;
+    *out = best;
+}
+
 /* Final norm + lm_head for the wanted rows: ALL rows straight into the caller's buffer, LAST rows
  * gathered from every sequence and projected together so lm_head is read once per step. */
 static void logits(fwd *f) {
@@ -228,7 +322,7 @@ static void logits(fwd *f) {
                 OPS->matmul(be, &m->lm_head, lrows, cnt, lg);
                 qf_be_download(be, q->logits + (size_t)i0 * V, lg, (size_t)cnt * V * sizeof(float));
             }
-        } else if (q->logits_mode == QF_LOGITS_LAST) {
+        } else if (q->logits_mode == QF_LOGITS_LAST || q->logits_mode == QF_LOGITS_TOP1) {
             ws->lrow_src[n_last++] = s;
         }
     }
@@ -240,8 +334,11 @@ static void logits(fwd *f) {
             OPS->rmsnorm(be, x + (size_t)row * H, H, m->final_norm, 1, H, m->cfg.norm_eps, lrows + (size_t)j * H, H);
         }
         OPS->matmul(be, &m->lm_head, lrows, cnt, lg);
-        for (int j = 0; j < cnt; j++)
-            qf_be_download(be, f->seqs[ws->lrow_src[i0 + j]].logits, lg + (size_t)j * V, (size_t)V * sizeof(float));
+        for (int j = 0; j < cnt; j++) {
+            qf_seq_step *q = &f->seqs[ws->lrow_src[i0 + j]];
+            if (q->logits_mode == QF_LOGITS_LAST) qf_be_download(be, q->logits, lg + (size_t)j * V, (size_t)V * sizeof(float));
+            else pick(f, lg + (size_t)j * V, q->top1);
+        }
     }
 }
 
@@ -250,8 +347,9 @@ static void logits(fwd *f) {
 static uint64_t step_key(const qf_seq_step *seqs, int n_seqs) {
     uint64_t h = 1469598103934665603ull ^ (uint64_t)n_seqs;
     for (int s = 0; s < n_seqs; s++) {
-        uint64_t v[4] = {(uint64_t)(uintptr_t)seqs[s].st, (uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, (uint64_t)(uintptr_t)seqs[s].logits};
-        for (int i = 0; i < 4; i++) h = (h ^ v[i]) * 1099511628211ull;
+        uint64_t v[5] = {(uint64_t)(uintptr_t)seqs[s].st, (uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, (uint64_t)(uintptr_t)seqs[s].logits,
+                         (uint64_t)(uintptr_t)seqs[s].top1};
+        for (int i = 0; i < 5; i++) h = (h ^ v[i]) * 1099511628211ull;
     }
     return h;
 }
@@ -266,6 +364,12 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     if (OPS->step_begin) OPS->step_begin(be, step_key(seqs, n_seqs), f.N);
     for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) OPS->embed(be, &m->embed, seqs[s].tokens, seqs[s].n, x + (size_t)r0 * H);
     if (ws->hook && !m->dev) ws->hook(ws->hook_ud, 0, x, f.N, H);
+    if (dec_usable(&f)) {
+        for (int L = 0; L < c->n_layers; L++) dec_layer(&f, L);
+        for (int s = 0; s < n_seqs; s++) seqs[s].st->pos += seqs[s].n;
+        dec_logits(&f);
+        return OPS->step_end ? OPS->step_end(be) : QF_OK;
+    }
     for (int L = 0; L < c->n_layers; L++) {
         const qf_layer_w *w = &m->layers[L];
         OPS->rmsnorm(be, x, H, w->attn_norm, f.N, H, c->norm_eps, xn, H);
@@ -296,7 +400,7 @@ int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state
     for (int i = 0; i < n; i += ws->max_rows) {
         int cnt = n - i < ws->max_rows ? n - i : ws->max_rows;
         int last = i + cnt == n;
-        qf_seq_step s = {st, tokens + i, cnt, QF_LOGITS_NONE, NULL};
+        qf_seq_step s = {st, tokens + i, cnt, QF_LOGITS_NONE, NULL, NULL};
         if (logits_mode == QF_LOGITS_ALL) {
             s.logits_mode = QF_LOGITS_ALL;
             s.logits = logits_out + (size_t)i * m->cfg.vocab;

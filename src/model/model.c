@@ -94,6 +94,10 @@ qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
     CARVE(att, (size_t)ATT_SCRATCH_ROWS * 16 * (size_t)(c->head_dim + 2)); /* decode attention split over keys */
     CARVE(lrows, w->max_logit_rows * H);
     CARVE(lg, (size_t)w->max_logit_rows * (size_t)c->vocab);
+    int D = R < QF_DEC_ROWS ? R : QF_DEC_ROWS;
+    CARVE(dec, D * imax(cd + vd + 2 * c->lin_v_heads, qd + 2 * kvd));
+    CARVE(drl, D * (E + 2 * c->shared_ffn + 1));
+    CARVE(amax, w->max_logit_rows);
 #undef CARVE
     w->dev = m->dev;
     w->f = qf_be_alloc(m->dev, total * sizeof(float));

@@ -57,6 +57,7 @@ typedef struct qf_model {
     qf_backend *dev;     /* set by qf_model_to_device: weights, states and scratch live there */
     void **dev_bufs;     /* device copies of the weights, freed with the model */
     int n_dev_bufs;
+    int dec_ok;          /* the device's fused decode ops (ops.h qf_dec_ops) fit this model */
     int n_owned, cap_owned;
 } qf_model;
 
@@ -142,7 +143,9 @@ int qf_workspace_rows(const qf_workspace *ws);
 typedef void (*qf_hidden_hook)(void *ud, int index, const float *h, int rows, int hidden);
 void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud);
 
-enum qf_logits_mode { QF_LOGITS_NONE = 0, QF_LOGITS_LAST = 1, QF_LOGITS_ALL = 2 };
+/* TOP1: only the greedy pick of the last token's logits (the first index of the largest), into
+ * *top1: where the backend can pick on the device, the logits never travel to the host. */
+enum qf_logits_mode { QF_LOGITS_NONE = 0, QF_LOGITS_LAST = 1, QF_LOGITS_ALL = 2, QF_LOGITS_TOP1 = 3 };
 
 /* One sequence's share of a batched forward. logits: vocab floats (LAST) or n * vocab (ALL). */
 typedef struct qf_seq_step {
@@ -151,6 +154,7 @@ typedef struct qf_seq_step {
     int n;
     int logits_mode;
     float *logits;
+    int32_t *top1; /* TOP1 */
 } qf_seq_step;
 
 /* Runs the tokens of every sequence through the model at once (sum of n <= workspace rows),

@@ -14,6 +14,7 @@ struct qf_workspace {
     size_t x_off, xn_off, tmp_off, big_off, conv_off, kb_off, vb_off, z_off, bb_off, aa_off, core_off;
     size_t rl_off, topw_off, asw_off, ex_in_off, ex_g_off, ex_u_off, ex_h_off, ex_out_off, moe_off, shs_off;
     size_t lrows_off, lg_off, att_off;
+    size_t dec_off, drl_off, amax_off; /* decode steps through the fused ops: products, ffn_in rows, picks */
     int *ints;
     int *topi;     /* (rows, k) chosen experts */
     int *asr;      /* (rows * k) rows grouped by expert */

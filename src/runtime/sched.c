@@ -427,7 +427,7 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
                 if (take > s->rows - rows) take = s->rows - rows;
                 if (take <= 0) continue;
                 sl->batch_n = take;
-                s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, take == left ? QF_LOGITS_LAST : QF_LOGITS_NONE, sl->logits};
+                s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, take == left ? QF_LOGITS_LAST : QF_LOGITS_NONE, sl->logits, NULL};
                 s->step_slot[n++] = i;
                 rows += take;
                 pages += qf_state_pages_needed(sl->st, take);

@@ -1,208 +1,11 @@
 // The CUDA ops table. Every kernel mirrors the CPU reference op of the same name
 // (src/backend/cpu/ops_ref.c); tests/test_cuda.c compares them on random data of the real shapes.
-#include <cublas_v2.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include <tuple>
-#include <utility>
-
-extern "C" {
-#include "backend/cuda/ops_cuda.h"
-#include "base/dtype.h"
-#include "base/err.h"
-}
+#include "backend/cuda/cuda_int.cuh"
 
 namespace {
 
-struct expert_tab {
-    const qf_expert *host; // the store's table for one layer
-    const void **dev;      // [3][E] device pointers: gate, up, down
-};
+using namespace qfc;
 
-// Decode steps as CUDA graphs. A step with the same shape as the one before is recorded as a
-// graph (each kernel a node, in launch order) and launched whole; later steps of that shape only
-// update the nodes' arguments (positions, grid sizes) and launch it again, which removes the
-// per-kernel launch gaps that dominate a batch-1 decode step of ~1000 small kernels.
-enum { G_EAGER, G_RECORD, G_REPLAY };
-#define G_MAX_NODES 16384
-#define G_MAX_OUTS 256
-
-struct graph_state {
-    int enabled, mode, broken, n, n_rec;
-    uint64_t key, last_key;
-    cudaGraph_t g;
-    cudaGraphExec_t ex;
-    cudaGraphNode_t nodes[G_MAX_NODES];
-    const void *funcs[G_MAX_NODES]; // NULL for a copy node
-    struct out { void *dst; size_t off, bytes; } outs[G_MAX_OUTS];
-    int n_outs;
-    size_t out_used;
-    char *pin_out;   // pinned staging for downloads (logits)
-    int32_t *pin_tok; // pinned staging for token ids
-    size_t pin_out_cap, pin_tok_cap;
-};
-
-// QFLASH_CUDA_PROFILE=1: every kernel timed with events (eager steps only), summed by kernel and
-// printed when the backend is freed.
-#define PROF_MAX 64
-#define PROF_RING 4096
-struct profile {
-    int on, n_names, n_pend;
-    const char *names[PROF_MAX];
-    double ms[PROF_MAX];
-    long calls[PROF_MAX];
-    cudaEvent_t ev[PROF_RING][2];
-    int pend_name[PROF_RING];
-};
-
-struct ctx {
-    int device, fp32, bf16_single;
-    profile prof;
-    graph_state gs;
-    cublasHandle_t blas;
-    size_t total, peak;
-    char name[256];
-    void *tok, *xb, *moe, *attn;
-    size_t tok_cap, xb_cap, moe_cap, attn_cap;
-    expert_tab tabs[512];
-    int n_tabs;
-};
-
-ctx *C(qf_backend *be) { return (ctx *)be->dev; }
-
-// Adds a node after the last one (a chain: the step's kernels run in order).
-void g_add_kernel(ctx *c, const void *fn, dim3 g, dim3 b, void **args) {
-    graph_state *s = &c->gs;
-    if (s->n >= G_MAX_NODES) {
-        s->broken = 1;
-        return;
-    }
-    cudaKernelNodeParams kp = {(void *)fn, g, b, 0, args, NULL};
-    cudaGraphNode_t dep = s->n ? s->nodes[s->n - 1] : NULL;
-    if (cudaGraphAddKernelNode(&s->nodes[s->n], s->g, s->n ? &dep : NULL, s->n ? 1 : 0, &kp) != cudaSuccess) s->broken = 1;
-    s->funcs[s->n++] = fn;
-}
-
-void g_set_kernel(ctx *c, const void *fn, dim3 g, dim3 b, void **args) {
-    graph_state *s = &c->gs;
-    if (s->n >= s->n_rec || s->funcs[s->n] != fn) {
-        s->broken = 1; // the step took another path than the recorded one
-        return;
-    }
-    cudaKernelNodeParams kp = {(void *)fn, g, b, 0, args, NULL};
-    if (cudaGraphExecKernelNodeSetParams(s->ex, s->nodes[s->n], &kp) != cudaSuccess) s->broken = 1;
-    s->n++;
-}
-
-void prof_flush(ctx *c) {
-    profile *p = &c->prof;
-    if (!p->n_pend) return;
-    cudaEventSynchronize(p->ev[p->n_pend - 1][1]);
-    for (int i = 0; i < p->n_pend; i++) {
-        float ms = 0;
-        cudaEventElapsedTime(&ms, p->ev[i][0], p->ev[i][1]);
-        p->ms[p->pend_name[i]] += ms;
-        p->calls[p->pend_name[i]]++;
-    }
-    p->n_pend = 0;
-}
-
-int prof_name(ctx *c, const char *name) {
-    profile *p = &c->prof;
-    for (int i = 0; i < p->n_names; i++)
-        if (p->names[i] == name || strcmp(p->names[i], name) == 0) return i;
-    if (p->n_names == PROF_MAX) return PROF_MAX - 1;
-    p->names[p->n_names] = name;
-    return p->n_names++;
-}
-
-template <typename... P, typename... A>
-void launch(ctx *c, const char *name, void (*k)(P...), dim3 g, dim3 b, A &&...a) {
-    std::tuple<P...> vals(std::forward<A>(a)...); // converted to the kernel's own parameter types
-    void *args[sizeof...(P) + 1];
-    std::apply([&](auto &...v) {
-        int i = 0;
-        ((args[i++] = (void *)&v), ...);
-    }, vals);
-    if (c->gs.mode == G_RECORD) g_add_kernel(c, (const void *)k, g, b, args);
-    else if (c->gs.mode == G_REPLAY) g_set_kernel(c, (const void *)k, g, b, args);
-    else if (!c->prof.on) cudaLaunchKernel((const void *)k, g, b, args, 0, 0);
-    else {
-        profile *p = &c->prof;
-        if (p->n_pend == PROF_RING) prof_flush(c);
-        p->pend_name[p->n_pend] = prof_name(c, name);
-        cudaEventRecord(p->ev[p->n_pend][0], 0);
-        cudaLaunchKernel((const void *)k, g, b, args, 0, 0);
-        cudaEventRecord(p->ev[p->n_pend][1], 0);
-        p->n_pend++;
-    }
-}
-
-#define LAUNCH(c, k, g, b, ...) launch(c, #k, k, dim3(g), dim3(b), __VA_ARGS__)
-
-// A host-to-device or device-to-host copy inside a step (token ids in, logits out).
-void g_copy(ctx *c, void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
-    graph_state *s = &c->gs;
-    if (s->mode == G_RECORD) {
-        cudaGraphNode_t dep = s->n ? s->nodes[s->n - 1] : NULL;
-        if (s->n >= G_MAX_NODES || cudaGraphAddMemcpyNode1D(&s->nodes[s->n], s->g, s->n ? &dep : NULL, s->n ? 1 : 0, dst, src, n, kind) != cudaSuccess)
-            s->broken = 1;
-        else s->funcs[s->n++] = NULL;
-    } else if (s->mode == G_REPLAY) {
-        if (s->n >= s->n_rec || s->funcs[s->n] != NULL || cudaGraphExecMemcpyNodeSetParams1D(s->ex, s->nodes[s->n], dst, src, n, kind) != cudaSuccess)
-            s->broken = 1;
-        s->n++;
-    } else {
-        cudaMemcpyAsync(dst, src, n, kind, 0);
-    }
-}
-
-void note_peak(ctx *c) {
-    size_t fr = 0, tot = 0;
-    if (cudaMemGetInfo(&fr, &tot) == cudaSuccess && tot - fr > c->peak) c->peak = tot - fr;
-}
-
-void check(cudaError_t e, const char *what) {
-    if (e != cudaSuccess) {
-        // a failed kernel or copy leaves the model in an unknown state: say so loudly, once
-        fprintf(stderr, "qflash cuda: %s: %s\n", what, cudaGetErrorString(e));
-    }
-}
-
-// Grows a scratch buffer (only while sizes are still rising: the first steps of a run).
-void *scratch(ctx *c, void **p, size_t *cap, size_t need) {
-    if (need <= *cap) return *p;
-    if (c->gs.mode != G_EAGER) c->gs.broken = 1; /* recorded nodes would point at the old buffer */
-    if (*p) cudaFree(*p);
-    size_t n = need + need / 2;
-    if (cudaMalloc(p, n) != cudaSuccess) {
-        *p = NULL;
-        *cap = 0;
-        return NULL;
-    }
-    *cap = n;
-    return *p;
-}
-
-__device__ __forceinline__ float bf16f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
-
-__device__ __forceinline__ float ldw(const void *w, int dtype, int64_t i) {
-    if (dtype == QF_DT_BF16) return bf16f(((const uint16_t *)w)[i]);
-    if (dtype == QF_DT_F16) return __half2float(((const __half *)w)[i]);
-    return ((const float *)w)[i];
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 // ---- matrix-vector products: a warp per output row, NT tokens at once ----
 
@@ -229,16 +32,9 @@ __global__ void gemv_bf16(const uint16_t *__restrict__ W, int64_t rows, int64_t 
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; r++) v[r] = r < nr ? __ldcs((const uint4 *)(W + (row0 + r) * cols) + c) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int t = 0; t < NT; t++) {
-            const float4 *xp = (const float4 *)(x + t * cols + c * 8);
-            float4 a = xp[0], b = xp[1];
+        for (int t = 0; t < NT; t++)
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; r++) {
-                acc[r][t] += bf16f(v[r].x & 0xffff) * a.x + bf16f(v[r].x >> 16) * a.y + bf16f(v[r].y & 0xffff) * a.z +
-                             bf16f(v[r].y >> 16) * a.w + bf16f(v[r].z & 0xffff) * b.x + bf16f(v[r].z >> 16) * b.y +
-                             bf16f(v[r].w & 0xffff) * b.z + bf16f(v[r].w >> 16) * b.w;
-            }
-        }
+            for (int r = 0; r < GEMV_ROWS; r++) acc[r][t] += dot8(v[r], x + t * cols + c * 8);
     }
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++)
@@ -309,8 +105,6 @@ __global__ void to_bf16x2(const float *__restrict__ x, __nv_bfloat16 *__restrict
     hi[i] = h;
     if (lo) lo[i] = __float2bfloat16(x[i] - __bfloat162float(h));
 }
-
-unsigned blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
 
 void cu_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, float *y) {
     ctx *c = C(be);
@@ -479,13 +273,6 @@ void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
 
 // ---- paged attention: split over keys, then combined ----
 
-__device__ __forceinline__ const float *kv_row(const qf_kv_view &v, int j, int nkv, int hd, int h, int is_v) {
-    size_t page = (size_t)v.pages[j / v.page_tokens];
-    return v.base + page * v.page_stride + (is_v ? v.v_off : v.k_off) + ((size_t)(j % v.page_tokens) * nkv + h) * hd;
-}
-
-#define ATT_WARPS 4
-#define ATT_DPL 8 // dims per lane: head_dim up to 256
 
 // Block (t*nh + h, split): keys [split*chunk, ...) up to the query's position; writes the
 // unnormalised partial (m, l, o[hd]).
@@ -541,7 +328,9 @@ __global__ void k_attn_part(qf_attn_args a, int chunk, int splits, float *part) 
     }
 }
 
-__global__ void k_attn_combine(int splits, int hd, const float *part, float *out) {
+} // namespace
+
+__global__ void qfc::k_attn_combine(int splits, int hd, const float *part, float *out) {
     int th = blockIdx.x;
     const float *p = part + (int64_t)th * splits * (hd + 2);
     float M = -INFINITY;
@@ -561,17 +350,23 @@ __global__ void k_attn_combine(int splits, int hd, const float *part, float *out
     }
 }
 
+int qfc::attn_splits(int max_keys, int rows, int *chunk) {
+    // few query rows (decode): split the keys so every SM has work
+    int splits = rows >= 264 ? 1 : min(64, max(1, (264 / rows)));
+    *chunk = (max_keys + splits - 1) / splits;
+    if (*chunk < 64) *chunk = 64, splits = (max_keys + 63) / 64;
+    return splits;
+}
+
+namespace {
+
 void cu_attention(qf_backend *be, const qf_attn_args *a) {
     ctx *c = C(be);
     if (a->hd > ATT_DPL * 32) {
         fprintf(stderr, "qflash cuda: head_dim %d > %d is not supported\n", a->hd, ATT_DPL * 32);
         return;
     }
-    int max_keys = a->pos0 + a->T, rows = a->T * a->nh;
-    // few query rows (decode): split the keys so every SM has work
-    int splits = rows >= 264 ? 1 : min(64, max(1, (264 / rows)));
-    int chunk = (max_keys + splits - 1) / splits;
-    if (chunk < 64) chunk = 64, splits = (max_keys + 63) / 64;
+    int rows = a->T * a->nh, chunk, splits = attn_splits(a->pos0 + a->T, rows, &chunk);
     // sized for the most splits, so a recorded graph's scratch never moves as the context grows
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * (splits > 64 ? splits : 64) * (a->hd + 2) * sizeof(float));
     if (!part) return;
@@ -731,13 +526,8 @@ __global__ void k_expert_gate_up(const void *const *tab, int E, int dtype, const
 #pragma unroll 4
         for (int c = lane; c < H / 8; c += 32) {
             uint4 a = __ldcs(gr + c), b = __ldcs(ur + c);
-            const float *xp = xr + c * 8;
-            uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                g += bf16f(av[q] & 0xffff) * xp[2 * q] + bf16f(av[q] >> 16) * xp[2 * q + 1];
-                u += bf16f(bv[q] & 0xffff) * xp[2 * q] + bf16f(bv[q] >> 16) * xp[2 * q + 1];
-            }
+            g += dot8(a, xr + c * 8);
+            u += dot8(b, xr + c * 8);
         }
     } else {
         for (int c = lane; c < H; c += 32) g += ldw(G, dtype, (int64_t)j * H + c) * xr[c], u += ldw(U, dtype, (int64_t)j * H + c) * xr[c];
@@ -760,13 +550,8 @@ __global__ void k_expert_down(const void *const *tab, int E, int dtype, const in
             uint4 a[DOWN_ROWS];
 #pragma unroll
             for (int r = 0; r < DOWN_ROWS; r++) a[r] = i0 + r < H ? __ldcs((const uint4 *)((const uint16_t *)D + (int64_t)(i0 + r) * I) + c) : make_uint4(0, 0, 0, 0);
-            const float *hp = hr + c * 8;
 #pragma unroll
-            for (int r = 0; r < DOWN_ROWS; r++) {
-                uint32_t av[4] = {a[r].x, a[r].y, a[r].z, a[r].w};
-#pragma unroll
-                for (int q = 0; q < 4; q++) s[r] += bf16f(av[q] & 0xffff) * hp[2 * q] + bf16f(av[q] >> 16) * hp[2 * q + 1];
-            }
+            for (int r = 0; r < DOWN_ROWS; r++) s[r] += dot8(a[r], hr + c * 8);
         }
     } else {
         for (int r = 0; r < DOWN_ROWS && i0 + r < H; r++)
@@ -788,36 +573,40 @@ __global__ void k_expert_sum(const float *ybuf, const float *topw, int K, int N,
     out[i] = acc;
 }
 
-const void **expert_table(ctx *c, const qf_moe_args *a) {
+} // namespace
+
+const void **qfc::expert_table(ctx *c, const qf_expert *experts, int E) {
     for (int i = 0; i < c->n_tabs; i++)
-        if (c->tabs[i].host == a->experts) return c->tabs[i].dev;
+        if (c->tabs[i].host == experts) return c->tabs[i].dev;
     if (c->n_tabs == (int)(sizeof c->tabs / sizeof *c->tabs)) return NULL;
-    int E = a->n_experts;
     const void **host = (const void **)malloc(3 * (size_t)E * sizeof(void *));
     void *dev = NULL;
     if (!host || cudaMalloc(&dev, 3 * (size_t)E * sizeof(void *)) != cudaSuccess) {
         free(host);
         return NULL;
     }
-    for (int e = 0; e < E; e++) host[e] = a->experts[e].gate.data, host[E + e] = a->experts[e].up.data, host[2 * E + e] = a->experts[e].down.data;
+    for (int e = 0; e < E; e++) host[e] = experts[e].gate.data, host[E + e] = experts[e].up.data, host[2 * E + e] = experts[e].down.data;
     cudaMemcpy(dev, host, 3 * (size_t)E * sizeof(void *), cudaMemcpyHostToDevice);
     free(host);
-    c->tabs[c->n_tabs++] = {a->experts, (const void **)dev};
+    c->tabs[c->n_tabs++] = {experts, (const void **)dev};
     return (const void **)dev;
 }
 
+namespace {
+
 void cu_moe(qf_backend *be, const qf_moe_args *a) {
     ctx *c = C(be);
-    const void **tab = expert_table(c, a);
+    const void **tab = expert_table(c, a->experts, a->n_experts);
     int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
-    size_t need = (size_t)N * K * (sizeof(int) + sizeof(float) + (size_t)(I + H) * sizeof(float));
+    size_t head = ((size_t)N * K * (sizeof(int) + sizeof(float)) + 15) & ~(size_t)15; // hbuf 16-byte aligned for dot8
+    size_t need = head + (size_t)N * K * (size_t)(I + H) * sizeof(float);
     char *s = (char *)scratch(c, &c->moe, &c->moe_cap, need);
     if (!tab || !s || K > 64) {
         fprintf(stderr, "qflash cuda: moe: out of device memory (or top-k %d > 64)\n", K);
         return;
     }
     int *topi = (int *)s;
-    float *topw = (float *)(s + (size_t)N * K * sizeof(int)), *hbuf = topw + (size_t)N * K, *ybuf = hbuf + (size_t)N * K * I;
+    float *topw = (float *)(s + (size_t)N * K * sizeof(int)), *hbuf = (float *)(s + head), *ybuf = hbuf + (size_t)N * K * I;
     LAUNCH(c, k_route, N, 256, a->router_logits, E, K, topi, topw);
     int dtype = a->experts[0].gate.dtype;
     LAUNCH(c, k_expert_gate_up, dim3(N * K, (I + 7) / 8), 256, tab, E, dtype, topi, K, a->x, H, I, hbuf);
@@ -927,6 +716,7 @@ const qf_ops k_cuda_ops = {
     cu_gdn_gates,
     cu_sigmoid_scale_add,
     cu_moe,
+    &k_dec_ops,
     cu_alloc,
     cu_free,
     cu_upload,
@@ -954,7 +744,10 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     const char *b1 = getenv("QFLASH_CUDA_BF16"); /* one bf16 product per GEMM: faster prefill, ~1 logit of error */
     c->bf16_single = b1 && *b1 == '1';
     cudaDeviceProp prop;
-    if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) snprintf(c->name, sizeof c->name, "%s", prop.name);
+    if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
+        snprintf(c->name, sizeof c->name, "%s", prop.name);
+        c->sms = prop.multiProcessorCount, c->smem_optin = (int)prop.sharedMemPerBlockOptin, c->smem_sm = (int)prop.sharedMemPerMultiprocessor;
+    }
     if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS) {
         free(c);
         return qf_fail(QF_EUNSUPPORTED, "cuBLAS did not start");
@@ -964,6 +757,7 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     c->prof.on = pr && *pr == '1';
     c->gs.enabled = !(gr && *gr == '0') && !c->prof.on;
     for (int i = 0; c->prof.on && i < PROF_RING; i++) cudaEventCreate(&c->prof.ev[i][0]), cudaEventCreate(&c->prof.ev[i][1]);
+    if (cudaMalloc(&c->amax, argmax_scratch_bytes()) != cudaSuccess || cudaMemset(c->amax, 0, argmax_scratch_bytes()) != cudaSuccess) c->amax = NULL;
     c->gs.pin_out_cap = (size_t)64 << 20;
     if (cudaMallocHost((void **)&c->gs.pin_out, c->gs.pin_out_cap) != cudaSuccess) c->gs.pin_out = NULL, c->gs.pin_out_cap = 0;
     note_peak(c);
@@ -987,7 +781,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         for (int i = 0; i < PROF_RING; i++) cudaEventDestroy(c->prof.ev[i][0]), cudaEventDestroy(c->prof.ev[i][1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn), cudaFree(c->amax);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);

@@ -1,0 +1,246 @@
+// Internal to the CUDA backend: the context, kernel launching (eager, profiled or recorded into
+// a graph) and the small device helpers every kernel file shares.
+#ifndef QF_CUDA_INT_CUH
+#define QF_CUDA_INT_CUH
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <tuple>
+#include <utility>
+
+extern "C" {
+#include "backend/cuda/ops_cuda.h"
+#include "base/dtype.h"
+#include "base/err.h"
+}
+
+
+namespace qfc {
+
+struct expert_tab {
+    const qf_expert *host; // the store's table for one layer
+    const void **dev;      // [3][E] device pointers: gate, up, down
+};
+
+// Decode steps as CUDA graphs. A step with the same shape as the one before is recorded as a
+// graph (each kernel a node, in launch order) and launched whole; later steps of that shape only
+// update the nodes' arguments (positions, grid sizes) and launch it again, which removes the
+// per-kernel launch gaps that dominate a batch-1 decode step of ~1000 small kernels.
+enum { G_EAGER, G_RECORD, G_REPLAY };
+#define G_MAX_NODES 16384
+#define G_MAX_OUTS 256
+
+struct graph_state {
+    int enabled, mode, broken, n, n_rec;
+    uint64_t key, last_key;
+    cudaGraph_t g;
+    cudaGraphExec_t ex;
+    cudaGraphNode_t nodes[G_MAX_NODES];
+    const void *funcs[G_MAX_NODES]; // NULL for a copy node
+    struct out { void *dst; size_t off, bytes; } outs[G_MAX_OUTS];
+    int n_outs;
+    size_t out_used;
+    char *pin_out;   // pinned staging for downloads (logits)
+    int32_t *pin_tok; // pinned staging for token ids
+    size_t pin_out_cap, pin_tok_cap;
+};
+
+// QFLASH_CUDA_PROFILE=1: every kernel timed with events (eager steps only), summed by kernel and
+// printed when the backend is freed.
+#define PROF_MAX 64
+#define PROF_RING 4096
+struct profile {
+    int on, n_names, n_pend;
+    const char *names[PROF_MAX];
+    double ms[PROF_MAX];
+    long calls[PROF_MAX];
+    cudaEvent_t ev[PROF_RING][2];
+    int pend_name[PROF_RING];
+};
+
+struct ctx {
+    int device, fp32, bf16_single;
+    int sms, smem_optin, smem_sm; // multiprocessors; shared memory a block may opt in to, and per SM
+    profile prof;
+    graph_state gs;
+    cublasHandle_t blas;
+    size_t total, peak;
+    char name[256];
+    void *tok, *xb, *moe, *attn;
+    void *amax; // argmax partials and per-row counters (argmax_scratch_bytes, zeroed once)
+    size_t tok_cap, xb_cap, moe_cap, attn_cap;
+    expert_tab tabs[512];
+    int n_tabs;
+};
+
+inline ctx *C(qf_backend *be) { return (ctx *)be->dev; }
+
+// Adds a node after the last one (a chain: the step's kernels run in order).
+inline void g_add_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, void **args) {
+    graph_state *s = &c->gs;
+    if (s->n >= G_MAX_NODES) {
+        s->broken = 1;
+        return;
+    }
+    cudaKernelNodeParams kp = {(void *)fn, g, b, smem, args, NULL};
+    cudaGraphNode_t dep = s->n ? s->nodes[s->n - 1] : NULL;
+    if (cudaGraphAddKernelNode(&s->nodes[s->n], s->g, s->n ? &dep : NULL, s->n ? 1 : 0, &kp) != cudaSuccess) s->broken = 1;
+    s->funcs[s->n++] = fn;
+}
+
+inline void g_set_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, void **args) {
+    graph_state *s = &c->gs;
+    if (s->n >= s->n_rec || s->funcs[s->n] != fn) {
+        s->broken = 1; // the step took another path than the recorded one
+        return;
+    }
+    cudaKernelNodeParams kp = {(void *)fn, g, b, smem, args, NULL};
+    if (cudaGraphExecKernelNodeSetParams(s->ex, s->nodes[s->n], &kp) != cudaSuccess) s->broken = 1;
+    s->n++;
+}
+
+inline void prof_flush(ctx *c) {
+    profile *p = &c->prof;
+    if (!p->n_pend) return;
+    cudaEventSynchronize(p->ev[p->n_pend - 1][1]);
+    for (int i = 0; i < p->n_pend; i++) {
+        float ms = 0;
+        cudaEventElapsedTime(&ms, p->ev[i][0], p->ev[i][1]);
+        p->ms[p->pend_name[i]] += ms;
+        p->calls[p->pend_name[i]]++;
+    }
+    p->n_pend = 0;
+}
+
+inline int prof_name(ctx *c, const char *name) {
+    profile *p = &c->prof;
+    for (int i = 0; i < p->n_names; i++)
+        if (p->names[i] == name || strcmp(p->names[i], name) == 0) return i;
+    if (p->n_names == PROF_MAX) return PROF_MAX - 1;
+    p->names[p->n_names] = name;
+    return p->n_names++;
+}
+
+template <typename... P, typename... A>
+inline void launch(ctx *c, const char *name, void (*k)(P...), dim3 g, dim3 b, unsigned smem, A &&...a) {
+    std::tuple<P...> vals(std::forward<A>(a)...); // converted to the kernel's own parameter types
+    void *args[sizeof...(P) + 1];
+    std::apply([&](auto &...v) {
+        int i = 0;
+        ((args[i++] = (void *)&v), ...);
+    }, vals);
+    if (c->gs.mode == G_RECORD) g_add_kernel(c, (const void *)k, g, b, smem, args);
+    else if (c->gs.mode == G_REPLAY) g_set_kernel(c, (const void *)k, g, b, smem, args);
+    else if (!c->prof.on) cudaLaunchKernel((const void *)k, g, b, args, smem, 0);
+    else {
+        profile *p = &c->prof;
+        if (p->n_pend == PROF_RING) prof_flush(c);
+        p->pend_name[p->n_pend] = prof_name(c, name);
+        cudaEventRecord(p->ev[p->n_pend][0], 0);
+        cudaLaunchKernel((const void *)k, g, b, args, smem, 0);
+        cudaEventRecord(p->ev[p->n_pend][1], 0);
+        p->n_pend++;
+    }
+}
+
+#define LAUNCH(c, k, g, b, ...) launch(c, #k, k, dim3(g), dim3(b), 0u, __VA_ARGS__)
+// the same with dynamic shared memory
+#define LAUNCH_S(c, k, g, b, smem, ...) launch(c, #k, k, dim3(g), dim3(b), (unsigned)(smem), __VA_ARGS__)
+
+// A host-to-device or device-to-host copy inside a step (token ids in, logits out).
+inline void g_copy(ctx *c, void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
+    graph_state *s = &c->gs;
+    if (s->mode == G_RECORD) {
+        cudaGraphNode_t dep = s->n ? s->nodes[s->n - 1] : NULL;
+        if (s->n >= G_MAX_NODES || cudaGraphAddMemcpyNode1D(&s->nodes[s->n], s->g, s->n ? &dep : NULL, s->n ? 1 : 0, dst, src, n, kind) != cudaSuccess)
+            s->broken = 1;
+        else s->funcs[s->n++] = NULL;
+    } else if (s->mode == G_REPLAY) {
+        if (s->n >= s->n_rec || s->funcs[s->n] != NULL || cudaGraphExecMemcpyNodeSetParams1D(s->ex, s->nodes[s->n], dst, src, n, kind) != cudaSuccess)
+            s->broken = 1;
+        s->n++;
+    } else {
+        cudaMemcpyAsync(dst, src, n, kind, 0);
+    }
+}
+
+inline void note_peak(ctx *c) {
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) == cudaSuccess && tot - fr > c->peak) c->peak = tot - fr;
+}
+
+inline void check(cudaError_t e, const char *what) {
+    if (e != cudaSuccess) {
+        // a failed kernel or copy leaves the model in an unknown state: say so loudly, once
+        fprintf(stderr, "qflash cuda: %s: %s\n", what, cudaGetErrorString(e));
+    }
+}
+
+// Grows a scratch buffer (only while sizes are still rising: the first steps of a run).
+inline void *scratch(ctx *c, void **p, size_t *cap, size_t need) {
+    if (need <= *cap) return *p;
+    if (c->gs.mode != G_EAGER) c->gs.broken = 1; /* recorded nodes would point at the old buffer */
+    if (*p) cudaFree(*p);
+    size_t n = need + need / 2;
+    if (cudaMalloc(p, n) != cudaSuccess) {
+        *p = NULL;
+        *cap = 0;
+        return NULL;
+    }
+    *cap = n;
+    return *p;
+}
+
+__device__ __forceinline__ float bf16f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+
+__device__ __forceinline__ float ldw(const void *w, int dtype, int64_t i) {
+    if (dtype == QF_DT_BF16) return bf16f(((const uint16_t *)w)[i]);
+    if (dtype == QF_DT_F16) return __half2float(((const __half *)w)[i]);
+    return ((const float *)w)[i];
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// y += 8 bf16 weights (one 16-byte load) times 8 floats of x (16-byte aligned).
+__device__ __forceinline__ float dot8(uint4 w, const float *x) {
+    float4 a = *(const float4 *)x, b = *(const float4 *)(x + 4);
+    return bf16f(w.x & 0xffff) * a.x + bf16f(w.x >> 16) * a.y + bf16f(w.y & 0xffff) * a.z + bf16f(w.y >> 16) * a.w +
+           bf16f(w.z & 0xffff) * b.x + bf16f(w.z >> 16) * b.y + bf16f(w.w & 0xffff) * b.z + bf16f(w.w >> 16) * b.w;
+}
+
+inline unsigned blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
+
+// ---- paged attention (decode splits the keys; the partials are combined by k_attn_combine) ----
+#define ATT_WARPS 4
+#define ATT_DPL 8 // dims per lane: head_dim up to 256
+
+__device__ __forceinline__ const float *kv_row(const qf_kv_view &v, int j, int nkv, int hd, int h, int is_v) {
+    size_t page = (size_t)v.pages[j / v.page_tokens];
+    return v.base + page * v.page_stride + (is_v ? v.v_off : v.k_off) + ((size_t)(j % v.page_tokens) * nkv + h) * hd;
+}
+
+__global__ void k_attn_combine(int splits, int hd, const float *part, float *out);
+
+// How many key splits (and keys per split) for `rows` (query, head) pairs over up to max_keys keys.
+int attn_splits(int max_keys, int rows, int *chunk);
+
+// The device table of one MoE layer's expert pointers ([3][E]: gate, up, down), made on first use.
+const void **expert_table(ctx *c, const qf_expert *experts, int E);
+
+extern const qf_dec_ops k_dec_ops;
+size_t argmax_scratch_bytes(void);
+
+} // namespace qfc
+
+#endif

@@ -1,0 +1,491 @@
+// Fused kernels for decode steps (one token per sequence, at most QF_DEC_ROWS sequences). Each
+// replaces a chain of plain ops (ops.h names it) so a layer runs as 6-7 kernels instead of ~20:
+// at batch 1 a 35B-A3B step is ~250 launches, and each launch boundary costs a few microseconds
+// of an otherwise bandwidth-bound step. tests/test_cuda.c checks every one against its chain.
+#include "backend/cuda/cuda_int.cuh"
+
+namespace {
+
+using namespace qfc;
+
+#define PW 2 // rows per warp in the fused products
+
+struct dpre {
+    int kind;
+    const float *w, *g;
+    int g_stride, g_hstride, head;
+    float eps;
+};
+
+struct depi {
+    int on, conv_dim, z_dim, nv, K;
+    const float *conv_w, *dt_bias, *neg_A;
+    float *st[QF_DEC_ROWS];
+};
+
+// Sum over the block; every thread gets it. red: 32 floats of shared memory.
+__device__ float block_sum(float v, float *red) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x / 32, nw = (blockDim.x + 31) / 32;
+    v = warp_sum(v);
+    __syncthreads(); // red may still be read by an earlier call
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (int i = 0; i < nw; i++) t += red[i];
+    return t;
+}
+
+// pre(x) of NT contiguous rows of cols floats into shared memory xs.
+template <int NT>
+__device__ void stage(const float *__restrict__ x, int cols, const dpre &p, float *xs, float *red) {
+    int tid = threadIdx.x, nt = blockDim.x;
+    for (int i = tid; i < NT * cols / 4; i += nt) ((float4 *)xs)[i] = ((const float4 *)x)[i];
+    __syncthreads();
+    if (p.kind == QF_PRE_RMSNORM) {
+        for (int t = 0; t < NT; t++) {
+            float *v = xs + t * cols, ss = 0.0f;
+            for (int i = tid; i < cols; i += nt) ss += v[i] * v[i];
+            float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)cols + p.eps);
+            for (int i = tid; i < cols; i += nt) v[i] = v[i] * inv * p.w[i];
+        }
+    } else if (p.kind == QF_PRE_GATED_NORM) { // a warp per (row, head)
+        int heads = cols / p.head, lane = tid & 31;
+        for (int th = tid / 32; th < NT * heads; th += nt / 32) {
+            int t = th / heads, h = th % heads;
+            float *v = xs + t * cols + h * p.head, ss = 0.0f;
+            const float *g = p.g + (int64_t)t * p.g_stride + (int64_t)h * p.g_hstride;
+            for (int i = lane; i < p.head; i += 32) ss += v[i] * v[i];
+            float inv = 1.0f / sqrtf(warp_sum(ss) / (float)p.head + p.eps);
+            for (int i = lane; i < p.head; i += 32) v[i] = silu(g[i]) * (v[i] * inv * p.w[i]);
+        }
+    } else if (p.kind == QF_PRE_SIGMOID) {
+        for (int i = tid; i < NT * cols; i += nt) {
+            int t = i / cols, c = i % cols;
+            xs[i] *= 1.0f / (1.0f + expf(-p.g[(int64_t)t * p.g_stride + (int64_t)(c / p.head) * p.g_hstride + c % p.head]));
+        }
+    }
+    __syncthreads();
+}
+
+// What a DeltaNet in_proj row becomes (ops.h qf_gdn_epi): conv channel, z, beta or decay gate.
+__device__ float epi_value(const depi &e, int t, int row, float v) {
+    if (row < e.conv_dim) {
+        float *st = e.st[t], acc = 0.0f;
+        const float *w = e.conv_w + (int64_t)row * e.K;
+        int64_t cd = e.conv_dim;
+        for (int j = 0; j < e.K - 1; j++) acc += w[j] * st[j * cd + row];
+        acc += w[e.K - 1] * v;
+        for (int j = 0; j + 1 < e.K - 1; j++) st[j * cd + row] = st[(j + 1) * cd + row];
+        if (e.K > 1) st[(e.K - 2) * cd + row] = v;
+        return silu(acc);
+    }
+    int b0 = e.conv_dim + e.z_dim;
+    if (row < b0) return v;
+    if (row < b0 + e.nv) return 1.0f / (1.0f + expf(-v));
+    int h = row - b0 - e.nv;
+    float u = v + e.dt_bias[h];
+    return e.neg_A[h] * (u > 20.0f ? u : log1pf(expf(u)));
+}
+
+// y[t][row] (= or +=) W[row] . pre(x[t]): bf16 W (cols % 8 == 0), x staged once per block, the
+// blocks striding over groups of rows so the staging is paid once per resident block.
+template <int NT>
+__global__ void k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, dpre p, depi e, int acc,
+                           float *__restrict__ y) {
+    extern __shared__ float4 dyn[];
+    __shared__ float red[32];
+    float *xs = (float *)dyn;
+    stage<NT>(x, cols, p, xs, red);
+    int warps = blockDim.x / 32, lane = threadIdx.x & 31, n8 = cols / 8;
+    for (int row0 = (blockIdx.x * warps + threadIdx.x / 32) * PW; row0 < rows; row0 += gridDim.x * warps * PW) {
+        int nr = min(PW, rows - row0);
+        float a[PW][NT];
+#pragma unroll
+        for (int r = 0; r < PW; r++)
+#pragma unroll
+            for (int t = 0; t < NT; t++) a[r][t] = 0.0f;
+#pragma unroll 4
+        for (int c = lane; c < n8; c += 32) {
+            uint4 v[PW];
+#pragma unroll
+            for (int r = 0; r < PW; r++) v[r] = r < nr ? __ldcs((const uint4 *)(W + (int64_t)(row0 + r) * cols) + c) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+#pragma unroll
+                for (int r = 0; r < PW; r++) a[r][t] += dot8(v[r], xs + t * cols + c * 8);
+        }
+#pragma unroll
+        for (int r = 0; r < PW; r++)
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                float s = warp_sum(a[r][t]);
+                if (lane == 0 && r < nr) {
+                    int64_t o = (int64_t)t * rows + row0 + r;
+                    if (e.on) s = epi_value(e, t, row0 + r, s);
+                    y[o] = acc ? y[o] + s : s;
+                }
+            }
+    }
+}
+
+template <int NT>
+void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, const dpre &p, const depi &e, int acc, float *y) {
+    size_t smem = (size_t)NT * (size_t)w->cols * sizeof(float);
+    int threads = 256, per_block = threads / 32 * PW;
+    int per_sm = c->smem_sm > 0 ? (int)(c->smem_sm / (smem + 1024)) : 1;
+    per_sm = per_sm < 1 ? 1 : per_sm > 8 ? 8 : per_sm;
+    int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)(c->sms > 0 ? c->sms : 1) * per_sm;
+    if (smem > 48 * 1024) cudaFuncSetAttribute(k_gemv_pre<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    LAUNCH_S(c, k_gemv_pre<NT>, (unsigned)(need < cap ? need : cap), threads, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e,
+             acc, y);
+}
+
+void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, float *y) {
+    ctx *c = C(be);
+    if (w->dtype != QF_DT_BF16 || w->cols % 8 || (uintptr_t)w->data % 16 || (uintptr_t)x % 16) {
+        fprintf(stderr, "qflash cuda: fused product needs 16-byte aligned bf16 rows of a multiple of 8 columns\n");
+        return;
+    }
+    dpre p = {QF_PRE_NONE, NULL, NULL, 0, 0, 1, 0.0f};
+    if (pre) p = {pre->kind, pre->w, pre->g, pre->g_stride, pre->g_hstride, pre->head > 0 ? pre->head : 1, pre->eps};
+    depi e = {};
+    if (epi) {
+        e = {1, epi->conv_dim, epi->z_dim, epi->nv, epi->conv_k, epi->conv_w, epi->dt_bias, epi->neg_A, {}};
+        for (int t = 0; t < QF_DEC_ROWS; t++) e.st[t] = epi->conv_state[t];
+    }
+    int fit = (int)((size_t)(c->smem_optin > 0 ? c->smem_optin : 48 * 1024) / ((size_t)w->cols * sizeof(float)));
+    int cap = fit < 1 ? 1 : fit > QF_DEC_ROWS ? QF_DEC_ROWS : fit;
+    for (int t0 = 0; t0 < n; t0 += cap) { // rows beyond what shared memory holds: another pass
+        int nt = n - t0 < cap ? n - t0 : cap;
+        dpre pt = p;
+        if (pt.g) pt.g += (int64_t)t0 * p.g_stride;
+        depi et = e;
+        for (int t = 0; t < QF_DEC_ROWS; t++) et.st[t] = t0 + t < QF_DEC_ROWS ? e.st[t0 + t] : NULL;
+        const float *xt = x + (int64_t)t0 * w->cols;
+        float *yt = y + (int64_t)t0 * w->rows;
+        switch (nt) {
+        case 1: gemv_pre_launch<1>(c, w, xt, pt, et, acc, yt); break;
+        case 2: gemv_pre_launch<2>(c, w, xt, pt, et, acc, yt); break;
+        case 3: gemv_pre_launch<3>(c, w, xt, pt, et, acc, yt); break;
+        case 4: gemv_pre_launch<4>(c, w, xt, pt, et, acc, yt); break;
+        case 5: gemv_pre_launch<5>(c, w, xt, pt, et, acc, yt); break;
+        case 6: gemv_pre_launch<6>(c, w, xt, pt, et, acc, yt); break;
+        case 7: gemv_pre_launch<7>(c, w, xt, pt, et, acc, yt); break;
+        default: gemv_pre_launch<8>(c, w, xt, pt, et, acc, yt); break;
+        }
+    }
+}
+
+// ---- the delta rule, one token: a warp per (v-head, 32 value columns, row) ----
+
+template <int DK>
+__global__ void k_gdn_dec(qf_gdn_dec a) {
+    __shared__ float qn[DK], kn[DK];
+    int h = blockIdx.x, lane = threadIdx.x, j = blockIdx.y * 32 + lane, t = blockIdx.z;
+    int dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk), qk = a.nk * dk, zb = 2 * qk + 2 * a.nv * dv;
+    const float *row = a.mixed + (int64_t)t * a.stride, *q = row + kh * dk, *k = row + qk + kh * dk;
+    float *S = a.S[t] + (int64_t)h * dk * dv;
+    int live = j < dv;
+    float s[DK];
+#pragma unroll
+    for (int i = 0; i < DK; i++) s[i] = i < dk && live ? S[(int64_t)i * dv + j] : 0.0f; // issued before the norms need them
+    float sq = 0.0f, sk = 0.0f;
+    for (int i = lane; i < dk; i += 32) sq += q[i] * q[i], sk += k[i] * k[i];
+    sq = warp_sum(sq), sk = warp_sum(sk);
+    float iq = rsqrtf((float)dk) / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
+    for (int i = lane; i < dk; i += 32) qn[i] = q[i] * iq, kn[i] = k[i] * ik;
+    __syncwarp();
+    if (!live) return;
+    float decay = expf(row[zb + a.nv + h]), beta = row[zb + h], u = 0.0f, o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DK; i++)
+        if (i < dk) s[i] *= decay, u += s[i] * kn[i];
+    u = beta * (row[2 * qk + h * dv + j] - u);
+#pragma unroll
+    for (int i = 0; i < DK; i++)
+        if (i < dk) s[i] += kn[i] * u, o += s[i] * qn[i];
+    a.out[((int64_t)t * a.nv + h) * dv + j] = o;
+#pragma unroll
+    for (int i = 0; i < DK; i++)
+        if (i < dk) S[(int64_t)i * dv + j] = s[i];
+}
+
+void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
+    ctx *c = C(be);
+    dim3 g(a->nv, (a->dv + 31) / 32, a->n);
+    if (a->dk <= 32) LAUNCH(c, k_gdn_dec<32>, g, 32, *a);
+    else if (a->dk <= 64) LAUNCH(c, k_gdn_dec<64>, g, 32, *a);
+    else if (a->dk <= 128) LAUNCH(c, k_gdn_dec<128>, g, 32, *a);
+    else fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
+}
+
+// ---- attention, one new token per row ----
+
+// One warp: rmsnorm(x) * w, then RoPE at pos over the first rot dims, into out (shared memory).
+__device__ void norm_rope(const float *x, const float *w, int hd, int rot, int pos, const float *inv_freq, float eps, float *out) {
+    int lane = threadIdx.x & 31, half = rot / 2;
+    float ss = 0.0f;
+    for (int d = lane; d < hd; d += 32) ss += x[d] * x[d];
+    float inv = 1.0f / sqrtf(warp_sum(ss) / (float)hd + eps);
+    for (int d = lane; d < hd; d += 32) out[d] = x[d] * inv * w[d];
+    __syncwarp();
+    for (int i = lane; i < half; i += 32) {
+        float ang = (float)pos * inv_freq[i], cs = cosf(ang), sn = sinf(ang), a = out[i], b = out[i + half];
+        out[i] = a * cs - b * sn;
+        out[i + half] = b * cs + a * sn;
+    }
+    __syncwarp();
+}
+
+// Block (row t * nh + head h, split): as k_attn_part, with the query's norm and RoPE done here;
+// the split that holds the new position prepares the new key and value itself (and the first
+// head of each kv group stores them), so no block reads a key another block is writing.
+__global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
+    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], so[ATT_WARPS][ATT_DPL * 32];
+    __shared__ float qs[ATT_DPL * 32], kn[ATT_DPL * 32], vn[ATT_DPL * 32];
+    int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, ratio = a.nh / a.nkv, kvh = h / ratio;
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, hd = a.hd, pos = a.pos[t];
+    int j0 = sp * chunk, j1 = min(pos + 1, j0 + chunk), fresh = j0 <= pos && pos < j1;
+    qf_kv_view kv = a.kv[t];
+    const float *row = a.qkv + (int64_t)t * a.stride;
+    if (warp == 0) norm_rope(row + (int64_t)h * 2 * hd, a.q_norm, hd, a.rot, pos, a.inv_freq, a.eps, qs);
+    else if (warp == 1 && fresh) {
+        norm_rope(row + a.k_off + kvh * hd, a.k_norm, hd, a.rot, pos, a.inv_freq, a.eps, kn);
+        for (int d = lane; d < hd; d += 32) vn[d] = row[a.v_off + kvh * hd + d];
+        if (h % ratio == 0) {
+            float *kd = (float *)kv_row(kv, pos, a.nkv, hd, kvh, 0), *vd = (float *)kv_row(kv, pos, a.nkv, hd, kvh, 1);
+            for (int d = lane; d < hd; d += 32) kd[d] = kn[d], vd[d] = vn[d];
+        }
+    }
+    __syncthreads();
+    float qr[ATT_DPL], o[ATT_DPL], m = -INFINITY, l = 0.0f;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) {
+        int d = lane + 32 * u;
+        qr[u] = d < hd ? qs[d] : 0.0f;
+        o[u] = 0.0f;
+    }
+    for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
+        const float *k = j == pos ? kn : kv_row(kv, j, a.nkv, hd, kvh, 0), *v = j == pos ? vn : kv_row(kv, j, a.nkv, hd, kvh, 1);
+        float s = 0.0f;
+#pragma unroll
+        for (int u = 0; u < ATT_DPL; u++) {
+            int d = lane + 32 * u;
+            if (d < hd) s += qr[u] * k[d];
+        }
+        s = warp_sum(s) * a.scale;
+        float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
+        l = l * corr + p;
+#pragma unroll
+        for (int u = 0; u < ATT_DPL; u++) {
+            int d = lane + 32 * u;
+            o[u] = o[u] * corr + (d < hd ? p * v[d] : 0.0f);
+        }
+        m = mn;
+    }
+    if (lane == 0) sm[warp] = m, sl[warp] = l;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) so[warp][lane + 32 * u] = o[u];
+    __syncthreads();
+    if (warp != 0) return;
+    float M = -INFINITY, L = 0.0f;
+    for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm[w]);
+    for (int w = 0; w < ATT_WARPS; w++) L += sm[w] == -INFINITY ? 0.0f : sl[w] * expf(sm[w] - M);
+    float *out = part + ((int64_t)th * splits + sp) * (hd + 2);
+    if (lane == 0) out[0] = M, out[1] = L;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) {
+        int d = lane + 32 * u;
+        if (d >= hd) continue;
+        float acc = 0.0f;
+        for (int w = 0; w < ATT_WARPS; w++) acc += sm[w] == -INFINITY ? 0.0f : so[w][d] * expf(sm[w] - M);
+        out[2 + d] = acc;
+    }
+}
+
+void dec_attention(qf_backend *be, const qf_attn_dec *a) {
+    ctx *c = C(be);
+    if (a->hd > ATT_DPL * 32 || a->nh % a->nkv) {
+        fprintf(stderr, "qflash cuda: head_dim %d > %d (or heads %d not a multiple of kv heads %d) is not supported\n", a->hd, ATT_DPL * 32, a->nh,
+                a->nkv);
+        return;
+    }
+    int max_keys = 0, rows = a->n * a->nh, chunk;
+    for (int t = 0; t < a->n; t++) max_keys = a->pos[t] + 1 > max_keys ? a->pos[t] + 1 : max_keys;
+    int splits = attn_splits(max_keys, rows, &chunk);
+    float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * 64 * (a->hd + 2) * sizeof(float));
+    if (!part) return;
+    LAUNCH(c, k_attn_dec, dim3(rows, splits), ATT_WARPS * 32, *a, chunk, splits, part);
+    LAUNCH(c, k_attn_combine, rows, 128, splits, a->hd, part, a->out);
+}
+
+// ---- MoE: routing and gate/up in one kernel, down + shared expert + residual in another ----
+
+#define MOE_MAX_K 64
+
+// Block (slot k, 8 rows of the expert's ffn, row t). Every block routes row t itself (the rank of
+// each logit among all, ties to the lower index as the CPU) and normalises x: cheaper than a
+// launch between. Blocks of the first column write the chosen expert and its weight for slot k.
+__global__ void k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw) {
+    extern __shared__ float4 dyn[];
+    __shared__ float red[32], tw[MOE_MAX_K];
+    __shared__ int ti[MOE_MAX_K];
+    int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, tid = threadIdx.x, t = blockIdx.z, k = blockIdx.x;
+    float *lg = (float *)dyn, *xs = lg + ((E + 3) & ~3);
+    const float *rl = a.rl + (int64_t)t * a.rl_stride, *x = a.x + (int64_t)t * H;
+    float ss = 0.0f;
+    for (int e = tid; e < E; e += blockDim.x) lg[e] = rl[e];
+    for (int i = tid; i < H / 4; i += blockDim.x) {
+        float4 v = ((const float4 *)x)[i];
+        ((float4 *)xs)[i] = v;
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps); // block_sum's barriers publish lg and xs
+    for (int e = tid; e < E; e += blockDim.x) {
+        float v = lg[e];
+        int r = 0;
+        for (int f = 0; f < E; f++) r += lg[f] > v || (lg[f] == v && f < e);
+        if (r < K) ti[r] = e;
+    }
+    for (int i = tid; i < H; i += blockDim.x) xs[i] = xs[i] * inv * a.norm_w[i];
+    __syncthreads();
+    if (blockIdx.y == 0 && tid < 32) { // softmax over all, top-k renormalised, as the CPU
+        float mx = lg[ti[0]], s = 0.0f;
+        for (int e = tid; e < E; e += 32) s += expf(lg[e] - mx);
+        s = warp_sum(s);
+        if (tid == 0) {
+            float ts = 0.0f;
+            for (int q = 0; q < K; q++) tw[q] = expf(lg[ti[q]] - mx) / s, ts += tw[q];
+            topi[t * K + k] = ti[k], topw[t * K + k] = tw[k] / ts;
+        }
+    }
+    int e = ti[k], lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32;
+    if (j >= I) return;
+    const uint4 *gr = (const uint4 *)((const uint16_t *)tab[e] + (int64_t)j * H), *ur = (const uint4 *)((const uint16_t *)tab[E + e] + (int64_t)j * H);
+    float g = 0.0f, u = 0.0f;
+#pragma unroll 4
+    for (int c = lane; c < H / 8; c += 32) {
+        uint4 wg = __ldcs(gr + c), wu = __ldcs(ur + c);
+        g += dot8(wg, xs + c * 8);
+        u += dot8(wu, xs + c * 8);
+    }
+    g = warp_sum(g), u = warp_sum(u);
+    if (lane == 0) hbuf[((int64_t)t * K + k) * I + j] = silu(g) * u;
+}
+
+// Block (PW rows of the output per warp, row t): x[t][i] += sum_k w_k down_k[i] . h_k
+// + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u.
+__global__ void k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi, const float *topw) {
+    extern __shared__ float4 dyn[];
+    __shared__ float wk[MOE_MAX_K + 1];
+    __shared__ const uint16_t *dp[MOE_MAX_K + 1];
+    int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, t = blockIdx.y;
+    float *hs = (float *)dyn, *hsh = hs + K * I;
+    const float *rl = a.rl + (int64_t)t * a.rl_stride;
+    for (int i = tid; i < K * I / 4; i += blockDim.x) ((float4 *)hs)[i] = ((const float4 *)(hbuf + (int64_t)t * K * I))[i];
+    for (int i = tid; i < S; i += blockDim.x) hsh[i] = silu(rl[E + i]) * rl[E + S + i];
+    if (tid < K) wk[tid] = topw[t * K + tid], dp[tid] = (const uint16_t *)tab[2 * E + topi[t * K + tid]];
+    if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
+    __syncthreads();
+    int lane = tid & 31, i0 = (blockIdx.x * (blockDim.x / 32) + tid / 32) * PW;
+    if (i0 >= H) return;
+    int nr = min(PW, H - i0);
+    float tot[PW] = {};
+#pragma unroll 4
+    for (int q = 0; q <= K; q++) {
+        int w8 = (q < K ? I : S) / 8;
+        const float *h = q < K ? hs + q * I : hsh;
+        float s[PW] = {};
+        for (int c = lane; c < w8; c += 32)
+#pragma unroll
+            for (int r = 0; r < PW; r++)
+                if (r < nr) s[r] += dot8(__ldcs((const uint4 *)(dp[q] + (int64_t)(i0 + r) * w8 * 8) + c), h + c * 8);
+#pragma unroll
+        for (int r = 0; r < PW; r++) tot[r] += wk[q] * s[r];
+    }
+#pragma unroll
+    for (int r = 0; r < PW; r++) {
+        float v = warp_sum(tot[r]);
+        if (lane == 0 && r < nr) a.x[(int64_t)t * H + i0 + r] += v;
+    }
+}
+
+void dec_moe(qf_backend *be, const qf_moe_dec *a) {
+    ctx *c = C(be);
+    const void **tab = expert_table(c, a->experts, a->n_experts);
+    int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
+    size_t head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
+    char *s = (char *)scratch(c, &c->moe, &c->moe_cap, head + (size_t)n * K * I * sizeof(float));
+    if (!tab || !s || K > MOE_MAX_K || a->sh_down->dtype != QF_DT_BF16 || a->experts[0].gate.dtype != QF_DT_BF16 || H % 8 || I % 8 || a->sh_ffn % 8) {
+        fprintf(stderr, "qflash cuda: fused moe: out of device memory, top-k %d > %d, or weights not bf16 in rows of 8\n", K, MOE_MAX_K);
+        return;
+    }
+    int *topi = (int *)s;
+    float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
+    size_t sm_gu = (size_t)(((E + 3) & ~3) + H) * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
+    if (sm_gu > 48 * 1024) cudaFuncSetAttribute(k_moe_gu, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm_gu);
+    if (sm_dn > 48 * 1024) cudaFuncSetAttribute(k_moe_down, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm_dn);
+    LAUNCH_S(c, k_moe_gu, dim3(K, (I + 7) / 8, n), 256, sm_gu, tab, *a, hbuf, topi, topw);
+    LAUNCH_S(c, k_moe_down, dim3((H + 8 * PW - 1) / (8 * PW), n), 256, sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, topi, topw);
+}
+
+// ---- greedy pick: the first index of the largest value per row ----
+
+#define AMAX_BLOCKS 128
+
+__device__ void better(float &bv, int &bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
+}
+
+// The block's best over the block's reach: every thread ends with it.
+__device__ void block_best(float &bv, int &bi, float *rv, int *ri) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    for (int o = 16; o > 0; o >>= 1) better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+    __syncthreads();
+    if (lane == 0) rv[warp] = bv, ri[warp] = bi;
+    __syncthreads();
+    for (int w = 0; w < nw; w++) better(bv, bi, rv[w], ri[w]);
+}
+
+// Grid (AMAX_BLOCKS, rows): each block its slice; the last block of a row to finish (a counter
+// per row, which it resets) picks among the partials.
+__global__ void k_argmax(const float *x, int cols, float *pv, int *pi, unsigned *count, int32_t *out) {
+    __shared__ float rv[32];
+    __shared__ int ri[32], last;
+    int t = blockIdx.y, per = (cols + gridDim.x - 1) / gridDim.x, c0 = blockIdx.x * per, c1 = min(cols, c0 + per);
+    const float *r = x + (int64_t)t * cols;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) better(bv, bi, r[i], i);
+    block_best(bv, bi, rv, ri);
+    if (threadIdx.x == 0) {
+        pv[t * gridDim.x + blockIdx.x] = bv, pi[t * gridDim.x + blockIdx.x] = bi;
+        __threadfence();
+        last = atomicAdd(&count[t], 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    bv = -INFINITY, bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < (int)gridDim.x; i += blockDim.x) better(bv, bi, ((volatile float *)pv)[t * gridDim.x + i], ((volatile int *)pi)[t * gridDim.x + i]);
+    block_best(bv, bi, rv, ri);
+    if (threadIdx.x == 0) out[t] = bi == 0x7fffffff ? 0 : bi, count[t] = 0;
+}
+
+void dec_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *out) {
+    ctx *c = C(be);
+    if (!c->amax || n > QF_DEC_ROWS * 8) {
+        fprintf(stderr, "qflash cuda: argmax over %d rows is not supported\n", n);
+        return;
+    }
+    float *pv = (float *)c->amax;
+    int *pi = (int *)(pv + QF_DEC_ROWS * 8 * AMAX_BLOCKS);
+    unsigned *count = (unsigned *)(pi + QF_DEC_ROWS * 8 * AMAX_BLOCKS);
+    LAUNCH(c, k_argmax, dim3(AMAX_BLOCKS, n), 256, x, cols, pv, pi, count, out);
+}
+
+} // namespace
+
+const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax};
+
+size_t qfc::argmax_scratch_bytes(void) { return (size_t)QF_DEC_ROWS * 8 * (AMAX_BLOCKS * 8 + 4); }
