@@ -218,6 +218,252 @@ static void test_moe(int N, int bench) {
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
 }
 
+/* ---- the fused decode ops (ops.h qf_dec_ops), each against the chain of reference ops it
+ * replaces, n rows = n sequences of one token ---- */
+
+static float *copy_f(const float *x, size_t n) {
+    float *y = malloc(n * sizeof *y);
+    memcpy(y, x, n * sizeof *y);
+    return y;
+}
+
+/* pre kinds on a [rows x cols] product; heads of `head` (GATED_NORM, SIGMOID); acc: y += */
+static void test_dec_matmul(int kind, int64_t rows, int64_t cols, int head, int n, int acc) {
+    void *hw;
+    qf_mat w = bf16_mat(rows, cols, &hw);
+    int nh = (int)(cols / head), gs = kind == QF_PRE_SIGMOID ? 2 * (int)cols : (int)cols, ghs = kind == QF_PRE_SIGMOID ? 2 * head : head;
+    float *x = qt_rnd((size_t)n * cols, 2.0f), *nw = qt_rnd((size_t)cols, 1.0f), *g = qt_rnd((size_t)n * gs, 3.0f);
+    float *y0 = qt_rnd((size_t)n * rows, 1.0f), *want = copy_f(y0, (size_t)n * rows), *xp = copy_f(x, (size_t)n * cols);
+    float *tmp = malloc((size_t)n * rows * 4);
+    if (kind == QF_PRE_RMSNORM) ref.ops->rmsnorm(&ref, x, (int)cols, nw, n, (int)cols, 1e-6f, xp, (int)cols);
+    for (int t = 0; t < n && kind == QF_PRE_GATED_NORM; t++) { /* rmsnorm per head, then silu(g) * that */
+        ref.ops->rmsnorm(&ref, x + t * cols, head, nw, nh, head, 1e-6f, xp + t * cols, head);
+        ref.ops->swiglu(&ref, g + (size_t)t * gs, xp + t * cols, head, nh, head, xp + t * cols);
+    }
+    for (int t = 0; t < n && kind == QF_PRE_SIGMOID; t++) ref.ops->sigmoid_mul(&ref, xp + t * cols, head, g + (size_t)t * gs + head, ghs, nh, head);
+    ref.ops->matmul(&ref, &w, xp, n, tmp);
+    for (size_t i = 0; i < (size_t)n * rows; i++) want[i] = acc ? want[i] + tmp[i] : tmp[i];
+    qf_mat dw = w;
+    dw.data = up(hw, (size_t)(rows * cols) * 2);
+    float *dx = up_f(x, (size_t)n * cols), *dnw = up_f(nw, (size_t)cols), *dg = up_f(g, (size_t)n * gs), *dy = up_f(y0, (size_t)n * rows);
+    qf_pre pre = {kind, dnw, kind == QF_PRE_SIGMOID ? dg + head : dg, gs, ghs, head, 1e-6f};
+    gpu.ops->dec->matmul(&gpu, &dw, dx, n, &pre, NULL, acc, dy);
+    const char *names[] = {"none", "rmsnorm", "gated norm", "sigmoid gate"};
+    char s[96];
+    snprintf(s, sizeof s, "%s [%lld x %lld] n=%d%s", names[kind], (long long)rows, (long long)cols, n, acc ? " +=" : "");
+    report("dec matmul", s, cmp(dy, want, (size_t)n * rows), 1e-5);
+    free(hw), free(x), free(nw), free(g), free(y0), free(want), free(xp), free(tmp);
+    void *d[] = {(void *)dw.data, dx, dnw, dg, dy};
+    for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
+}
+
+/* The DeltaNet in_proj with its epilogue: conv with each row's state, z, beta, decay gate. */
+static void test_dec_gdn_proj(int n) {
+    int H = 2048, cd = 8192, nv = 32, zd = nv * 128, K = 4, rows = cd + zd + 2 * nv;
+    void *hw;
+    qf_mat w = bf16_mat(rows, H, &hw);
+    float *x = qt_rnd((size_t)n * H, 2.0f), *nw = qt_rnd(H, 1.0f), *cw = qt_rnd((size_t)cd * K, 0.5f), *dtb = qt_rnd(nv, 1.0f), *na = qt_rnd(nv, 1.0f);
+    float *st = qt_rnd((size_t)n * (K - 1) * cd, 1.0f), *want_st = copy_f(st, (size_t)n * (K - 1) * cd);
+    float *xn = malloc((size_t)n * H * 4), *mixed = malloc((size_t)n * rows * 4), *want = malloc((size_t)n * rows * 4);
+    ref.ops->rmsnorm(&ref, x, H, nw, n, H, 1e-6f, xn, H);
+    ref.ops->matmul(&ref, &w, xn, n, mixed);
+    for (int t = 0; t < n; t++) {
+        float *m = mixed + (size_t)t * rows, *o = want + (size_t)t * rows;
+        ref.ops->conv_silu(&ref, m, cd, 1, cd, K, cw, want_st + (size_t)t * (K - 1) * cd, o);
+        memcpy(o + cd, m + cd, (size_t)(zd + 2 * nv) * 4);
+        ref.ops->gdn_gates(&ref, o + cd + zd, o + cd + zd + nv, dtb, na, 1, nv);
+    }
+    qf_mat dw = w;
+    dw.data = up(hw, (size_t)rows * H * 2);
+    float *dx = up_f(x, (size_t)n * H), *dnw = up_f(nw, H), *dcw = up_f(cw, (size_t)cd * K), *ddtb = up_f(dtb, nv), *dna = up_f(na, nv);
+    float *dst = up_f(st, (size_t)n * (K - 1) * cd), *dy = gpu.ops->alloc(&gpu, (size_t)n * rows * 4);
+    qf_pre pre = {QF_PRE_RMSNORM, dnw, NULL, 0, 0, 0, 1e-6f};
+    qf_gdn_epi e = {cd, zd, nv, K, dcw, ddtb, dna, {0}};
+    for (int t = 0; t < n; t++) e.conv_state[t] = dst + (size_t)t * (K - 1) * cd;
+    gpu.ops->dec->matmul(&gpu, &dw, dx, n, &pre, &e, 0, dy);
+    char s[64];
+    snprintf(s, sizeof s, "[%d x 2048] n=%d", rows, n);
+    report("dec in_proj+conv", s, cmp(dy, want, (size_t)n * rows), 1e-5);
+    report("dec conv states", s, cmp(dst, want_st, (size_t)n * (K - 1) * cd), 1e-5); /* raw products, as the matmul tolerance */
+    free(hw), free(x), free(nw), free(cw), free(dtb), free(na), free(st), free(want_st), free(xn), free(mixed), free(want);
+    void *d[] = {(void *)dw.data, dx, dnw, dcw, ddtb, dna, dst, dy};
+    for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
+}
+
+static void test_dec_gdn(int n, int nk, int nv, int dk, int dv) {
+    int qk = nk * dk, cd = 2 * qk + nv * dv, stride = cd + nv * dv + 2 * nv + 5; /* a stride wider than the row, as in_proj's */
+    float *mixed = qt_rnd((size_t)n * stride, 1.0f), *S = qt_rnd((size_t)n * nv * dk * dv, 0.1f), *out = malloc((size_t)n * nv * dv * 4);
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < nv; h++) {
+            float *r = mixed + (size_t)t * stride + cd + nv * dv;
+            r[h] = 0.5f + 0.4f * qt_frand(), r[nv + h] = -0.3f + 0.25f * qt_frand(); /* beta in (0,1), g < 0 */
+        }
+    float *dm = up_f(mixed, (size_t)n * stride), *dS = up_f(S, (size_t)n * nv * dk * dv), *dout = gpu.ops->alloc(&gpu, (size_t)n * nv * dv * 4);
+    for (int t = 0; t < n; t++) {
+        const float *r = mixed + (size_t)t * stride;
+        qf_gdn_args a = {r, r + qk, r + 2 * qk, stride, r + cd + nv * dv, r + cd + nv * dv + nv, S + (size_t)t * nv * dk * dv, out + (size_t)t * nv * dv, 1, nk, nv, dk, dv};
+        ref.ops->gdn(&ref, &a);
+    }
+    qf_gdn_dec g = {dm, stride, n, nk, nv, dk, dv, {0}, dout};
+    for (int t = 0; t < n; t++) g.S[t] = dS + (size_t)t * nv * dk * dv;
+    gpu.ops->dec->gdn(&gpu, &g);
+    char s[64];
+    snprintf(s, sizeof s, "n=%d, %d/%d heads of %d/%d", n, nk, nv, dk, dv);
+    report("dec gdn out", s, cmp(dout, out, (size_t)n * nv * dv), 1e-4);
+    report("dec gdn state", s, cmp(dS, S, (size_t)n * nv * dk * dv), 1e-4);
+    free(mixed), free(S), free(out);
+    gpu.ops->free(&gpu, dm), gpu.ops->free(&gpu, dS), gpu.ops->free(&gpu, dout);
+}
+
+/* Rows at different positions, each with its own scrambled pages in one pool. */
+static void test_dec_attention(int n, int nh, int nkv, int hd, int rot, const int *pos) {
+    int pt = 16, stride = nh * 2 * hd + 2 * nkv * hd, koff = nh * 2 * hd, voff = koff + nkv * hd, per = 0;
+    for (int t = 0; t < n; t++) per = (pos[t] + 1 + pt - 1) / pt > per ? (pos[t] + pt) / pt : per;
+    int np = n * per + 2;
+    size_t layer = (size_t)pt * nkv * hd, pstride = 2 * layer;
+    float *pool = qt_rnd((size_t)np * pstride, 1.0f), *qkv = qt_rnd((size_t)n * stride, 1.0f), *qn = qt_rnd(hd, 1.0f), *kn = qt_rnd(hd, 1.0f);
+    float *inv = malloc((size_t)(rot / 2) * 4), *out = malloc((size_t)n * nh * hd * 4), *qw = malloc((size_t)nh * 2 * hd * 4), *kw = malloc((size_t)nkv * hd * 4);
+    for (int i = 0; i < rot / 2; i++) inv[i] = 1.0f / powf(1e7f, (float)(2 * i) / (float)rot);
+    int32_t *pages = malloc((size_t)np * 4);
+    for (int i = 0; i < np; i++) pages[i] = (i * 7 + 3) % np;
+    float *dpool = up_f(pool, (size_t)np * pstride), *dqkv = up_f(qkv, (size_t)n * stride), *dqn = up_f(qn, hd), *dkn = up_f(kn, hd), *dinv = up_f(inv, rot / 2);
+    int32_t *dpages = up(pages, (size_t)np * 4);
+    float *dout = gpu.ops->alloc(&gpu, (size_t)n * nh * hd * 4), scale = 1.0f / sqrtf((float)hd);
+    qf_attn_dec a = {dqkv, stride, koff, voff, n, nh, nkv, hd, rot, dqn, dkn, dinv, 1e-6f, scale, {{0}}, {0}, dout};
+    for (int t = 0; t < n; t++) {
+        const float *r = qkv + (size_t)t * stride;
+        memcpy(qw, r, (size_t)nh * 2 * hd * 4), memcpy(kw, r + koff, (size_t)nkv * hd * 4);
+        ref.ops->rmsnorm(&ref, qw, 2 * hd, qn, nh, hd, 1e-6f, qw, 2 * hd);
+        ref.ops->rmsnorm(&ref, kw, hd, kn, nkv, hd, 1e-6f, kw, hd);
+        ref.ops->rope(&ref, qw, nh * 2 * hd, 2 * hd, 1, nh, rot, pos[t], inv);
+        ref.ops->rope(&ref, kw, nkv * hd, hd, 1, nkv, rot, pos[t], inv);
+        qf_kv_view kv = {pool, pages + t * per, pt, pstride, 0, layer};
+        ref.ops->kv_store(&ref, &kv, kw, r + voff, 1, pos[t], nkv, hd);
+        qf_attn_args at = {qw, nh * 2 * hd, 2 * hd, kv, out + (size_t)t * nh * hd, 1, pos[t], nh, nkv, hd, scale, NULL, 0};
+        ref.ops->attention(&ref, &at);
+        a.kv[t] = (qf_kv_view){dpool, dpages + t * per, pt, pstride, 0, layer}, a.pos[t] = pos[t];
+    }
+    gpu.ops->dec->attention(&gpu, &a);
+    char s[80];
+    snprintf(s, sizeof s, "n=%d at %d.., %d/%d heads of %d, rot %d", n, pos[0], nh, nkv, hd, rot);
+    report("dec attention", s, cmp(dout, out, (size_t)n * nh * hd), 1e-5);
+    report("dec attention kv", s, cmp(dpool, pool, (size_t)np * pstride), 1e-6);
+    free(pool), free(qkv), free(qn), free(kn), free(inv), free(out), free(qw), free(kw), free(pages);
+    void *d[] = {dpool, dqkv, dqn, dkn, dinv, dpages, dout};
+    for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
+}
+
+/* Routing, top-k experts and the shared expert, added to x, against the reference ops. */
+static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench) {
+    void *hgu, *hd, *hsd;
+    bf16_mat((int64_t)E * 2 * I, H, &hgu), bf16_mat((int64_t)E * H, I, &hd);
+    qf_mat sd = bf16_mat(H, S, &hsd);
+    qf_expert *host = malloc((size_t)E * sizeof *host), *dev = malloc((size_t)E * sizeof *dev);
+    char *dgu = up(hgu, (size_t)E * 2 * I * H * 2), *ddn = up(hd, (size_t)E * H * I * 2);
+    for (int e = 0; e < E; e++) {
+        size_t og = (size_t)e * 2 * I * H * 2, ou = og + (size_t)I * H * 2, od = (size_t)e * H * I * 2;
+        host[e] = (qf_expert){{QF_DT_BF16, (char *)hgu + og, I, H}, {QF_DT_BF16, (char *)hgu + ou, I, H}, {QF_DT_BF16, (char *)hd + od, H, I}};
+        dev[e] = (qf_expert){{QF_DT_BF16, dgu + og, I, H}, {QF_DT_BF16, dgu + ou, I, H}, {QF_DT_BF16, ddn + od, H, I}};
+    }
+    int rs = E + 2 * S + 1 + 3; /* the ffn_in product's row, padded as a wider stride */
+    float *rl = qt_rnd((size_t)n * rs, 2.0f), *x = qt_rnd((size_t)n * H, 1.0f), *nw = qt_rnd(H, 1.0f), *want = copy_f(x, (size_t)n * H);
+    float *xn = malloc((size_t)H * 4), *gb = malloc((size_t)I * 4), *ub = malloc((size_t)I * 4), *hb = malloc((size_t)(I > S ? I : S) * 4);
+    float *yb = malloc((size_t)H * 4), *acc = malloc((size_t)H * 4);
+    for (int t = 0; t < n; t++) {
+        const float *l = rl + (size_t)t * rs;
+        float mx = l[0], sum = 0, w[64], ts = 0;
+        int ti[64];
+        ref.ops->rmsnorm(&ref, x + (size_t)t * H, H, nw, 1, H, 1e-6f, xn, H);
+        for (int e = 1; e < E; e++) mx = fmaxf(mx, l[e]);
+        for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
+        for (int k = 0; k < K; k++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int j = 0; j < k; j++) taken |= ti[j] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            ti[k] = best, w[k] = expf(l[best] - mx) / sum, ts += w[k];
+        }
+        memset(acc, 0, (size_t)H * 4);
+        for (int k = 0; k < K; k++) {
+            ref.ops->matmul(&ref, &host[ti[k]].gate, xn, 1, gb);
+            ref.ops->matmul(&ref, &host[ti[k]].up, xn, 1, ub);
+            ref.ops->swiglu(&ref, gb, ub, I, 1, I, hb);
+            ref.ops->matmul(&ref, &host[ti[k]].down, hb, 1, yb);
+            ref.ops->axpy(&ref, acc, yb, w[k] / ts, H);
+        }
+        ref.ops->swiglu(&ref, l + E, l + E + S, S, 1, S, hb);
+        ref.ops->matmul(&ref, &sd, hb, 1, yb);
+        ref.ops->sigmoid_scale_add(&ref, acc, yb, l + E + 2 * S, 1, H);
+        ref.ops->axpy(&ref, want + (size_t)t * H, acc, 1.0f, H);
+    }
+    qf_mat dsd = sd;
+    dsd.data = up(hsd, (size_t)H * S * 2);
+    float *drl = up_f(rl, (size_t)n * rs), *dx = up_f(x, (size_t)n * H), *dnw = up_f(nw, H);
+    qf_moe_dec a = {dev, E, K, n, H, I, S, dnw, 1e-6f, drl, rs, &dsd, dx};
+    gpu.ops->dec->moe(&gpu, &a);
+    char s[80];
+    snprintf(s, sizeof s, "n=%d, %d experts top-%d, %d/%d, shared %d", n, E, K, H, I, S);
+    report("dec moe", s, cmp(dx, want, (size_t)n * H), 1e-5);
+    if (bench) { /* per row: K experts x 3 matrices + the shared down */
+        int reps = 200;
+        qf_cuda_sync(&gpu);
+        double t0 = qf_now();
+        for (int i = 0; i < reps; i++) gpu.ops->dec->moe(&gpu, &a);
+        qf_cuda_sync(&gpu);
+        double dt = (qf_now() - t0) / reps, bytes = (double)n * (K * 3.0 * I * H + (double)H * S) * 2;
+        fprintf(stderr, "  dec moe n=%d: %.1f us per call, %.0f GB/s of expert weights (%.0f%% of 4300 GB/s copy)\n", n, dt * 1e6, bytes / dt / 1e9,
+                100 * bytes / dt / 4.3e12);
+    }
+    free(hgu), free(hd), free(hsd), free(host), free(dev), free(rl), free(x), free(nw), free(want), free(xn), free(gb), free(ub), free(hb), free(yb), free(acc);
+    void *d[] = {dgu, ddn, (void *)dsd.data, drl, dx, dnw};
+    for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
+}
+
+static void test_dec_argmax(int n, int cols) {
+    float *x = qt_rnd((size_t)n * cols, 5.0f);
+    int32_t want[QF_DEC_ROWS], got[QF_DEC_ROWS];
+    for (int t = 0; t < n; t++) {
+        float *r = x + (size_t)t * cols;
+        int a = (t * 7919) % cols, b = (a + cols / 2 + t) % cols; /* a tie between two planted maxima */
+        r[a] = r[b] = 9.0f;
+        want[t] = a < b ? a : b;
+    }
+    float *dx = up_f(x, (size_t)n * cols);
+    int32_t *dout = gpu.ops->alloc(&gpu, QF_DEC_ROWS * 4);
+    for (int rep = 0; rep < 2; rep++) { /* twice: the per-row counters must have reset */
+        gpu.ops->dec->argmax(&gpu, dx, n, cols, dout);
+        gpu.ops->download(&gpu, got, dout, (size_t)n * 4);
+        for (int t = 0; t < n; t++) CHECK(got[t] == want[t], "argmax row %d (pass %d): %d, want %d", t, rep, got[t], want[t]);
+    }
+    fprintf(stderr, "  %-18s %d rows of %d, planted ties: %s\n", "dec argmax", n, cols, memcmp(got, want, (size_t)n * 4) ? "WRONG" : "ok");
+    free(x);
+    gpu.ops->free(&gpu, dx), gpu.ops->free(&gpu, dout);
+}
+
+/* Bandwidth of the fused products at the 35B's decode shapes. */
+static void bench_dec_matmul(int64_t rows, int64_t cols, int n) {
+    void *hw;
+    qf_mat w = bf16_mat(rows, cols, &hw);
+    w.data = up(hw, (size_t)(rows * cols) * 2);
+    free(hw);
+    float *x = qt_rnd((size_t)n * cols, 1.0f), *nw = qt_rnd((size_t)cols, 1.0f), *dx = up_f(x, (size_t)n * cols), *dnw = up_f(nw, (size_t)cols);
+    float *dy = gpu.ops->alloc(&gpu, (size_t)n * rows * 4);
+    qf_pre pre = {QF_PRE_RMSNORM, dnw, NULL, 0, 0, 0, 1e-6f};
+    gpu.ops->dec->matmul(&gpu, &w, dx, n, &pre, NULL, 0, dy);
+    qf_cuda_sync(&gpu);
+    int reps = 50;
+    double t0 = qf_now();
+    for (int i = 0; i < reps; i++) gpu.ops->dec->matmul(&gpu, &w, dx, n, &pre, NULL, 0, dy);
+    qf_cuda_sync(&gpu);
+    double dt = (qf_now() - t0) / reps, bytes = (double)rows * cols * 2;
+    fprintf(stderr, "  dec matmul (rmsnorm) [%lld x %lld] n=%d: %.1f us, %.0f GB/s (%.0f%% of 4300 GB/s copy)\n", (long long)rows, (long long)cols, n,
+            dt * 1e6, bytes / dt / 1e9, 100 * bytes / dt / 4.3e12);
+    gpu.ops->free(&gpu, (void *)w.data), gpu.ops->free(&gpu, dx), gpu.ops->free(&gpu, dnw), gpu.ops->free(&gpu, dy);
+    free(x), free(nw);
+}
+
 /* Decode GEMV bandwidth on a matrix far larger than L2. */
 static void bench_gemv(int64_t rows, int64_t cols, int n) {
     void *hw;
@@ -262,6 +508,26 @@ int main(int argc, char **argv) {
     test_moe(1, 1);
     test_moe(4, 1);
     test_moe(16, 1);
+    for (int n = 1; n <= 8; n += 7) {
+        test_dec_matmul(QF_PRE_NONE, 2048, 2048, 1, n, 0);
+        test_dec_matmul(QF_PRE_RMSNORM, 1281, 2048, 1, n, 0);
+        test_dec_matmul(QF_PRE_GATED_NORM, 2048, 4096, 128, n, 1);
+        test_dec_matmul(QF_PRE_SIGMOID, 2048, 4096, 256, n, 1);
+        test_dec_gdn_proj(n);
+        test_dec_gdn(n, 16, 32, 128, 128);
+        test_dec_moe(n, 256, 8, 2048, 512, 512, n == 1);
+        test_dec_argmax(n, 248320);
+    }
+    test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 3, 1); /* the fixtures' small heads */
+    test_dec_gdn(3, 4, 8, 32, 32);
+    test_dec_moe(3, 64, 4, 192, 32, 192, 0);
+    int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40};
+    test_dec_attention(1, 16, 2, 256, 64, p1);
+    test_dec_attention(3, 16, 2, 256, 64, p3);
+    test_dec_attention(2, 4, 2, 64, 16, p2);
+    test_dec_attention(2, 8, 2, 32, 8, p2);
+    bench_dec_matmul(12352, 2048, 1); /* the DeltaNet in_proj */
+    bench_dec_matmul(248320, 2048, 1);
     bench_gemv(248320, 2048, 1); /* the lm_head */
     bench_gemv(8192, 2048, 1);
     bench_gemv(248320, 2048, 4);

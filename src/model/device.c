@@ -134,7 +134,7 @@ static int bf16_rows(const qf_mat *w) {
 static int dec_fits(const qf_model *m) {
     const qf_config *c = &m->cfg;
     if (c->arch != QF_ARCH_QWEN35_MOE || c->shared_ffn <= 0 || !m->experts || c->hidden % 8 || c->expert_ffn % 8 || c->shared_ffn % 8 ||
-        c->head_dim > 256 || c->lin_k_dim > 128 || c->n_experts_used > 64 || c->n_heads % c->n_kv_heads || !bf16_rows(&m->lm_head))
+        c->head_dim > 256 || c->lin_k_dim > 128 || c->n_experts_used > 64 || c->n_experts > 512 || c->n_heads % c->n_kv_heads || !bf16_rows(&m->lm_head))
         return 0;
     for (int L = 0; L < c->n_layers; L++) {
         const qf_layer_w *w = &m->layers[L];

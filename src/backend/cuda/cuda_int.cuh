@@ -26,15 +26,22 @@ namespace qfc {
 struct expert_tab {
     const qf_expert *host; // the store's table for one layer
     const void **dev;      // [3][E] device pointers: gate, up, down
+    int E;
+    const void *first, *last; // experts[0].gate and experts[E-1].down when made: a table freed and
+                              // another made at the same address is noticed
 };
 
 // Decode steps as CUDA graphs. A step with the same shape as the one before is recorded as a
 // graph (each kernel a node, in launch order) and launched whole; later steps of that shape only
 // update the nodes' arguments (positions, grid sizes) and launch it again, which removes the
-// per-kernel launch gaps that dominate a batch-1 decode step of ~1000 small kernels.
+// per-kernel launch gaps that dominate a batch-1 decode step of ~1000 small kernels. A node whose
+// launch (grid, block, shared memory, argument bytes) is the same as recorded is not touched: at
+// ~1 us of host time per update, re-setting ~300 unchanged nodes would delay every step.
 enum { G_EAGER, G_RECORD, G_REPLAY };
 #define G_MAX_NODES 16384
 #define G_MAX_OUTS 256
+#define G_ARG_BYTES ((size_t)8 << 20)
+#define G_MAX_ARG 2048 // argument bytes of one kernel
 
 struct graph_state {
     int enabled, mode, broken, n, n_rec;
@@ -43,6 +50,9 @@ struct graph_state {
     cudaGraphExec_t ex;
     cudaGraphNode_t nodes[G_MAX_NODES];
     const void *funcs[G_MAX_NODES]; // NULL for a copy node
+    struct launch_rec { dim3 g, b; unsigned smem, len; size_t off; } rec[G_MAX_NODES]; // len 0: not kept
+    unsigned char *argbuf; // the recorded argument bytes, G_ARG_BYTES
+    size_t arg_used;
     struct out { void *dst; size_t off, bytes; } outs[G_MAX_OUTS];
     int n_outs;
     size_t out_used;
@@ -76,13 +86,15 @@ struct ctx {
     void *amax; // argmax partials and per-row counters (argmax_scratch_bytes, zeroed once)
     size_t tok_cap, xb_cap, moe_cap, attn_cap;
     expert_tab tabs[512];
+    struct occ_rec { const void *fn; size_t smem; int blocks; } occ[64]; // resident blocks per SM, asked once
+    int n_occ;
     int n_tabs;
 };
 
 inline ctx *C(qf_backend *be) { return (ctx *)be->dev; }
 
 // Adds a node after the last one (a chain: the step's kernels run in order).
-inline void g_add_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, void **args) {
+inline void g_add_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, void **args, const void *blob, unsigned len) {
     graph_state *s = &c->gs;
     if (s->n >= G_MAX_NODES) {
         s->broken = 1;
@@ -91,17 +103,26 @@ inline void g_add_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, 
     cudaKernelNodeParams kp = {(void *)fn, g, b, smem, args, NULL};
     cudaGraphNode_t dep = s->n ? s->nodes[s->n - 1] : NULL;
     if (cudaGraphAddKernelNode(&s->nodes[s->n], s->g, s->n ? &dep : NULL, s->n ? 1 : 0, &kp) != cudaSuccess) s->broken = 1;
+    graph_state::launch_rec *r = &s->rec[s->n];
+    *r = {g, b, smem, 0, s->arg_used};
+    if (s->argbuf && s->arg_used + len <= G_ARG_BYTES) memcpy(s->argbuf + s->arg_used, blob, len), s->arg_used += len, r->len = len;
     s->funcs[s->n++] = fn;
 }
 
-inline void g_set_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, void **args) {
+inline void g_set_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, void **args, const void *blob, unsigned len) {
     graph_state *s = &c->gs;
     if (s->n >= s->n_rec || s->funcs[s->n] != fn) {
         s->broken = 1; // the step took another path than the recorded one
         return;
     }
-    cudaKernelNodeParams kp = {(void *)fn, g, b, smem, args, NULL};
-    if (cudaGraphExecKernelNodeSetParams(s->ex, s->nodes[s->n], &kp) != cudaSuccess) s->broken = 1;
+    graph_state::launch_rec *r = &s->rec[s->n];
+    int same = r->len == len && len && r->smem == smem && r->g.x == g.x && r->g.y == g.y && r->g.z == g.z && r->b.x == b.x &&
+               r->b.y == b.y && r->b.z == b.z && memcmp(s->argbuf + r->off, blob, len) == 0;
+    if (!same) {
+        cudaKernelNodeParams kp = {(void *)fn, g, b, smem, args, NULL};
+        if (cudaGraphExecKernelNodeSetParams(s->ex, s->nodes[s->n], &kp) != cudaSuccess) s->broken = 1;
+        if (r->len == len && len) memcpy(s->argbuf + r->off, blob, len), r->g = g, r->b = b, r->smem = smem;
+    }
     s->n++;
 }
 
@@ -135,9 +156,14 @@ inline void launch(ctx *c, const char *name, void (*k)(P...), dim3 g, dim3 b, un
         int i = 0;
         ((args[i++] = (void *)&v), ...);
     }, vals);
-    if (c->gs.mode == G_RECORD) g_add_kernel(c, (const void *)k, g, b, smem, args);
-    else if (c->gs.mode == G_REPLAY) g_set_kernel(c, (const void *)k, g, b, smem, args);
-    else if (!c->prof.on) cudaLaunchKernel((const void *)k, g, b, args, smem, 0);
+    if (c->gs.mode != G_EAGER) {
+        static_assert((0 + ... + sizeof(P)) <= G_MAX_ARG, "kernel arguments too large to keep");
+        unsigned char blob[G_MAX_ARG + 1];
+        unsigned len = 0;
+        std::apply([&](auto &...v) { ((memcpy(blob + len, &v, sizeof v), len += (unsigned)sizeof v), ...); }, vals);
+        if (c->gs.mode == G_RECORD) g_add_kernel(c, (const void *)k, g, b, smem, args, blob, len);
+        else g_set_kernel(c, (const void *)k, g, b, smem, args, blob, len);
+    } else if (!c->prof.on) cudaLaunchKernel((const void *)k, g, b, args, smem, 0);
     else {
         profile *p = &c->prof;
         if (p->n_pend == PROF_RING) prof_flush(c);

@@ -67,6 +67,16 @@ __device__ void stage(const float *__restrict__ x, int cols, const dpre &p, floa
     __syncthreads();
 }
 
+// dot8 with x in shared memory: lanes 4-7 of each quarter-warp read the high half first, so the
+// eight 16-byte reads of a phase fall in distinct banks (32-byte strides otherwise pair them up).
+__device__ __forceinline__ float dot8s(uint4 w, const float *x, int lane) {
+    int sw = (lane >> 2) & 1;
+    float4 p = *(const float4 *)(x + 4 * sw), q = *(const float4 *)(x + 4 - 4 * sw);
+    float4 a = sw ? q : p, b = sw ? p : q;
+    return bf16f(w.x & 0xffff) * a.x + bf16f(w.x >> 16) * a.y + bf16f(w.y & 0xffff) * a.z + bf16f(w.y >> 16) * a.w +
+           bf16f(w.z & 0xffff) * b.x + bf16f(w.z >> 16) * b.y + bf16f(w.w & 0xffff) * b.z + bf16f(w.w >> 16) * b.w;
+}
+
 // What a DeltaNet in_proj row becomes (ops.h qf_gdn_epi): conv channel, z, beta or decay gate.
 __device__ float epi_value(const depi &e, int t, int row, float v) {
     if (row < e.conv_dim) {
@@ -95,8 +105,10 @@ __global__ void k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, c
     extern __shared__ float4 dyn[];
     __shared__ float red[32];
     float *xs = (float *)dyn;
+    int warps = blockDim.x / 32, lane = threadIdx.x & 31, n8 = cols / 8, first = (blockIdx.x * warps + threadIdx.x / 32) * PW;
+    for (int r = 0; r < PW && first + r < rows; r++) // the first rows stream into L2 while x is staged
+        for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)(first + r) * cols + l));
     stage<NT>(x, cols, p, xs, red);
-    int warps = blockDim.x / 32, lane = threadIdx.x & 31, n8 = cols / 8;
     for (int row0 = (blockIdx.x * warps + threadIdx.x / 32) * PW; row0 < rows; row0 += gridDim.x * warps * PW) {
         int nr = min(PW, rows - row0);
         float a[PW][NT];
@@ -112,7 +124,7 @@ __global__ void k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, c
 #pragma unroll
             for (int t = 0; t < NT; t++)
 #pragma unroll
-                for (int r = 0; r < PW; r++) a[r][t] += dot8(v[r], xs + t * cols + c * 8);
+                for (int r = 0; r < PW; r++) a[r][t] += dot8s(v[r], xs + t * cols + c * 8, lane);
         }
 #pragma unroll
         for (int r = 0; r < PW; r++)
@@ -128,14 +140,23 @@ __global__ void k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, c
     }
 }
 
+// Blocks of a kernel resident per SM at this shared memory (asked once per kernel and size).
+int resident(ctx *c, const void *fn, int threads, size_t smem) {
+    for (int i = 0; i < c->n_occ; i++)
+        if (c->occ[i].fn == fn && c->occ[i].smem == smem) return c->occ[i].blocks;
+    int n = 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem) != cudaSuccess || n < 1) n = 1;
+    if (c->n_occ < (int)(sizeof c->occ / sizeof *c->occ)) c->occ[c->n_occ++] = {fn, smem, n};
+    return n;
+}
+
 template <int NT>
 void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, const dpre &p, const depi &e, int acc, float *y) {
     size_t smem = (size_t)NT * (size_t)w->cols * sizeof(float);
     int threads = 256, per_block = threads / 32 * PW;
-    int per_sm = c->smem_sm > 0 ? (int)(c->smem_sm / (smem + 1024)) : 1;
-    per_sm = per_sm < 1 ? 1 : per_sm > 8 ? 8 : per_sm;
-    int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)(c->sms > 0 ? c->sms : 1) * per_sm;
     if (smem > 48 * 1024) cudaFuncSetAttribute(k_gemv_pre<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    // no more blocks than fit at once: a second wave would pay the staging again, exposed
+    int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)(c->sms > 0 ? c->sms : 1) * resident(c, (const void *)k_gemv_pre<NT>, threads, smem);
     LAUNCH_S(c, k_gemv_pre<NT>, (unsigned)(need < cap ? need : cap), threads, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e,
              acc, y);
 }
@@ -176,43 +197,47 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
     }
 }
 
-// ---- the delta rule, one token: a warp per (v-head, 32 value columns, row) ----
+// ---- the delta rule, one token: two lanes per value column (each half the key rows, so a
+// lane keeps DK/2 state values in registers), 16 columns per warp ----
 
 template <int DK>
 __global__ void k_gdn_dec(qf_gdn_dec a) {
     __shared__ float qn[DK], kn[DK];
-    int h = blockIdx.x, lane = threadIdx.x, j = blockIdx.y * 32 + lane, t = blockIdx.z;
-    int dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk), qk = a.nk * dk, zb = 2 * qk + 2 * a.nv * dv;
+    const int HK = DK / 2;
+    int h = blockIdx.x, lane = threadIdx.x, half = lane & 1, j = blockIdx.y * 16 + lane / 2, t = blockIdx.z;
+    int dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk), qk = a.nk * dk, zb = 2 * qk + 2 * a.nv * dv, i0 = half * ((dk + 1) / 2);
     const float *row = a.mixed + (int64_t)t * a.stride, *q = row + kh * dk, *k = row + qk + kh * dk;
-    float *S = a.S[t] + (int64_t)h * dk * dv;
-    int live = j < dv;
-    float s[DK];
+    float *S = a.S[t] + (int64_t)h * dk * dv + (int64_t)i0 * dv + j;
+    int live = j < dv, n = min(HK, dk - i0);
+    float s[HK];
 #pragma unroll
-    for (int i = 0; i < DK; i++) s[i] = i < dk && live ? S[(int64_t)i * dv + j] : 0.0f; // issued before the norms need them
+    for (int i = 0; i < HK; i++) s[i] = i < n && live ? S[(int64_t)i * dv] : 0.0f; // issued before the norms need them
     float sq = 0.0f, sk = 0.0f;
     for (int i = lane; i < dk; i += 32) sq += q[i] * q[i], sk += k[i] * k[i];
     sq = warp_sum(sq), sk = warp_sum(sk);
     float iq = rsqrtf((float)dk) / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
     for (int i = lane; i < dk; i += 32) qn[i] = q[i] * iq, kn[i] = k[i] * ik;
     __syncwarp();
-    if (!live) return;
     float decay = expf(row[zb + a.nv + h]), beta = row[zb + h], u = 0.0f, o = 0.0f;
 #pragma unroll
-    for (int i = 0; i < DK; i++)
-        if (i < dk) s[i] *= decay, u += s[i] * kn[i];
-    u = beta * (row[2 * qk + h * dv + j] - u);
+    for (int i = 0; i < HK; i++)
+        if (i < n) s[i] *= decay, u += s[i] * kn[i0 + i];
+    u += __shfl_xor_sync(0xffffffffu, u, 1);
+    u = beta * ((live ? row[2 * qk + h * dv + j] : 0.0f) - u);
 #pragma unroll
-    for (int i = 0; i < DK; i++)
-        if (i < dk) s[i] += kn[i] * u, o += s[i] * qn[i];
-    a.out[((int64_t)t * a.nv + h) * dv + j] = o;
+    for (int i = 0; i < HK; i++)
+        if (i < n) s[i] += kn[i0 + i] * u, o += s[i] * qn[i0 + i];
+    o += __shfl_xor_sync(0xffffffffu, o, 1);
+    if (!live) return;
+    if (!half) a.out[((int64_t)t * a.nv + h) * dv + j] = o;
 #pragma unroll
-    for (int i = 0; i < DK; i++)
-        if (i < dk) S[(int64_t)i * dv + j] = s[i];
+    for (int i = 0; i < HK; i++)
+        if (i < n) S[(int64_t)i * dv] = s[i];
 }
 
 void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
     ctx *c = C(be);
-    dim3 g(a->nv, (a->dv + 31) / 32, a->n);
+    dim3 g(a->nv, (a->dv + 15) / 16, a->n);
     if (a->dk <= 32) LAUNCH(c, k_gdn_dec<32>, g, 32, *a);
     else if (a->dk <= 64) LAUNCH(c, k_gdn_dec<64>, g, 32, *a);
     else if (a->dk <= 128) LAUNCH(c, k_gdn_dec<128>, g, 32, *a);
@@ -237,11 +262,13 @@ __device__ void norm_rope(const float *x, const float *w, int hd, int rot, int p
     __syncwarp();
 }
 
+#define DATT_WARPS 8 // keys of a split shared by 8 warps: each walks few keys, one latency apiece
+
 // Block (row t * nh + head h, split): as k_attn_part, with the query's norm and RoPE done here;
 // the split that holds the new position prepares the new key and value itself (and the first
 // head of each kv group stores them), so no block reads a key another block is writing.
 __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
-    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], so[ATT_WARPS][ATT_DPL * 32];
+    __shared__ float sm[DATT_WARPS], sl[DATT_WARPS], so[DATT_WARPS][ATT_DPL * 32];
     __shared__ float qs[ATT_DPL * 32], kn[ATT_DPL * 32], vn[ATT_DPL * 32];
     int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, ratio = a.nh / a.nkv, kvh = h / ratio;
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31, hd = a.hd, pos = a.pos[t];
@@ -265,7 +292,7 @@ __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
         qr[u] = d < hd ? qs[d] : 0.0f;
         o[u] = 0.0f;
     }
-    for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
+    for (int j = j0 + warp; j < j1; j += DATT_WARPS) {
         const float *k = j == pos ? kn : kv_row(kv, j, a.nkv, hd, kvh, 0), *v = j == pos ? vn : kv_row(kv, j, a.nkv, hd, kvh, 1);
         float s = 0.0f;
 #pragma unroll
@@ -289,8 +316,8 @@ __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
     __syncthreads();
     if (warp != 0) return;
     float M = -INFINITY, L = 0.0f;
-    for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm[w]);
-    for (int w = 0; w < ATT_WARPS; w++) L += sm[w] == -INFINITY ? 0.0f : sl[w] * expf(sm[w] - M);
+    for (int w = 0; w < DATT_WARPS; w++) M = fmaxf(M, sm[w]);
+    for (int w = 0; w < DATT_WARPS; w++) L += sm[w] == -INFINITY ? 0.0f : sl[w] * expf(sm[w] - M);
     float *out = part + ((int64_t)th * splits + sp) * (hd + 2);
     if (lane == 0) out[0] = M, out[1] = L;
 #pragma unroll
@@ -298,7 +325,7 @@ __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
         int d = lane + 32 * u;
         if (d >= hd) continue;
         float acc = 0.0f;
-        for (int w = 0; w < ATT_WARPS; w++) acc += sm[w] == -INFINITY ? 0.0f : so[w][d] * expf(sm[w] - M);
+        for (int w = 0; w < DATT_WARPS; w++) acc += sm[w] == -INFINITY ? 0.0f : so[w][d] * expf(sm[w] - M);
         out[2 + d] = acc;
     }
 }
@@ -312,69 +339,117 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) {
     }
     int max_keys = 0, rows = a->n * a->nh, chunk;
     for (int t = 0; t < a->n; t++) max_keys = a->pos[t] + 1 > max_keys ? a->pos[t] + 1 : max_keys;
-    int splits = attn_splits(max_keys, rows, &chunk);
+    // enough blocks for every SM, and splits of at most ~256 keys (32 per warp) while 64 allow
+    int sms = c->sms > 0 ? c->sms : 132, splits = (2 * sms + rows - 1) / rows, by_len = (max_keys + 255) / 256;
+    splits = splits < by_len ? by_len : splits;
+    splits = splits < 1 ? 1 : splits > 64 ? 64 : splits;
+    chunk = (max_keys + splits - 1) / splits;
+    if (chunk < 32) chunk = 32, splits = (max_keys + 31) / 32;
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * 64 * (a->hd + 2) * sizeof(float));
     if (!part) return;
-    LAUNCH(c, k_attn_dec, dim3(rows, splits), ATT_WARPS * 32, *a, chunk, splits, part);
+    LAUNCH(c, k_attn_dec, dim3(rows, splits), DATT_WARPS * 32, *a, chunk, splits, part);
     LAUNCH(c, k_attn_combine, rows, 128, splits, a->hd, part, a->out);
 }
 
 // ---- MoE: routing and gate/up in one kernel, down + shared expert + residual in another ----
 
 #define MOE_MAX_K 64
+#define MOE_MAX_E 512 // routing keeps E / 32 logits per lane in registers
+#define GU_U 8        // 16-byte loads a lane has in flight in gate/up (a row pair of 2048 columns: two rounds)
+#define DN_U 12       // the same in down (8 experts + shared of 512 columns: two rounds)
 
-// Block (slot k, 8 rows of the expert's ffn, row t). Every block routes row t itself (the rank of
-// each logit among all, ties to the lower index as the CPU) and normalises x: cheaper than a
-// launch between. Blocks of the first column write the chosen expert and its weight for slot k.
+// Warp 0 routes row t: k rounds of a warp-wide argmax over the logits (ties to the lower index,
+// as the CPU), then softmax weights over all E renormalised over the chosen. Into ti/tw.
+__device__ void route_warp(const float *rl, int E, int K, int *ti, float *tw) {
+    int lane = threadIdx.x & 31;
+    float v[MOE_MAX_E / 32];
+    unsigned taken = 0;
+#pragma unroll
+    for (int u = 0; u < MOE_MAX_E / 32; u++) v[u] = lane + 32 * u < E ? rl[lane + 32 * u] : -INFINITY;
+    float mx = 0.0f;
+    for (int k = 0; k < K; k++) {
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int u = 0; u < MOE_MAX_E / 32; u++) {
+            int idx = lane + 32 * u;
+            if (idx < E && !(taken >> u & 1) && (v[u] > bv || bi == 0x7fffffff)) bv = v[u], bi = idx;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+        }
+        if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+        if (k == 0) mx = bv;
+        if (lane == 0) ti[k] = bi, tw[k] = bv;
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int u = 0; u < MOE_MAX_E / 32; u++)
+        if (lane + 32 * u < E) s += expf(v[u] - mx);
+    s = warp_sum(s);
+    __syncwarp();
+    if (lane == 0) {
+        float ts = 0.0f;
+        for (int k = 0; k < K; k++) tw[k] = expf(tw[k] - mx) / s, ts += tw[k];
+        for (int k = 0; k < K; k++) tw[k] /= ts;
+    }
+}
+
+// Block (slot k, 8 rows of the expert's ffn, row t): routes row t itself (cheaper than a launch
+// between) while the other warps stage rmsnorm(x); blocks of the first column write slot k's
+// expert and weight for the down kernel.
 __global__ void k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], tw[MOE_MAX_K];
     __shared__ int ti[MOE_MAX_K];
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, tid = threadIdx.x, t = blockIdx.z, k = blockIdx.x;
-    float *lg = (float *)dyn, *xs = lg + ((E + 3) & ~3);
-    const float *rl = a.rl + (int64_t)t * a.rl_stride, *x = a.x + (int64_t)t * H;
+    float *xs = (float *)dyn;
+    const float *x = a.x + (int64_t)t * H;
+    if (tid < 32) route_warp(a.rl + (int64_t)t * a.rl_stride, E, K, ti, tw);
     float ss = 0.0f;
-    for (int e = tid; e < E; e += blockDim.x) lg[e] = rl[e];
     for (int i = tid; i < H / 4; i += blockDim.x) {
         float4 v = ((const float4 *)x)[i];
         ((float4 *)xs)[i] = v;
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-    float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps); // block_sum's barriers publish lg and xs
-    for (int e = tid; e < E; e += blockDim.x) {
-        float v = lg[e];
-        int r = 0;
-        for (int f = 0; f < E; f++) r += lg[f] > v || (lg[f] == v && f < e);
-        if (r < K) ti[r] = e;
-    }
+    float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps); // its barriers also publish ti, tw
+    int e = ti[k], lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32, h8 = H / 8;
+    const uint16_t *G = (const uint16_t *)tab[e] + (int64_t)j * H, *U = (const uint16_t *)tab[E + e] + (int64_t)j * H;
+    if (j < I)
+        for (int l = lane * 64; l < H; l += 32 * 64) { // the warp's two rows into L2 while x is scaled
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(G + l));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(U + l));
+        }
     for (int i = tid; i < H; i += blockDim.x) xs[i] = xs[i] * inv * a.norm_w[i];
     __syncthreads();
-    if (blockIdx.y == 0 && tid < 32) { // softmax over all, top-k renormalised, as the CPU
-        float mx = lg[ti[0]], s = 0.0f;
-        for (int e = tid; e < E; e += 32) s += expf(lg[e] - mx);
-        s = warp_sum(s);
-        if (tid == 0) {
-            float ts = 0.0f;
-            for (int q = 0; q < K; q++) tw[q] = expf(lg[ti[q]] - mx) / s, ts += tw[q];
-            topi[t * K + k] = ti[k], topw[t * K + k] = tw[k] / ts;
+    if (blockIdx.y == 0 && tid == 0) topi[t * K + k] = e, topw[t * K + k] = tw[k];
+    for (; j < I; j += gridDim.y * (blockDim.x / 32)) {
+        G = (const uint16_t *)tab[e] + (int64_t)j * H, U = (const uint16_t *)tab[E + e] + (int64_t)j * H;
+        float g = 0.0f, u = 0.0f;
+        for (int f0 = 0; f0 < 2 * h8; f0 += 32 * GU_U) { // gate chunks, then up chunks: a round's loads first
+            uint4 w[GU_U];
+#pragma unroll
+            for (int q = 0; q < GU_U; q++) {
+                int f = f0 + lane + 32 * q;
+                if (f < 2 * h8) w[q] = __ldcs((const uint4 *)(f < h8 ? G : U) + (f < h8 ? f : f - h8));
+            }
+#pragma unroll
+            for (int q = 0; q < GU_U; q++) {
+                int f = f0 + lane + 32 * q;
+                if (f < h8) g += dot8s(w[q], xs + f * 8, lane);
+                else if (f < 2 * h8) u += dot8s(w[q], xs + (f - h8) * 8, lane);
+            }
         }
+        g = warp_sum(g), u = warp_sum(u);
+        if (lane == 0) hbuf[((int64_t)t * K + k) * I + j] = silu(g) * u;
     }
-    int e = ti[k], lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32;
-    if (j >= I) return;
-    const uint4 *gr = (const uint4 *)((const uint16_t *)tab[e] + (int64_t)j * H), *ur = (const uint4 *)((const uint16_t *)tab[E + e] + (int64_t)j * H);
-    float g = 0.0f, u = 0.0f;
-#pragma unroll 4
-    for (int c = lane; c < H / 8; c += 32) {
-        uint4 wg = __ldcs(gr + c), wu = __ldcs(ur + c);
-        g += dot8(wg, xs + c * 8);
-        u += dot8(wu, xs + c * 8);
-    }
-    g = warp_sum(g), u = warp_sum(u);
-    if (lane == 0) hbuf[((int64_t)t * K + k) * I + j] = silu(g) * u;
 }
 
-// Block (PW rows of the output per warp, row t): x[t][i] += sum_k w_k down_k[i] . h_k
-// + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u.
+// Block (8 output rows, a warp each, row t): x[t][i] += sum_k w_k down_k[i] . h_k
+// + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u. The row's pieces of every expert are
+// loaded at once (one memory latency, not one per expert).
 __global__ void k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi, const float *topw) {
     extern __shared__ float4 dyn[];
     __shared__ float wk[MOE_MAX_K + 1];
@@ -382,31 +457,31 @@ __global__ void k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t 
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, t = blockIdx.y;
     float *hs = (float *)dyn, *hsh = hs + K * I;
     const float *rl = a.rl + (int64_t)t * a.rl_stride;
-    for (int i = tid; i < K * I / 4; i += blockDim.x) ((float4 *)hs)[i] = ((const float4 *)(hbuf + (int64_t)t * K * I))[i];
-    for (int i = tid; i < S; i += blockDim.x) hsh[i] = silu(rl[E + i]) * rl[E + S + i];
     if (tid < K) wk[tid] = topw[t * K + tid], dp[tid] = (const uint16_t *)tab[2 * E + topi[t * K + tid]];
     if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
+    for (int i = tid; i < K * I / 4; i += blockDim.x) ((float4 *)hs)[i] = ((const float4 *)(hbuf + (int64_t)t * K * I))[i];
+    for (int i = tid; i < S; i += blockDim.x) hsh[i] = silu(rl[E + i]) * rl[E + S + i];
     __syncthreads();
-    int lane = tid & 31, i0 = (blockIdx.x * (blockDim.x / 32) + tid / 32) * PW;
-    if (i0 >= H) return;
-    int nr = min(PW, H - i0);
-    float tot[PW] = {};
-#pragma unroll 4
-    for (int q = 0; q <= K; q++) {
-        int w8 = (q < K ? I : S) / 8;
-        const float *h = q < K ? hs + q * I : hsh;
-        float s[PW] = {};
-        for (int c = lane; c < w8; c += 32)
+    int lane = tid & 31, w8 = I / 8, ke = K * w8, total = ke + S / 8;
+    for (int i = blockIdx.x * (blockDim.x / 32) + tid / 32; i < H; i += gridDim.x * (blockDim.x / 32)) {
+        float acc = 0.0f;
+        for (int f0 = 0; f0 < total; f0 += 32 * DN_U) {
+            uint4 w[DN_U];
 #pragma unroll
-            for (int r = 0; r < PW; r++)
-                if (r < nr) s[r] += dot8(__ldcs((const uint4 *)(dp[q] + (int64_t)(i0 + r) * w8 * 8) + c), h + c * 8);
+            for (int q = 0; q < DN_U; q++) {
+                int f = f0 + lane + 32 * q;
+                if (f < ke) w[q] = __ldcs((const uint4 *)(dp[f / w8] + (int64_t)i * I) + f % w8);
+                else if (f < total) w[q] = __ldcs((const uint4 *)(sh_down + (int64_t)i * S) + (f - ke));
+            }
 #pragma unroll
-        for (int r = 0; r < PW; r++) tot[r] += wk[q] * s[r];
-    }
-#pragma unroll
-    for (int r = 0; r < PW; r++) {
-        float v = warp_sum(tot[r]);
-        if (lane == 0 && r < nr) a.x[(int64_t)t * H + i0 + r] += v;
+            for (int q = 0; q < DN_U; q++) {
+                int f = f0 + lane + 32 * q;
+                if (f < ke) acc += wk[f / w8] * dot8s(w[q], hs + (f / w8) * I + (f % w8) * 8, lane);
+                else if (f < total) acc += wk[K] * dot8s(w[q], hsh + (f - ke) * 8, lane);
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) a.x[(int64_t)t * H + i] += acc;
     }
 }
 
@@ -416,17 +491,24 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
     size_t head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
     char *s = (char *)scratch(c, &c->moe, &c->moe_cap, head + (size_t)n * K * I * sizeof(float));
-    if (!tab || !s || K > MOE_MAX_K || a->sh_down->dtype != QF_DT_BF16 || a->experts[0].gate.dtype != QF_DT_BF16 || H % 8 || I % 8 || a->sh_ffn % 8) {
-        fprintf(stderr, "qflash cuda: fused moe: out of device memory, top-k %d > %d, or weights not bf16 in rows of 8\n", K, MOE_MAX_K);
+    if (!tab || !s || K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || a->experts[0].gate.dtype != QF_DT_BF16 || H % 8 || I % 8 || a->sh_ffn % 8) {
+        fprintf(stderr, "qflash cuda: fused moe: out of device memory, top-k %d > %d, %d experts > %d, or weights not bf16 in rows of 8\n", K, MOE_MAX_K,
+                E, MOE_MAX_E);
         return;
     }
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
-    size_t sm_gu = (size_t)(((E + 3) & ~3) + H) * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
+    size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     if (sm_gu > 48 * 1024) cudaFuncSetAttribute(k_moe_gu, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm_gu);
     if (sm_dn > 48 * 1024) cudaFuncSetAttribute(k_moe_down, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm_dn);
-    LAUNCH_S(c, k_moe_gu, dim3(K, (I + 7) / 8, n), 256, sm_gu, tab, *a, hbuf, topi, topw);
-    LAUNCH_S(c, k_moe_down, dim3((H + 8 * PW - 1) / (8 * PW), n), 256, sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, topi, topw);
+    // one wave of blocks, each looping over rows, so routing and staging are paid once per block
+    int sms = c->sms > 0 ? c->sms : 1, gu_res = resident(c, (const void *)k_moe_gu, 256, sm_gu) * sms;
+    int dn_res = resident(c, (const void *)k_moe_down, 256, sm_dn) * sms;
+    int gy = gu_res / (K * n), dx = dn_res / n;
+    gy = gy < 1 ? 1 : gy > (I + 7) / 8 ? (I + 7) / 8 : gy;
+    dx = dx < 1 ? 1 : dx > (H + 7) / 8 ? (H + 7) / 8 : dx;
+    LAUNCH_S(c, k_moe_gu, dim3(K, gy, n), 256, sm_gu, tab, *a, hbuf, topi, topw);
+    LAUNCH_S(c, k_moe_down, dim3(dx, n), 256, sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, topi, topw);
 }
 
 // ---- greedy pick: the first index of the largest value per row ----

@@ -576,20 +576,24 @@ __global__ void k_expert_sum(const float *ybuf, const float *topw, int K, int N,
 } // namespace
 
 const void **qfc::expert_table(ctx *c, const qf_expert *experts, int E) {
-    for (int i = 0; i < c->n_tabs; i++)
-        if (c->tabs[i].host == experts) return c->tabs[i].dev;
-    if (c->n_tabs == (int)(sizeof c->tabs / sizeof *c->tabs)) return NULL;
+    expert_tab *t = NULL;
+    for (int i = 0; i < c->n_tabs && !t; i++)
+        if (c->tabs[i].host == experts) t = &c->tabs[i];
+    if (t && t->E == E && t->first == experts[0].gate.data && t->last == experts[E - 1].down.data) return t->dev;
+    if (t && t->E != E) cudaFree((void *)t->dev), t->dev = NULL;
+    if (!t && c->n_tabs == (int)(sizeof c->tabs / sizeof *c->tabs)) return NULL;
+    if (!t) t = &c->tabs[c->n_tabs++], *t = {experts, NULL, 0, NULL, NULL};
     const void **host = (const void **)malloc(3 * (size_t)E * sizeof(void *));
-    void *dev = NULL;
-    if (!host || cudaMalloc(&dev, 3 * (size_t)E * sizeof(void *)) != cudaSuccess) {
+    if (!host || (!t->dev && cudaMalloc((void **)&t->dev, 3 * (size_t)E * sizeof(void *)) != cudaSuccess)) {
         free(host);
+        t->dev = NULL, t->E = 0;
         return NULL;
     }
     for (int e = 0; e < E; e++) host[e] = experts[e].gate.data, host[E + e] = experts[e].up.data, host[2 * E + e] = experts[e].down.data;
-    cudaMemcpy(dev, host, 3 * (size_t)E * sizeof(void *), cudaMemcpyHostToDevice);
+    cudaMemcpy((void *)t->dev, host, 3 * (size_t)E * sizeof(void *), cudaMemcpyHostToDevice);
     free(host);
-    c->tabs[c->n_tabs++] = {experts, (const void **)dev};
-    return (const void **)dev;
+    t->E = E, t->first = experts[0].gate.data, t->last = experts[E - 1].down.data;
+    return t->dev;
 }
 
 namespace {
@@ -668,6 +672,7 @@ void cu_step_begin(qf_backend *be, uint64_t key, int rows) {
         if (s->ex) cudaGraphExecDestroy(s->ex), s->ex = NULL;
         if (s->g) cudaGraphDestroy(s->g), s->g = NULL;
         s->mode = cudaGraphCreate(&s->g, 0) == cudaSuccess ? G_RECORD : G_EAGER;
+        s->arg_used = 0;
         s->key = key;
     } else s->mode = G_EAGER;
     s->last_key = key;
@@ -758,6 +763,7 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     c->gs.enabled = !(gr && *gr == '0') && !c->prof.on;
     for (int i = 0; c->prof.on && i < PROF_RING; i++) cudaEventCreate(&c->prof.ev[i][0]), cudaEventCreate(&c->prof.ev[i][1]);
     if (cudaMalloc(&c->amax, argmax_scratch_bytes()) != cudaSuccess || cudaMemset(c->amax, 0, argmax_scratch_bytes()) != cudaSuccess) c->amax = NULL;
+    c->gs.argbuf = (unsigned char *)malloc(G_ARG_BYTES); // NULL: every replayed node is re-set
     c->gs.pin_out_cap = (size_t)64 << 20;
     if (cudaMallocHost((void **)&c->gs.pin_out, c->gs.pin_out_cap) != cudaSuccess) c->gs.pin_out = NULL, c->gs.pin_out_cap = 0;
     note_peak(c);
@@ -785,6 +791,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);
+    free(c->gs.argbuf);
     cublasDestroy(c->blas);
     free(c);
     be->dev = NULL;
