@@ -508,7 +508,7 @@ int main(int argc, char **argv) {
     test_moe(1, 1);
     test_moe(4, 1);
     test_moe(16, 1);
-    for (int n = 1; n <= 8; n += 7) {
+    for (int n = 1; n <= QF_DEC_ROWS; n = n == 1 ? 8 : n + 8) {
         test_dec_matmul(QF_PRE_NONE, 2048, 2048, 1, n, 0);
         test_dec_matmul(QF_PRE_RMSNORM, 1281, 2048, 1, n, 0);
         test_dec_matmul(QF_PRE_GATED_NORM, 2048, 4096, 128, n, 1);

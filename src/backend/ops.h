@@ -87,7 +87,7 @@ typedef struct qf_backend qf_backend;
  * sequence and at most QF_DEC_ROWS sequences: row t of every array below is sequence t. Each op is
  * defined by the composition of plain ops its comment names, which is its reference
  * (tests/test_cuda.c compares the two). ---- */
-#define QF_DEC_ROWS 8
+#define QF_DEC_ROWS 16
 
 enum { QF_PRE_NONE = 0, QF_PRE_RMSNORM, QF_PRE_GATED_NORM, QF_PRE_SIGMOID };
 

@@ -77,6 +77,7 @@ struct profile {
 struct ctx {
     int device, fp32, bf16_single;
     int sms, smem_optin, smem_sm; // multiprocessors; shared memory a block may opt in to, and per SM
+    int pdl;                      // graphs chain the kernels that allow it programmatically (sm_90+)
     profile prof;
     graph_state gs;
     cublasHandle_t blas;
@@ -94,15 +95,23 @@ struct ctx {
 inline ctx *C(qf_backend *be) { return (ctx *)be->dev; }
 
 // Adds a node after the last one (a chain: the step's kernels run in order).
-inline void g_add_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, void **args, const void *blob, unsigned len) {
+// pdl: the kernel waits (griddepcontrol.wait) before it touches what earlier kernels wrote, so it
+// may be launched while the kernel before it is still finishing (programmatic dependent launch):
+// its blocks take their places and stream their first weights into L2 meanwhile.
+inline void g_add_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, void **args, const void *blob, unsigned len, int pdl) {
     graph_state *s = &c->gs;
     if (s->n >= G_MAX_NODES) {
         s->broken = 1;
         return;
     }
     cudaKernelNodeParams kp = {(void *)fn, g, b, smem, args, NULL};
-    cudaGraphNode_t dep = s->n ? s->nodes[s->n - 1] : NULL;
-    if (cudaGraphAddKernelNode(&s->nodes[s->n], s->g, s->n ? &dep : NULL, s->n ? 1 : 0, &kp) != cudaSuccess) s->broken = 1;
+    if (cudaGraphAddKernelNode(&s->nodes[s->n], s->g, NULL, 0, &kp) != cudaSuccess) s->broken = 1;
+    if (s->n) {
+        cudaGraphEdgeData e;
+        memset(&e, 0, sizeof e);
+        if (pdl && c->pdl && s->funcs[s->n - 1]) e.from_port = cudaGraphKernelNodePortProgrammatic, e.type = cudaGraphDependencyTypeProgrammatic;
+        if (cudaGraphAddDependencies(s->g, &s->nodes[s->n - 1], &s->nodes[s->n], &e, 1) != cudaSuccess) s->broken = 1;
+    }
     graph_state::launch_rec *r = &s->rec[s->n];
     *r = {g, b, smem, 0, s->arg_used};
     if (s->argbuf && s->arg_used + len <= G_ARG_BYTES) memcpy(s->argbuf + s->arg_used, blob, len), s->arg_used += len, r->len = len;
@@ -149,7 +158,7 @@ inline int prof_name(ctx *c, const char *name) {
 }
 
 template <typename... P, typename... A>
-inline void launch(ctx *c, const char *name, void (*k)(P...), dim3 g, dim3 b, unsigned smem, A &&...a) {
+inline void launch(ctx *c, const char *name, int pdl, void (*k)(P...), dim3 g, dim3 b, unsigned smem, A &&...a) {
     std::tuple<P...> vals(std::forward<A>(a)...); // converted to the kernel's own parameter types
     void *args[sizeof...(P) + 1];
     std::apply([&](auto &...v) {
@@ -161,7 +170,7 @@ inline void launch(ctx *c, const char *name, void (*k)(P...), dim3 g, dim3 b, un
         unsigned char blob[G_MAX_ARG + 1];
         unsigned len = 0;
         std::apply([&](auto &...v) { ((memcpy(blob + len, &v, sizeof v), len += (unsigned)sizeof v), ...); }, vals);
-        if (c->gs.mode == G_RECORD) g_add_kernel(c, (const void *)k, g, b, smem, args, blob, len);
+        if (c->gs.mode == G_RECORD) g_add_kernel(c, (const void *)k, g, b, smem, args, blob, len, pdl);
         else g_set_kernel(c, (const void *)k, g, b, smem, args, blob, len);
     } else if (!c->prof.on) cudaLaunchKernel((const void *)k, g, b, args, smem, 0);
     else {
@@ -175,9 +184,24 @@ inline void launch(ctx *c, const char *name, void (*k)(P...), dim3 g, dim3 b, un
     }
 }
 
-#define LAUNCH(c, k, g, b, ...) launch(c, #k, k, dim3(g), dim3(b), 0u, __VA_ARGS__)
+#define LAUNCH(c, k, g, b, ...) launch(c, #k, 0, k, dim3(g), dim3(b), 0u, __VA_ARGS__)
 // the same with dynamic shared memory
-#define LAUNCH_S(c, k, g, b, smem, ...) launch(c, #k, k, dim3(g), dim3(b), (unsigned)(smem), __VA_ARGS__)
+#define LAUNCH_S(c, k, g, b, smem, ...) launch(c, #k, 0, k, dim3(g), dim3(b), (unsigned)(smem), __VA_ARGS__)
+// kernels that call pdl_wait() before reading what earlier kernels wrote
+#define LAUNCH_PDL(c, k, g, b, smem, ...) launch(c, #k, 1, k, dim3(g), dim3(b), (unsigned)(smem), __VA_ARGS__)
+
+// Programmatic dependent launch (sm_90+; nothing on older chips, where graphs keep full edges):
+// let the next kernel start launching now / wait until the kernel before has finished.
+__device__ __forceinline__ void pdl_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // A host-to-device or device-to-host copy inside a step (token ids in, logits out).
 inline void g_copy(ctx *c, void *dst, const void *src, size_t n, cudaMemcpyKind kind) {

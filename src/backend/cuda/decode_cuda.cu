@@ -35,36 +35,90 @@ __device__ float block_sum(float v, float *red) {
     return t;
 }
 
-// pre(x) of NT contiguous rows of cols floats into shared memory xs.
+// pre(x) of NT contiguous rows of cols floats into shared memory xs. RMSNORM stages x * w only and
+// leaves each row's sum of squares per warp in red[t * 32 + warp]: the row's 1/rms scales the
+// finished dot products (row_scale), so no block-wide reduction stands before the first load.
+// Every loop issues SU loads before it uses one: one memory latency per SU elements, not each.
+#define SU 8
+#define PRE_MAX_HEADS 64 // GATED_NORM / SIGMOID heads per row that red holds
 template <int NT>
 __device__ void stage(const float *__restrict__ x, int cols, const dpre &p, float *xs, float *red) {
-    int tid = threadIdx.x, nt = blockDim.x;
-    for (int i = tid; i < NT * cols / 4; i += nt) ((float4 *)xs)[i] = ((const float4 *)x)[i];
-    __syncthreads();
+    int tid = threadIdx.x, nt = blockDim.x, c4 = cols / 4;
+    const float4 *x4 = (const float4 *)x, *w4 = (const float4 *)p.w;
+    float4 *s4 = (float4 *)xs;
     if (p.kind == QF_PRE_RMSNORM) {
+#pragma unroll
         for (int t = 0; t < NT; t++) {
-            float *v = xs + t * cols, ss = 0.0f;
-            for (int i = tid; i < cols; i += nt) ss += v[i] * v[i];
-            float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)cols + p.eps);
-            for (int i = tid; i < cols; i += nt) v[i] = v[i] * inv * p.w[i];
+            float ss = 0.0f;
+            for (int i0 = tid; i0 < c4; i0 += nt * SU) {
+                float4 v[SU], w[SU];
+#pragma unroll
+                for (int u = 0; u < SU; u++)
+                    if (i0 + u * nt < c4) v[u] = x4[t * c4 + i0 + u * nt], w[u] = w4[i0 + u * nt];
+#pragma unroll
+                for (int u = 0; u < SU; u++)
+                    if (i0 + u * nt < c4) {
+                        ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+                        s4[t * c4 + i0 + u * nt] = make_float4(v[u].x * w[u].x, v[u].y * w[u].y, v[u].z * w[u].z, v[u].w * w[u].w);
+                    }
+            }
+            ss = warp_sum(ss);
+            if ((tid & 31) == 0) red[t * 32 + tid / 32] = ss;
         }
-    } else if (p.kind == QF_PRE_GATED_NORM) { // a warp per (row, head)
-        int heads = cols / p.head, lane = tid & 31;
+        __syncthreads();
+        return;
+    }
+    for (int i0 = tid; i0 < NT * c4; i0 += nt * SU) {
+        float4 v[SU];
+#pragma unroll
+        for (int u = 0; u < SU; u++)
+            if (i0 + u * nt < NT * c4) v[u] = x4[i0 + u * nt];
+#pragma unroll
+        for (int u = 0; u < SU; u++)
+            if (i0 + u * nt < NT * c4) s4[i0 + u * nt] = v[u];
+    }
+    __syncthreads();
+    int heads = cols / p.head;
+    if (p.kind == QF_PRE_GATED_NORM) { // 1/rms per (row, head) from shared memory, a warp each
+        int lane = tid & 31;
         for (int th = tid / 32; th < NT * heads; th += nt / 32) {
-            int t = th / heads, h = th % heads;
-            float *v = xs + t * cols + h * p.head, ss = 0.0f;
-            const float *g = p.g + (int64_t)t * p.g_stride + (int64_t)h * p.g_hstride;
+            const float *v = xs + (th / heads) * cols + (th % heads) * p.head;
+            float ss = 0.0f;
             for (int i = lane; i < p.head; i += 32) ss += v[i] * v[i];
-            float inv = 1.0f / sqrtf(warp_sum(ss) / (float)p.head + p.eps);
-            for (int i = lane; i < p.head; i += 32) v[i] = silu(g[i]) * (v[i] * inv * p.w[i]);
+            ss = warp_sum(ss);
+            if (lane == 0) red[th] = 1.0f / sqrtf(ss / (float)p.head + p.eps);
         }
-    } else if (p.kind == QF_PRE_SIGMOID) {
-        for (int i = tid; i < NT * cols; i += nt) {
-            int t = i / cols, c = i % cols;
-            xs[i] *= 1.0f / (1.0f + expf(-p.g[(int64_t)t * p.g_stride + (int64_t)(c / p.head) * p.g_hstride + c % p.head]));
+        __syncthreads();
+    }
+    if (p.kind == QF_PRE_GATED_NORM || p.kind == QF_PRE_SIGMOID) { // then every element with its gate
+        for (int i0 = tid; i0 < NT * cols; i0 += nt * SU) {
+            float g[SU], w[SU];
+#pragma unroll
+            for (int u = 0; u < SU; u++) {
+                int i = i0 + u * nt, t = i / cols, c = i % cols;
+                if (i < NT * cols) {
+                    g[u] = p.g[(int64_t)t * p.g_stride + (int64_t)(c / p.head) * p.g_hstride + c % p.head];
+                    w[u] = p.kind == QF_PRE_GATED_NORM ? p.w[c % p.head] : 1.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < SU; u++) {
+                int i = i0 + u * nt, t = i / cols, c = i % cols;
+                if (i >= NT * cols) continue;
+                if (p.kind == QF_PRE_GATED_NORM) xs[i] = silu(g[u]) * (xs[i] * red[t * heads + c / p.head] * w[u]);
+                else xs[i] *= 1.0f / (1.0f + expf(-g[u]));
+            }
         }
     }
     __syncthreads();
+}
+
+// 1/rms of row t from stage's per-warp sums (1 for the other kinds).
+__device__ __forceinline__ float row_scale(const dpre &p, const float *red, int t, int cols) {
+    if (p.kind != QF_PRE_RMSNORM) return 1.0f;
+    float ss = 0.0f;
+    for (int w = 0; w < (int)blockDim.x / 32; w++) ss += red[t * 32 + w];
+    return 1.0f / sqrtf(ss / (float)cols + p.eps);
 }
 
 // dot8 with x in shared memory: lanes 4-7 of each quarter-warp read the high half first, so the
@@ -103,12 +157,17 @@ template <int NT>
 __global__ void k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, dpre p, depi e, int acc,
                            float *__restrict__ y) {
     extern __shared__ float4 dyn[];
-    __shared__ float red[32];
+    __shared__ float red[NT * PRE_MAX_HEADS];
     float *xs = (float *)dyn;
     int warps = blockDim.x / 32, lane = threadIdx.x & 31, n8 = cols / 8, first = (blockIdx.x * warps + threadIdx.x / 32) * PW;
-    for (int r = 0; r < PW && first + r < rows; r++) // the first rows stream into L2 while x is staged
-        for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)(first + r) * cols + l));
+    pdl_launch();
+    if (first < rows) // the warp's first row streams into L2 while the kernel before ends and x is staged
+        for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)first * cols + l));
+    pdl_wait();
     stage<NT>(x, cols, p, xs, red);
+    float sc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) sc[t] = row_scale(p, red, t, cols);
     for (int row0 = (blockIdx.x * warps + threadIdx.x / 32) * PW; row0 < rows; row0 += gridDim.x * warps * PW) {
         int nr = min(PW, rows - row0);
         float a[PW][NT];
@@ -116,7 +175,7 @@ __global__ void k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, c
         for (int r = 0; r < PW; r++)
 #pragma unroll
             for (int t = 0; t < NT; t++) a[r][t] = 0.0f;
-#pragma unroll 4
+#pragma unroll 8
         for (int c = lane; c < n8; c += 32) {
             uint4 v[PW];
 #pragma unroll
@@ -130,7 +189,7 @@ __global__ void k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, c
         for (int r = 0; r < PW; r++)
 #pragma unroll
             for (int t = 0; t < NT; t++) {
-                float s = warp_sum(a[r][t]);
+                float s = warp_sum(a[r][t]) * sc[t];
                 if (lane == 0 && r < nr) {
                     int64_t o = (int64_t)t * rows + row0 + r;
                     if (e.on) s = epi_value(e, t, row0 + r, s);
@@ -157,7 +216,8 @@ void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, const dpre &p, con
     if (smem > 48 * 1024) cudaFuncSetAttribute(k_gemv_pre<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     // no more blocks than fit at once: a second wave would pay the staging again, exposed
     int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)(c->sms > 0 ? c->sms : 1) * resident(c, (const void *)k_gemv_pre<NT>, threads, smem);
-    LAUNCH_S(c, k_gemv_pre<NT>, (unsigned)(need < cap ? need : cap), threads, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e,
+    int64_t rounds = (need + cap - 1) / cap, grid = (need + rounds - 1) / rounds; // equal rounds for every block
+    LAUNCH_PDL(c, k_gemv_pre<NT>, (unsigned)grid, threads, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e,
              acc, y);
 }
 
@@ -165,6 +225,10 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
     ctx *c = C(be);
     if (w->dtype != QF_DT_BF16 || w->cols % 8 || (uintptr_t)w->data % 16 || (uintptr_t)x % 16) {
         fprintf(stderr, "qflash cuda: fused product needs 16-byte aligned bf16 rows of a multiple of 8 columns\n");
+        return;
+    }
+    if (pre && (pre->kind == QF_PRE_GATED_NORM || pre->kind == QF_PRE_SIGMOID) && (pre->head < 1 || w->cols / pre->head > PRE_MAX_HEADS)) {
+        fprintf(stderr, "qflash cuda: fused product: more than %d heads per row\n", PRE_MAX_HEADS);
         return;
     }
     dpre p = {QF_PRE_NONE, NULL, NULL, 0, 0, 1, 0.0f};
@@ -192,7 +256,15 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
         case 5: gemv_pre_launch<5>(c, w, xt, pt, et, acc, yt); break;
         case 6: gemv_pre_launch<6>(c, w, xt, pt, et, acc, yt); break;
         case 7: gemv_pre_launch<7>(c, w, xt, pt, et, acc, yt); break;
-        default: gemv_pre_launch<8>(c, w, xt, pt, et, acc, yt); break;
+        case 8: gemv_pre_launch<8>(c, w, xt, pt, et, acc, yt); break;
+        case 9: gemv_pre_launch<9>(c, w, xt, pt, et, acc, yt); break;
+        case 10: gemv_pre_launch<10>(c, w, xt, pt, et, acc, yt); break;
+        case 11: gemv_pre_launch<11>(c, w, xt, pt, et, acc, yt); break;
+        case 12: gemv_pre_launch<12>(c, w, xt, pt, et, acc, yt); break;
+        case 13: gemv_pre_launch<13>(c, w, xt, pt, et, acc, yt); break;
+        case 14: gemv_pre_launch<14>(c, w, xt, pt, et, acc, yt); break;
+        case 15: gemv_pre_launch<15>(c, w, xt, pt, et, acc, yt); break;
+        default: gemv_pre_launch<16>(c, w, xt, pt, et, acc, yt); break;
         }
     }
 }
@@ -204,6 +276,7 @@ template <int DK>
 __global__ void k_gdn_dec(qf_gdn_dec a) {
     __shared__ float qn[DK], kn[DK];
     const int HK = DK / 2;
+    pdl_launch();
     int h = blockIdx.x, lane = threadIdx.x, half = lane & 1, j = blockIdx.y * 16 + lane / 2, t = blockIdx.z;
     int dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk), qk = a.nk * dk, zb = 2 * qk + 2 * a.nv * dv, i0 = half * ((dk + 1) / 2);
     const float *row = a.mixed + (int64_t)t * a.stride, *q = row + kh * dk, *k = row + qk + kh * dk;
@@ -211,19 +284,27 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
     int live = j < dv, n = min(HK, dk - i0);
     float s[HK];
 #pragma unroll
-    for (int i = 0; i < HK; i++) s[i] = i < n && live ? S[(int64_t)i * dv] : 0.0f; // issued before the norms need them
+    for (int i = 0; i < HK; i++) s[i] = i < n && live ? S[(int64_t)i * dv] : 0.0f; // state of earlier steps: before the wait
+    pdl_wait();
+    // every load of this token's inputs issued before the first is used
+    float qv[DK / 32], kv[DK / 32], graw = row[zb + a.nv + h], beta = row[zb + h], vj = live ? row[2 * qk + h * dv + j] : 0.0f;
+#pragma unroll
+    for (int u = 0; u < DK / 32; u++) qv[u] = lane + 32 * u < dk ? q[lane + 32 * u] : 0.0f, kv[u] = lane + 32 * u < dk ? k[lane + 32 * u] : 0.0f;
     float sq = 0.0f, sk = 0.0f;
-    for (int i = lane; i < dk; i += 32) sq += q[i] * q[i], sk += k[i] * k[i];
+#pragma unroll
+    for (int u = 0; u < DK / 32; u++) sq += qv[u] * qv[u], sk += kv[u] * kv[u];
     sq = warp_sum(sq), sk = warp_sum(sk);
     float iq = rsqrtf((float)dk) / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
-    for (int i = lane; i < dk; i += 32) qn[i] = q[i] * iq, kn[i] = k[i] * ik;
+#pragma unroll
+    for (int u = 0; u < DK / 32; u++)
+        if (lane + 32 * u < dk) qn[lane + 32 * u] = qv[u] * iq, kn[lane + 32 * u] = kv[u] * ik;
     __syncwarp();
-    float decay = expf(row[zb + a.nv + h]), beta = row[zb + h], u = 0.0f, o = 0.0f;
+    float decay = expf(graw), u = 0.0f, o = 0.0f;
 #pragma unroll
     for (int i = 0; i < HK; i++)
         if (i < n) s[i] *= decay, u += s[i] * kn[i0 + i];
     u += __shfl_xor_sync(0xffffffffu, u, 1);
-    u = beta * ((live ? row[2 * qk + h * dv + j] : 0.0f) - u);
+    u = beta * (vj - u);
 #pragma unroll
     for (int i = 0; i < HK; i++)
         if (i < n) s[i] += kn[i0 + i] * u, o += s[i] * qn[i0 + i];
@@ -238,9 +319,9 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
 void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
     ctx *c = C(be);
     dim3 g(a->nv, (a->dv + 15) / 16, a->n);
-    if (a->dk <= 32) LAUNCH(c, k_gdn_dec<32>, g, 32, *a);
-    else if (a->dk <= 64) LAUNCH(c, k_gdn_dec<64>, g, 32, *a);
-    else if (a->dk <= 128) LAUNCH(c, k_gdn_dec<128>, g, 32, *a);
+    if (a->dk <= 32) LAUNCH_PDL(c, k_gdn_dec<32>, g, 32, 0, *a);
+    else if (a->dk <= 64) LAUNCH_PDL(c, k_gdn_dec<64>, g, 32, 0, *a);
+    else if (a->dk <= 128) LAUNCH_PDL(c, k_gdn_dec<128>, g, 32, 0, *a);
     else fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
 }
 
@@ -275,6 +356,8 @@ __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
     int j0 = sp * chunk, j1 = min(pos + 1, j0 + chunk), fresh = j0 <= pos && pos < j1;
     qf_kv_view kv = a.kv[t];
     const float *row = a.qkv + (int64_t)t * a.stride;
+    pdl_launch();
+    pdl_wait();
     if (warp == 0) norm_rope(row + (int64_t)h * 2 * hd, a.q_norm, hd, a.rot, pos, a.inv_freq, a.eps, qs);
     else if (warp == 1 && fresh) {
         norm_rope(row + a.k_off + kvh * hd, a.k_norm, hd, a.rot, pos, a.inv_freq, a.eps, kn);
@@ -347,7 +430,7 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) {
     if (chunk < 32) chunk = 32, splits = (max_keys + 31) / 32;
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * 64 * (a->hd + 2) * sizeof(float));
     if (!part) return;
-    LAUNCH(c, k_attn_dec, dim3(rows, splits), DATT_WARPS * 32, *a, chunk, splits, part);
+    LAUNCH_PDL(c, k_attn_dec, dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part);
     LAUNCH(c, k_attn_combine, rows, 128, splits, a->hd, part, a->out);
 }
 
@@ -355,7 +438,7 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) {
 
 #define MOE_MAX_K 64
 #define MOE_MAX_E 512 // routing keeps E / 32 logits per lane in registers
-#define GU_U 8        // 16-byte loads a lane has in flight in gate/up (a row pair of 2048 columns: two rounds)
+#define GU_U 16       // 16-byte loads a lane has in flight in gate/up (a row pair of 2048 columns: one round)
 #define DN_U 12       // the same in down (8 experts + shared of 512 columns: two rounds)
 
 // Warp 0 routes row t: k rounds of a warp-wide argmax over the logits (ties to the lower index,
@@ -407,23 +490,24 @@ __global__ void k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int 
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, tid = threadIdx.x, t = blockIdx.z, k = blockIdx.x;
     float *xs = (float *)dyn;
     const float *x = a.x + (int64_t)t * H;
+    pdl_launch();
+    pdl_wait();
     if (tid < 32) route_warp(a.rl + (int64_t)t * a.rl_stride, E, K, ti, tw);
     float ss = 0.0f;
-    for (int i = tid; i < H / 4; i += blockDim.x) {
-        float4 v = ((const float4 *)x)[i];
-        ((float4 *)xs)[i] = v;
+#pragma unroll 4
+    for (int i = tid; i < H / 4; i += blockDim.x) { // x * w now; 1/rms scales the finished sums
+        float4 v = ((const float4 *)x)[i], w = ((const float4 *)a.norm_w)[i];
+        ((float4 *)xs)[i] = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-    float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps); // its barriers also publish ti, tw
+    float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps); // its barriers also publish ti, tw and xs
     int e = ti[k], lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32, h8 = H / 8;
     const uint16_t *G = (const uint16_t *)tab[e] + (int64_t)j * H, *U = (const uint16_t *)tab[E + e] + (int64_t)j * H;
     if (j < I)
-        for (int l = lane * 64; l < H; l += 32 * 64) { // the warp's two rows into L2 while x is scaled
+        for (int l = lane * 64; l < H; l += 32 * 64) { // the warp's first two rows into L2
             asm volatile("prefetch.global.L2 [%0];" ::"l"(G + l));
             asm volatile("prefetch.global.L2 [%0];" ::"l"(U + l));
         }
-    for (int i = tid; i < H; i += blockDim.x) xs[i] = xs[i] * inv * a.norm_w[i];
-    __syncthreads();
     if (blockIdx.y == 0 && tid == 0) topi[t * K + k] = e, topw[t * K + k] = tw[k];
     for (; j < I; j += gridDim.y * (blockDim.x / 32)) {
         G = (const uint16_t *)tab[e] + (int64_t)j * H, U = (const uint16_t *)tab[E + e] + (int64_t)j * H;
@@ -442,7 +526,7 @@ __global__ void k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int 
                 else if (f < 2 * h8) u += dot8s(w[q], xs + (f - h8) * 8, lane);
             }
         }
-        g = warp_sum(g), u = warp_sum(u);
+        g = warp_sum(g) * inv, u = warp_sum(u) * inv;
         if (lane == 0) hbuf[((int64_t)t * K + k) * I + j] = silu(g) * u;
     }
 }
@@ -457,9 +541,13 @@ __global__ void k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t 
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, t = blockIdx.y;
     float *hs = (float *)dyn, *hsh = hs + K * I;
     const float *rl = a.rl + (int64_t)t * a.rl_stride;
+    pdl_launch();
+    pdl_wait();
     if (tid < K) wk[tid] = topw[t * K + tid], dp[tid] = (const uint16_t *)tab[2 * E + topi[t * K + tid]];
     if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
+#pragma unroll 8
     for (int i = tid; i < K * I / 4; i += blockDim.x) ((float4 *)hs)[i] = ((const float4 *)(hbuf + (int64_t)t * K * I))[i];
+#pragma unroll 4
     for (int i = tid; i < S; i += blockDim.x) hsh[i] = silu(rl[E + i]) * rl[E + S + i];
     __syncthreads();
     int lane = tid & 31, w8 = I / 8, ke = K * w8, total = ke + S / 8;
@@ -507,8 +595,8 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     int gy = gu_res / (K * n), dx = dn_res / n;
     gy = gy < 1 ? 1 : gy > (I + 7) / 8 ? (I + 7) / 8 : gy;
     dx = dx < 1 ? 1 : dx > (H + 7) / 8 ? (H + 7) / 8 : dx;
-    LAUNCH_S(c, k_moe_gu, dim3(K, gy, n), 256, sm_gu, tab, *a, hbuf, topi, topw);
-    LAUNCH_S(c, k_moe_down, dim3(dx, n), 256, sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, topi, topw);
+    LAUNCH_PDL(c, k_moe_gu, dim3(K, gy, n), 256, sm_gu, tab, *a, hbuf, topi, topw);
+    LAUNCH_PDL(c, k_moe_down, dim3(dx, n), 256, sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, topi, topw);
 }
 
 // ---- greedy pick: the first index of the largest value per row ----
@@ -536,6 +624,8 @@ __global__ void k_argmax(const float *x, int cols, float *pv, int *pi, unsigned 
     __shared__ int ri[32], last;
     int t = blockIdx.y, per = (cols + gridDim.x - 1) / gridDim.x, c0 = blockIdx.x * per, c1 = min(cols, c0 + per);
     const float *r = x + (int64_t)t * cols;
+    pdl_launch();
+    pdl_wait();
     float bv = -INFINITY;
     int bi = 0x7fffffff;
     for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) better(bv, bi, r[i], i);
@@ -563,7 +653,7 @@ void dec_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *out) {
     float *pv = (float *)c->amax;
     int *pi = (int *)(pv + QF_DEC_ROWS * 8 * AMAX_BLOCKS);
     unsigned *count = (unsigned *)(pi + QF_DEC_ROWS * 8 * AMAX_BLOCKS);
-    LAUNCH(c, k_argmax, dim3(AMAX_BLOCKS, n), 256, x, cols, pv, pi, count, out);
+    LAUNCH_PDL(c, k_argmax, dim3(AMAX_BLOCKS, n), 256, 0, x, cols, pv, pi, count, out);
 }
 
 } // namespace

@@ -108,7 +108,7 @@ __global__ void to_bf16x2(const float *__restrict__ x, __nv_bfloat16 *__restrict
 
 void cu_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, float *y) {
     ctx *c = C(be);
-    if (n <= 8 || c->fp32 || (w->dtype != QF_DT_BF16 && w->dtype != QF_DT_F32)) {
+    if (n <= QF_DEC_ROWS || c->fp32 || (w->dtype != QF_DT_BF16 && w->dtype != QF_DT_F32)) {
         gemv(c, w, x, n, y);
         return;
     }
@@ -655,13 +655,13 @@ void cu_download(qf_backend *be, void *dst, const void *src, size_t n) {
     s->out_used += (n + 255) & ~(size_t)255;
 }
 
-// The step's shape decides: graphs for up to 8 rows (GEMV only, no cuBLAS), the same key twice
+// The step's shape decides: graphs for up to QF_DEC_ROWS rows, the same key twice
 // in a row to record, then replays while it stays the same.
 void cu_step_begin(qf_backend *be, uint64_t key, int rows) {
     ctx *c = C(be);
     graph_state *s = &c->gs;
     s->n = 0, s->n_outs = 0, s->out_used = 0, s->broken = 0;
-    int eligible = s->enabled && rows <= 8;
+    int eligible = s->enabled && rows <= QF_DEC_ROWS;
     if (!eligible) {
         s->mode = G_EAGER;
         s->last_key = 0;
@@ -752,6 +752,8 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
         snprintf(c->name, sizeof c->name, "%s", prop.name);
         c->sms = prop.multiProcessorCount, c->smem_optin = (int)prop.sharedMemPerBlockOptin, c->smem_sm = (int)prop.sharedMemPerMultiprocessor;
+        const char *pdl = getenv("QFLASH_CUDA_PDL"); /* 1: programmatic edges where kernels allow them */
+        c->pdl = prop.major >= 9 && pdl && *pdl == '1'; /* measured slower (notes): opt-in */
     }
     if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS) {
         free(c);
