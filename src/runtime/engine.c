@@ -94,8 +94,11 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
     stats->prompt_tokens = req->n_prompt;
     stats->prompt_seconds = t1 - t0;
     qf_utf8_stream us = {0};
+    /* greedy without penalties: later picks are made where the logits are (QF_LOGITS_TOP1) */
+    int greedy = qf_sampler_is_greedy(req->sampler), picked = 0;
+    int32_t pick = 0;
     for (int n = 0; n < req->max_tokens; n++) {
-        int32_t tok = qf_sampler_sample(req->sampler, e->logits);
+        int32_t tok = picked ? pick : qf_sampler_sample(req->sampler, e->logits);
         stats->gen_tokens++;
         if (qf_engine_is_eos(e, tok)) {
             stats->stopped_by_eos = 1;
@@ -109,7 +112,13 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
             rc = qf_forward_seq(e->model, &e->be, e->ws, st, &tok, 1, QF_LOGITS_NONE, NULL);
             break;
         }
-        rc = qf_forward_seq(e->model, &e->be, e->ws, st, &tok, 1, QF_LOGITS_LAST, e->logits);
+        if (greedy) {
+            qf_seq_step step = {st, &tok, 1, QF_LOGITS_TOP1, NULL, &pick};
+            rc = qf_forward(e->model, &e->be, e->ws, &step, 1);
+            picked = 1;
+        } else {
+            rc = qf_forward_seq(e->model, &e->be, e->ws, st, &tok, 1, QF_LOGITS_LAST, e->logits);
+        }
         if (rc != QF_OK) break;
     }
     size_t tail = qf_utf8_stream_flush(&us, e->text, e->text_cap);

@@ -149,6 +149,11 @@ static int select_top_k(cand *c, int n, int k) {
     return k;
 }
 
+int qf_sampler_is_greedy(const qf_sampler *s) {
+    const qf_sampling *p = &s->p;
+    return p->temperature == 0.0f && p->repetition_penalty == 1.0f && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f;
+}
+
 int32_t qf_sampler_sample(qf_sampler *s, float *logits) {
     const qf_sampling *p = &s->p;
     apply_penalties(s, logits);

@@ -27,6 +27,9 @@ void qf_sampler_free(qf_sampler *s);
 void qf_sampler_reset(qf_sampler *s);
 /* Records a token: prompt tokens count for the repetition penalty only, generated ones for all. */
 void qf_sampler_accept(qf_sampler *s, int32_t tok, int generated);
+/* Whether sampling is the plain pick of the largest logit (greedy, no penalties): then the pick
+ * can be made where the logits are (QF_LOGITS_TOP1) and sample is not needed. */
+int qf_sampler_is_greedy(const qf_sampler *s);
 /* Picks the next token from logits[vocab] (modified in place). */
 int32_t qf_sampler_sample(qf_sampler *s, float *logits);
 /* Validates parameters; the message names the bad one. */

@@ -45,6 +45,7 @@ typedef struct slot {
     float *logits;
     qf_req *req;
     int batch_n;      /* tokens fed this step */
+    int32_t top1;     /* the step's greedy pick, when it asked for only that (QF_LOGITS_TOP1) */
     int pages_before; /* pages held before this step */
 } slot;
 
@@ -427,7 +428,9 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
                 if (take > s->rows - rows) take = s->rows - rows;
                 if (take <= 0) continue;
                 sl->batch_n = take;
-                s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, take == left ? QF_LOGITS_LAST : QF_LOGITS_NONE, sl->logits, NULL};
+                /* a plain greedy pick without logprobs: picked where the logits are (on a GPU, only the id comes back) */
+                int mode = take < left ? QF_LOGITS_NONE : r->logprobs < 0 && qf_sampler_is_greedy(r->smp) ? QF_LOGITS_TOP1 : QF_LOGITS_LAST;
+                s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, mode, sl->logits, &sl->top1};
                 s->step_slot[n++] = i;
                 rows += take;
                 pages += qf_state_pages_needed(sl->st, take);
@@ -443,12 +446,12 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
 
 /* Samples the next token of a sequence whose logits are ready and routes its text. Returns a
  * finish reason, or QF_FINISH_NONE to go on. */
-static int emit_token(qf_sched *s, qf_req *r, float *logits) {
+static int emit_token(qf_sched *s, qf_req *r, float *logits, const int32_t *top1) {
     const qf_engine *e = s->e;
     int V = e->model->cfg.vocab;
     qf_token_lp lp;
     if (r->logprobs >= 0) memcpy(s->lp_scratch, logits, (size_t)V * sizeof(float));
-    int32_t tok = qf_sampler_sample(r->smp, logits);
+    int32_t tok = top1 ? *top1 : qf_sampler_sample(r->smp, logits);
     if (r->logprobs >= 0) fill_logprobs(s->lp_scratch, V, r->logprobs, tok, &lp);
     double now = qf_now();
     pthread_mutex_lock(&s->mu);
@@ -526,7 +529,8 @@ static int run_step(qf_sched *s) {
         if (sl->st->n_pages > sl->pages_before)
             LOG(s, "seq %llu: %d KV pages allocated (%d held, %d free)\n", (unsigned long long)r->seq_no, sl->st->n_pages - sl->pages_before,
                 sl->st->n_pages, qf_kv_pool_free_pages(s->kv));
-        int why = r->n_fed == r->n_toks ? emit_token(s, r, sl->logits) : QF_FINISH_NONE;
+        int why = QF_FINISH_NONE;
+        if (r->n_fed == r->n_toks) why = emit_token(s, r, sl->logits, s->steps[j].logits_mode == QF_LOGITS_TOP1 ? &sl->top1 : NULL);
         if (why != QF_FINISH_NONE) finish(s, r, why, NULL);
         else if (r->n_fed + 1 == r->n_toks && r->notify) r->notify(r->notify_ud);
     }

@@ -94,6 +94,8 @@ struct ctx {
 
 inline ctx *C(qf_backend *be) { return (ctx *)be->dev; }
 
+inline void check(cudaError_t e, const char *what);
+
 // Adds a node after the last one (a chain: the step's kernels run in order).
 // pdl: the kernel waits (griddepcontrol.wait) before it touches what earlier kernels wrote, so it
 // may be launched while the kernel before it is still finishing (programmatic dependent launch):
@@ -172,7 +174,7 @@ inline void launch(ctx *c, const char *name, int pdl, void (*k)(P...), dim3 g, d
         std::apply([&](auto &...v) { ((memcpy(blob + len, &v, sizeof v), len += (unsigned)sizeof v), ...); }, vals);
         if (c->gs.mode == G_RECORD) g_add_kernel(c, (const void *)k, g, b, smem, args, blob, len, pdl);
         else g_set_kernel(c, (const void *)k, g, b, smem, args, blob, len);
-    } else if (!c->prof.on) cudaLaunchKernel((const void *)k, g, b, args, smem, 0);
+    } else if (!c->prof.on) check(cudaLaunchKernel((const void *)k, g, b, args, smem, 0), name);
     else {
         profile *p = &c->prof;
         if (p->n_pend == PROF_RING) prof_flush(c);

@@ -42,13 +42,13 @@ __device__ float block_sum(float v, float *red) {
 #define SU 8
 #define PRE_MAX_HEADS 64 // GATED_NORM / SIGMOID heads per row that red holds
 template <int NT>
-__device__ void stage(const float *__restrict__ x, int cols, const dpre &p, float *xs, float *red) {
+__device__ void stage(const float *__restrict__ x, int n, int cols, const dpre &p, float *xs, float *red) {
     int tid = threadIdx.x, nt = blockDim.x, c4 = cols / 4;
     const float4 *x4 = (const float4 *)x, *w4 = (const float4 *)p.w;
     float4 *s4 = (float4 *)xs;
     if (p.kind == QF_PRE_RMSNORM) {
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
+#pragma unroll 1
+        for (int t = 0; t < n; t++) {
             float ss = 0.0f;
             for (int i0 = tid; i0 < c4; i0 += nt * SU) {
                 float4 v[SU], w[SU];
@@ -68,20 +68,20 @@ __device__ void stage(const float *__restrict__ x, int cols, const dpre &p, floa
         __syncthreads();
         return;
     }
-    for (int i0 = tid; i0 < NT * c4; i0 += nt * SU) {
+    for (int i0 = tid; i0 < n * c4; i0 += nt * SU) {
         float4 v[SU];
 #pragma unroll
         for (int u = 0; u < SU; u++)
-            if (i0 + u * nt < NT * c4) v[u] = x4[i0 + u * nt];
+            if (i0 + u * nt < n * c4) v[u] = x4[i0 + u * nt];
 #pragma unroll
         for (int u = 0; u < SU; u++)
-            if (i0 + u * nt < NT * c4) s4[i0 + u * nt] = v[u];
+            if (i0 + u * nt < n * c4) s4[i0 + u * nt] = v[u];
     }
     __syncthreads();
     int heads = cols / p.head;
     if (p.kind == QF_PRE_GATED_NORM) { // 1/rms per (row, head) from shared memory, a warp each
         int lane = tid & 31;
-        for (int th = tid / 32; th < NT * heads; th += nt / 32) {
+        for (int th = tid / 32; th < n * heads; th += nt / 32) {
             const float *v = xs + (th / heads) * cols + (th % heads) * p.head;
             float ss = 0.0f;
             for (int i = lane; i < p.head; i += 32) ss += v[i] * v[i];
@@ -91,12 +91,12 @@ __device__ void stage(const float *__restrict__ x, int cols, const dpre &p, floa
         __syncthreads();
     }
     if (p.kind == QF_PRE_GATED_NORM || p.kind == QF_PRE_SIGMOID) { // then every element with its gate
-        for (int i0 = tid; i0 < NT * cols; i0 += nt * SU) {
+        for (int i0 = tid; i0 < n * cols; i0 += nt * SU) {
             float g[SU], w[SU];
 #pragma unroll
             for (int u = 0; u < SU; u++) {
                 int i = i0 + u * nt, t = i / cols, c = i % cols;
-                if (i < NT * cols) {
+                if (i < n * cols) {
                     g[u] = p.g[(int64_t)t * p.g_stride + (int64_t)(c / p.head) * p.g_hstride + c % p.head];
                     w[u] = p.kind == QF_PRE_GATED_NORM ? p.w[c % p.head] : 1.0f;
                 }
@@ -104,7 +104,7 @@ __device__ void stage(const float *__restrict__ x, int cols, const dpre &p, floa
 #pragma unroll
             for (int u = 0; u < SU; u++) {
                 int i = i0 + u * nt, t = i / cols, c = i % cols;
-                if (i >= NT * cols) continue;
+                if (i >= n * cols) continue;
                 if (p.kind == QF_PRE_GATED_NORM) xs[i] = silu(g[u]) * (xs[i] * red[t * heads + c / p.head] * w[u]);
                 else xs[i] *= 1.0f / (1.0f + expf(-g[u]));
             }
@@ -154,8 +154,8 @@ __device__ float epi_value(const depi &e, int t, int row, float v) {
 // y[t][row] (= or +=) W[row] . pre(x[t]): bf16 W (cols % 8 == 0), x staged once per block, the
 // blocks striding over groups of rows so the staging is paid once per resident block.
 template <int NT>
-__global__ void k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, dpre p, depi e, int acc,
-                           float *__restrict__ y) {
+__global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, int n, dpre p,
+                                                     depi e, int acc, float *__restrict__ y) {
     extern __shared__ float4 dyn[];
     __shared__ float red[NT * PRE_MAX_HEADS];
     float *xs = (float *)dyn;
@@ -164,10 +164,10 @@ __global__ void k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, c
     if (first < rows) // the warp's first row streams into L2 while the kernel before ends and x is staged
         for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)first * cols + l));
     pdl_wait();
-    stage<NT>(x, cols, p, xs, red);
+    stage<NT>(x, n, cols, p, xs, red);
     float sc[NT];
 #pragma unroll
-    for (int t = 0; t < NT; t++) sc[t] = row_scale(p, red, t, cols);
+    for (int t = 0; t < NT; t++) sc[t] = t < n ? row_scale(p, red, t, cols) : 0.0f;
     for (int row0 = (blockIdx.x * warps + threadIdx.x / 32) * PW; row0 < rows; row0 += gridDim.x * warps * PW) {
         int nr = min(PW, rows - row0);
         float a[PW][NT];
@@ -175,7 +175,7 @@ __global__ void k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, c
         for (int r = 0; r < PW; r++)
 #pragma unroll
             for (int t = 0; t < NT; t++) a[r][t] = 0.0f;
-#pragma unroll 8
+#pragma unroll(NT <= 2 ? 8 : 4) // one row: many loads in flight; more rows: the FMAs bind, keep registers
         for (int c = lane; c < n8; c += 32) {
             uint4 v[PW];
 #pragma unroll
@@ -190,7 +190,7 @@ __global__ void k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, c
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 float s = warp_sum(a[r][t]) * sc[t];
-                if (lane == 0 && r < nr) {
+                if (lane == 0 && r < nr && t < n) {
                     int64_t o = (int64_t)t * rows + row0 + r;
                     if (e.on) s = epi_value(e, t, row0 + r, s);
                     y[o] = acc ? y[o] + s : s;
@@ -210,14 +210,15 @@ int resident(ctx *c, const void *fn, int threads, size_t smem) {
 }
 
 template <int NT>
-void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, const dpre &p, const depi &e, int acc, float *y) {
-    size_t smem = (size_t)NT * (size_t)w->cols * sizeof(float);
+// n <= NT rows: the kernels exist for NT = 1, 2, 4, 8 and 16 (compile time; the rest masked)
+void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, const dpre &p, const depi &e, int acc, float *y) {
+    size_t smem = (size_t)n * (size_t)w->cols * sizeof(float);
     int threads = 256, per_block = threads / 32 * PW;
     if (smem > 48 * 1024) cudaFuncSetAttribute(k_gemv_pre<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     // no more blocks than fit at once: a second wave would pay the staging again, exposed
     int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)(c->sms > 0 ? c->sms : 1) * resident(c, (const void *)k_gemv_pre<NT>, threads, smem);
     int64_t rounds = (need + cap - 1) / cap, grid = (need + rounds - 1) / rounds; // equal rounds for every block
-    LAUNCH_PDL(c, k_gemv_pre<NT>, (unsigned)grid, threads, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e,
+    LAUNCH_PDL(c, k_gemv_pre<NT>, (unsigned)grid, threads, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, n, p, e,
              acc, y);
 }
 
@@ -238,7 +239,9 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
         e = {1, epi->conv_dim, epi->z_dim, epi->nv, epi->conv_k, epi->conv_w, epi->dt_bias, epi->neg_A, {}};
         for (int t = 0; t < QF_DEC_ROWS; t++) e.st[t] = epi->conv_state[t];
     }
-    int fit = (int)((size_t)(c->smem_optin > 0 ? c->smem_optin : 48 * 1024) / ((size_t)w->cols * sizeof(float)));
+    // rows of x that fit beside the kernel's own shared memory (red: QF_DEC_ROWS * PRE_MAX_HEADS floats)
+    size_t room = (size_t)(c->smem_optin > 0 ? c->smem_optin : 48 * 1024) - QF_DEC_ROWS * PRE_MAX_HEADS * sizeof(float) - 1024;
+    int fit = (int)(room / ((size_t)w->cols * sizeof(float)));
     int cap = fit < 1 ? 1 : fit > QF_DEC_ROWS ? QF_DEC_ROWS : fit;
     for (int t0 = 0; t0 < n; t0 += cap) { // rows beyond what shared memory holds: another pass
         int nt = n - t0 < cap ? n - t0 : cap;
@@ -248,24 +251,11 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
         for (int t = 0; t < QF_DEC_ROWS; t++) et.st[t] = t0 + t < QF_DEC_ROWS ? e.st[t0 + t] : NULL;
         const float *xt = x + (int64_t)t0 * w->cols;
         float *yt = y + (int64_t)t0 * w->rows;
-        switch (nt) {
-        case 1: gemv_pre_launch<1>(c, w, xt, pt, et, acc, yt); break;
-        case 2: gemv_pre_launch<2>(c, w, xt, pt, et, acc, yt); break;
-        case 3: gemv_pre_launch<3>(c, w, xt, pt, et, acc, yt); break;
-        case 4: gemv_pre_launch<4>(c, w, xt, pt, et, acc, yt); break;
-        case 5: gemv_pre_launch<5>(c, w, xt, pt, et, acc, yt); break;
-        case 6: gemv_pre_launch<6>(c, w, xt, pt, et, acc, yt); break;
-        case 7: gemv_pre_launch<7>(c, w, xt, pt, et, acc, yt); break;
-        case 8: gemv_pre_launch<8>(c, w, xt, pt, et, acc, yt); break;
-        case 9: gemv_pre_launch<9>(c, w, xt, pt, et, acc, yt); break;
-        case 10: gemv_pre_launch<10>(c, w, xt, pt, et, acc, yt); break;
-        case 11: gemv_pre_launch<11>(c, w, xt, pt, et, acc, yt); break;
-        case 12: gemv_pre_launch<12>(c, w, xt, pt, et, acc, yt); break;
-        case 13: gemv_pre_launch<13>(c, w, xt, pt, et, acc, yt); break;
-        case 14: gemv_pre_launch<14>(c, w, xt, pt, et, acc, yt); break;
-        case 15: gemv_pre_launch<15>(c, w, xt, pt, et, acc, yt); break;
-        default: gemv_pre_launch<16>(c, w, xt, pt, et, acc, yt); break;
-        }
+        if (nt == 1) gemv_pre_launch<1>(c, w, xt, nt, pt, et, acc, yt);
+        else if (nt == 2) gemv_pre_launch<2>(c, w, xt, nt, pt, et, acc, yt);
+        else if (nt <= 4) gemv_pre_launch<4>(c, w, xt, nt, pt, et, acc, yt);
+        else if (nt <= 8) gemv_pre_launch<8>(c, w, xt, nt, pt, et, acc, yt);
+        else gemv_pre_launch<16>(c, w, xt, nt, pt, et, acc, yt);
     }
 }
 
@@ -438,7 +428,7 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) {
 
 #define MOE_MAX_K 64
 #define MOE_MAX_E 512 // routing keeps E / 32 logits per lane in registers
-#define GU_U 16       // 16-byte loads a lane has in flight in gate/up (a row pair of 2048 columns: one round)
+#define GU_U 8        // 16-byte loads a lane has in flight in gate/up (16 measured slower: 1 block per SM)
 #define DN_U 12       // the same in down (8 experts + shared of 512 columns: two rounds)
 
 // Warp 0 routes row t: k rounds of a warp-wide argmax over the logits (ties to the lower index,
@@ -483,7 +473,7 @@ __device__ void route_warp(const float *rl, int E, int K, int *ti, float *tw) {
 // Block (slot k, 8 rows of the expert's ffn, row t): routes row t itself (cheaper than a launch
 // between) while the other warps stage rmsnorm(x); blocks of the first column write slot k's
 // expert and weight for the down kernel.
-__global__ void k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw) {
+__global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], tw[MOE_MAX_K];
     __shared__ int ti[MOE_MAX_K];
@@ -534,7 +524,7 @@ __global__ void k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int 
 // Block (8 output rows, a warp each, row t): x[t][i] += sum_k w_k down_k[i] . h_k
 // + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u. The row's pieces of every expert are
 // loaded at once (one memory latency, not one per expert).
-__global__ void k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi, const float *topw) {
+__global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi, const float *topw) {
     extern __shared__ float4 dyn[];
     __shared__ float wk[MOE_MAX_K + 1];
     __shared__ const uint16_t *dp[MOE_MAX_K + 1];
