@@ -160,6 +160,23 @@ static void test_attention(int T, int pos0) {
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
 }
 
+/* The CPU's routing, written out: softmax over E, top-k (ties to the lower index), renormalised. */
+static void ref_route(const float *l, int E, int K, int *ti, float *w) {
+    float mx = l[0], sum = 0, ts = 0;
+    for (int e = 1; e < E; e++) mx = fmaxf(mx, l[e]);
+    for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int j = 0; j < k; j++) taken |= ti[j] == e;
+            if (!taken && (best < 0 || l[e] > l[best])) best = e;
+        }
+        ti[k] = best, w[k] = expf(l[best] - mx) / sum, ts += w[k];
+    }
+    for (int k = 0; k < K; k++) w[k] /= ts;
+}
+
 /* The device MoE op against routing + expert MLPs done with the reference ops. */
 static void test_moe(int N, int bench) {
     int E = 256, K = 8, H = 2048, I = 512;
@@ -175,26 +192,15 @@ static void test_moe(int N, int bench) {
     float *rl = qt_rnd((size_t)N * E, 2.0f), *x = qt_rnd((size_t)N * H, 1.0f), *want = calloc((size_t)N * H, 4);
     float *gb = malloc((size_t)I * 4), *ub = malloc((size_t)I * 4), *hb = malloc((size_t)I * 4), *yb = malloc((size_t)H * 4);
     for (int r = 0; r < N; r++) {
-        const float *l = rl + (size_t)r * E;
-        float mx = l[0], sum = 0, w[8], ts = 0;
+        float w[8];
         int ti[8];
-        for (int e = 1; e < E; e++) mx = fmaxf(mx, l[e]);
-        for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
-        for (int k = 0; k < K; k++) {
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                int taken = 0;
-                for (int j = 0; j < k; j++) taken |= ti[j] == e;
-                if (!taken && (best < 0 || l[e] > l[best])) best = e;
-            }
-            ti[k] = best, w[k] = expf(l[best] - mx) / sum, ts += w[k];
-        }
+        ref_route(rl + (size_t)r * E, E, K, ti, w);
         for (int k = 0; k < K; k++) {
             ref.ops->matmul(&ref, &host[ti[k]].gate, x + (size_t)r * H, 1, gb);
             ref.ops->matmul(&ref, &host[ti[k]].up, x + (size_t)r * H, 1, ub);
             ref.ops->swiglu(&ref, gb, ub, I, 1, I, hb);
             ref.ops->matmul(&ref, &host[ti[k]].down, hb, 1, yb);
-            ref.ops->axpy(&ref, want + (size_t)r * H, yb, w[k] / ts, H);
+            ref.ops->axpy(&ref, want + (size_t)r * H, yb, w[k], H);
         }
     }
     float *drl = up_f(rl, (size_t)N * E), *dx = up_f(x, (size_t)N * H), *dout = gpu.ops->alloc(&gpu, (size_t)N * H * 4);
@@ -371,27 +377,17 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench) {
     float *yb = malloc((size_t)H * 4), *acc = malloc((size_t)H * 4);
     for (int t = 0; t < n; t++) {
         const float *l = rl + (size_t)t * rs;
-        float mx = l[0], sum = 0, w[64], ts = 0;
+        float w[64];
         int ti[64];
         ref.ops->rmsnorm(&ref, x + (size_t)t * H, H, nw, 1, H, 1e-6f, xn, H);
-        for (int e = 1; e < E; e++) mx = fmaxf(mx, l[e]);
-        for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
-        for (int k = 0; k < K; k++) {
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                int taken = 0;
-                for (int j = 0; j < k; j++) taken |= ti[j] == e;
-                if (!taken && (best < 0 || l[e] > l[best])) best = e;
-            }
-            ti[k] = best, w[k] = expf(l[best] - mx) / sum, ts += w[k];
-        }
+        ref_route(l, E, K, ti, w);
         memset(acc, 0, (size_t)H * 4);
         for (int k = 0; k < K; k++) {
             ref.ops->matmul(&ref, &host[ti[k]].gate, xn, 1, gb);
             ref.ops->matmul(&ref, &host[ti[k]].up, xn, 1, ub);
             ref.ops->swiglu(&ref, gb, ub, I, 1, I, hb);
             ref.ops->matmul(&ref, &host[ti[k]].down, hb, 1, yb);
-            ref.ops->axpy(&ref, acc, yb, w[k] / ts, H);
+            ref.ops->axpy(&ref, acc, yb, w[k], H);
         }
         ref.ops->swiglu(&ref, l + E, l + E + S, S, 1, S, hb);
         ref.ops->matmul(&ref, &sd, hb, 1, yb);

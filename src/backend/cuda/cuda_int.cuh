@@ -282,6 +282,50 @@ __device__ __forceinline__ const float *kv_row(const qf_kv_view &v, int j, int n
     return v.base + page * v.page_stride + (is_v ? v.v_off : v.k_off) + ((size_t)(j % v.page_tokens) * nkv + h) * hd;
 }
 
+// One key into a warp's running softmax (max m, sum l) and output o; lane holds dims lane + 32u.
+__device__ __forceinline__ void attn_key(const float *qr, const float *k, const float *v, int hd, float scale, float &m, float &l, float *o) {
+    int lane = threadIdx.x & 31;
+    float s = 0.0f;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) {
+        int d = lane + 32 * u;
+        if (d < hd) s += qr[u] * k[d];
+    }
+    s = warp_sum(s) * scale;
+    float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
+    l = l * corr + p;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) {
+        int d = lane + 32 * u;
+        o[u] = o[u] * corr + (d < hd ? p * v[d] : 0.0f);
+    }
+    m = mn;
+}
+
+// The W warps' (m, l, o) merged into the block's unnormalised partial (M, L, o[hd]) at out.
+template <int W>
+__device__ void attn_write_part(float m, float l, const float *o, int hd, float *out) {
+    __shared__ float sm[W], sl[W], so[W][ATT_DPL * 32];
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (lane == 0) sm[warp] = m, sl[warp] = l;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) so[warp][lane + 32 * u] = o[u];
+    __syncthreads();
+    if (warp != 0) return;
+    float M = -INFINITY, L = 0.0f;
+    for (int w = 0; w < W; w++) M = fmaxf(M, sm[w]);
+    for (int w = 0; w < W; w++) L += sm[w] == -INFINITY ? 0.0f : sl[w] * expf(sm[w] - M);
+    if (lane == 0) out[0] = M, out[1] = L;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) {
+        int d = lane + 32 * u;
+        if (d >= hd) continue;
+        float acc = 0.0f;
+        for (int w = 0; w < W; w++) acc += sm[w] == -INFINITY ? 0.0f : so[w][d] * expf(sm[w] - M);
+        out[2 + d] = acc;
+    }
+}
+
 __global__ void k_attn_combine(int splits, int hd, const float *part, float *out);
 
 // How many key splits (and keys per split) for `rows` (query, head) pairs over up to max_keys keys.

@@ -182,8 +182,9 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
             for (int r = 0; r < PW; r++) v[r] = r < nr ? __ldcs((const uint4 *)(W + (int64_t)(row0 + r) * cols) + c) : make_uint4(0, 0, 0, 0);
 #pragma unroll
             for (int t = 0; t < NT; t++)
+                if (t < n) // shared memory holds n rows
 #pragma unroll
-                for (int r = 0; r < PW; r++) a[r][t] += dot8s(v[r], xs + t * cols + c * 8, lane);
+                    for (int r = 0; r < PW; r++) a[r][t] += dot8s(v[r], xs + t * cols + c * 8, lane);
         }
 #pragma unroll
         for (int r = 0; r < PW; r++)
@@ -210,7 +211,7 @@ int resident(ctx *c, const void *fn, int threads, size_t smem) {
 }
 
 template <int NT>
-// n <= NT rows: the kernels exist for NT = 1, 2, 4, 8 and 16 (compile time; the rest masked)
+// n <= NT rows (the rows from n on are masked; called with n == NT)
 void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, const dpre &p, const depi &e, int acc, float *y) {
     size_t smem = (size_t)n * (size_t)w->cols * sizeof(float);
     int threads = 256, per_block = threads / 32 * PW;
@@ -251,11 +252,24 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
         for (int t = 0; t < QF_DEC_ROWS; t++) et.st[t] = t0 + t < QF_DEC_ROWS ? e.st[t0 + t] : NULL;
         const float *xt = x + (int64_t)t0 * w->cols;
         float *yt = y + (int64_t)t0 * w->rows;
-        if (nt == 1) gemv_pre_launch<1>(c, w, xt, nt, pt, et, acc, yt);
-        else if (nt == 2) gemv_pre_launch<2>(c, w, xt, nt, pt, et, acc, yt);
-        else if (nt <= 4) gemv_pre_launch<4>(c, w, xt, nt, pt, et, acc, yt);
-        else if (nt <= 8) gemv_pre_launch<8>(c, w, xt, nt, pt, et, acc, yt);
-        else gemv_pre_launch<16>(c, w, xt, nt, pt, et, acc, yt);
+        switch (nt) { // one kernel per row count (rows below NT are masked, but only NT == nt ran on a GPU)
+        case 1: gemv_pre_launch<1>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 2: gemv_pre_launch<2>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 3: gemv_pre_launch<3>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 4: gemv_pre_launch<4>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 5: gemv_pre_launch<5>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 6: gemv_pre_launch<6>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 7: gemv_pre_launch<7>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 8: gemv_pre_launch<8>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 9: gemv_pre_launch<9>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 10: gemv_pre_launch<10>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 11: gemv_pre_launch<11>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 12: gemv_pre_launch<12>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 13: gemv_pre_launch<13>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 14: gemv_pre_launch<14>(c, w, xt, nt, pt, et, acc, yt); break;
+        case 15: gemv_pre_launch<15>(c, w, xt, nt, pt, et, acc, yt); break;
+        default: gemv_pre_launch<16>(c, w, xt, nt, pt, et, acc, yt); break;
+        }
     }
 }
 
@@ -339,7 +353,6 @@ __device__ void norm_rope(const float *x, const float *w, int hd, int rot, int p
 // the split that holds the new position prepares the new key and value itself (and the first
 // head of each kv group stores them), so no block reads a key another block is writing.
 __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
-    __shared__ float sm[DATT_WARPS], sl[DATT_WARPS], so[DATT_WARPS][ATT_DPL * 32];
     __shared__ float qs[ATT_DPL * 32], kn[ATT_DPL * 32], vn[ATT_DPL * 32];
     int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, ratio = a.nh / a.nkv, kvh = h / ratio;
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31, hd = a.hd, pos = a.pos[t];
@@ -367,40 +380,9 @@ __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
     }
     for (int j = j0 + warp; j < j1; j += DATT_WARPS) {
         const float *k = j == pos ? kn : kv_row(kv, j, a.nkv, hd, kvh, 0), *v = j == pos ? vn : kv_row(kv, j, a.nkv, hd, kvh, 1);
-        float s = 0.0f;
-#pragma unroll
-        for (int u = 0; u < ATT_DPL; u++) {
-            int d = lane + 32 * u;
-            if (d < hd) s += qr[u] * k[d];
-        }
-        s = warp_sum(s) * a.scale;
-        float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
-        l = l * corr + p;
-#pragma unroll
-        for (int u = 0; u < ATT_DPL; u++) {
-            int d = lane + 32 * u;
-            o[u] = o[u] * corr + (d < hd ? p * v[d] : 0.0f);
-        }
-        m = mn;
+        attn_key(qr, k, v, hd, a.scale, m, l, o);
     }
-    if (lane == 0) sm[warp] = m, sl[warp] = l;
-#pragma unroll
-    for (int u = 0; u < ATT_DPL; u++) so[warp][lane + 32 * u] = o[u];
-    __syncthreads();
-    if (warp != 0) return;
-    float M = -INFINITY, L = 0.0f;
-    for (int w = 0; w < DATT_WARPS; w++) M = fmaxf(M, sm[w]);
-    for (int w = 0; w < DATT_WARPS; w++) L += sm[w] == -INFINITY ? 0.0f : sl[w] * expf(sm[w] - M);
-    float *out = part + ((int64_t)th * splits + sp) * (hd + 2);
-    if (lane == 0) out[0] = M, out[1] = L;
-#pragma unroll
-    for (int u = 0; u < ATT_DPL; u++) {
-        int d = lane + 32 * u;
-        if (d >= hd) continue;
-        float acc = 0.0f;
-        for (int w = 0; w < DATT_WARPS; w++) acc += sm[w] == -INFINITY ? 0.0f : so[w][d] * expf(sm[w] - M);
-        out[2 + d] = acc;
-    }
+    attn_write_part<DATT_WARPS>(m, l, o, hd, part + ((int64_t)th * splits + sp) * (hd + 2));
 }
 
 void dec_attention(qf_backend *be, const qf_attn_dec *a) {

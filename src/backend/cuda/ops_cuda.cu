@@ -277,7 +277,6 @@ void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
 // Block (t*nh + h, split): keys [split*chunk, ...) up to the query's position; writes the
 // unnormalised partial (m, l, o[hd]).
 __global__ void k_attn_part(qf_attn_args a, int chunk, int splits, float *part) {
-    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], so[ATT_WARPS][ATT_DPL * 32];
     int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, kvh = h / (a.nh / a.nkv);
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31, hd = a.hd;
     int n_keys = a.pos0 + t + 1, j0 = sp * chunk, j1 = min(n_keys, j0 + chunk);
@@ -291,41 +290,9 @@ __global__ void k_attn_part(qf_attn_args a, int chunk, int splits, float *part) 
     }
     for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
         const float *k = kv_row(a.kv, j, a.nkv, hd, kvh, 0), *v = kv_row(a.kv, j, a.nkv, hd, kvh, 1);
-        float s = 0.0f;
-#pragma unroll
-        for (int u = 0; u < ATT_DPL; u++) {
-            int d = lane + 32 * u;
-            if (d < hd) s += qr[u] * k[d];
-        }
-        s = warp_sum(s) * a.scale;
-        float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
-        l = l * corr + p;
-#pragma unroll
-        for (int u = 0; u < ATT_DPL; u++) {
-            int d = lane + 32 * u;
-            o[u] = o[u] * corr + (d < hd ? p * v[d] : 0.0f);
-        }
-        m = mn;
+        attn_key(qr, k, v, hd, a.scale, m, l, o);
     }
-    if (lane == 0) sm[warp] = m, sl[warp] = l;
-#pragma unroll
-    for (int u = 0; u < ATT_DPL; u++) so[warp][lane + 32 * u] = o[u];
-    __syncthreads();
-    if (warp != 0) return;
-    float M = -INFINITY;
-    for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm[w]);
-    float L = 0.0f;
-    for (int w = 0; w < ATT_WARPS; w++) L += sm[w] == -INFINITY ? 0.0f : sl[w] * expf(sm[w] - M);
-    float *out = part + ((int64_t)th * splits + sp) * (hd + 2);
-    if (lane == 0) out[0] = M, out[1] = L;
-#pragma unroll
-    for (int u = 0; u < ATT_DPL; u++) {
-        int d = lane + 32 * u;
-        if (d >= hd) continue;
-        float acc = 0.0f;
-        for (int w = 0; w < ATT_WARPS; w++) acc += sm[w] == -INFINITY ? 0.0f : so[w][d] * expf(sm[w] - M);
-        out[2 + d] = acc;
-    }
+    attn_write_part<ATT_WARPS>(m, l, o, hd, part + ((int64_t)th * splits + sp) * (hd + 2));
 }
 
 } // namespace
