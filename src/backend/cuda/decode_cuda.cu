@@ -452,9 +452,9 @@ __device__ void route_warp(const float *rl, int E, int K, int *ti, float *tw) {
     }
 }
 
-// Block (slot k, 8 rows of the expert's ffn, row t): routes row t itself (cheaper than a launch
-// between) while the other warps stage rmsnorm(x); blocks of the first column write slot k's
-// expert and weight for the down kernel.
+// Block (slot k, column y, row t): routes row t itself (cheaper than a launch between) while
+// the other warps stage x * norm weight, then its warps walk the expert's ffn rows y*8 + warp,
+// stepping by the grid. Blocks of column 0 write slot k's expert and weight for the down kernel.
 __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], tw[MOE_MAX_K];
@@ -503,7 +503,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_mo
     }
 }
 
-// Block (8 output rows, a warp each, row t): x[t][i] += sum_k w_k down_k[i] . h_k
+// Block (a warp per output row, stepping by the grid; row t): x[t][i] += sum_k w_k down_k[i] . h_k
 // + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u. The row's pieces of every expert are
 // loaded at once (one memory latency, not one per expert).
 __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi, const float *topw) {
