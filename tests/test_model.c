@@ -171,6 +171,32 @@ static void check_batching(const char *dir) {
     qf_model_free(m);
 }
 
+/* QF_LOGITS_TOP1 returns the id the logits of LAST would give (the first index of the largest),
+ * for a prefilling sequence and a decoding one in one batch, with one sequence asking LAST. */
+static void check_top1(const char *dir) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
+    qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    int V = m->cfg.vocab;
+    int32_t a[6] = {5, 17, 300, 42, 9, 1000}, b[3] = {1500, 2, 700}, ia = -1, ib = -1;
+    qf_state *sa = qf_state_create(m, 16), *sb = qf_state_create(m, 16), *sc = qf_state_create(m, 16), *ra = qf_state_create(m, 16),
+             *rb = qf_state_create(m, 16);
+    float *wa = malloc((size_t)V * 4), *wb = malloc((size_t)V * 4), *lc = malloc((size_t)V * 4);
+    CHECK(qf_forward_seq(m, &be, ws, sb, b, 2, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
+    qf_seq_step steps[3] = {{sa, a, 6, QF_LOGITS_TOP1, NULL, &ia}, {sb, b + 2, 1, QF_LOGITS_TOP1, NULL, &ib}, {sc, b, 3, QF_LOGITS_LAST, lc, NULL}};
+    CHECK(qf_forward(m, &be, ws, steps, 3) == QF_OK, "%s", qf_last_error());
+    CHECK(qf_forward_seq(m, &be, ws, ra, a, 6, QF_LOGITS_LAST, wa) == QF_OK, "%s", qf_last_error());
+    CHECK(qf_forward_seq(m, &be, ws, rb, b, 3, QF_LOGITS_LAST, wb) == QF_OK, "%s", qf_last_error());
+    CHECK(ia == qt_argmax(wa, V) && ib == qt_argmax(wb, V), "%s: TOP1 picks %d %d, LAST logits give %d %d", dir, ia, ib, qt_argmax(wa, V),
+          qt_argmax(wb, V));
+    CHECK(qt_max_abs_diff(lc, wb, V) == 0, "%s: LAST beside TOP1 rows changed", dir);
+    free(wa), free(wb), free(lc);
+    qf_state_free(sa), qf_state_free(sb), qf_state_free(sc), qf_state_free(ra), qf_state_free(rb);
+    qf_workspace_free(ws);
+    qf_model_free(m);
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     const char *dev = getenv("QFLASH_TEST_DEVICE");
@@ -192,5 +218,6 @@ int main(int argc, char **argv) {
     run_model("models/qwen36moe-code-14m", "logits_tail", 5, qf_cpu_ops_best(), 0);
     check_batching("tests/data/qwen35moe-tiny");
     check_batching("tests/data/qwen35-tiny");
+    check_top1("tests/data/qwen35moe-tiny");
     return qt_finish();
 }
