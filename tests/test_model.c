@@ -87,7 +87,8 @@ static void check_prompt(const qf_model *m, qf_backend *be, qf_workspace *ws, co
     qf_state_free(st);
 }
 
-static void run_model(const char *dir, const char *logits_name, int n_prompts, const qf_ops *ops, int hidden) {
+/* compose: forward.c's decode path through the fused decode ops written as plain-op chains */
+static void run_model(const char *dir, const char *logits_name, int n_prompts, const qf_ops *ops, int hidden, int compose) {
     qf_model *m;
     int rc = qf_model_load(&m, qt_path(dir), NULL);
     CHECK(rc == QF_OK, "load %s: %s", dir, qf_last_error());
@@ -101,6 +102,10 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
     if (g_gpu) {
         CHECK(qf_cuda_backend_init(&be, 0) == QF_OK && qf_model_to_device(m, &be, 0) == QF_OK, "%s", qf_last_error());
         ops = be.ops;
+    }
+    if (compose) {
+        CHECK(qf_cpu_dec_compose_init(&be, ops, (size_t)4 << 20) == QF_OK && qf_model_to_device(m, &be, 0) == QF_OK, "%s", qf_last_error());
+        CHECK(m->dec_ok, "%s: the fused decode ops do not take this model", dir);
     }
     /* a small workspace on purpose: prompts longer than 64 rows run in chunks */
     qf_workspace *ws = qf_workspace_create(m, 64);
@@ -122,12 +127,14 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
         snprintf(pn, sizeof pn, "p%d", p);
         check_prompt(m, &be, ws, &ref, pn, logits_name, &worst);
     }
-    fprintf(stderr, "%s [%s%s]: largest logits error over %d prompts: %.3g\n", dir, ops->name, g_gpu && !g_lenient ? ", fp32" : "", n_prompts, worst);
+    fprintf(stderr, "%s [%s%s%s]: largest logits error over %d prompts: %.3g\n", dir, ops->name, g_gpu && !g_lenient ? ", fp32" : "",
+            compose ? ", decode through composed fused ops" : "", n_prompts, worst);
     qf_workspace_free(ws);
     qf_pool_destroy(pool);
     qf_st_close(&ref);
     qf_model_free(m);
     if (g_gpu) qf_cuda_backend_free(&be);
+    if (compose) qf_cpu_dec_compose_free(&be);
 }
 
 /* Two sequences in one batched forward (one prefilling, one decoding), their KV pages interleaved
@@ -204,18 +211,21 @@ int main(int argc, char **argv) {
         const char *fp32 = getenv("QFLASH_CUDA_FP32");
         g_gpu = 1, g_lenient = !(fp32 && *fp32 == '1');
         g_tol = g_lenient ? TOL_GPU_BF16 : TOL_LOGITS;
-        run_model("tests/data/qwen35moe-tiny", "logits", 4, NULL, 0);
-        run_model("tests/data/qwen35-tiny", "logits", 4, NULL, 0);
-        run_model("models/qwen36moe-code-14m", "logits_tail", 5, NULL, 0);
+        run_model("tests/data/qwen35moe-tiny", "logits", 4, NULL, 0, 0);
+        run_model("tests/data/qwen35-tiny", "logits", 4, NULL, 0, 0);
+        run_model("models/qwen36moe-code-14m", "logits_tail", 5, NULL, 0, 0);
         return qt_finish();
     }
     const qf_ops *tables[2] = {&qf_cpu_ops_ref, qf_cpu_ops_best()};
     for (int i = 0; i < 2; i++) {
         if (i == 1 && tables[1] == tables[0]) break;
-        run_model("tests/data/qwen35moe-tiny", "logits", 4, tables[i], 1);
-        run_model("tests/data/qwen35-tiny", "logits", 4, tables[i], 1);
+        run_model("tests/data/qwen35moe-tiny", "logits", 4, tables[i], 1, 0);
+        run_model("tests/data/qwen35-tiny", "logits", 4, tables[i], 1, 0);
     }
-    run_model("models/qwen36moe-code-14m", "logits_tail", 5, qf_cpu_ops_best(), 0);
+    run_model("models/qwen36moe-code-14m", "logits_tail", 5, qf_cpu_ops_best(), 0, 0);
+    /* the decode path (one token per step through the fused ops) against the same references */
+    run_model("tests/data/qwen35moe-tiny", "logits", 4, &qf_cpu_ops_ref, 0, 1);
+    run_model("models/qwen36moe-code-14m", "logits_tail", 5, qf_cpu_ops_best(), 0, 1);
     check_batching("tests/data/qwen35moe-tiny");
     check_batching("tests/data/qwen35-tiny");
     check_top1("tests/data/qwen35moe-tiny");

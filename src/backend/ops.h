@@ -227,6 +227,11 @@ void qf_be_zero(qf_backend *be, void *p, size_t bytes);
 /* CPU tables. qf_cpu_ops_best() picks AVX-512, AVX2/FMA or scalar at run time. */
 extern const qf_ops qf_cpu_ops_ref;
 const qf_ops *qf_cpu_ops_best(void);
+/* For tests: base with the fused decode ops written as the chains of base's ops that define them
+ * (backend/cpu/dec_compose.c), so forward.c's decode path runs on the CPU. Owns scratch_floats of
+ * scratch (enough for QF_DEC_ROWS rows of the widest product and its output); be->dev holds it. */
+int qf_cpu_dec_compose_init(qf_backend *be, const qf_ops *base, size_t scratch_floats);
+void qf_cpu_dec_compose_free(qf_backend *be);
 /* For tests: the SIMD tables this CPU supports (NULL when not supported). */
 const qf_ops *qf_cpu_ops_avx2(void);
 const qf_ops *qf_cpu_ops_avx512(void);

@@ -147,7 +147,8 @@ static int dec_fits(const qf_model *m) {
 }
 
 int qf_model_to_device(qf_model *m, qf_backend *be, int drop_host) {
-    if (!be->ops->alloc) return QF_OK; /* host memory already is the backend's */
+    /* host memory already is the backend's, unless its fused decode ops want the fused matrices */
+    if (!be->ops->alloc && !be->ops->dec) return QF_OK;
     mover mv = {m, be, malloc((size_t)(m->st.n_tensors + 1) * sizeof(void *)), calloc((size_t)m->st.n_tensors + 1, sizeof(void *)),
                 m->st.n_tensors, QF_OK};
     if (!mv.by_addr || !mv.dev) mv.rc = qf_fail(QF_ENOMEM, "out of memory");
