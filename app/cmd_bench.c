@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "backend/cuda/ops_cuda.h"
+#include "base/numeric.h"
 #include "base/timer.h"
 #include "bench.h"
 #include "cli.h"
@@ -186,13 +187,6 @@ typedef struct run_ctx {
     qf_seq_step *steps;
 } run_ctx;
 
-static int32_t argmax(const float *x, int n) {
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return best;
-}
-
 typedef struct run_out {
     double prefill_s, ttft_s, decode_s, experts;
 } run_out;
@@ -210,7 +204,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
         if (rc != QF_OK) return rc;
     }
     o->prefill_s = qf_now() - t0;
-    for (int s = 0; s < x->C; s++) x->next[s] = argmax(x->logits + (size_t)s * V, V);
+    for (int s = 0; s < x->C; s++) x->next[s] = qf_argmax_f32(x->logits + (size_t)s * V, V);
     o->ttft_s = qf_now() - t0;
     uint64_t acq0 = e->model->experts ? e->model->experts->stats.acquires : 0;
     double d0 = qf_now();

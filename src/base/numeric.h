@@ -45,4 +45,12 @@ static inline float qf_f16_to_f32(uint16_t h) {
     return f;
 }
 
+/* The greedy pick: the first index of the largest of x[0..n) (NaNs never win). */
+static inline int32_t qf_argmax_f32(const float *x, int n) {
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
 #endif

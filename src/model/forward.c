@@ -4,6 +4,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "base/numeric.h"
 #include "model/model_int.h"
 #include "model/workspace.h"
 
@@ -299,10 +300,7 @@ static void pick(fwd *f, const float *row, int32_t *out) {
         qf_be_download(be, out, amax, sizeof(int32_t));
         return;
     }
-    int32_t best = 0; /* the CPU tables have no device: row is host memory */
-    for (int i = 1; i < V; i++)
-        if (row[i] > row[best]) best = i;
-    *out = best;
+    *out = qf_argmax_f32(row, V); /* the CPU tables have no device: row is host memory */
 }
 
 /* Final norm + lm_head for the wanted rows: ALL rows straight into the caller's buffer, LAST rows

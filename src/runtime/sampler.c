@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "base/err.h"
+#include "base/numeric.h"
 
 typedef struct cand {
     float logit;
@@ -157,12 +158,7 @@ int qf_sampler_is_greedy(const qf_sampler *s) {
 int32_t qf_sampler_sample(qf_sampler *s, float *logits) {
     const qf_sampling *p = &s->p;
     apply_penalties(s, logits);
-    if (p->temperature == 0.0f) {
-        int32_t best = 0;
-        for (int i = 1; i < s->vocab; i++)
-            if (logits[i] > logits[best]) best = i;
-        return best;
-    }
+    if (p->temperature == 0.0f) return qf_argmax_f32(logits, s->vocab);
     for (int i = 0; i < s->vocab; i++) s->c[i] = (cand){logits[i] / p->temperature, i};
     int n = select_top_k(s->c, s->vocab, p->top_k);
     /* softmax over the survivors (sorted, best first): w[i] / sum is candidate i's probability */

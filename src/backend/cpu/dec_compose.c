@@ -9,6 +9,7 @@
 
 #include "backend/ops.h"
 #include "base/err.h"
+#include "base/numeric.h"
 
 typedef struct compose {
     qf_ops ops; /* the base table with .dec set */
@@ -144,13 +145,7 @@ static void c_moe(qf_backend *be, const qf_moe_dec *a) {
 
 static void c_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *out) {
     (void)be;
-    for (int t = 0; t < n; t++) {
-        const float *r = x + (size_t)t * cols;
-        int32_t best = 0;
-        for (int i = 1; i < cols; i++)
-            if (r[i] > r[best]) best = i;
-        out[t] = best;
-    }
+    for (int t = 0; t < n; t++) out[t] = qf_argmax_f32(x + (size_t)t * cols, cols);
 }
 
 static const qf_dec_ops k_compose = {c_matmul, c_gdn, c_attention, c_moe, c_argmax};
