@@ -160,48 +160,56 @@ static void test_attention(int T, int pos0) {
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
 }
 
-/* The CPU's routing, written out: softmax over E, top-k (ties to the lower index), renormalised. */
-static void ref_route(const float *l, int E, int K, int *ti, float *w) {
-    float mx = l[0], sum = 0, ts = 0;
-    for (int e = 1; e < E; e++) mx = fmaxf(mx, l[e]);
-    for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
-    for (int k = 0; k < K; k++) {
-        int best = -1;
-        for (int e = 0; e < E; e++) {
-            int taken = 0;
-            for (int j = 0; j < k; j++) taken |= ti[j] == e;
-            if (!taken && (best < 0 || l[e] > l[best])) best = e;
-        }
-        ti[k] = best, w[k] = expf(l[best] - mx) / sum, ts += w[k];
+/* E random bf16 experts (gate, up: I x H; down: H x I), as host views and device copies. */
+typedef struct test_experts {
+    void *hgu, *hd;
+    char *dgu, *ddn;
+    qf_expert *host, *dev;
+} test_experts;
+
+static test_experts make_experts(int E, int I, int H) {
+    test_experts x;
+    bf16_mat((int64_t)E * 2 * I, H, &x.hgu), bf16_mat((int64_t)E * H, I, &x.hd);
+    x.host = malloc((size_t)E * sizeof *x.host), x.dev = malloc((size_t)E * sizeof *x.dev);
+    x.dgu = up(x.hgu, (size_t)E * 2 * I * H * 2), x.ddn = up(x.hd, (size_t)E * H * I * 2);
+    for (int e = 0; e < E; e++) {
+        size_t og = (size_t)e * 2 * I * H * 2, ou = og + (size_t)I * H * 2, od = (size_t)e * H * I * 2;
+        x.host[e] = (qf_expert){{QF_DT_BF16, (char *)x.hgu + og, I, H}, {QF_DT_BF16, (char *)x.hgu + ou, I, H}, {QF_DT_BF16, (char *)x.hd + od, H, I}};
+        x.dev[e] = (qf_expert){{QF_DT_BF16, x.dgu + og, I, H}, {QF_DT_BF16, x.dgu + ou, I, H}, {QF_DT_BF16, x.ddn + od, H, I}};
     }
-    for (int k = 0; k < K; k++) w[k] /= ts;
+    return x;
+}
+
+static void free_experts(test_experts *x) {
+    free(x->hgu), free(x->hd), free(x->host), free(x->dev);
+    gpu.ops->free(&gpu, x->dgu), gpu.ops->free(&gpu, x->ddn);
+}
+
+/* acc += sum_k w[k] * down(silu(gate x) * up x) over the chosen experts, with the reference ops;
+ * g, u, h: I floats of scratch, y: H. */
+static void ref_experts(const qf_expert *ex, const int *ti, const float *w, int K, const float *x, int I, int H, float *g, float *u, float *h,
+                        float *y, float *acc) {
+    for (int k = 0; k < K; k++) {
+        ref.ops->matmul(&ref, &ex[ti[k]].gate, x, 1, g);
+        ref.ops->matmul(&ref, &ex[ti[k]].up, x, 1, u);
+        ref.ops->swiglu(&ref, g, u, I, 1, I, h);
+        ref.ops->matmul(&ref, &ex[ti[k]].down, h, 1, y);
+        ref.ops->axpy(&ref, acc, y, w[k], H);
+    }
 }
 
 /* The device MoE op against routing + expert MLPs done with the reference ops. */
 static void test_moe(int N, int bench) {
     int E = 256, K = 8, H = 2048, I = 512;
-    void *hgu, *hd;
-    bf16_mat((int64_t)E * 2 * I, H, &hgu), bf16_mat((int64_t)E * H, I, &hd);
-    qf_expert *host = malloc((size_t)E * sizeof *host), *dev = malloc((size_t)E * sizeof *dev);
-    char *dgu = up(hgu, (size_t)E * 2 * I * H * 2), *ddn = up(hd, (size_t)E * H * I * 2);
-    for (int e = 0; e < E; e++) {
-        size_t og = (size_t)e * 2 * I * H * 2, ou = og + (size_t)I * H * 2, od = (size_t)e * H * I * 2;
-        host[e] = (qf_expert){{QF_DT_BF16, (char *)hgu + og, I, H}, {QF_DT_BF16, (char *)hgu + ou, I, H}, {QF_DT_BF16, (char *)hd + od, H, I}};
-        dev[e] = (qf_expert){{QF_DT_BF16, dgu + og, I, H}, {QF_DT_BF16, dgu + ou, I, H}, {QF_DT_BF16, ddn + od, H, I}};
-    }
+    test_experts ex = make_experts(E, I, H);
+    qf_expert *host = ex.host, *dev = ex.dev;
     float *rl = qt_rnd((size_t)N * E, 2.0f), *x = qt_rnd((size_t)N * H, 1.0f), *want = calloc((size_t)N * H, 4);
     float *gb = malloc((size_t)I * 4), *ub = malloc((size_t)I * 4), *hb = malloc((size_t)I * 4), *yb = malloc((size_t)H * 4);
     for (int r = 0; r < N; r++) {
         float w[8];
         int ti[8];
-        ref_route(rl + (size_t)r * E, E, K, ti, w);
-        for (int k = 0; k < K; k++) {
-            ref.ops->matmul(&ref, &host[ti[k]].gate, x + (size_t)r * H, 1, gb);
-            ref.ops->matmul(&ref, &host[ti[k]].up, x + (size_t)r * H, 1, ub);
-            ref.ops->swiglu(&ref, gb, ub, I, 1, I, hb);
-            ref.ops->matmul(&ref, &host[ti[k]].down, hb, 1, yb);
-            ref.ops->axpy(&ref, want + (size_t)r * H, yb, w[k], H);
-        }
+        qf_ref_route(rl + (size_t)r * E, E, K, ti, w);
+        ref_experts(host, ti, w, K, x + (size_t)r * H, I, H, gb, ub, hb, yb, want + (size_t)r * H);
     }
     float *drl = up_f(rl, (size_t)N * E), *dx = up_f(x, (size_t)N * H), *dout = gpu.ops->alloc(&gpu, (size_t)N * H * 4);
     qf_moe_args a = {dev, E, K, N, H, I, drl, dx, dout};
@@ -219,8 +227,9 @@ static void test_moe(int N, int bench) {
         fprintf(stderr, "  moe N=%d: %.1f us per call, %.0f GB/s of expert weights (%.0f%% of 4300 GB/s copy)\n", N, dt * 1e6, bytes / dt / 1e9,
                 100 * bytes / dt / 4.3e12);
     }
-    free(hgu), free(hd), free(host), free(dev), free(rl), free(x), free(want), free(gb), free(ub), free(hb), free(yb);
-    void *d[] = {dgu, ddn, drl, dx, dout};
+    free_experts(&ex);
+    free(rl), free(x), free(want), free(gb), free(ub), free(hb), free(yb);
+    void *d[] = {drl, dx, dout};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
 }
 
@@ -361,16 +370,10 @@ static void test_dec_attention(int n, int nh, int nkv, int hd, int rot, const in
 
 /* Routing, top-k experts and the shared expert, added to x, against the reference ops. */
 static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench) {
-    void *hgu, *hd, *hsd;
-    bf16_mat((int64_t)E * 2 * I, H, &hgu), bf16_mat((int64_t)E * H, I, &hd);
+    void *hsd;
     qf_mat sd = bf16_mat(H, S, &hsd);
-    qf_expert *host = malloc((size_t)E * sizeof *host), *dev = malloc((size_t)E * sizeof *dev);
-    char *dgu = up(hgu, (size_t)E * 2 * I * H * 2), *ddn = up(hd, (size_t)E * H * I * 2);
-    for (int e = 0; e < E; e++) {
-        size_t og = (size_t)e * 2 * I * H * 2, ou = og + (size_t)I * H * 2, od = (size_t)e * H * I * 2;
-        host[e] = (qf_expert){{QF_DT_BF16, (char *)hgu + og, I, H}, {QF_DT_BF16, (char *)hgu + ou, I, H}, {QF_DT_BF16, (char *)hd + od, H, I}};
-        dev[e] = (qf_expert){{QF_DT_BF16, dgu + og, I, H}, {QF_DT_BF16, dgu + ou, I, H}, {QF_DT_BF16, ddn + od, H, I}};
-    }
+    test_experts ex = make_experts(E, I, H);
+    qf_expert *host = ex.host, *dev = ex.dev;
     int rs = E + 2 * S + 1 + 3; /* the ffn_in product's row, padded as a wider stride */
     float *rl = qt_rnd((size_t)n * rs, 2.0f), *x = qt_rnd((size_t)n * H, 1.0f), *nw = qt_rnd(H, 1.0f), *want = copy_f(x, (size_t)n * H);
     float *xn = malloc((size_t)H * 4), *gb = malloc((size_t)I * 4), *ub = malloc((size_t)I * 4), *hb = malloc((size_t)(I > S ? I : S) * 4);
@@ -380,15 +383,9 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench) {
         float w[64];
         int ti[64];
         ref.ops->rmsnorm(&ref, x + (size_t)t * H, H, nw, 1, H, 1e-6f, xn, H);
-        ref_route(l, E, K, ti, w);
+        qf_ref_route(l, E, K, ti, w);
         memset(acc, 0, (size_t)H * 4);
-        for (int k = 0; k < K; k++) {
-            ref.ops->matmul(&ref, &host[ti[k]].gate, xn, 1, gb);
-            ref.ops->matmul(&ref, &host[ti[k]].up, xn, 1, ub);
-            ref.ops->swiglu(&ref, gb, ub, I, 1, I, hb);
-            ref.ops->matmul(&ref, &host[ti[k]].down, hb, 1, yb);
-            ref.ops->axpy(&ref, acc, yb, w[k], H);
-        }
+        ref_experts(host, ti, w, K, xn, I, H, gb, ub, hb, yb, acc);
         ref.ops->swiglu(&ref, l + E, l + E + S, S, 1, S, hb);
         ref.ops->matmul(&ref, &sd, hb, 1, yb);
         ref.ops->sigmoid_scale_add(&ref, acc, yb, l + E + 2 * S, 1, H);
@@ -412,8 +409,9 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench) {
         fprintf(stderr, "  dec moe n=%d: %.1f us per call, %.0f GB/s of expert weights (%.0f%% of 4300 GB/s copy)\n", n, dt * 1e6, bytes / dt / 1e9,
                 100 * bytes / dt / 4.3e12);
     }
-    free(hgu), free(hd), free(hsd), free(host), free(dev), free(rl), free(x), free(nw), free(want), free(xn), free(gb), free(ub), free(hb), free(yb), free(acc);
-    void *d[] = {dgu, ddn, (void *)dsd.data, drl, dx, dnw};
+    free_experts(&ex);
+    free(hsd), free(rl), free(x), free(nw), free(want), free(xn), free(gb), free(ub), free(hb), free(yb), free(acc);
+    void *d[] = {(void *)dsd.data, drl, dx, dnw};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
 }
 

@@ -224,6 +224,11 @@ void qf_be_upload(qf_backend *be, void *dst, const void *src, size_t bytes);
 void qf_be_download(qf_backend *be, void *dst, const void *src, size_t bytes);
 void qf_be_zero(qf_backend *be, void *p, size_t bytes);
 
+/* The reference routing of one row of E router logits: softmax over all E, the top K (ties to the
+ * lower index), their weights renormalised to sum 1 (fp32). ti, tw: K entries, best first. Every
+ * backend's routing is checked against it. */
+void qf_ref_route(const float *logits, int E, int K, int *ti, float *tw);
+
 /* CPU tables. qf_cpu_ops_best() picks AVX-512, AVX2/FMA or scalar at run time. */
 extern const qf_ops qf_cpu_ops_ref;
 const qf_ops *qf_cpu_ops_best(void);

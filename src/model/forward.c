@@ -107,26 +107,8 @@ static void route(fwd *f, const float *logits) {
     float *topw = WS(ws, topw), *asw = WS(ws, asw);
     memset(ws->counts, 0, (size_t)(E + 1) * sizeof(int));
     for (int r = 0; r < f->N; r++) {
-        const float *l = logits + (size_t)r * E;
-        float mx = l[0], sum = 0.0f, top_sum = 0.0f;
-        for (int e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
-        for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
-        int *ti = ws->topi + r * K;
-        for (int k = 0; k < K; k++) { /* k passes: K is small */
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                int taken = 0;
-                for (int j = 0; j < k; j++) taken |= ti[j] == e;
-                if (!taken && (best < 0 || l[e] > l[best])) best = e;
-            }
-            ti[k] = best;
-            topw[r * K + k] = expf(l[best] - mx) / sum;
-            top_sum += topw[r * K + k];
-        }
-        for (int k = 0; k < K; k++) {
-            topw[r * K + k] /= top_sum;
-            ws->counts[ti[k] + 1]++;
-        }
+        qf_ref_route(logits + (size_t)r * E, E, K, ws->topi + r * K, topw + r * K);
+        for (int k = 0; k < K; k++) ws->counts[ws->topi[r * K + k] + 1]++;
     }
     for (int e = 0; e < E; e++) ws->counts[e + 1] += ws->counts[e];
     /* counts[e] now is the end of group e-1; use it as the fill cursor of group e, then shift back */

@@ -99,23 +99,6 @@ static void c_attention(qf_backend *be, const qf_attn_dec *a) {
     }
 }
 
-/* softmax over all E, top-k (ties to the lower index), renormalised, as forward.c's route */
-static void route_row(const float *l, int E, int K, int *ti, float *tw) {
-    float mx = l[0], sum = 0.0f, ts = 0.0f;
-    for (int e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
-    for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
-    for (int k = 0; k < K; k++) {
-        int best = -1;
-        for (int e = 0; e < E; e++) {
-            int taken = 0;
-            for (int j = 0; j < k; j++) taken |= ti[j] == e;
-            if (!taken && (best < 0 || l[e] > l[best])) best = e;
-        }
-        ti[k] = best, tw[k] = expf(l[best] - mx) / sum, ts += tw[k];
-    }
-    for (int k = 0; k < K; k++) tw[k] /= ts;
-}
-
 static void c_moe(qf_backend *be, const qf_moe_dec *a) {
     const qf_ops *o = BASE(be);
     int H = a->hidden, I = a->ffn, S = a->sh_ffn, E = a->n_experts, F = I > S ? I : S, ti[64];
@@ -126,7 +109,7 @@ static void c_moe(qf_backend *be, const qf_moe_dec *a) {
         const float *l = a->rl + (size_t)t * a->rl_stride;
         float *x = a->x + (size_t)t * H;
         o->rmsnorm(be, x, H, a->norm_w, 1, H, a->eps, xn, H);
-        route_row(l, E, a->top_k, ti, tw);
+        qf_ref_route(l, E, a->top_k, ti, tw);
         memset(acc, 0, (size_t)H * sizeof(float));
         for (int k = 0; k < a->top_k; k++) {
             const qf_expert *ex = &a->experts[ti[k]];

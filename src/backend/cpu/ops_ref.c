@@ -195,6 +195,24 @@ void qf_ref_axpy(qf_backend *be, float *y, const float *a, float s, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a[i] * s;
 }
 
+void qf_ref_route(const float *l, int E, int K, int *ti, float *tw) {
+    float mx = l[0], sum = 0.0f, top_sum = 0.0f;
+    for (int e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+    for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
+    for (int k = 0; k < K; k++) { /* k passes: K is small */
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int j = 0; j < k; j++) taken |= ti[j] == e;
+            if (!taken && (best < 0 || l[e] > l[best])) best = e;
+        }
+        ti[k] = best;
+        tw[k] = expf(l[best] - mx) / sum;
+        top_sum += tw[k];
+    }
+    for (int k = 0; k < K; k++) tw[k] /= top_sum;
+}
+
 const qf_ops qf_cpu_ops_ref = {
     .name = "cpu-ref",
     .matmul = ref_matmul,

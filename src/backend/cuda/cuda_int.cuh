@@ -282,6 +282,17 @@ __device__ __forceinline__ const float *kv_row(const qf_kv_view &v, int j, int n
     return v.base + page * v.page_stride + (is_v ? v.v_off : v.k_off) + ((size_t)(j % v.page_tokens) * nkv + h) * hd;
 }
 
+// A warp's start over a query head: the lane's dims lane + 32u of q into qr, o cleared.
+__device__ __forceinline__ void attn_start(const float *q, int hd, float *qr, float *o) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) {
+        int d = lane + 32 * u;
+        qr[u] = d < hd ? q[d] : 0.0f;
+        o[u] = 0.0f;
+    }
+}
+
 // One key into a warp's running softmax (max m, sum l) and output o; lane holds dims lane + 32u.
 __device__ __forceinline__ void attn_key(const float *qr, const float *k, const float *v, int hd, float scale, float &m, float &l, float *o) {
     int lane = threadIdx.x & 31;

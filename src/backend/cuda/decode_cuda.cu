@@ -372,12 +372,7 @@ __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
     }
     __syncthreads();
     float qr[ATT_DPL], o[ATT_DPL], m = -INFINITY, l = 0.0f;
-#pragma unroll
-    for (int u = 0; u < ATT_DPL; u++) {
-        int d = lane + 32 * u;
-        qr[u] = d < hd ? qs[d] : 0.0f;
-        o[u] = 0.0f;
-    }
+    attn_start(qs, hd, qr, o);
     for (int j = j0 + warp; j < j1; j += DATT_WARPS) {
         const float *k = j == pos ? kn : kv_row(kv, j, a.nkv, hd, kvh, 0), *v = j == pos ? vn : kv_row(kv, j, a.nkv, hd, kvh, 1);
         attn_key(qr, k, v, hd, a.scale, m, l, o);

@@ -278,16 +278,11 @@ void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
 // unnormalised partial (m, l, o[hd]).
 __global__ void k_attn_part(qf_attn_args a, int chunk, int splits, float *part) {
     int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, kvh = h / (a.nh / a.nkv);
-    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, hd = a.hd;
+    int warp = threadIdx.x / 32, hd = a.hd;
     int n_keys = a.pos0 + t + 1, j0 = sp * chunk, j1 = min(n_keys, j0 + chunk);
     const float *q = a.q + (int64_t)t * a.q_stride + (int64_t)h * a.q_hstride;
     float qr[ATT_DPL], o[ATT_DPL], m = -INFINITY, l = 0.0f;
-#pragma unroll
-    for (int u = 0; u < ATT_DPL; u++) {
-        int d = lane + 32 * u;
-        qr[u] = d < hd ? q[d] : 0.0f;
-        o[u] = 0.0f;
-    }
+    attn_start(q, hd, qr, o);
     for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
         const float *k = kv_row(a.kv, j, a.nkv, hd, kvh, 0), *v = kv_row(a.kv, j, a.nkv, hd, kvh, 1);
         attn_key(qr, k, v, hd, a.scale, m, l, o);
