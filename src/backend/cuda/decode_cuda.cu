@@ -200,10 +200,12 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
     }
 }
 
-// Blocks of a kernel resident per SM at this shared memory (asked once per kernel and size).
+// Blocks of a kernel resident per SM at this shared memory, asked once per kernel and size; the
+// first time, a size above 48 KiB is also opted in (the launch that follows needs it).
 int resident(ctx *c, const void *fn, int threads, size_t smem) {
     for (int i = 0; i < c->n_occ; i++)
         if (c->occ[i].fn == fn && c->occ[i].smem == smem) return c->occ[i].blocks;
+    if (smem > 48 * 1024) cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     int n = 1;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem) != cudaSuccess || n < 1) n = 1;
     if (c->n_occ < (int)(sizeof c->occ / sizeof *c->occ)) c->occ[c->n_occ++] = {fn, smem, n};
@@ -215,7 +217,6 @@ template <int NT>
 void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, const dpre &p, const depi &e, int acc, float *y) {
     size_t smem = (size_t)n * (size_t)w->cols * sizeof(float);
     int threads = 256, per_block = threads / 32 * PW;
-    if (smem > 48 * 1024) cudaFuncSetAttribute(k_gemv_pre<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     // no more blocks than fit at once: a second wave would pay the staging again, exposed
     int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)(c->sms > 0 ? c->sms : 1) * resident(c, (const void *)k_gemv_pre<NT>, threads, smem);
     int64_t rounds = (need + cap - 1) / cap, grid = (need + rounds - 1) / rounds; // equal rounds for every block
@@ -554,8 +555,6 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
-    if (sm_gu > 48 * 1024) cudaFuncSetAttribute(k_moe_gu, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm_gu);
-    if (sm_dn > 48 * 1024) cudaFuncSetAttribute(k_moe_down, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm_dn);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
     int sms = c->sms > 0 ? c->sms : 1, gu_res = resident(c, (const void *)k_moe_gu, 256, sm_gu) * sms;
     int dn_res = resident(c, (const void *)k_moe_down, 256, sm_dn) * sms;
