@@ -78,6 +78,7 @@ struct ctx {
     int device, fp32, bf16_single;
     int sms, smem_optin, smem_sm; // multiprocessors; shared memory a block may opt in to, and per SM
     int pdl;                      // graphs chain the kernels that allow it programmatically (sm_90+)
+    int stream;                   // one-row decode products stream weights through a shared-memory ring
     profile prof;
     graph_state gs;
     cublasHandle_t blas;
@@ -193,7 +194,9 @@ inline void launch(ctx *c, const char *name, int pdl, void (*k)(P...), dim3 g, d
 #define LAUNCH_PDL(c, k, g, b, smem, ...) launch(c, #k, 1, k, dim3(g), dim3(b), (unsigned)(smem), __VA_ARGS__)
 
 // Programmatic dependent launch (sm_90+; nothing on older chips, where graphs keep full edges):
-// let the next kernel start launching now / wait until the kernel before has finished.
+// let the next kernel start launching now / wait until the kernel before has finished. Every
+// kernel lets the next start only after its own wait: so code before a kernel's wait may read
+// what the kernel two back wrote (it has finished), and at most two kernels share the SMs.
 __device__ __forceinline__ void pdl_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

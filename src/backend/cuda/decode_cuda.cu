@@ -160,10 +160,10 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
     __shared__ float red[NT * PRE_MAX_HEADS];
     float *xs = (float *)dyn;
     int warps = blockDim.x / 32, lane = threadIdx.x & 31, n8 = cols / 8, first = (blockIdx.x * warps + threadIdx.x / 32) * PW;
-    pdl_launch();
     if (first < rows) // the warp's first row streams into L2 while the kernel before ends and x is staged
         for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)first * cols + l));
     pdl_wait();
+    pdl_launch();
     stage<NT>(x, n, cols, p, xs, red);
     float sc[NT];
 #pragma unroll
@@ -197,6 +197,75 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
                     y[o] = acc ? y[o] + s : s;
                 }
             }
+    }
+}
+
+// ---- one-row products that stream their weights ----
+// At one row a product is bound by how soon and how deep its weight loads go out, not by
+// arithmetic. Each warp owns a contiguous run of whole rows and copies it through its own ring of
+// SR 512-byte slots (cp.async: each lane copies and later reads its own 16 bytes, so warps never
+// wait for each other), and the first SR slots are asked for before the kernel waits for the one
+// before it: weights never depend on it. One block of ~80 KB per SM leaves room beside it for the
+// next kernel's block, which does the same while this one finishes.
+#define SR 16 // slots per warp: 8 KB per warp, 64 KB per SM in flight
+#define RU 4  // slots used per round of the loop
+
+__device__ __forceinline__ void cp16(uint4 *dst, const void *src) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// The share [*lo, *hi) of n items of warp `warp` of the block among all the grid's warps.
+__device__ __forceinline__ void warp_share(int n, int *lo, int *hi) {
+    int64_t warps = blockDim.x / 32, gw = (int64_t)blockIdx.x * warps + threadIdx.x / 32, tw = (int64_t)gridDim.x * warps;
+    *lo = (int)(n * gw / tw), *hi = (int)(n * (gw + 1) / tw);
+}
+
+size_t stream_ring_bytes(int threads) { return (size_t)threads / 32 * SR * 512; }
+
+// y[row] (= or +=) W[row] . pre(x) for one row of x: the warp's rows are one contiguous run of
+// (r1 - r0) * cols / 256 slots; lane l holds 8 columns of each (cols % 256 == 0).
+__global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, dpre p,
+                                                        depi ep, int acc, float *__restrict__ y) {
+    extern __shared__ float4 dyn[];
+    __shared__ float red[PRE_MAX_HEADS];
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, r0, r1;
+    uint4 *ring = (uint4 *)dyn + warp * SR * 32 + lane;
+    float *xs = (float *)((uint4 *)dyn + blockDim.x / 32 * SR * 32);
+    warp_share(rows, &r0, &r1);
+    int epr = cols / 256, ne = (r1 - r0) * epr;
+    const uint4 *src = (const uint4 *)(W + (int64_t)r0 * cols) + lane;
+#pragma unroll
+    for (int i = 0; i < SR; i++) {
+        if (i < ne) cp16(ring + i * 32, src + (int64_t)i * 32);
+        cp_commit();
+    }
+    pdl_wait();
+    pdl_launch();
+    stage<1>(x, 1, cols, p, xs, red);
+    float sc = row_scale(p, red, 0, cols), a = 0.0f;
+    int row = r0, c = 0;
+    for (int e0 = 0; e0 < ne; e0 += RU) {
+        cp_wait<SR - RU>(); // slots e0 .. e0 + RU - 1 have landed
+#pragma unroll
+        for (int u = 0; u < RU; u++) {
+            int e = e0 + u;
+            if (e < ne) {
+                a += dot8s(ring[(e % SR) * 32], xs + (c * 32 + lane) * 8, lane);
+                if (e + SR < ne) cp16(ring + (e % SR) * 32, src + (int64_t)(e + SR) * 32);
+                if (++c == epr) {
+                    float s = warp_sum(a) * sc;
+                    if (lane == 0) {
+                        if (ep.on) s = epi_value(ep, 0, row, s);
+                        y[row] = acc ? y[row] + s : s;
+                    }
+                    a = 0.0f, c = 0, row++;
+                }
+            }
+            cp_commit(); // one group per slot, empty or not, so the count above holds
+        }
     }
 }
 
@@ -241,6 +310,12 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
         e = {1, epi->conv_dim, epi->z_dim, epi->nv, epi->conv_k, epi->conv_w, epi->dt_bias, epi->neg_A, {}};
         for (int t = 0; t < QF_DEC_ROWS; t++) e.st[t] = epi->conv_state[t];
     }
+    if (c->stream && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
+        size_t smem = stream_ring_bytes(256) + (size_t)w->cols * sizeof(float);
+        resident(c, (const void *)k_gemv_stream, 256, smem); // opts in to the shared memory
+        LAUNCH_PDL(c, k_gemv_stream, c->sms > 0 ? c->sms : 1, 256, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e, acc, y);
+        return;
+    }
     // rows of x that fit beside the kernel's own shared memory (red: QF_DEC_ROWS * PRE_MAX_HEADS floats)
     size_t room = (size_t)(c->smem_optin > 0 ? c->smem_optin : 48 * 1024) - QF_DEC_ROWS * PRE_MAX_HEADS * sizeof(float) - 1024;
     int fit = (int)(room / ((size_t)w->cols * sizeof(float)));
@@ -281,7 +356,6 @@ template <int DK>
 __global__ void k_gdn_dec(qf_gdn_dec a) {
     __shared__ float qn[DK], kn[DK];
     const int HK = DK / 2;
-    pdl_launch();
     int h = blockIdx.x, lane = threadIdx.x, half = lane & 1, j = blockIdx.y * 16 + lane / 2, t = blockIdx.z;
     int dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk), qk = a.nk * dk, zb = 2 * qk + 2 * a.nv * dv, i0 = half * ((dk + 1) / 2);
     const float *row = a.mixed + (int64_t)t * a.stride, *q = row + kh * dk, *k = row + qk + kh * dk;
@@ -291,6 +365,7 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
 #pragma unroll
     for (int i = 0; i < HK; i++) s[i] = i < n && live ? S[(int64_t)i * dv] : 0.0f; // state of earlier steps: before the wait
     pdl_wait();
+    pdl_launch();
     // every load of this token's inputs issued before the first is used
     float qv[DK / 32], kv[DK / 32], graw = row[zb + a.nv + h], beta = row[zb + h], vj = live ? row[2 * qk + h * dv + j] : 0.0f;
 #pragma unroll
@@ -360,8 +435,8 @@ __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
     int j0 = sp * chunk, j1 = min(pos + 1, j0 + chunk), fresh = j0 <= pos && pos < j1;
     qf_kv_view kv = a.kv[t];
     const float *row = a.qkv + (int64_t)t * a.stride;
-    pdl_launch();
     pdl_wait();
+    pdl_launch();
     if (warp == 0) norm_rope(row + (int64_t)h * 2 * hd, a.q_norm, hd, a.rot, pos, a.inv_freq, a.eps, qs);
     else if (warp == 1 && fresh) {
         norm_rope(row + a.k_off + kvh * hd, a.k_norm, hd, a.rot, pos, a.inv_freq, a.eps, kn);
@@ -458,8 +533,8 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_mo
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, tid = threadIdx.x, t = blockIdx.z, k = blockIdx.x;
     float *xs = (float *)dyn;
     const float *x = a.x + (int64_t)t * H;
-    pdl_launch();
     pdl_wait();
+    pdl_launch();
     if (tid < 32) route_warp(a.rl + (int64_t)t * a.rl_stride, E, K, ti, tw);
     float ss = 0.0f;
 #pragma unroll 4
@@ -509,8 +584,8 @@ __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, t = blockIdx.y;
     float *hs = (float *)dyn, *hsh = hs + K * I;
     const float *rl = a.rl + (int64_t)t * a.rl_stride;
-    pdl_launch();
     pdl_wait();
+    pdl_launch();
     if (tid < K) wk[tid] = topw[t * K + tid], dp[tid] = (const uint16_t *)tab[2 * E + topi[t * K + tid]];
     if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
 #pragma unroll 8
@@ -541,6 +616,133 @@ __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_
     }
 }
 
+// Where a streamed slot of gate/up lies: expert slot k, ffn row j, half h (gate 0, up 1), slot c.
+struct gu_pos {
+    int k, j, h, c;
+    __device__ void next(int epr, int I) {
+        if (++c == epr && (c = 0, h ^= 1) == 0 && ++j == I) j = 0, k++;
+    }
+};
+
+// Where a streamed slot of down lies: output row i, part q (expert slot, K: the shared expert), slot c.
+struct dn_pos {
+    int i, q, c;
+    __device__ int cols(int K, int I, int S) const { return q < K ? I : S; }
+    __device__ int next(int K, int I, int S) { // 1 when the row is complete
+        if (++c < cols(K, I, S) / 256) return 0;
+        c = 0;
+        if (++q <= K) return 0;
+        q = 0, i++;
+        return 1;
+    }
+};
+
+// One row, streamed (as k_gemv_stream): routing and x * norm weight first (they need the kernel
+// before), then the warps stream their share of the K * I (gate row, up row) pairs of the chosen
+// experts, gate row j then up row j, each H / 256 slots.
+__global__ void __launch_bounds__(256, 2) k_moe_gu_stream(const void *const *tab, qf_moe_dec a, float *hbuf) {
+    extern __shared__ float4 dyn[];
+    __shared__ float red[32], tw[MOE_MAX_K];
+    __shared__ int ti[MOE_MAX_K];
+    __shared__ const uint16_t *gp[2 * MOE_MAX_K];
+    int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, tid = threadIdx.x, lane = tid & 31, p0, p1;
+    uint4 *ring = (uint4 *)dyn + tid / 32 * SR * 32 + lane;
+    float *xs = (float *)((uint4 *)dyn + blockDim.x / 32 * SR * 32);
+    pdl_wait();
+    pdl_launch();
+    if (tid < 32) route_warp(a.rl, E, K, ti, tw);
+    float ss = 0.0f;
+#pragma unroll 4
+    for (int i = tid; i < H / 4; i += blockDim.x) { // x * w now; 1/rms scales the finished sums
+        float4 v = ((const float4 *)a.x)[i], w = ((const float4 *)a.norm_w)[i];
+        ((float4 *)xs)[i] = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps); // its barriers also publish ti
+    if (tid < 2 * K) gp[tid] = (const uint16_t *)tab[(tid & 1) * E + ti[tid / 2]];
+    __syncthreads();
+    warp_share(K * I, &p0, &p1);
+    int epr = H / 256, ne = (p1 - p0) * 2 * epr;
+    gu_pos in = {p0 / I, p0 % I, 0, 0}, at = in; // the next slot to ask for, the next to use
+#pragma unroll 1
+    for (int i = 0; i < SR; i++) {
+        if (i < ne) cp16(ring + i * 32, (const uint4 *)(gp[2 * in.k + in.h] + (int64_t)in.j * H) + in.c * 32 + lane), in.next(epr, I);
+        cp_commit();
+    }
+    float acc = 0.0f, g = 0.0f;
+    for (int e0 = 0; e0 < ne; e0 += RU) {
+        cp_wait<SR - RU>();
+#pragma unroll
+        for (int u = 0; u < RU; u++) {
+            int e = e0 + u;
+            if (e < ne) {
+                acc += dot8s(ring[(e % SR) * 32], xs + (at.c * 32 + lane) * 8, lane);
+                if (e + SR < ne) cp16(ring + (e % SR) * 32, (const uint4 *)(gp[2 * in.k + in.h] + (int64_t)in.j * H) + in.c * 32 + lane), in.next(epr, I);
+                if (at.c == epr - 1) {
+                    float s = warp_sum(acc) * inv;
+                    if (at.h == 0) g = s;
+                    else if (lane == 0) hbuf[(int64_t)at.k * I + at.j] = silu(g) * s;
+                    acc = 0.0f;
+                }
+                at.next(epr, I);
+            }
+            cp_commit();
+        }
+    }
+}
+
+// One row, streamed: output row i is the K experts' down rows i and the shared expert's, each
+// I / 256 (S / 256) slots. The routing is redone here before the wait (the router logits come
+// from two kernels back), so the chosen down rows are asked for while gate/up still runs.
+__global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf) {
+    extern __shared__ float4 dyn[];
+    __shared__ float tw[MOE_MAX_K + 1];
+    __shared__ int ti[MOE_MAX_K];
+    __shared__ const uint16_t *dp[MOE_MAX_K + 1];
+    int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, lane = tid & 31, i0, i1;
+    uint4 *ring = (uint4 *)dyn + tid / 32 * SR * 32 + lane;
+    float *hs = (float *)((uint4 *)dyn + blockDim.x / 32 * SR * 32), *hsh = hs + K * I;
+    if (tid < 32) route_warp(a.rl, E, K, ti, tw);
+    __syncthreads();
+    if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
+    if (tid == K) dp[K] = sh_down, tw[K] = 1.0f / (1.0f + expf(-a.rl[E + 2 * S]));
+    __syncthreads();
+    warp_share(H, &i0, &i1);
+    int ne = (i1 - i0) * (K * (I / 256) + S / 256);
+    dn_pos in = {i0, 0, 0}, at = in; // the next slot to ask for, the next to use
+#pragma unroll 1
+    for (int i = 0; i < SR; i++) {
+        if (i < ne) cp16(ring + i * 32, (const uint4 *)(dp[in.q] + (int64_t)in.i * in.cols(K, I, S)) + in.c * 32 + lane), in.next(K, I, S);
+        cp_commit();
+    }
+    pdl_wait();
+    pdl_launch();
+#pragma unroll 8
+    for (int i = tid; i < K * I / 4; i += blockDim.x) ((float4 *)hs)[i] = ((const float4 *)hbuf)[i];
+#pragma unroll 4
+    for (int i = tid; i < S; i += blockDim.x) hsh[i] = silu(a.rl[E + i]) * a.rl[E + S + i];
+    __syncthreads();
+    float acc = 0.0f;
+    for (int e0 = 0; e0 < ne; e0 += RU) {
+        cp_wait<SR - RU>();
+#pragma unroll
+        for (int u = 0; u < RU; u++) {
+            int e = e0 + u;
+            if (e < ne) {
+                acc += tw[at.q] * dot8s(ring[(e % SR) * 32], (at.q < K ? hs + at.q * I : hsh) + (at.c * 32 + lane) * 8, lane);
+                if (e + SR < ne) cp16(ring + (e % SR) * 32, (const uint4 *)(dp[in.q] + (int64_t)in.i * in.cols(K, I, S)) + in.c * 32 + lane), in.next(K, I, S);
+                int row = at.i;
+                if (at.next(K, I, S)) {
+                    float s = warp_sum(acc);
+                    if (lane == 0) a.x[row] += s;
+                    acc = 0.0f;
+                }
+            }
+            cp_commit();
+        }
+    }
+}
+
 void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     ctx *c = C(be);
     const void **tab = expert_table(c, a->experts, a->n_experts);
@@ -550,6 +752,15 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     if (!tab || !s || K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || a->experts[0].gate.dtype != QF_DT_BF16 || H % 8 || I % 8 || a->sh_ffn % 8) {
         fprintf(stderr, "qflash cuda: fused moe: out of device memory, top-k %d > %d, %d experts > %d, or weights not bf16 in rows of 8\n", K, MOE_MAX_K,
                 E, MOE_MAX_E);
+        return;
+    }
+    if (c->stream && n == 1 && H % 256 == 0 && I % 256 == 0 && a->sh_ffn % 256 == 0) {
+        float *hb = (float *)(s + head);
+        size_t ring = stream_ring_bytes(256), sm_gu = ring + (size_t)H * sizeof(float), sm_dn = ring + (size_t)(K * I + a->sh_ffn) * sizeof(float);
+        resident(c, (const void *)k_moe_gu_stream, 256, sm_gu), resident(c, (const void *)k_moe_down_stream, 256, sm_dn); // shared-memory opt-in
+        unsigned g = c->sms > 0 ? (unsigned)c->sms : 1u;
+        LAUNCH_PDL(c, k_moe_gu_stream, g, 256, sm_gu, tab, *a, hb);
+        LAUNCH_PDL(c, k_moe_down_stream, g, 256, sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, (const float *)hb);
         return;
     }
     int *topi = (int *)s;
@@ -590,8 +801,8 @@ __global__ void k_argmax(const float *x, int cols, float *pv, int *pi, unsigned 
     __shared__ int ri[32], last;
     int t = blockIdx.y, per = (cols + gridDim.x - 1) / gridDim.x, c0 = blockIdx.x * per, c1 = min(cols, c0 + per);
     const float *r = x + (int64_t)t * cols;
-    pdl_launch();
     pdl_wait();
+    pdl_launch();
     float bv = -INFINITY;
     int bi = 0x7fffffff;
     for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) better(bv, bi, r[i], i);
