@@ -90,6 +90,11 @@ struct ctx {
     expert_tab tabs[512];
     struct occ_rec { const void *fn; size_t smem; int blocks; } occ[64]; // resident blocks per SM, asked once
     int n_occ;
+    const void *carved[128]; // kernels already set to the largest shared-memory carveout
+    int n_carved;
+    // QFLASH_CUDA_STEPTIME=1: replayed steps timed (GPU between events; host from the step's
+    // begin to its launch; begin to results), means printed when the backend is freed
+    struct steptime { int on; cudaEvent_t ev[2]; double t0, gpu_ms, host_us, wall_us; long n; } st;
     int n_tabs;
 };
 
@@ -160,8 +165,19 @@ inline int prof_name(ctx *c, const char *name) {
     return p->n_names++;
 }
 
+// Every kernel asks for the same split of L1 and shared memory (the most shared memory): an SM
+// holds blocks of two kernels at once only in one split, and programmatic launches put the next
+// kernel's blocks beside the current one's.
+inline void carve(ctx *c, const void *fn) {
+    for (int i = 0; i < c->n_carved; i++)
+        if (c->carved[i] == fn) return;
+    cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, (int)cudaSharedmemCarveoutMaxShared);
+    if (c->n_carved < (int)(sizeof c->carved / sizeof *c->carved)) c->carved[c->n_carved++] = fn;
+}
+
 template <typename... P, typename... A>
 inline void launch(ctx *c, const char *name, int pdl, void (*k)(P...), dim3 g, dim3 b, unsigned smem, A &&...a) {
+    carve(c, (const void *)k);
     std::tuple<P...> vals(std::forward<A>(a)...); // converted to the kernel's own parameter types
     void *args[sizeof...(P) + 1];
     std::apply([&](auto &...v) {

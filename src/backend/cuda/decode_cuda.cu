@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
 // wait for each other), and the first SR slots are asked for before the kernel waits for the one
 // before it: weights never depend on it. One block of ~80 KB per SM leaves room beside it for the
 // next kernel's block, which does the same while this one finishes.
-#define SR 16 // slots per warp: 8 KB per warp, 64 KB per SM in flight
+#define SR 24 // slots per warp: 12 KB per warp, 96 KB per SM in flight (two blocks of ~110 KB still fit an SM)
 #define RU 4  // slots used per round of the loop
 
 __device__ __forceinline__ void cp16(uint4 *dst, const void *src) {
@@ -224,6 +224,43 @@ __device__ __forceinline__ void warp_share(int n, int *lo, int *hi) {
 }
 
 size_t stream_ring_bytes(int threads) { return (size_t)threads / 32 * SR * 512; }
+
+// What a streamed row's end needs besides its sum (a residual, the DeltaNet epilogue's conv
+// weights and state or gate constants), loaded for the warp's rows at once, row r0 + l in lane
+// l: one memory latency per warp instead of one per row, during which the other 31 lanes wait.
+#define EPI_K 4 // conv taps kept in registers; longer convs read memory at the row's end
+struct row_in {
+    float y, w[EPI_K], st[EPI_K - 1], bias, negA;
+};
+
+__device__ void row_in_load(const depi &e, int acc, const float *y, int row, row_in &r) {
+    r.y = acc ? y[row] : 0.0f;
+    if (!e.on) return;
+    int b0 = e.conv_dim + e.z_dim;
+    if (row < e.conv_dim && e.K <= EPI_K) {
+        for (int j = 0; j < e.K; j++) r.w[j] = e.conv_w[(int64_t)row * e.K + j];
+        for (int j = 0; j < e.K - 1; j++) r.st[j] = e.st[0][(int64_t)j * e.conv_dim + row];
+    } else if (row >= b0 + e.nv && row < b0 + 2 * e.nv) {
+        r.bias = e.dt_bias[row - b0 - e.nv], r.negA = e.neg_A[row - b0 - e.nv];
+    }
+}
+
+// epi_value (one row, t = 0) from what row_in_load put in registers.
+__device__ float row_epi(const depi &e, int row, float v, const row_in &r) {
+    if (row < e.conv_dim) {
+        if (e.K > EPI_K) return epi_value(e, 0, row, v);
+        float acc = r.w[e.K - 1] * v, *st = e.st[0];
+        for (int j = 0; j < e.K - 1; j++) acc += r.w[j] * r.st[j];
+        for (int j = 0; j + 1 < e.K - 1; j++) st[(int64_t)j * e.conv_dim + row] = r.st[j + 1];
+        if (e.K > 1) st[(int64_t)(e.K - 2) * e.conv_dim + row] = v;
+        return silu(acc);
+    }
+    int b0 = e.conv_dim + e.z_dim;
+    if (row < b0) return v;
+    if (row < b0 + e.nv) return 1.0f / (1.0f + expf(-v));
+    float u = v + r.bias;
+    return r.negA * (u > 20.0f ? u : log1pf(expf(u)));
+}
 
 // y[row] (= or +=) W[row] . pre(x) for one row of x: the warp's rows are one contiguous run of
 // (r1 - r0) * cols / 256 slots; lane l holds 8 columns of each (cols % 256 == 0).
@@ -244,6 +281,9 @@ __global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restri
     }
     pdl_wait();
     pdl_launch();
+    row_in ri = {};
+    int cached = r1 - r0 <= 32; // more rows than lanes (large products, no epilogue): read at the row's end
+    if (cached && r0 + lane < r1) row_in_load(ep, acc, y, r0 + lane, ri);
     stage<1>(x, 1, cols, p, xs, red);
     float sc = row_scale(p, red, 0, cols), a = 0.0f;
     int row = r0, c = 0;
@@ -256,8 +296,11 @@ __global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restri
                 a += dot8s(ring[(e % SR) * 32], xs + (c * 32 + lane) * 8, lane);
                 if (e + SR < ne) cp16(ring + (e % SR) * 32, src + (int64_t)(e + SR) * 32);
                 if (++c == epr) {
-                    float s = warp_sum(a) * sc;
-                    if (lane == 0) {
+                    float s = warp_sum(a) * sc; // every lane has it
+                    if (cached && lane == row - r0) {
+                        if (ep.on) s = row_epi(ep, row, s, ri);
+                        y[row] = acc ? ri.y + s : s;
+                    } else if (!cached && lane == 0) {
                         if (ep.on) s = epi_value(ep, 0, row, s);
                         y[row] = acc ? y[row] + s : s;
                     }
@@ -270,11 +313,12 @@ __global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restri
 }
 
 // Blocks of a kernel resident per SM at this shared memory, asked once per kernel and size; the
-// first time, a size above 48 KiB is also opted in (the launch that follows needs it).
+// first time, the kernel is also opted in to that much dynamic shared memory (the launch needs it).
 int resident(ctx *c, const void *fn, int threads, size_t smem) {
     for (int i = 0; i < c->n_occ; i++)
         if (c->occ[i].fn == fn && c->occ[i].smem == smem) return c->occ[i].blocks;
-    if (smem > 48 * 1024) cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    // always: 48 KiB without the opt-in counts the kernel's static shared memory too
+    cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     int n = 1;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem) != cudaSuccess || n < 1) n = 1;
     if (c->n_occ < (int)(sizeof c->occ / sizeof *c->occ)) c->occ[c->n_occ++] = {fn, smem, n};
@@ -474,7 +518,7 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) {
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * 64 * (a->hd + 2) * sizeof(float));
     if (!part) return;
     LAUNCH_PDL(c, k_attn_dec, dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part);
-    LAUNCH(c, k_attn_combine, rows, 128, splits, a->hd, part, a->out);
+    LAUNCH_PDL(c, k_attn_combine, rows, 128, 0, splits, a->hd, part, a->out);
 }
 
 // ---- MoE: routing and gate/up in one kernel, down + shared expert + residual in another ----
@@ -717,6 +761,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
     }
     pdl_wait();
     pdl_launch();
+    float res = i0 + lane < i1 ? a.x[i0 + lane] : 0.0f; // the residual of row i0 + lane (rows per warp <= 32, checked at launch)
 #pragma unroll 8
     for (int i = tid; i < K * I / 4; i += blockDim.x) ((float4 *)hs)[i] = ((const float4 *)hbuf)[i];
 #pragma unroll 4
@@ -734,7 +779,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
                 int row = at.i;
                 if (at.next(K, I, S)) {
                     float s = warp_sum(acc);
-                    if (lane == 0) a.x[row] += s;
+                    if (lane == row - i0) a.x[row] = res + s;
                     acc = 0.0f;
                 }
             }
@@ -754,7 +799,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
                 E, MOE_MAX_E);
         return;
     }
-    if (c->stream && n == 1 && H % 256 == 0 && I % 256 == 0 && a->sh_ffn % 256 == 0) {
+    if (c->stream && n == 1 && H % 256 == 0 && I % 256 == 0 && a->sh_ffn % 256 == 0 && H <= 32 * 8 * (c->sms > 0 ? c->sms : 1)) {
         float *hb = (float *)(s + head);
         size_t ring = stream_ring_bytes(256), sm_gu = ring + (size_t)H * sizeof(float), sm_dn = ring + (size_t)(K * I + a->sh_ffn) * sizeof(float);
         resident(c, (const void *)k_moe_gu_stream, 256, sm_gu), resident(c, (const void *)k_moe_down_stream, 256, sm_dn); // shared-memory opt-in

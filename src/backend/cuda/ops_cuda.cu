@@ -1,6 +1,7 @@
 // The CUDA ops table. Every kernel mirrors the CPU reference op of the same name
 // (src/backend/cpu/ops_ref.c); tests/test_cuda.c compares them on random data of the real shapes.
 #include "backend/cuda/cuda_int.cuh"
+#include <time.h>
 
 namespace {
 
@@ -295,6 +296,8 @@ __global__ void k_attn_part(qf_attn_args a, int chunk, int splits, float *part) 
 __global__ void qfc::k_attn_combine(int splits, int hd, const float *part, float *out) {
     int th = blockIdx.x;
     const float *p = part + (int64_t)th * splits * (hd + 2);
+    pdl_wait(); // the decode step launches it programmatically; elsewhere a no-op
+    pdl_launch();
     float M = -INFINITY;
     for (int s = 0; s < splits; s++) M = fmaxf(M, p[s * (hd + 2)]);
     float L = 0.0f;
@@ -617,12 +620,19 @@ void cu_download(qf_backend *be, void *dst, const void *src, size_t n) {
     s->out_used += (n + 255) & ~(size_t)255;
 }
 
+double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
 // The step's shape decides: graphs for up to QF_DEC_ROWS rows, the same key twice
 // in a row to record, then replays while it stays the same.
 void cu_step_begin(qf_backend *be, uint64_t key, int rows) {
     ctx *c = C(be);
     graph_state *s = &c->gs;
     s->n = 0, s->n_outs = 0, s->out_used = 0, s->broken = 0;
+    if (c->st.on) c->st.t0 = now_us();
     int eligible = s->enabled && rows <= QF_DEC_ROWS;
     if (!eligible) {
         s->mode = G_EAGER;
@@ -656,9 +666,18 @@ int cu_step_end(qf_backend *be) {
         s->enabled = 0;
         return qf_fail(QF_EUNSUPPORTED, "CUDA graph step diverged from its recording (graphs now off: QFLASH_CUDA_GRAPHS=0)");
     }
+    int timed = c->st.on && mode == G_REPLAY;
+    double t_launch = timed ? now_us() : 0.0;
+    if (timed) cudaEventRecord(c->st.ev[0], 0);
     check(cudaGraphLaunch(s->ex, 0), "graph launch");
+    if (timed) cudaEventRecord(c->st.ev[1], 0);
     check(cudaStreamSynchronize(0), "graph step");
     for (int i = 0; i < s->n_outs; i++) memcpy(s->outs[i].dst, s->pin_out + s->outs[i].off, s->outs[i].bytes);
+    if (timed) {
+        float ms = 0.0f;
+        cudaEventElapsedTime(&ms, c->st.ev[0], c->st.ev[1]);
+        c->st.gpu_ms += ms, c->st.host_us += t_launch - c->st.t0, c->st.wall_us += now_us() - c->st.t0, c->st.n++;
+    }
     return QF_OK;
 }
 
@@ -727,6 +746,8 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     const char *gr = getenv("QFLASH_CUDA_GRAPHS"), *pr = getenv("QFLASH_CUDA_PROFILE");
     c->prof.on = pr && *pr == '1';
     c->gs.enabled = !(gr && *gr == '0') && !c->prof.on;
+    const char *stt = getenv("QFLASH_CUDA_STEPTIME");
+    c->st.on = stt && *stt == '1' && cudaEventCreate(&c->st.ev[0]) == cudaSuccess && cudaEventCreate(&c->st.ev[1]) == cudaSuccess;
     for (int i = 0; c->prof.on && i < PROF_RING; i++) cudaEventCreate(&c->prof.ev[i][0]), cudaEventCreate(&c->prof.ev[i][1]);
     if (cudaMalloc(&c->amax, argmax_scratch_bytes()) != cudaSuccess || cudaMemset(c->amax, 0, argmax_scratch_bytes()) != cudaSuccess) c->amax = NULL;
     c->gs.argbuf = (unsigned char *)malloc(G_ARG_BYTES); // NULL: every replayed node is re-set
@@ -751,6 +772,12 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
             fprintf(stderr, "  %-22s %9ld calls %10.2f ms %5.1f%% %8.2f us/call\n", c->prof.names[i], c->prof.calls[i], c->prof.ms[i],
                     100 * c->prof.ms[i] / (total > 0 ? total : 1), 1e3 * c->prof.ms[i] / (c->prof.calls[i] ? c->prof.calls[i] : 1));
         for (int i = 0; i < PROF_RING; i++) cudaEventDestroy(c->prof.ev[i][0]), cudaEventDestroy(c->prof.ev[i][1]);
+    }
+    if (c->st.on) {
+        long n = c->st.n ? c->st.n : 1;
+        fprintf(stderr, "qflash cuda: %ld replayed steps: GPU %.1f us, host before launch %.1f us, begin to results %.1f us (means)\n", c->st.n,
+                1e3 * c->st.gpu_ms / n, c->st.host_us / n, c->st.wall_us / n);
+        cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
     cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn), cudaFree(c->amax);
