@@ -478,8 +478,37 @@ static void bench_gemv(int64_t rows, int64_t cols, int n) {
     free(x);
 }
 
+/* The fused decode ops at the real shapes for n rows. */
+static void dec_row_checks(int n) {
+    test_dec_matmul(QF_PRE_NONE, 2048, 2048, 1, n, 0);
+    test_dec_matmul(QF_PRE_RMSNORM, 1281, 2048, 1, n, 0);
+    test_dec_matmul(QF_PRE_GATED_NORM, 2048, 4096, 128, n, 1);
+    test_dec_matmul(QF_PRE_SIGMOID, 2048, 4096, 256, n, 1);
+    test_dec_gdn_proj(n);
+    test_dec_gdn(n, 16, 32, 128, 128);
+    test_dec_moe(n, 256, 8, 2048, 512, 512, n == 1);
+    test_dec_argmax(n, 248320);
+}
+
+/* One-row steps have a second kernel set, the streamed one (QFLASH_CUDA_STREAM=1): the same
+ * checks on a backend made with it. */
+static void streamed_checks(void) {
+    qf_cuda_backend_free(&gpu);
+    setenv("QFLASH_CUDA_STREAM", "1", 1);
+    if (qf_cuda_backend_init(&gpu, 0) != QF_OK) {
+        CHECK(0, "the CUDA backend did not start again: %s", qf_last_error());
+        return;
+    }
+    fprintf(stderr, "streamed one-row kernels (QFLASH_CUDA_STREAM=1):\n");
+    dec_row_checks(1);
+    test_dec_matmul(QF_PRE_GATED_NORM, 128, 256, 32, 1, 1); /* small heads, one row */
+    bench_dec_matmul(12352, 2048, 1);
+    bench_dec_matmul(248320, 2048, 1);
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
+    setenv("QFLASH_CUDA_STREAM", "0", 1); /* the default kernels first; streamed_checks() the others */
     if (!qf_cuda_available() || qf_cuda_backend_init(&gpu, 0) != QF_OK) {
         fprintf(stderr, "test_cuda: skipped (%s)\n", qf_cuda_available() ? qf_last_error() : "no CUDA in this build");
         return 77;
@@ -502,16 +531,7 @@ int main(int argc, char **argv) {
     test_moe(1, 1);
     test_moe(4, 1);
     test_moe(16, 1);
-    for (int n = 1; n <= QF_DEC_ROWS; n = n == 1 ? 8 : n + 8) {
-        test_dec_matmul(QF_PRE_NONE, 2048, 2048, 1, n, 0);
-        test_dec_matmul(QF_PRE_RMSNORM, 1281, 2048, 1, n, 0);
-        test_dec_matmul(QF_PRE_GATED_NORM, 2048, 4096, 128, n, 1);
-        test_dec_matmul(QF_PRE_SIGMOID, 2048, 4096, 256, n, 1);
-        test_dec_gdn_proj(n);
-        test_dec_gdn(n, 16, 32, 128, 128);
-        test_dec_moe(n, 256, 8, 2048, 512, 512, n == 1);
-        test_dec_argmax(n, 248320);
-    }
+    for (int n = 1; n <= QF_DEC_ROWS; n = n == 1 ? 8 : n + 8) dec_row_checks(n);
     test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 3, 1); /* the fixtures' small heads */
     test_dec_gdn(3, 4, 8, 32, 32);
     test_dec_moe(3, 64, 4, 192, 32, 192, 0);
@@ -525,6 +545,7 @@ int main(int argc, char **argv) {
     bench_gemv(248320, 2048, 1); /* the lm_head */
     bench_gemv(8192, 2048, 1);
     bench_gemv(248320, 2048, 4);
+    streamed_checks();
     qf_cuda_backend_free(&gpu);
     return qt_finish();
 }

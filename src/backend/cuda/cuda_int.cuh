@@ -78,7 +78,8 @@ struct ctx {
     int device, fp32, bf16_single;
     int sms, smem_optin, smem_sm; // multiprocessors; shared memory a block may opt in to, and per SM
     int pdl;                      // graphs chain the kernels that allow it programmatically (sm_90+)
-    int stream;                   // one-row decode products stream weights through a shared-memory ring
+    int stream;                   // one-row decode products stream weights through a shared-memory ring (QFLASH_CUDA_STREAM)
+    int stream_blocks;            // their blocks per SM (QFLASH_CUDA_STREAM_BLOCKS, default 1)
     profile prof;
     graph_state gs;
     cublasHandle_t blas;

@@ -225,6 +225,35 @@ __device__ __forceinline__ void warp_share(int n, int *lo, int *hi) {
 
 size_t stream_ring_bytes(int threads) { return (size_t)threads / 32 * SR * 512; }
 
+// A warp's first SR slots (of ne) asked for at once: next() gives the lane's 16-byte source of
+// each slot in turn. One commit group per slot, empty or not, so ring_drain's count holds.
+template <class Next>
+__device__ __forceinline__ void ring_fill(uint4 *ring, int ne, Next &next) {
+#pragma unroll 1
+    for (int i = 0; i < SR; i++) {
+        if (i < ne) cp16(ring + i * 32, next());
+        cp_commit();
+    }
+}
+
+// Every slot in order: use() takes the lane's 16 bytes, then the slot SR further is asked for in
+// its place (next() continues where ring_fill stopped).
+template <class Next, class Use>
+__device__ __forceinline__ void ring_drain(uint4 *ring, int ne, Next &next, Use &use) {
+    for (int e0 = 0; e0 < ne; e0 += RU) {
+        cp_wait<SR - RU>(); // slots e0 .. e0 + RU - 1 have landed
+#pragma unroll
+        for (int u = 0; u < RU; u++) {
+            int e = e0 + u;
+            if (e < ne) {
+                use(ring[(e % SR) * 32]);
+                if (e + SR < ne) cp16(ring + (e % SR) * 32, next());
+            }
+            cp_commit();
+        }
+    }
+}
+
 // What a streamed row's end needs besides its sum (a residual, the DeltaNet epilogue's conv
 // weights and state or gate constants), loaded for the warp's rows at once, row r0 + l in lane
 // l: one memory latency per warp instead of one per row, during which the other 31 lanes wait.
@@ -233,26 +262,35 @@ struct row_in {
     float y, w[EPI_K], st[EPI_K - 1], bias, negA;
 };
 
-__device__ void row_in_load(const depi &e, int acc, const float *y, int row, row_in &r) {
+__device__ __forceinline__ void row_in_load(const depi &e, int acc, const float *y, int row, row_in &r) {
     r.y = acc ? y[row] : 0.0f;
     if (!e.on) return;
     int b0 = e.conv_dim + e.z_dim;
-    if (row < e.conv_dim && e.K <= EPI_K) {
-        for (int j = 0; j < e.K; j++) r.w[j] = e.conv_w[(int64_t)row * e.K + j];
-        for (int j = 0; j < e.K - 1; j++) r.st[j] = e.st[0][(int64_t)j * e.conv_dim + row];
+    if (row < e.conv_dim && e.K <= EPI_K) { // constant indices (guarded) keep r in registers
+#pragma unroll
+        for (int j = 0; j < EPI_K; j++)
+            if (j < e.K) r.w[j] = e.conv_w[(int64_t)row * e.K + j];
+#pragma unroll
+        for (int j = 0; j < EPI_K - 1; j++)
+            if (j < e.K - 1) r.st[j] = e.st[0][(int64_t)j * e.conv_dim + row];
     } else if (row >= b0 + e.nv && row < b0 + 2 * e.nv) {
         r.bias = e.dt_bias[row - b0 - e.nv], r.negA = e.neg_A[row - b0 - e.nv];
     }
 }
 
 // epi_value (one row, t = 0) from what row_in_load put in registers.
-__device__ float row_epi(const depi &e, int row, float v, const row_in &r) {
+__device__ __forceinline__ float row_epi(const depi &e, int row, float v, const row_in &r) {
     if (row < e.conv_dim) {
         if (e.K > EPI_K) return epi_value(e, 0, row, v);
-        float acc = r.w[e.K - 1] * v, *st = e.st[0];
-        for (int j = 0; j < e.K - 1; j++) acc += r.w[j] * r.st[j];
-        for (int j = 0; j + 1 < e.K - 1; j++) st[(int64_t)j * e.conv_dim + row] = r.st[j + 1];
-        if (e.K > 1) st[(int64_t)(e.K - 2) * e.conv_dim + row] = v;
+        float acc = 0.0f, *st = e.st[0];
+#pragma unroll
+        for (int j = 0; j < EPI_K; j++) // taps over the K - 1 carried inputs, then the new one
+            if (j < e.K - 1) acc += r.w[j] * r.st[j];
+            else if (j == e.K - 1) acc += r.w[j] * v;
+#pragma unroll
+        for (int j = 0; j < EPI_K - 1; j++) // the carried inputs shift by one; v becomes the last
+            if (j + 1 < e.K - 1) st[(int64_t)j * e.conv_dim + row] = r.st[j + 1];
+            else if (j == e.K - 2) st[(int64_t)j * e.conv_dim + row] = v;
         return silu(acc);
     }
     int b0 = e.conv_dim + e.z_dim;
@@ -273,12 +311,13 @@ __global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restri
     float *xs = (float *)((uint4 *)dyn + blockDim.x / 32 * SR * 32);
     warp_share(rows, &r0, &r1);
     int epr = cols / 256, ne = (r1 - r0) * epr;
-    const uint4 *src = (const uint4 *)(W + (int64_t)r0 * cols) + lane;
-#pragma unroll
-    for (int i = 0; i < SR; i++) {
-        if (i < ne) cp16(ring + i * 32, src + (int64_t)i * 32);
-        cp_commit();
-    }
+    const uint4 *src = (const uint4 *)(W + (int64_t)r0 * cols) + lane; // the warp's rows are one run
+    auto next = [&]() {
+        const uint4 *at = src;
+        src += 32;
+        return at;
+    };
+    ring_fill(ring, ne, next);
     pdl_wait();
     pdl_launch();
     row_in ri = {};
@@ -287,29 +326,20 @@ __global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restri
     stage<1>(x, 1, cols, p, xs, red);
     float sc = row_scale(p, red, 0, cols), a = 0.0f;
     int row = r0, c = 0;
-    for (int e0 = 0; e0 < ne; e0 += RU) {
-        cp_wait<SR - RU>(); // slots e0 .. e0 + RU - 1 have landed
-#pragma unroll
-        for (int u = 0; u < RU; u++) {
-            int e = e0 + u;
-            if (e < ne) {
-                a += dot8s(ring[(e % SR) * 32], xs + (c * 32 + lane) * 8, lane);
-                if (e + SR < ne) cp16(ring + (e % SR) * 32, src + (int64_t)(e + SR) * 32);
-                if (++c == epr) {
-                    float s = warp_sum(a) * sc; // every lane has it
-                    if (cached && lane == row - r0) {
-                        if (ep.on) s = row_epi(ep, row, s, ri);
-                        y[row] = acc ? ri.y + s : s;
-                    } else if (!cached && lane == 0) {
-                        if (ep.on) s = epi_value(ep, 0, row, s);
-                        y[row] = acc ? y[row] + s : s;
-                    }
-                    a = 0.0f, c = 0, row++;
-                }
-            }
-            cp_commit(); // one group per slot, empty or not, so the count above holds
+    auto use = [&](uint4 w) {
+        a += dot8s(w, xs + (c * 32 + lane) * 8, lane);
+        if (++c < epr) return;
+        float s = warp_sum(a) * sc; // every lane has it
+        if (cached && lane == row - r0) {
+            if (ep.on) s = row_epi(ep, row, s, ri);
+            y[row] = acc ? ri.y + s : s;
+        } else if (!cached && lane == 0) {
+            if (ep.on) s = epi_value(ep, 0, row, s);
+            y[row] = acc ? y[row] + s : s;
         }
-    }
+        a = 0.0f, c = 0, row++;
+    };
+    ring_drain(ring, ne, next, use);
 }
 
 // Blocks of a kernel resident per SM at this shared memory, asked once per kernel and size; the
@@ -357,7 +387,7 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
     if (c->stream && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
         size_t smem = stream_ring_bytes(256) + (size_t)w->cols * sizeof(float);
         resident(c, (const void *)k_gemv_stream, 256, smem); // opts in to the shared memory
-        LAUNCH_PDL(c, k_gemv_stream, c->sms > 0 ? c->sms : 1, 256, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e, acc, y);
+        LAUNCH_PDL(c, k_gemv_stream, (c->sms > 0 ? c->sms : 1) * c->stream_blocks, 256, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e, acc, y);
         return;
     }
     // rows of x that fit beside the kernel's own shared memory (red: QF_DEC_ROWS * PRE_MAX_HEADS floats)
@@ -708,31 +738,24 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu_stream(const void *const *tab
     warp_share(K * I, &p0, &p1);
     int epr = H / 256, ne = (p1 - p0) * 2 * epr;
     gu_pos in = {p0 / I, p0 % I, 0, 0}, at = in; // the next slot to ask for, the next to use
-#pragma unroll 1
-    for (int i = 0; i < SR; i++) {
-        if (i < ne) cp16(ring + i * 32, (const uint4 *)(gp[2 * in.k + in.h] + (int64_t)in.j * H) + in.c * 32 + lane), in.next(epr, I);
-        cp_commit();
-    }
+    auto next = [&]() {
+        const uint4 *src = (const uint4 *)(gp[2 * in.k + in.h] + (int64_t)in.j * H) + in.c * 32 + lane;
+        in.next(epr, I);
+        return src;
+    };
     float acc = 0.0f, g = 0.0f;
-    for (int e0 = 0; e0 < ne; e0 += RU) {
-        cp_wait<SR - RU>();
-#pragma unroll
-        for (int u = 0; u < RU; u++) {
-            int e = e0 + u;
-            if (e < ne) {
-                acc += dot8s(ring[(e % SR) * 32], xs + (at.c * 32 + lane) * 8, lane);
-                if (e + SR < ne) cp16(ring + (e % SR) * 32, (const uint4 *)(gp[2 * in.k + in.h] + (int64_t)in.j * H) + in.c * 32 + lane), in.next(epr, I);
-                if (at.c == epr - 1) {
-                    float s = warp_sum(acc) * inv;
-                    if (at.h == 0) g = s;
-                    else if (lane == 0) hbuf[(int64_t)at.k * I + at.j] = silu(g) * s;
-                    acc = 0.0f;
-                }
-                at.next(epr, I);
-            }
-            cp_commit();
+    auto use = [&](uint4 w) {
+        acc += dot8s(w, xs + (at.c * 32 + lane) * 8, lane);
+        if (at.c == epr - 1) {
+            float s = warp_sum(acc) * inv;
+            if (at.h == 0) g = s;
+            else if (lane == 0) hbuf[(int64_t)at.k * I + at.j] = silu(g) * s;
+            acc = 0.0f;
         }
-    }
+        at.next(epr, I);
+    };
+    ring_fill(ring, ne, next);
+    ring_drain(ring, ne, next, use);
 }
 
 // One row, streamed: output row i is the K experts' down rows i and the shared expert's, each
@@ -754,11 +777,12 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
     warp_share(H, &i0, &i1);
     int ne = (i1 - i0) * (K * (I / 256) + S / 256);
     dn_pos in = {i0, 0, 0}, at = in; // the next slot to ask for, the next to use
-#pragma unroll 1
-    for (int i = 0; i < SR; i++) {
-        if (i < ne) cp16(ring + i * 32, (const uint4 *)(dp[in.q] + (int64_t)in.i * in.cols(K, I, S)) + in.c * 32 + lane), in.next(K, I, S);
-        cp_commit();
-    }
+    auto next = [&]() {
+        const uint4 *src = (const uint4 *)(dp[in.q] + (int64_t)in.i * in.cols(K, I, S)) + in.c * 32 + lane;
+        in.next(K, I, S);
+        return src;
+    };
+    ring_fill(ring, ne, next);
     pdl_wait();
     pdl_launch();
     float res = i0 + lane < i1 ? a.x[i0 + lane] : 0.0f; // the residual of row i0 + lane (rows per warp <= 32, checked at launch)
@@ -768,24 +792,15 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
     for (int i = tid; i < S; i += blockDim.x) hsh[i] = silu(a.rl[E + i]) * a.rl[E + S + i];
     __syncthreads();
     float acc = 0.0f;
-    for (int e0 = 0; e0 < ne; e0 += RU) {
-        cp_wait<SR - RU>();
-#pragma unroll
-        for (int u = 0; u < RU; u++) {
-            int e = e0 + u;
-            if (e < ne) {
-                acc += tw[at.q] * dot8s(ring[(e % SR) * 32], (at.q < K ? hs + at.q * I : hsh) + (at.c * 32 + lane) * 8, lane);
-                if (e + SR < ne) cp16(ring + (e % SR) * 32, (const uint4 *)(dp[in.q] + (int64_t)in.i * in.cols(K, I, S)) + in.c * 32 + lane), in.next(K, I, S);
-                int row = at.i;
-                if (at.next(K, I, S)) {
-                    float s = warp_sum(acc);
-                    if (lane == row - i0) a.x[row] = res + s;
-                    acc = 0.0f;
-                }
-            }
-            cp_commit();
-        }
-    }
+    auto use = [&](uint4 w) {
+        acc += tw[at.q] * dot8s(w, (at.q < K ? hs + at.q * I : hsh) + (at.c * 32 + lane) * 8, lane);
+        int row = at.i;
+        if (!at.next(K, I, S)) return;
+        float s = warp_sum(acc);
+        if (lane == row - i0) a.x[row] = res + s;
+        acc = 0.0f;
+    };
+    ring_drain(ring, ne, next, use);
 }
 
 void dec_moe(qf_backend *be, const qf_moe_dec *a) {
@@ -799,11 +814,11 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
                 E, MOE_MAX_E);
         return;
     }
-    if (c->stream && n == 1 && H % 256 == 0 && I % 256 == 0 && a->sh_ffn % 256 == 0 && H <= 32 * 8 * (c->sms > 0 ? c->sms : 1)) {
+    if (c->stream && n == 1 && H % 256 == 0 && I % 256 == 0 && a->sh_ffn % 256 == 0 && H <= 32 * 8 * (c->sms > 0 ? c->sms : 1) * c->stream_blocks) {
         float *hb = (float *)(s + head);
         size_t ring = stream_ring_bytes(256), sm_gu = ring + (size_t)H * sizeof(float), sm_dn = ring + (size_t)(K * I + a->sh_ffn) * sizeof(float);
         resident(c, (const void *)k_moe_gu_stream, 256, sm_gu), resident(c, (const void *)k_moe_down_stream, 256, sm_dn); // shared-memory opt-in
-        unsigned g = c->sms > 0 ? (unsigned)c->sms : 1u;
+        unsigned g = (c->sms > 0 ? (unsigned)c->sms : 1u) * (unsigned)c->stream_blocks;
         LAUNCH_PDL(c, k_moe_gu_stream, g, 256, sm_gu, tab, *a, hb);
         LAUNCH_PDL(c, k_moe_down_stream, g, 256, sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, (const float *)hb);
         return;

@@ -735,8 +735,12 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
         c->sms = prop.multiProcessorCount, c->smem_optin = (int)prop.sharedMemPerBlockOptin, c->smem_sm = (int)prop.sharedMemPerMultiprocessor;
         const char *pdl = getenv("QFLASH_CUDA_PDL"); /* 1: programmatic edges where kernels allow them */
         c->pdl = prop.major >= 9 && pdl && *pdl == '1'; /* measured slower (notes): opt-in */
-        const char *st = getenv("QFLASH_CUDA_STREAM"); /* 0: one-row decode products as the many-row kernels */
-        c->stream = prop.major >= 8 && !(st && *st == '0');
+        /* the streamed one-row kernels pay off only beside programmatic launches (slower without:
+         * notes, session 4), so they follow QFLASH_CUDA_PDL unless QFLASH_CUDA_STREAM says */
+        const char *st = getenv("QFLASH_CUDA_STREAM");
+        c->stream = prop.major >= 8 && (st && *st ? *st == '1' : c->pdl);
+        const char *sb = getenv("QFLASH_CUDA_STREAM_BLOCKS"); /* 2: twice the warps, no room beside them for the next kernel */
+        c->stream_blocks = sb && *sb == '2' ? 2 : 1;
     }
     if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS) {
         free(c);
