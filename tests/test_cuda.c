@@ -502,6 +502,9 @@ static void streamed_checks(void) {
     fprintf(stderr, "streamed one-row kernels (QFLASH_CUDA_STREAM=1):\n");
     dec_row_checks(1);
     test_dec_matmul(QF_PRE_GATED_NORM, 128, 256, 32, 1, 1); /* small heads, one row */
+    /* a size asked for before, after a smaller one: the kernel's shared-memory opt-in must still
+     * cover it (it once followed the last new size and this launch failed) */
+    test_dec_matmul(QF_PRE_RMSNORM, 1281, 2048, 1, 1, 0);
     bench_dec_matmul(12352, 2048, 1);
     bench_dec_matmul(248320, 2048, 1);
 }

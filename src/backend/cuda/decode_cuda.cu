@@ -342,13 +342,18 @@ __global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restri
     ring_drain(ring, ne, next, use);
 }
 
-// Blocks of a kernel resident per SM at this shared memory, asked once per kernel and size; the
-// first time, the kernel is also opted in to that much dynamic shared memory (the launch needs it).
+// Blocks of a kernel resident per SM at this shared memory, asked once per kernel and size. The
+// opt-in to dynamic shared memory is one value per kernel for every launch, so it is set to the
+// largest size the kernel has been asked for (setting it to each new size in turn would leave it
+// below an earlier, larger size that is then launched again).
 int resident(ctx *c, const void *fn, int threads, size_t smem) {
-    for (int i = 0; i < c->n_occ; i++)
-        if (c->occ[i].fn == fn && c->occ[i].smem == smem) return c->occ[i].blocks;
-    // always: 48 KiB without the opt-in counts the kernel's static shared memory too
-    cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    size_t most = smem;
+    for (int i = 0; i < c->n_occ; i++) {
+        if (c->occ[i].fn != fn) continue;
+        if (c->occ[i].smem == smem) return c->occ[i].blocks;
+        most = c->occ[i].smem > most ? c->occ[i].smem : most;
+    }
+    cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)most);
     int n = 1;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem) != cudaSuccess || n < 1) n = 1;
     if (c->n_occ < (int)(sizeof c->occ / sizeof *c->occ)) c->occ[c->n_occ++] = {fn, smem, n};
