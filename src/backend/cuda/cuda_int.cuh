@@ -178,7 +178,7 @@ inline void carve(ctx *c, const void *fn) {
 
 template <typename... P, typename... A>
 inline void launch(ctx *c, const char *name, int pdl, void (*k)(P...), dim3 g, dim3 b, unsigned smem, A &&...a) {
-    carve(c, (const void *)k);
+    if (c->gs.mode != G_REPLAY) carve(c, (const void *)k); // a replayed kernel was recorded, so carved, before
     std::tuple<P...> vals(std::forward<A>(a)...); // converted to the kernel's own parameter types
     void *args[sizeof...(P) + 1];
     std::apply([&](auto &...v) {

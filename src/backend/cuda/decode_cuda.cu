@@ -131,6 +131,13 @@ __device__ __forceinline__ float dot8s(uint4 w, const float *x, int lane) {
            bf16f(w.z & 0xffff) * b.x + bf16f(w.z >> 16) * b.y + bf16f(w.w & 0xffff) * b.z + bf16f(w.w >> 16) * b.w;
 }
 
+// The DeltaNet gates of an in_proj row (ops.h gdn_gates): beta, and the decay from a's row.
+__device__ __forceinline__ float beta_gate(float v) { return 1.0f / (1.0f + expf(-v)); }
+__device__ __forceinline__ float decay_gate(float v, float dt_bias, float neg_A) {
+    float u = v + dt_bias;
+    return neg_A * (u > 20.0f ? u : log1pf(expf(u)));
+}
+
 // What a DeltaNet in_proj row becomes (ops.h qf_gdn_epi): conv channel, z, beta or decay gate.
 __device__ float epi_value(const depi &e, int t, int row, float v) {
     if (row < e.conv_dim) {
@@ -145,10 +152,8 @@ __device__ float epi_value(const depi &e, int t, int row, float v) {
     }
     int b0 = e.conv_dim + e.z_dim;
     if (row < b0) return v;
-    if (row < b0 + e.nv) return 1.0f / (1.0f + expf(-v));
-    int h = row - b0 - e.nv;
-    float u = v + e.dt_bias[h];
-    return e.neg_A[h] * (u > 20.0f ? u : log1pf(expf(u)));
+    if (row < b0 + e.nv) return beta_gate(v);
+    return decay_gate(v, e.dt_bias[row - b0 - e.nv], e.neg_A[row - b0 - e.nv]);
 }
 
 // y[t][row] (= or +=) W[row] . pre(x[t]): bf16 W (cols % 8 == 0), x staged once per block, the
@@ -205,8 +210,8 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
 // arithmetic. Each warp owns a contiguous run of whole rows and copies it through its own ring of
 // SR 512-byte slots (cp.async: each lane copies and later reads its own 16 bytes, so warps never
 // wait for each other), and the first SR slots are asked for before the kernel waits for the one
-// before it: weights never depend on it. One block of ~80 KB per SM leaves room beside it for the
-// next kernel's block, which does the same while this one finishes.
+// before it: weights never depend on it. One block of ~105-115 KB per SM leaves room beside it for
+// the next kernel's block, which does the same while this one finishes.
 #define SR 24 // slots per warp: 12 KB per warp, 96 KB per SM in flight (two blocks of ~110 KB still fit an SM)
 #define RU 4  // slots used per round of the loop
 
@@ -224,6 +229,9 @@ __device__ __forceinline__ void warp_share(int n, int *lo, int *hi) {
 }
 
 size_t stream_ring_bytes(int threads) { return (size_t)threads / 32 * SR * 512; }
+
+// Blocks of a streamed kernel: one per SM (two with QFLASH_CUDA_STREAM_BLOCKS=2).
+unsigned stream_grid(const ctx *c) { return (unsigned)(c->sms > 0 ? c->sms : 1) * (unsigned)c->stream_blocks; }
 
 // A warp's first SR slots (of ne) asked for at once: next() gives the lane's 16-byte source of
 // each slot in turn. One commit group per slot, empty or not, so ring_drain's count holds.
@@ -295,9 +303,8 @@ __device__ __forceinline__ float row_epi(const depi &e, int row, float v, const 
     }
     int b0 = e.conv_dim + e.z_dim;
     if (row < b0) return v;
-    if (row < b0 + e.nv) return 1.0f / (1.0f + expf(-v));
-    float u = v + r.bias;
-    return r.negA * (u > 20.0f ? u : log1pf(expf(u)));
+    if (row < b0 + e.nv) return beta_gate(v);
+    return decay_gate(v, r.bias, r.negA);
 }
 
 // y[row] (= or +=) W[row] . pre(x) for one row of x: the warp's rows are one contiguous run of
@@ -392,7 +399,7 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
     if (c->stream && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
         size_t smem = stream_ring_bytes(256) + (size_t)w->cols * sizeof(float);
         resident(c, (const void *)k_gemv_stream, 256, smem); // opts in to the shared memory
-        LAUNCH_PDL(c, k_gemv_stream, (c->sms > 0 ? c->sms : 1) * c->stream_blocks, 256, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e, acc, y);
+        LAUNCH_PDL(c, k_gemv_stream, stream_grid(c), 256, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e, acc, y);
         return;
     }
     // rows of x that fit beside the kernel's own shared memory (red: QF_DEC_ROWS * PRE_MAX_HEADS floats)
@@ -602,6 +609,22 @@ __device__ void route_warp(const float *rl, int E, int K, int *ti, float *tw) {
     }
 }
 
+// Warp 0 routes row t (router logits rl, into ti/tw) while the block stages x * norm weight into
+// xs; returns x's 1/rms, which scales the finished sums. The barriers of the sum also publish ti,
+// tw and xs.
+__device__ float route_and_stage(const qf_moe_dec &a, const float *x, const float *rl, int *ti, float *tw, float *xs, float *red) {
+    int H = a.hidden, tid = threadIdx.x;
+    if (tid < 32) route_warp(rl, a.n_experts, a.top_k, ti, tw);
+    float ss = 0.0f;
+#pragma unroll 4
+    for (int i = tid; i < H / 4; i += blockDim.x) {
+        float4 v = ((const float4 *)x)[i], w = ((const float4 *)a.norm_w)[i];
+        ((float4 *)xs)[i] = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    return 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps);
+}
+
 // Block (slot k, column y, row t): routes row t itself (cheaper than a launch between) while
 // the other warps stage x * norm weight, then its warps walk the expert's ffn rows y*8 + warp,
 // stepping by the grid. Blocks of column 0 write slot k's expert and weight for the down kernel.
@@ -614,15 +637,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_mo
     const float *x = a.x + (int64_t)t * H;
     pdl_wait();
     pdl_launch();
-    if (tid < 32) route_warp(a.rl + (int64_t)t * a.rl_stride, E, K, ti, tw);
-    float ss = 0.0f;
-#pragma unroll 4
-    for (int i = tid; i < H / 4; i += blockDim.x) { // x * w now; 1/rms scales the finished sums
-        float4 v = ((const float4 *)x)[i], w = ((const float4 *)a.norm_w)[i];
-        ((float4 *)xs)[i] = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps); // its barriers also publish ti, tw and xs
+    float inv = route_and_stage(a, x, a.rl + (int64_t)t * a.rl_stride, ti, tw, xs, red);
     int e = ti[k], lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32, h8 = H / 8;
     const uint16_t *G = (const uint16_t *)tab[e] + (int64_t)j * H, *U = (const uint16_t *)tab[E + e] + (int64_t)j * H;
     if (j < I)
@@ -729,15 +744,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu_stream(const void *const *tab
     float *xs = (float *)((uint4 *)dyn + blockDim.x / 32 * SR * 32);
     pdl_wait();
     pdl_launch();
-    if (tid < 32) route_warp(a.rl, E, K, ti, tw);
-    float ss = 0.0f;
-#pragma unroll 4
-    for (int i = tid; i < H / 4; i += blockDim.x) { // x * w now; 1/rms scales the finished sums
-        float4 v = ((const float4 *)a.x)[i], w = ((const float4 *)a.norm_w)[i];
-        ((float4 *)xs)[i] = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps); // its barriers also publish ti
+    float inv = route_and_stage(a, a.x, a.rl, ti, tw, xs, red);
     if (tid < 2 * K) gp[tid] = (const uint16_t *)tab[(tid & 1) * E + ti[tid / 2]];
     __syncthreads();
     warp_share(K * I, &p0, &p1);
@@ -819,11 +826,11 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
                 E, MOE_MAX_E);
         return;
     }
-    if (c->stream && n == 1 && H % 256 == 0 && I % 256 == 0 && a->sh_ffn % 256 == 0 && H <= 32 * 8 * (c->sms > 0 ? c->sms : 1) * c->stream_blocks) {
+    if (c->stream && n == 1 && H % 256 == 0 && I % 256 == 0 && a->sh_ffn % 256 == 0 && H <= 32 * 8 * (int)stream_grid(c)) {
         float *hb = (float *)(s + head);
         size_t ring = stream_ring_bytes(256), sm_gu = ring + (size_t)H * sizeof(float), sm_dn = ring + (size_t)(K * I + a->sh_ffn) * sizeof(float);
         resident(c, (const void *)k_moe_gu_stream, 256, sm_gu), resident(c, (const void *)k_moe_down_stream, 256, sm_dn); // shared-memory opt-in
-        unsigned g = (c->sms > 0 ? (unsigned)c->sms : 1u) * (unsigned)c->stream_blocks;
+        unsigned g = stream_grid(c);
         LAUNCH_PDL(c, k_moe_gu_stream, g, 256, sm_gu, tab, *a, hb);
         LAUNCH_PDL(c, k_moe_down_stream, g, 256, sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, (const float *)hb);
         return;
