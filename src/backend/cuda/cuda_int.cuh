@@ -80,6 +80,8 @@ struct ctx {
     int pdl;                      // graphs chain the kernels that allow it programmatically (sm_90+)
     int stream;                   // one-row decode products stream weights through a shared-memory ring (QFLASH_CUDA_STREAM)
     int stream_blocks;            // their blocks per SM (QFLASH_CUDA_STREAM_BLOCKS, default 1)
+    int bps;                      // blocks per SM of the other one-row decode kernels (QFLASH_CUDA_BPS; 0: all that fit)
+    int early;                    // decode kernels issue their first weight loads before waiting (QFLASH_CUDA_EARLY, default 1)
     profile prof;
     graph_state gs;
     cublasHandle_t blas;
@@ -367,6 +369,7 @@ const void **expert_table(ctx *c, const qf_expert *experts, int E);
 
 extern const qf_dec_ops k_dec_ops;
 size_t argmax_scratch_bytes(void);
+void dec_setup(ctx *c); // the decode kernels' settings from the environment (after the device is chosen)
 
 } // namespace qfc
 

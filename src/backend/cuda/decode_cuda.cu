@@ -39,10 +39,10 @@ __device__ float block_sum(float v, float *red) {
 // leaves each row's sum of squares per warp in red[t * 32 + warp]: the row's 1/rms scales the
 // finished dot products (row_scale), so no block-wide reduction stands before the first load.
 // Every loop issues SU loads before it uses one: one memory latency per SU elements, not each.
-#define SU 8
 #define PRE_MAX_HEADS 64 // GATED_NORM / SIGMOID heads per row that red holds
 template <int NT>
 __device__ void stage(const float *__restrict__ x, int n, int cols, const dpre &p, float *xs, float *red) {
+    constexpr int SU = NT <= 2 ? 4 : 8; // one row: 4 covers 4096 columns in one round and leaves registers to the early loads
     int tid = threadIdx.x, nt = blockDim.x, c4 = cols / 4;
     const float4 *x4 = (const float4 *)x, *w4 = (const float4 *)p.w;
     float4 *s4 = (float4 *)xs;
@@ -156,40 +156,68 @@ __device__ float epi_value(const depi &e, int t, int row, float v) {
     return decay_gate(v, e.dt_bias[row - b0 - e.nv], e.neg_A[row - b0 - e.nv]);
 }
 
+// Diagnostics (QFLASH_CUDA_SKIP, a bit mask): a kernel whose bit is set returns at once, so a
+// replayed step shows what each kind of kernel costs in place (results are then garbage).
+enum { SK_OUT = 1, SK_LMHEAD = 2, SK_FFNIN = 4, SK_IN = 8, SK_GDN = 16, SK_ATTN = 32, SK_MOE_GU = 64, SK_MOE_DN = 128, SK_ARGMAX = 256 };
+__constant__ unsigned g_skip;
+__device__ __forceinline__ bool skipped(unsigned bit) { return (g_skip & bit) != 0; }
+// which product a shape is in a Qwen3.5/3.6 step (hidden 2048..): out/o_proj, lm_head, router + shared gate/up, in/qkv projections
+__device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
+    return rows >= 65536 ? SK_LMHEAD : cols > 2048 ? SK_OUT : rows < 4096 ? SK_FFNIN : SK_IN;
+}
+
 // y[t][row] (= or +=) W[row] . pre(x[t]): bf16 W (cols % 8 == 0), x staged once per block, the
 // blocks striding over groups of rows so the staging is paid once per resident block.
+// early: the warp's first loads go out before the wait for the kernel before and the staging
+// (weights never depend on them), so their memory latency overlaps both.
 template <int NT>
 __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, int n, dpre p,
-                                                     depi e, int acc, float *__restrict__ y) {
+                                                     depi e, int acc, float *__restrict__ y, int early) {
+    if (skipped(gemv_bit(rows, cols))) return;
+    constexpr int CU = NT <= 2 ? 8 : 4; // 16-byte loads per lane and row in flight: one row is bound by them, more rows by the FMAs
     extern __shared__ float4 dyn[];
     __shared__ float red[NT * PRE_MAX_HEADS];
     float *xs = (float *)dyn;
-    int warps = blockDim.x / 32, lane = threadIdx.x & 31, n8 = cols / 8, first = (blockIdx.x * warps + threadIdx.x / 32) * PW;
-    if (first < rows) // the warp's first row streams into L2 while the kernel before ends and x is staged
-        for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)first * cols + l));
+    int warps = blockDim.x / 32, lane = threadIdx.x & 31, n8 = cols / 8, row0 = (blockIdx.x * warps + threadIdx.x / 32) * PW;
+    uint4 v[CU][PW];
+    auto load = [&](int nr, int cb) {
+#pragma unroll
+        for (int u = 0; u < CU; u++) {
+            int c = cb + lane + 32 * u;
+#pragma unroll
+            for (int r = 0; r < PW; r++) v[u][r] = r < nr && c < n8 ? __ldcs((const uint4 *)(W + (int64_t)(row0 + r) * cols) + c) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    int have = early && row0 < rows;
+    if (have) load(min(PW, rows - row0), 0);
+    else if (row0 < rows) // the warp's first row streams into L2 while the kernel before ends and x is staged
+        for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)row0 * cols + l));
     pdl_wait();
     pdl_launch();
     stage<NT>(x, n, cols, p, xs, red);
     float sc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) sc[t] = t < n ? row_scale(p, red, t, cols) : 0.0f;
-    for (int row0 = (blockIdx.x * warps + threadIdx.x / 32) * PW; row0 < rows; row0 += gridDim.x * warps * PW) {
+    for (; row0 < rows; row0 += gridDim.x * warps * PW) {
         int nr = min(PW, rows - row0);
         float a[PW][NT];
 #pragma unroll
         for (int r = 0; r < PW; r++)
 #pragma unroll
             for (int t = 0; t < NT; t++) a[r][t] = 0.0f;
-#pragma unroll(NT <= 2 ? 8 : 4) // one row: many loads in flight; more rows: the FMAs bind, keep registers
-        for (int c = lane; c < n8; c += 32) {
-            uint4 v[PW];
+        for (int cb = 0; cb < n8; cb += 32 * CU) {
+            if (!have) load(nr, cb);
+            have = 0;
 #pragma unroll
-            for (int r = 0; r < PW; r++) v[r] = r < nr ? __ldcs((const uint4 *)(W + (int64_t)(row0 + r) * cols) + c) : make_uint4(0, 0, 0, 0);
+            for (int u = 0; u < CU; u++) {
+                int c = cb + lane + 32 * u;
+                if (c < n8)
 #pragma unroll
-            for (int t = 0; t < NT; t++)
-                if (t < n) // shared memory holds n rows
+                    for (int t = 0; t < NT; t++)
+                        if (t < n) // shared memory holds n rows
 #pragma unroll
-                    for (int r = 0; r < PW; r++) a[r][t] += dot8s(v[r], xs + t * cols + c * 8, lane);
+                            for (int r = 0; r < PW; r++) a[r][t] += dot8s(v[u][r], xs + t * cols + c * 8, lane);
+            }
         }
 #pragma unroll
         for (int r = 0; r < PW; r++)
@@ -311,6 +339,7 @@ __device__ __forceinline__ float row_epi(const depi &e, int row, float v, const 
 // (r1 - r0) * cols / 256 slots; lane l holds 8 columns of each (cols % 256 == 0).
 __global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, dpre p,
                                                         depi ep, int acc, float *__restrict__ y) {
+    if (skipped(gemv_bit(rows, cols))) return;
     extern __shared__ float4 dyn[];
     __shared__ float red[PRE_MAX_HEADS];
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31, r0, r1;
@@ -367,16 +396,20 @@ int resident(ctx *c, const void *fn, int threads, size_t smem) {
     return n;
 }
 
+// Blocks per SM of a one-row decode kernel: all that fit, or QFLASH_CUDA_BPS (1 leaves half the
+// SM to the next kernel's blocks, which a programmatic launch starts while this one ends).
+int per_sm(const ctx *c, int n, int fit) { return n == 1 && c->bps > 0 && c->bps < fit ? c->bps : fit; }
+
 template <int NT>
 // n <= NT rows (the rows from n on are masked; called with n == NT)
 void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, const dpre &p, const depi &e, int acc, float *y) {
     size_t smem = (size_t)n * (size_t)w->cols * sizeof(float);
     int threads = 256, per_block = threads / 32 * PW;
     // no more blocks than fit at once: a second wave would pay the staging again, exposed
-    int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)(c->sms > 0 ? c->sms : 1) * resident(c, (const void *)k_gemv_pre<NT>, threads, smem);
+    int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)(c->sms > 0 ? c->sms : 1) * per_sm(c, n, resident(c, (const void *)k_gemv_pre<NT>, threads, smem));
     int64_t rounds = (need + cap - 1) / cap, grid = (need + rounds - 1) / rounds; // equal rounds for every block
     LAUNCH_PDL(c, k_gemv_pre<NT>, (unsigned)grid, threads, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, n, p, e,
-             acc, y);
+             acc, y, c->early);
 }
 
 void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, float *y) {
@@ -447,6 +480,7 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
     const float *row = a.mixed + (int64_t)t * a.stride, *q = row + kh * dk, *k = row + qk + kh * dk;
     float *S = a.S[t] + (int64_t)h * dk * dv + (int64_t)i0 * dv + j;
     int live = j < dv, n = min(HK, dk - i0);
+    if (skipped(SK_GDN)) return;
     float s[HK];
 #pragma unroll
     for (int i = 0; i < HK; i++) s[i] = i < n && live ? S[(int64_t)i * dv] : 0.0f; // state of earlier steps: before the wait
@@ -521,6 +555,7 @@ __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
     int j0 = sp * chunk, j1 = min(pos + 1, j0 + chunk), fresh = j0 <= pos && pos < j1;
     qf_kv_view kv = a.kv[t];
     const float *row = a.qkv + (int64_t)t * a.stride;
+    if (skipped(SK_ATTN)) return;
     pdl_wait();
     pdl_launch();
     if (warp == 0) norm_rope(row + (int64_t)h * 2 * hd, a.q_norm, hd, a.rot, pos, a.inv_freq, a.eps, qs);
@@ -567,7 +602,6 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) {
 
 #define MOE_MAX_K 64
 #define MOE_MAX_E 512 // routing keeps E / 32 logits per lane in registers
-#define GU_U 8        // 16-byte loads a lane has in flight in gate/up (16 measured slower: 1 block per SM)
 #define DN_U 12       // the same in down (8 experts + shared of 512 columns: two rounds)
 
 // Warp 0 routes row t: k rounds of a warp-wide argmax over the logits (ties to the lower index,
@@ -609,12 +643,10 @@ __device__ void route_warp(const float *rl, int E, int K, int *ti, float *tw) {
     }
 }
 
-// Warp 0 routes row t (router logits rl, into ti/tw) while the block stages x * norm weight into
-// xs; returns x's 1/rms, which scales the finished sums. The barriers of the sum also publish ti,
-// tw and xs.
-__device__ float route_and_stage(const qf_moe_dec &a, const float *x, const float *rl, int *ti, float *tw, float *xs, float *red) {
+// x * norm weight into xs; returns x's 1/rms, which scales the finished sums (the barriers of the
+// sum publish xs).
+__device__ float stage_normed(const qf_moe_dec &a, const float *x, float *xs, float *red) {
     int H = a.hidden, tid = threadIdx.x;
-    if (tid < 32) route_warp(rl, a.n_experts, a.top_k, ti, tw);
     float ss = 0.0f;
 #pragma unroll 4
     for (int i = tid; i < H / 4; i += blockDim.x) {
@@ -625,39 +657,52 @@ __device__ float route_and_stage(const qf_moe_dec &a, const float *x, const floa
     return 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps);
 }
 
+// Warp 0 routes row t (router logits rl, into ti/tw) while the block stages x * norm weight into
+// xs; returns x's 1/rms, which scales the finished sums. The barriers of the sum also publish ti,
+// tw and xs.
+__device__ float route_and_stage(const qf_moe_dec &a, const float *x, const float *rl, int *ti, float *tw, float *xs, float *red) {
+    if (threadIdx.x < 32) route_warp(rl, a.n_experts, a.top_k, ti, tw);
+    return stage_normed(a, x, xs, red);
+}
+
 // Block (slot k, column y, row t): routes row t itself (cheaper than a launch between) while
 // the other warps stage x * norm weight, then its warps walk the expert's ffn rows y*8 + warp,
 // stepping by the grid. Blocks of column 0 write slot k's expert and weight for the down kernel.
-__global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw) {
+// early: x (the kernel two back wrote it) is staged before the wait; only the routing waits.
+template <int U> // 16-byte loads a lane has in flight: 16 needs one block per SM (144 registers)
+__global__ void __launch_bounds__(256, U > 8 ? 1 : 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw, int early) {
+    if (skipped(SK_MOE_GU)) return;
     extern __shared__ float4 dyn[];
     __shared__ float red[32], tw[MOE_MAX_K];
     __shared__ int ti[MOE_MAX_K];
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, tid = threadIdx.x, t = blockIdx.z, k = blockIdx.x;
-    float *xs = (float *)dyn;
-    const float *x = a.x + (int64_t)t * H;
-    pdl_wait();
-    pdl_launch();
-    float inv = route_and_stage(a, x, a.rl + (int64_t)t * a.rl_stride, ti, tw, xs, red);
+    float *xs = (float *)dyn, inv;
+    const float *x = a.x + (int64_t)t * H, *rl = a.rl + (int64_t)t * a.rl_stride;
+    if (early) {
+        inv = stage_normed(a, x, xs, red);
+        pdl_wait();
+        pdl_launch();
+        if (tid < 32) route_warp(rl, E, K, ti, tw);
+        __syncthreads();
+    } else {
+        pdl_wait();
+        pdl_launch();
+        inv = route_and_stage(a, x, rl, ti, tw, xs, red);
+    }
     int e = ti[k], lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32, h8 = H / 8;
-    const uint16_t *G = (const uint16_t *)tab[e] + (int64_t)j * H, *U = (const uint16_t *)tab[E + e] + (int64_t)j * H;
-    if (j < I)
-        for (int l = lane * 64; l < H; l += 32 * 64) { // the warp's first two rows into L2
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(G + l));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(U + l));
-        }
     if (blockIdx.y == 0 && tid == 0) topi[t * K + k] = e, topw[t * K + k] = tw[k];
     for (; j < I; j += gridDim.y * (blockDim.x / 32)) {
-        G = (const uint16_t *)tab[e] + (int64_t)j * H, U = (const uint16_t *)tab[E + e] + (int64_t)j * H;
+        const uint16_t *G = (const uint16_t *)tab[e] + (int64_t)j * H, *Up = (const uint16_t *)tab[E + e] + (int64_t)j * H;
         float g = 0.0f, u = 0.0f;
-        for (int f0 = 0; f0 < 2 * h8; f0 += 32 * GU_U) { // gate chunks, then up chunks: a round's loads first
-            uint4 w[GU_U];
+        for (int f0 = 0; f0 < 2 * h8; f0 += 32 * U) { // gate chunks, then up chunks: a round's loads first
+            uint4 w[U];
 #pragma unroll
-            for (int q = 0; q < GU_U; q++) {
+            for (int q = 0; q < U; q++) {
                 int f = f0 + lane + 32 * q;
-                if (f < 2 * h8) w[q] = __ldcs((const uint4 *)(f < h8 ? G : U) + (f < h8 ? f : f - h8));
+                if (f < 2 * h8) w[q] = __ldcs((const uint4 *)(f < h8 ? G : Up) + (f < h8 ? f : f - h8));
             }
 #pragma unroll
-            for (int q = 0; q < GU_U; q++) {
+            for (int q = 0; q < U; q++) {
                 int f = f0 + lane + 32 * q;
                 if (f < h8) g += dot8s(w[q], xs + f * 8, lane);
                 else if (f < 2 * h8) u += dot8s(w[q], xs + (f - h8) * 8, lane);
@@ -670,34 +715,59 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_mo
 
 // Block (a warp per output row, stepping by the grid; row t): x[t][i] += sum_k w_k down_k[i] . h_k
 // + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u. The row's pieces of every expert are
-// loaded at once (one memory latency, not one per expert).
-__global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi, const float *topw) {
+// loaded at once (one memory latency, not one per expert). early: the routing is redone here from
+// the router logits (two kernels back, so before the wait) and the warp's first loads and the
+// shared expert's input go out before it; else the routing comes from gate/up (topi, topw).
+__global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi,
+                                                     const float *topw, int early) {
+    if (skipped(SK_MOE_DN)) return;
     extern __shared__ float4 dyn[];
     __shared__ float wk[MOE_MAX_K + 1];
+    __shared__ int ti[MOE_MAX_K];
     __shared__ const uint16_t *dp[MOE_MAX_K + 1];
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, t = blockIdx.y;
+    int lane = tid & 31, w8 = I / 8, ke = K * w8, total = ke + S / 8, i = blockIdx.x * (blockDim.x / 32) + tid / 32;
     float *hs = (float *)dyn, *hsh = hs + K * I;
     const float *rl = a.rl + (int64_t)t * a.rl_stride;
-    pdl_wait();
-    pdl_launch();
-    if (tid < K) wk[tid] = topw[t * K + tid], dp[tid] = (const uint16_t *)tab[2 * E + topi[t * K + tid]];
-    if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
-#pragma unroll 8
-    for (int i = tid; i < K * I / 4; i += blockDim.x) ((float4 *)hs)[i] = ((const float4 *)(hbuf + (int64_t)t * K * I))[i];
+    uint4 w[DN_U];
+    auto load = [&](int f0) {
+#pragma unroll
+        for (int q = 0; q < DN_U; q++) {
+            int f = f0 + lane + 32 * q;
+            if (f < ke) w[q] = __ldcs((const uint4 *)(dp[f / w8] + (int64_t)i * I) + f % w8);
+            else if (f < total) w[q] = __ldcs((const uint4 *)(sh_down + (int64_t)i * S) + (f - ke));
+        }
+    };
+    auto shared_in = [&]() {
 #pragma unroll 4
-    for (int i = tid; i < S; i += blockDim.x) hsh[i] = silu(rl[E + i]) * rl[E + S + i];
+        for (int j = tid; j < S; j += blockDim.x) hsh[j] = silu(rl[E + j]) * rl[E + S + j];
+    };
+    int have = 0;
+    if (early) {
+        if (tid < 32) route_warp(rl, E, K, ti, wk);
+        __syncthreads();
+        if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
+        if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
+        __syncthreads();
+        if (i < H) load(0), have = 1;
+        shared_in();
+        pdl_wait();
+        pdl_launch();
+    } else {
+        pdl_wait();
+        pdl_launch();
+        if (tid < K) wk[tid] = topw[t * K + tid], dp[tid] = (const uint16_t *)tab[2 * E + topi[t * K + tid]];
+        if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
+        shared_in();
+    }
+#pragma unroll 8
+    for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = ((const float4 *)(hbuf + (int64_t)t * K * I))[j];
     __syncthreads();
-    int lane = tid & 31, w8 = I / 8, ke = K * w8, total = ke + S / 8;
-    for (int i = blockIdx.x * (blockDim.x / 32) + tid / 32; i < H; i += gridDim.x * (blockDim.x / 32)) {
+    for (; i < H; i += gridDim.x * (blockDim.x / 32)) {
         float acc = 0.0f;
         for (int f0 = 0; f0 < total; f0 += 32 * DN_U) {
-            uint4 w[DN_U];
-#pragma unroll
-            for (int q = 0; q < DN_U; q++) {
-                int f = f0 + lane + 32 * q;
-                if (f < ke) w[q] = __ldcs((const uint4 *)(dp[f / w8] + (int64_t)i * I) + f % w8);
-                else if (f < total) w[q] = __ldcs((const uint4 *)(sh_down + (int64_t)i * S) + (f - ke));
-            }
+            if (!have) load(f0);
+            have = 0;
 #pragma unroll
             for (int q = 0; q < DN_U; q++) {
                 int f = f0 + lane + 32 * q;
@@ -735,6 +805,7 @@ struct dn_pos {
 // before), then the warps stream their share of the K * I (gate row, up row) pairs of the chosen
 // experts, gate row j then up row j, each H / 256 slots.
 __global__ void __launch_bounds__(256, 2) k_moe_gu_stream(const void *const *tab, qf_moe_dec a, float *hbuf) {
+    if (skipped(SK_MOE_GU)) return;
     extern __shared__ float4 dyn[];
     __shared__ float red[32], tw[MOE_MAX_K];
     __shared__ int ti[MOE_MAX_K];
@@ -774,6 +845,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu_stream(const void *const *tab
 // I / 256 (S / 256) slots. The routing is redone here before the wait (the router logits come
 // from two kernels back), so the chosen down rows are asked for while gate/up still runs.
 __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf) {
+    if (skipped(SK_MOE_DN)) return;
     extern __shared__ float4 dyn[];
     __shared__ float tw[MOE_MAX_K + 1];
     __shared__ int ti[MOE_MAX_K];
@@ -839,13 +911,16 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
-    int sms = c->sms > 0 ? c->sms : 1, gu_res = resident(c, (const void *)k_moe_gu, 256, sm_gu) * sms;
-    int dn_res = resident(c, (const void *)k_moe_down, 256, sm_dn) * sms;
+    // one row: 16 loads in flight per lane in gate/up (one block per SM; 8 streams fell from 599 to
+    // 521 tok/s with it, batch 1 rose from 244 to 271: notes, session 3)
+    void (*gu)(const void *const *, qf_moe_dec, float *, int *, float *, int) = n == 1 ? k_moe_gu<16> : k_moe_gu<8>;
+    int sms = c->sms > 0 ? c->sms : 1, gu_res = per_sm(c, n, resident(c, (const void *)gu, 256, sm_gu)) * sms;
+    int dn_res = per_sm(c, n, resident(c, (const void *)k_moe_down, 256, sm_dn)) * sms;
     int gy = gu_res / (K * n), dx = dn_res / n;
     gy = gy < 1 ? 1 : gy > (I + 7) / 8 ? (I + 7) / 8 : gy;
     dx = dx < 1 ? 1 : dx > (H + 7) / 8 ? (H + 7) / 8 : dx;
-    LAUNCH_PDL(c, k_moe_gu, dim3(K, gy, n), 256, sm_gu, tab, *a, hbuf, topi, topw);
-    LAUNCH_PDL(c, k_moe_down, dim3(dx, n), 256, sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, topi, topw);
+    launch(c, n == 1 ? "k_moe_gu<16>" : "k_moe_gu<8>", 1, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, c->early);
+    LAUNCH_PDL(c, k_moe_down, dim3(dx, n), 256, sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, topi, topw, c->early);
 }
 
 // ---- greedy pick: the first index of the largest value per row ----
@@ -873,6 +948,7 @@ __global__ void k_argmax(const float *x, int cols, float *pv, int *pi, unsigned 
     __shared__ int ri[32], last;
     int t = blockIdx.y, per = (cols + gridDim.x - 1) / gridDim.x, c0 = blockIdx.x * per, c1 = min(cols, c0 + per);
     const float *r = x + (int64_t)t * cols;
+    if (skipped(SK_ARGMAX)) return;
     pdl_wait();
     pdl_launch();
     float bv = -INFINITY;
@@ -908,5 +984,14 @@ void dec_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *out) {
 } // namespace
 
 const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax};
+
+void qfc::dec_setup(ctx *c) {
+    const char *bps = getenv("QFLASH_CUDA_BPS"), *early = getenv("QFLASH_CUDA_EARLY"), *skip = getenv("QFLASH_CUDA_SKIP");
+    c->bps = bps ? atoi(bps) : 0;
+    c->early = !(early && *early == '0');
+    unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
+    if (m) fprintf(stderr, "qflash cuda: QFLASH_CUDA_SKIP=%#x: decode kernels of those kinds do nothing (timing only, results are wrong)\n", m);
+    cudaMemcpyToSymbol(g_skip, &m, sizeof m);
+}
 
 size_t qfc::argmax_scratch_bytes(void) { return (size_t)QF_DEC_ROWS * 8 * (AMAX_BLOCKS * 8 + 4); }

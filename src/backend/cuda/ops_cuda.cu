@@ -742,6 +742,7 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
         const char *sb = getenv("QFLASH_CUDA_STREAM_BLOCKS"); /* 2: twice the warps, no room beside them for the next kernel */
         c->stream_blocks = sb && *sb == '2' ? 2 : 1;
     }
+    dec_setup(c);
     if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS) {
         free(c);
         return qf_fail(QF_EUNSUPPORTED, "cuBLAS did not start");
