@@ -40,6 +40,35 @@ __device__ float block_sum(float v, float *red) {
 // finished dot products (row_scale), so no block-wide reduction stands before the first load.
 // Every loop issues SU loads before it uses one: one memory latency per SU elements, not each.
 #define PRE_MAX_HEADS 64 // GATED_NORM / SIGMOID heads per row that red holds
+#define HD_REG 8         // a head's elements per lane that stage_heads keeps in registers (heads <= 256)
+
+// GATED_NORM / SIGMOID of heads <= 32 * HD_REG wide: a warp per (row, head) loads the head, its
+// gate and weight at once, takes the head's 1/rms and writes the gated values, so no element
+// pays the index divisions of the general loop (they were most of a DeltaNet out_proj's time).
+__device__ void stage_heads(const float *__restrict__ x, int n, int cols, const dpre &p, float *xs) {
+    int lane = threadIdx.x & 31, heads = cols / p.head, gated = p.kind == QF_PRE_GATED_NORM;
+    for (int th = threadIdx.x / 32; th < n * heads; th += blockDim.x / 32) {
+        int t = th / heads, hh = th - t * heads;
+        const float *xv = x + (int64_t)t * cols + (int64_t)hh * p.head, *gv = p.g + (int64_t)t * p.g_stride + (int64_t)hh * p.g_hstride;
+        float v[HD_REG], g[HD_REG], w[HD_REG], ss = 0.0f;
+#pragma unroll
+        for (int u = 0; u < HD_REG; u++) {
+            int d = lane + 32 * u;
+            if (d < p.head) v[u] = xv[d], g[u] = gv[d], w[u] = gated ? p.w[d] : 1.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < HD_REG; u++)
+            if (lane + 32 * u < p.head) ss += v[u] * v[u];
+        float inv = gated ? 1.0f / sqrtf(warp_sum(ss) / (float)p.head + p.eps) : 0.0f;
+        float *o = xs + (int64_t)t * cols + (int64_t)hh * p.head;
+#pragma unroll
+        for (int u = 0; u < HD_REG; u++) {
+            int d = lane + 32 * u;
+            if (d < p.head) o[d] = gated ? silu(g[u]) * (v[u] * inv * w[u]) : v[u] * (1.0f / (1.0f + expf(-g[u])));
+        }
+    }
+    __syncthreads();
+}
 template <int NT>
 __device__ void stage(const float *__restrict__ x, int n, int cols, const dpre &p, float *xs, float *red) {
     constexpr int SU = NT <= 2 ? 4 : 8; // one row: 4 covers 4096 columns in one round and leaves registers to the early loads
@@ -66,6 +95,10 @@ __device__ void stage(const float *__restrict__ x, int n, int cols, const dpre &
             if ((tid & 31) == 0) red[t * 32 + tid / 32] = ss;
         }
         __syncthreads();
+        return;
+    }
+    if ((p.kind == QF_PRE_GATED_NORM || p.kind == QF_PRE_SIGMOID) && p.head <= 32 * HD_REG) {
+        stage_heads(x, n, cols, p, xs);
         return;
     }
     for (int i0 = tid; i0 < n * c4; i0 += nt * SU) {
@@ -156,6 +189,51 @@ __device__ float epi_value(const depi &e, int t, int row, float v) {
     return decay_gate(v, e.dt_bias[row - b0 - e.nv], e.neg_A[row - b0 - e.nv]);
 }
 
+// What a one-row product's row end needs besides its sum (a residual, the DeltaNet epilogue's conv
+// weights and state or gate constants), loaded for the warp's rows at once, row r0 + l in lane
+// l: one memory latency per warp instead of one per row, during which the other 31 lanes wait.
+#define EPI_K 4 // conv taps kept in registers; longer convs read memory at the row's end
+struct row_in {
+    float y, w[EPI_K], st[EPI_K - 1], bias, negA;
+};
+
+__device__ __forceinline__ void row_in_load(const depi &e, int acc, const float *y, int row, row_in &r) {
+    r.y = acc ? y[row] : 0.0f;
+    if (!e.on) return;
+    int b0 = e.conv_dim + e.z_dim;
+    if (row < e.conv_dim && e.K <= EPI_K) { // constant indices (guarded) keep r in registers
+#pragma unroll
+        for (int j = 0; j < EPI_K; j++)
+            if (j < e.K) r.w[j] = e.conv_w[(int64_t)row * e.K + j];
+#pragma unroll
+        for (int j = 0; j < EPI_K - 1; j++)
+            if (j < e.K - 1) r.st[j] = e.st[0][(int64_t)j * e.conv_dim + row];
+    } else if (row >= b0 + e.nv && row < b0 + 2 * e.nv) {
+        r.bias = e.dt_bias[row - b0 - e.nv], r.negA = e.neg_A[row - b0 - e.nv];
+    }
+}
+
+// epi_value (one row, t = 0) from what row_in_load put in registers.
+__device__ __forceinline__ float row_epi(const depi &e, int row, float v, const row_in &r) {
+    if (row < e.conv_dim) {
+        if (e.K > EPI_K) return epi_value(e, 0, row, v);
+        float acc = 0.0f, *st = e.st[0];
+#pragma unroll
+        for (int j = 0; j < EPI_K; j++) // taps over the K - 1 carried inputs, then the new one
+            if (j < e.K - 1) acc += r.w[j] * r.st[j];
+            else if (j == e.K - 1) acc += r.w[j] * v;
+#pragma unroll
+        for (int j = 0; j < EPI_K - 1; j++) // the carried inputs shift by one; v becomes the last
+            if (j + 1 < e.K - 1) st[(int64_t)j * e.conv_dim + row] = r.st[j + 1];
+            else if (j == e.K - 2) st[(int64_t)j * e.conv_dim + row] = v;
+        return silu(acc);
+    }
+    int b0 = e.conv_dim + e.z_dim;
+    if (row < b0) return v;
+    if (row < b0 + e.nv) return beta_gate(v);
+    return decay_gate(v, r.bias, r.negA);
+}
+
 // Diagnostics (QFLASH_CUDA_SKIP, a bit mask): a kernel whose bit is set returns at once, so a
 // replayed step shows what each kind of kernel costs in place (results are then garbage).
 enum { SK_OUT = 1, SK_LMHEAD = 2, SK_FFNIN = 4, SK_IN = 8, SK_GDN = 16, SK_ATTN = 32, SK_MOE_GU = 64, SK_MOE_DN = 128, SK_ARGMAX = 256 };
@@ -200,6 +278,8 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
     for (int t = 0; t < NT; t++) sc[t] = t < n ? row_scale(p, red, t, cols) : 0.0f;
     for (; row0 < rows; row0 += gridDim.x * warps * PW) {
         int nr = min(PW, rows - row0);
+        row_in ri = {}; // one row: lane r holds row row0 + r's end inputs, loaded with the weights
+        if (NT == 1 && lane < nr && (e.on || acc)) row_in_load(e, acc, y, row0 + lane, ri);
         float a[PW][NT];
 #pragma unroll
         for (int r = 0; r < PW; r++)
@@ -223,8 +303,13 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
         for (int r = 0; r < PW; r++)
 #pragma unroll
             for (int t = 0; t < NT; t++) {
-                float s = warp_sum(a[r][t]) * sc[t];
-                if (lane == 0 && r < nr && t < n) {
+                float s = warp_sum(a[r][t]) * sc[t]; // every lane has it
+                if (NT == 1 && (e.on || acc)) {
+                    if (lane == r && r < nr) {
+                        if (e.on) s = row_epi(e, row0 + r, s, ri);
+                        y[row0 + r] = acc ? ri.y + s : s;
+                    }
+                } else if (lane == 0 && r < nr && t < n) {
                     int64_t o = (int64_t)t * rows + row0 + r;
                     if (e.on) s = epi_value(e, t, row0 + r, s);
                     y[o] = acc ? y[o] + s : s;
@@ -288,51 +373,6 @@ __device__ __forceinline__ void ring_drain(uint4 *ring, int ne, Next &next, Use 
             cp_commit();
         }
     }
-}
-
-// What a streamed row's end needs besides its sum (a residual, the DeltaNet epilogue's conv
-// weights and state or gate constants), loaded for the warp's rows at once, row r0 + l in lane
-// l: one memory latency per warp instead of one per row, during which the other 31 lanes wait.
-#define EPI_K 4 // conv taps kept in registers; longer convs read memory at the row's end
-struct row_in {
-    float y, w[EPI_K], st[EPI_K - 1], bias, negA;
-};
-
-__device__ __forceinline__ void row_in_load(const depi &e, int acc, const float *y, int row, row_in &r) {
-    r.y = acc ? y[row] : 0.0f;
-    if (!e.on) return;
-    int b0 = e.conv_dim + e.z_dim;
-    if (row < e.conv_dim && e.K <= EPI_K) { // constant indices (guarded) keep r in registers
-#pragma unroll
-        for (int j = 0; j < EPI_K; j++)
-            if (j < e.K) r.w[j] = e.conv_w[(int64_t)row * e.K + j];
-#pragma unroll
-        for (int j = 0; j < EPI_K - 1; j++)
-            if (j < e.K - 1) r.st[j] = e.st[0][(int64_t)j * e.conv_dim + row];
-    } else if (row >= b0 + e.nv && row < b0 + 2 * e.nv) {
-        r.bias = e.dt_bias[row - b0 - e.nv], r.negA = e.neg_A[row - b0 - e.nv];
-    }
-}
-
-// epi_value (one row, t = 0) from what row_in_load put in registers.
-__device__ __forceinline__ float row_epi(const depi &e, int row, float v, const row_in &r) {
-    if (row < e.conv_dim) {
-        if (e.K > EPI_K) return epi_value(e, 0, row, v);
-        float acc = 0.0f, *st = e.st[0];
-#pragma unroll
-        for (int j = 0; j < EPI_K; j++) // taps over the K - 1 carried inputs, then the new one
-            if (j < e.K - 1) acc += r.w[j] * r.st[j];
-            else if (j == e.K - 1) acc += r.w[j] * v;
-#pragma unroll
-        for (int j = 0; j < EPI_K - 1; j++) // the carried inputs shift by one; v becomes the last
-            if (j + 1 < e.K - 1) st[(int64_t)j * e.conv_dim + row] = r.st[j + 1];
-            else if (j == e.K - 2) st[(int64_t)j * e.conv_dim + row] = v;
-        return silu(acc);
-    }
-    int b0 = e.conv_dim + e.z_dim;
-    if (row < b0) return v;
-    if (row < b0 + e.nv) return beta_gate(v);
-    return decay_gate(v, r.bias, r.negA);
 }
 
 // y[row] (= or +=) W[row] . pre(x) for one row of x: the warp's rows are one contiguous run of
@@ -600,47 +640,59 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) {
 
 // ---- MoE: routing and gate/up in one kernel, down + shared expert + residual in another ----
 
-#define MOE_MAX_K 64
+#define MOE_MAX_K 32 // route_block normalises the chosen weights in one warp
 #define MOE_MAX_E 512 // routing keeps E / 32 logits per lane in registers
 #define DN_U 12       // the same in down (8 experts + shared of 512 columns: two rounds)
 
-// Warp 0 routes row t: k rounds of a warp-wide argmax over the logits (ties to the lower index,
-// as the CPU), then softmax weights over all E renormalised over the chosen. Into ti/tw.
-__device__ void route_warp(const float *rl, int E, int K, int *ti, float *tw) {
-    int lane = threadIdx.x & 31;
-    float v[MOE_MAX_E / 32];
-    unsigned taken = 0;
+// The block routes one row (every thread calls it; E <= MOE_MAX_E, K <= 32): a logit is chosen
+// when fewer than K logits rank above it (greater, or equal at a lower index: the CPU's order).
+// Only a warp's own top K of its 32 logits can be chosen, so each warp ranks its 32 by shuffles,
+// and the candidates (K per 32 logits) are ranked among themselves: a few hundred parallel
+// instructions where K rounds of a warp-wide argmax were a serial chain of ~6000 cycles. Then
+// the softmax weights over all E, renormalised over the chosen, into ti/tw in rank order.
+#define ROUTE_CAND (MOE_MAX_E / 32 * 32)
+__device__ void route_block(const float *rl, int E, int K, int *ti, float *tw) {
+    __shared__ float cv[ROUTE_CAND], red[32];
+    __shared__ int ci[ROUTE_CAND], nc;
+    int tid = threadIdx.x, lane = tid & 31, nw = blockDim.x / 32;
+    if (tid == 0) nc = 0;
+    if (tid < K) ti[tid] = tid, tw[tid] = 0.0f; // NaN logits rank nothing: slots stay valid experts
+    __syncthreads();
+    float v[MOE_MAX_E / 256]; // this thread's logits (blocks of 256 threads)
 #pragma unroll
-    for (int u = 0; u < MOE_MAX_E / 32; u++) v[u] = lane + 32 * u < E ? rl[lane + 32 * u] : -INFINITY;
-    float mx = 0.0f;
-    for (int k = 0; k < K; k++) {
-        float bv = -INFINITY;
-        int bi = 0x7fffffff;
+    for (int u = 0; u < MOE_MAX_E / 256; u++) {
+        int base = (u * nw + tid / 32) * 32;
+        v[u] = base + lane < E ? rl[base + lane] : -INFINITY;
+        if (base >= E) continue; // whole warp alike
+        int r = 0;
 #pragma unroll
-        for (int u = 0; u < MOE_MAX_E / 32; u++) {
-            int idx = lane + 32 * u;
-            if (idx < E && !(taken >> u & 1) && (v[u] > bv || bi == 0x7fffffff)) bv = v[u], bi = idx;
+        for (int o = 0; o < 32; o++) {
+            float ov = __shfl_sync(0xffffffffu, v[u], o);
+            r += ov > v[u] || (ov == v[u] && o < lane);
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+        if (r < K && base + lane < E) {
+            int at = atomicAdd(&nc, 1);
+            cv[at] = v[u], ci[at] = base + lane;
         }
-        if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
-        if (k == 0) mx = bv;
-        if (lane == 0) ti[k] = bi, tw[k] = bv;
     }
-    float s = 0.0f;
+    __syncthreads();
+    for (int c = tid; c < nc; c += blockDim.x) {
+        float m = cv[c];
+        int mi = ci[c], r = 0;
+        for (int j = 0; j < nc; j++) r += cv[j] > m || (cv[j] == m && ci[j] < mi);
+        if (r < K) ti[r] = mi, tw[r] = m;
+    }
+    __syncthreads();
+    float mx = tw[0], e = 0.0f;
 #pragma unroll
-    for (int u = 0; u < MOE_MAX_E / 32; u++)
-        if (lane + 32 * u < E) s += expf(v[u] - mx);
-    s = warp_sum(s);
-    __syncwarp();
-    if (lane == 0) {
-        float ts = 0.0f;
-        for (int k = 0; k < K; k++) tw[k] = expf(tw[k] - mx) / s, ts += tw[k];
-        for (int k = 0; k < K; k++) tw[k] /= ts;
+    for (int u = 0; u < MOE_MAX_E / 256; u++)
+        if ((u * nw + tid / 32) * 32 + lane < E) e += expf(v[u] - mx);
+    float sum = block_sum(e, red);
+    if (tid < 32) {
+        float p = lane < K ? expf(tw[lane] - mx) / sum : 0.0f, ts = warp_sum(p);
+        if (lane < K) tw[lane] = p / ts;
     }
+    __syncthreads();
 }
 
 // x * norm weight into xs; returns x's 1/rms, which scales the finished sums (the barriers of the
@@ -657,21 +709,23 @@ __device__ float stage_normed(const qf_moe_dec &a, const float *x, float *xs, fl
     return 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps);
 }
 
-// Warp 0 routes row t (router logits rl, into ti/tw) while the block stages x * norm weight into
-// xs; returns x's 1/rms, which scales the finished sums. The barriers of the sum also publish ti,
-// tw and xs.
+// The block routes row t (router logits rl, into ti/tw), then stages x * norm weight into xs;
+// returns x's 1/rms, which scales the finished sums.
 __device__ float route_and_stage(const qf_moe_dec &a, const float *x, const float *rl, int *ti, float *tw, float *xs, float *red) {
-    if (threadIdx.x < 32) route_warp(rl, a.n_experts, a.top_k, ti, tw);
+    route_block(rl, a.n_experts, a.top_k, ti, tw);
     return stage_normed(a, x, xs, red);
 }
 
-// Block (slot k, column y, row t): routes row t itself (cheaper than a launch between) while
-// the other warps stage x * norm weight, then its warps walk the expert's ffn rows y*8 + warp,
-// stepping by the grid. Blocks of column 0 write slot k's expert and weight for the down kernel.
+// Block (slot k, column y, row t): routes row t itself (cheaper than a launch between), stages
+// x * norm weight, then its warps walk the expert's ffn rows y*8 + warp, stepping by the grid.
+// Lane l holds columns 8 (l + 32 u) of a row: HL (H / 256, rounded up) 16-byte loads per row, at
+// most 8 of the gate row and 8 of the up row in flight a round, with no index arithmetic per load.
+// Blocks of column 0 write slot k's expert and weight (for the streamed down kernel's checks).
 // early: x (the kernel two back wrote it) is staged before the wait; only the routing waits.
-template <int U> // 16-byte loads a lane has in flight: 16 needs one block per SM (144 registers)
-__global__ void __launch_bounds__(256, U > 8 ? 1 : 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw, int early) {
+template <int HL>
+__global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw, int early) {
     if (skipped(SK_MOE_GU)) return;
+    constexpr int HC = HL < 8 ? HL : 8;
     extern __shared__ float4 dyn[];
     __shared__ float red[32], tw[MOE_MAX_K];
     __shared__ int ti[MOE_MAX_K];
@@ -682,8 +736,7 @@ __global__ void __launch_bounds__(256, U > 8 ? 1 : 2) k_moe_gu(const void *const
         inv = stage_normed(a, x, xs, red);
         pdl_wait();
         pdl_launch();
-        if (tid < 32) route_warp(rl, E, K, ti, tw);
-        __syncthreads();
+        route_block(rl, E, K, ti, tw);
     } else {
         pdl_wait();
         pdl_launch();
@@ -692,20 +745,20 @@ __global__ void __launch_bounds__(256, U > 8 ? 1 : 2) k_moe_gu(const void *const
     int e = ti[k], lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32, h8 = H / 8;
     if (blockIdx.y == 0 && tid == 0) topi[t * K + k] = e, topw[t * K + k] = tw[k];
     for (; j < I; j += gridDim.y * (blockDim.x / 32)) {
-        const uint16_t *G = (const uint16_t *)tab[e] + (int64_t)j * H, *Up = (const uint16_t *)tab[E + e] + (int64_t)j * H;
+        const uint4 *G = (const uint4 *)((const uint16_t *)tab[e] + (int64_t)j * H), *Up = (const uint4 *)((const uint16_t *)tab[E + e] + (int64_t)j * H);
         float g = 0.0f, u = 0.0f;
-        for (int f0 = 0; f0 < 2 * h8; f0 += 32 * U) { // gate chunks, then up chunks: a round's loads first
-            uint4 w[U];
 #pragma unroll
-            for (int q = 0; q < U; q++) {
-                int f = f0 + lane + 32 * q;
-                if (f < 2 * h8) w[q] = __ldcs((const uint4 *)(f < h8 ? G : Up) + (f < h8 ? f : f - h8));
+        for (int c0 = 0; c0 < HL; c0 += HC) {
+            uint4 wg[HC], wu[HC];
+#pragma unroll
+            for (int q = 0; q < HC; q++) {
+                int c = lane + 32 * (c0 + q);
+                if (c < h8) wg[q] = __ldcs(G + c), wu[q] = __ldcs(Up + c);
             }
 #pragma unroll
-            for (int q = 0; q < U; q++) {
-                int f = f0 + lane + 32 * q;
-                if (f < h8) g += dot8s(w[q], xs + f * 8, lane);
-                else if (f < 2 * h8) u += dot8s(w[q], xs + (f - h8) * 8, lane);
+            for (int q = 0; q < HC; q++) {
+                int c = lane + 32 * (c0 + q);
+                if (c < h8) g += dot8s(wg[q], xs + c * 8, lane), u += dot8s(wu[q], xs + c * 8, lane);
             }
         }
         g = warp_sum(g) * inv, u = warp_sum(u) * inv;
@@ -714,28 +767,33 @@ __global__ void __launch_bounds__(256, U > 8 ? 1 : 2) k_moe_gu(const void *const
 }
 
 // Block (a warp per output row, stepping by the grid; row t): x[t][i] += sum_k w_k down_k[i] . h_k
-// + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u. The row's pieces of every expert are
-// loaded at once (one memory latency, not one per expert). early: the routing is redone here from
-// the router logits (two kernels back, so before the wait) and the warp's first loads and the
-// shared expert's input go out before it; else the routing comes from gate/up (topi, topw).
+// + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u. Part q of a row is expert slot q's
+// down row (q = K: the shared expert's), PL 16-byte loads per lane; G parts are loaded at once
+// (one memory latency for the whole row at I = 512). early: the routing is redone here from the
+// router logits (two kernels back, so before the wait) and the warp's first loads and the shared
+// expert's input go out before it; else the routing comes from gate/up (topi, topw).
+template <int PL>
 __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi,
                                                      const float *topw, int early) {
     if (skipped(SK_MOE_DN)) return;
+    constexpr int G = 18 / PL < 1 ? 1 : 18 / PL; // parts a round: 18 loads per lane in flight
     extern __shared__ float4 dyn[];
     __shared__ float wk[MOE_MAX_K + 1];
     __shared__ int ti[MOE_MAX_K];
     __shared__ const uint16_t *dp[MOE_MAX_K + 1];
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, t = blockIdx.y;
-    int lane = tid & 31, w8 = I / 8, ke = K * w8, total = ke + S / 8, i = blockIdx.x * (blockDim.x / 32) + tid / 32;
-    float *hs = (float *)dyn, *hsh = hs + K * I;
+    int lane = tid & 31, P = K + 1, i = blockIdx.x * (blockDim.x / 32) + tid / 32;
+    float *hs = (float *)dyn, *hsh = hs + K * I; // part q's input at hs + q * I
     const float *rl = a.rl + (int64_t)t * a.rl_stride;
-    uint4 w[DN_U];
-    auto load = [&](int f0) {
+    uint4 w[G][PL];
+    auto load = [&](int q0) {
 #pragma unroll
-        for (int q = 0; q < DN_U; q++) {
-            int f = f0 + lane + 32 * q;
-            if (f < ke) w[q] = __ldcs((const uint4 *)(dp[f / w8] + (int64_t)i * I) + f % w8);
-            else if (f < total) w[q] = __ldcs((const uint4 *)(sh_down + (int64_t)i * S) + (f - ke));
+        for (int g = 0; g < G; g++) {
+            int q = q0 + g, cols = q < K ? I : S;
+            const uint4 *src = (const uint4 *)(dp[q < P ? q : 0] + (int64_t)i * cols);
+#pragma unroll
+            for (int u = 0; u < PL; u++)
+                if (q < P && lane + 32 * u < cols / 8) w[g][u] = __ldcs(src + lane + 32 * u);
         }
     };
     auto shared_in = [&]() {
@@ -744,8 +802,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_
     };
     int have = 0;
     if (early) {
-        if (tid < 32) route_warp(rl, E, K, ti, wk);
-        __syncthreads();
+        route_block(rl, E, K, ti, wk);
         if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
         if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
         __syncthreads();
@@ -765,14 +822,17 @@ __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_
     __syncthreads();
     for (; i < H; i += gridDim.x * (blockDim.x / 32)) {
         float acc = 0.0f;
-        for (int f0 = 0; f0 < total; f0 += 32 * DN_U) {
-            if (!have) load(f0);
+        for (int q0 = 0; q0 < P; q0 += G) {
+            if (!have) load(q0);
             have = 0;
 #pragma unroll
-            for (int q = 0; q < DN_U; q++) {
-                int f = f0 + lane + 32 * q;
-                if (f < ke) acc += wk[f / w8] * dot8s(w[q], hs + (f / w8) * I + (f % w8) * 8, lane);
-                else if (f < total) acc += wk[K] * dot8s(w[q], hsh + (f - ke) * 8, lane);
+            for (int g = 0; g < G; g++) {
+                int q = q0 + g, cols = q < K ? I : S;
+                float d = 0.0f;
+#pragma unroll
+                for (int u = 0; u < PL; u++)
+                    if (q < P && lane + 32 * u < cols / 8) d += dot8s(w[g][u], hs + q * I + (lane + 32 * u) * 8, lane);
+                if (q < P) acc += wk[q] * d;
             }
         }
         acc = warp_sum(acc);
@@ -853,8 +913,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, lane = tid & 31, i0, i1;
     uint4 *ring = (uint4 *)dyn + tid / 32 * SR * 32 + lane;
     float *hs = (float *)((uint4 *)dyn + blockDim.x / 32 * SR * 32), *hsh = hs + K * I;
-    if (tid < 32) route_warp(a.rl, E, K, ti, tw);
-    __syncthreads();
+    route_block(a.rl, E, K, ti, tw);
     if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
     if (tid == K) dp[K] = sh_down, tw[K] = 1.0f / (1.0f + expf(-a.rl[E + 2 * S]));
     __syncthreads();
@@ -911,16 +970,25 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
-    // one row: 16 loads in flight per lane in gate/up (one block per SM; 8 streams fell from 599 to
-    // 521 tok/s with it, batch 1 rose from 244 to 271: notes, session 3)
-    void (*gu)(const void *const *, qf_moe_dec, float *, int *, float *, int) = n == 1 ? k_moe_gu<16> : k_moe_gu<8>;
+    // lanes hold 8 (l + 32 u) columns: HL loads per lane for a gate/up row, PL for a down part
+    int HL = H <= 256 ? 1 : H <= 512 ? 2 : H <= 1024 ? 4 : H <= 2048 ? 8 : 16, mc = I > a->sh_ffn ? I : a->sh_ffn;
+    int PL = mc <= 256 ? 1 : mc <= 512 ? 2 : mc <= 1024 ? 4 : 8;
+    if (H > 4096 || mc > 2048) {
+        fprintf(stderr, "qflash cuda: fused moe: hidden %d > 4096 or expert width %d > 2048 is not supported\n", H, mc);
+        return;
+    }
+    typedef void (*gu_fn)(const void *const *, qf_moe_dec, float *, int *, float *, int);
+    typedef void (*dn_fn)(const void *const *, qf_moe_dec, const uint16_t *, const float *, const int *, const float *, int);
+    gu_fn gu = HL == 1 ? k_moe_gu<1> : HL == 2 ? k_moe_gu<2> : HL == 4 ? k_moe_gu<4> : HL == 8 ? k_moe_gu<8> : k_moe_gu<16>;
+    dn_fn dn = PL == 1 ? k_moe_down<1> : PL == 2 ? k_moe_down<2> : PL == 4 ? k_moe_down<4> : k_moe_down<8>;
     int sms = c->sms > 0 ? c->sms : 1, gu_res = per_sm(c, n, resident(c, (const void *)gu, 256, sm_gu)) * sms;
-    int dn_res = per_sm(c, n, resident(c, (const void *)k_moe_down, 256, sm_dn)) * sms;
+    int dn_res = per_sm(c, n, resident(c, (const void *)dn, 256, sm_dn)) * sms;
     int gy = gu_res / (K * n), dx = dn_res / n;
     gy = gy < 1 ? 1 : gy > (I + 7) / 8 ? (I + 7) / 8 : gy;
     dx = dx < 1 ? 1 : dx > (H + 7) / 8 ? (H + 7) / 8 : dx;
-    launch(c, n == 1 ? "k_moe_gu<16>" : "k_moe_gu<8>", 1, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, c->early);
-    LAUNCH_PDL(c, k_moe_down, dim3(dx, n), 256, sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, topi, topw, c->early);
+    launch(c, "k_moe_gu", 1, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, c->early);
+    launch(c, "k_moe_down", 1, dn, dim3(dx, n), dim3(256), (unsigned)sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, (const float *)hbuf,
+           (const int *)topi, (const float *)topw, c->early);
 }
 
 // ---- greedy pick: the first index of the largest value per row ----
