@@ -81,6 +81,8 @@ struct ctx {
     int stream;                   // one-row decode products stream weights through a shared-memory ring (QFLASH_CUDA_STREAM)
     int stream_blocks;            // their blocks per SM (QFLASH_CUDA_STREAM_BLOCKS, default 1)
     int bps;                      // blocks per SM of the other one-row decode kernels (QFLASH_CUDA_BPS; 0: all that fit)
+    int gdn_lpc;                  // lanes per value column in the DeltaNet decode kernel (QFLASH_CUDA_GDN_LPC: 2, 4, 8)
+    int pw1;                      // one-row products of few weight rows take a warp per row (QFLASH_CUDA_PW1, default 1)
     int early;                    // decode kernels issue their first weight loads before waiting (QFLASH_CUDA_EARLY, default 1)
     profile prof;
     graph_state gs;

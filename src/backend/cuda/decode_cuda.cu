@@ -248,26 +248,26 @@ __device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
 // blocks striding over groups of rows so the staging is paid once per resident block.
 // early: the warp's first loads go out before the wait for the kernel before and the staging
 // (weights never depend on them), so their memory latency overlaps both.
-template <int NT>
+template <int NT, int PWT> // PWT rows per warp (PW; 1 for one-row products of few rows: twice the warps)
 __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, int n, dpre p,
                                                      depi e, int acc, float *__restrict__ y, int early) {
     if (skipped(gemv_bit(rows, cols))) return;
-    constexpr int CU = NT <= 2 ? 8 : 4; // 16-byte loads per lane and row in flight: one row is bound by them, more rows by the FMAs
+    constexpr int CU = PWT == 1 ? 16 : NT <= 2 ? 8 : 4; // 16-byte loads per lane and row in flight: one row is bound by them, more rows by the FMAs
     extern __shared__ float4 dyn[];
     __shared__ float red[NT * PRE_MAX_HEADS];
     float *xs = (float *)dyn;
-    int warps = blockDim.x / 32, lane = threadIdx.x & 31, n8 = cols / 8, row0 = (blockIdx.x * warps + threadIdx.x / 32) * PW;
-    uint4 v[CU][PW];
+    int warps = blockDim.x / 32, lane = threadIdx.x & 31, n8 = cols / 8, row0 = (blockIdx.x * warps + threadIdx.x / 32) * PWT;
+    uint4 v[CU][PWT];
     auto load = [&](int nr, int cb) {
 #pragma unroll
         for (int u = 0; u < CU; u++) {
             int c = cb + lane + 32 * u;
 #pragma unroll
-            for (int r = 0; r < PW; r++) v[u][r] = r < nr && c < n8 ? __ldcs((const uint4 *)(W + (int64_t)(row0 + r) * cols) + c) : make_uint4(0, 0, 0, 0);
+            for (int r = 0; r < PWT; r++) v[u][r] = r < nr && c < n8 ? __ldcs((const uint4 *)(W + (int64_t)(row0 + r) * cols) + c) : make_uint4(0, 0, 0, 0);
         }
     };
     int have = early && row0 < rows;
-    if (have) load(min(PW, rows - row0), 0);
+    if (have) load(min(PWT, rows - row0), 0);
     else if (row0 < rows) // the warp's first row streams into L2 while the kernel before ends and x is staged
         for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)row0 * cols + l));
     pdl_wait();
@@ -276,13 +276,13 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
     float sc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) sc[t] = t < n ? row_scale(p, red, t, cols) : 0.0f;
-    for (; row0 < rows; row0 += gridDim.x * warps * PW) {
-        int nr = min(PW, rows - row0);
+    for (; row0 < rows; row0 += gridDim.x * warps * PWT) {
+        int nr = min(PWT, rows - row0);
         row_in ri = {}; // one row: lane r holds row row0 + r's end inputs, loaded with the weights
         if (NT == 1 && lane < nr && (e.on || acc)) row_in_load(e, acc, y, row0 + lane, ri);
-        float a[PW][NT];
+        float a[PWT][NT];
 #pragma unroll
-        for (int r = 0; r < PW; r++)
+        for (int r = 0; r < PWT; r++)
 #pragma unroll
             for (int t = 0; t < NT; t++) a[r][t] = 0.0f;
         for (int cb = 0; cb < n8; cb += 32 * CU) {
@@ -296,11 +296,11 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
                     for (int t = 0; t < NT; t++)
                         if (t < n) // shared memory holds n rows
 #pragma unroll
-                            for (int r = 0; r < PW; r++) a[r][t] += dot8s(v[u][r], xs + t * cols + c * 8, lane);
+                            for (int r = 0; r < PWT; r++) a[r][t] += dot8s(v[u][r], xs + t * cols + c * 8, lane);
             }
         }
 #pragma unroll
-        for (int r = 0; r < PW; r++)
+        for (int r = 0; r < PWT; r++)
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 float s = warp_sum(a[r][t]) * sc[t]; // every lane has it
@@ -444,12 +444,19 @@ template <int NT>
 // n <= NT rows (the rows from n on are masked; called with n == NT)
 void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, const dpre &p, const depi &e, int acc, float *y) {
     size_t smem = (size_t)n * (size_t)w->cols * sizeof(float);
-    int threads = 256, per_block = threads / 32 * PW;
+    int threads = 256, sms = c->sms > 0 ? c->sms : 1;
+    // one row, few weight rows (out_proj, o_proj, the router): a warp per row, a whole row of up to
+    // 4096 columns in flight per warp, so the SMs hold twice the warps (QFLASH_CUDA_PW1=0: off)
+    int one = NT == 1 && c->pw1 && w->cols <= 32 * 16 * 8 && (w->rows + 8 * PW - 1) / (8 * PW) < 2 * sms;
+    void (*k)(const uint16_t *, int, int, const float *, int, dpre, depi, int, float *, int) = k_gemv_pre<NT, PW>;
+    if constexpr (NT == 1)
+        if (one) k = k_gemv_pre<1, 1>;
+    int per_block = threads / 32 * (one ? 1 : PW);
     // no more blocks than fit at once: a second wave would pay the staging again, exposed
-    int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)(c->sms > 0 ? c->sms : 1) * per_sm(c, n, resident(c, (const void *)k_gemv_pre<NT>, threads, smem));
+    int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)sms * per_sm(c, n, resident(c, (const void *)k, threads, smem));
     int64_t rounds = (need + cap - 1) / cap, grid = (need + rounds - 1) / rounds; // equal rounds for every block
-    LAUNCH_PDL(c, k_gemv_pre<NT>, (unsigned)grid, threads, smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, n, p, e,
-             acc, y, c->early);
+    launch(c, "k_gemv_pre", 1, k, dim3((unsigned)grid), dim3(threads), (unsigned)smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, n, p, e,
+           acc, y, c->early);
 }
 
 void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, float *y) {
@@ -511,12 +518,12 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
 // ---- the delta rule, one token: two lanes per value column (each half the key rows, so a
 // lane keeps DK/2 state values in registers), 16 columns per warp ----
 
-template <int DK>
+template <int DK, int LPC> // LPC lanes per value column, each DK / LPC of the key rows
 __global__ void k_gdn_dec(qf_gdn_dec a) {
     __shared__ float qn[DK], kn[DK];
-    const int HK = DK / 2;
-    int h = blockIdx.x, lane = threadIdx.x, half = lane & 1, j = blockIdx.y * 16 + lane / 2, t = blockIdx.z;
-    int dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk), qk = a.nk * dk, zb = 2 * qk + 2 * a.nv * dv, i0 = half * ((dk + 1) / 2);
+    const int HK = DK / LPC;
+    int h = blockIdx.x, lane = threadIdx.x, part = lane & (LPC - 1), j = blockIdx.y * (32 / LPC) + lane / LPC, t = blockIdx.z;
+    int dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk), qk = a.nk * dk, zb = 2 * qk + 2 * a.nv * dv, i0 = part * ((dk + LPC - 1) / LPC);
     const float *row = a.mixed + (int64_t)t * a.stride, *q = row + kh * dk, *k = row + qk + kh * dk;
     float *S = a.S[t] + (int64_t)h * dk * dv + (int64_t)i0 * dv + j;
     int live = j < dv, n = min(HK, dk - i0);
@@ -543,14 +550,16 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
 #pragma unroll
     for (int i = 0; i < HK; i++)
         if (i < n) s[i] *= decay, u += s[i] * kn[i0 + i];
-    u += __shfl_xor_sync(0xffffffffu, u, 1);
+#pragma unroll
+    for (int o = 1; o < LPC; o <<= 1) u += __shfl_xor_sync(0xffffffffu, u, o);
     u = beta * (vj - u);
 #pragma unroll
     for (int i = 0; i < HK; i++)
         if (i < n) s[i] += kn[i0 + i] * u, o += s[i] * qn[i0 + i];
-    o += __shfl_xor_sync(0xffffffffu, o, 1);
+#pragma unroll
+    for (int m = 1; m < LPC; m <<= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
     if (!live) return;
-    if (!half) a.out[((int64_t)t * a.nv + h) * dv + j] = o;
+    if (!part) a.out[((int64_t)t * a.nv + h) * dv + j] = o;
 #pragma unroll
     for (int i = 0; i < HK; i++)
         if (i < n) S[(int64_t)i * dv] = s[i];
@@ -558,11 +567,15 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
 
 void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
     ctx *c = C(be);
-    dim3 g(a->nv, (a->dv + 15) / 16, a->n);
-    if (a->dk <= 32) LAUNCH_PDL(c, k_gdn_dec<32>, g, 32, 0, *a);
-    else if (a->dk <= 64) LAUNCH_PDL(c, k_gdn_dec<64>, g, 32, 0, *a);
-    else if (a->dk <= 128) LAUNCH_PDL(c, k_gdn_dec<128>, g, 32, 0, *a);
-    else fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
+    // lanes per value column (QFLASH_CUDA_GDN_LPC): more lanes, more warps and shorter chains per warp
+    int lpc = c->gdn_lpc == 2 || c->gdn_lpc == 8 ? c->gdn_lpc : 4, cpw = 32 / lpc;
+    dim3 g(a->nv, (a->dv + cpw - 1) / cpw, a->n), g2(a->nv, (a->dv + 15) / 16, a->n);
+    if (a->dk > 128) {
+        fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
+        return;
+    }
+    void (*k)(qf_gdn_dec) = a->dk <= 32 ? k_gdn_dec<32, 2> : a->dk <= 64 ? k_gdn_dec<64, 2> : lpc == 2 ? k_gdn_dec<128, 2> : lpc == 4 ? k_gdn_dec<128, 4> : k_gdn_dec<128, 8>;
+    launch(c, "k_gdn_dec", 1, k, a->dk <= 64 ? g2 : g, dim3(32), 0u, *a);
 }
 
 // ---- attention, one new token per row ----
@@ -1057,6 +1070,10 @@ void qfc::dec_setup(ctx *c) {
     const char *bps = getenv("QFLASH_CUDA_BPS"), *early = getenv("QFLASH_CUDA_EARLY"), *skip = getenv("QFLASH_CUDA_SKIP");
     c->bps = bps ? atoi(bps) : 0;
     c->early = !(early && *early == '0');
+    const char *pw1 = getenv("QFLASH_CUDA_PW1");
+    c->pw1 = !(pw1 && *pw1 == '0');
+    const char *lpc = getenv("QFLASH_CUDA_GDN_LPC");
+    c->gdn_lpc = lpc ? atoi(lpc) : 4;
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
     if (m) fprintf(stderr, "qflash cuda: QFLASH_CUDA_SKIP=%#x: decode kernels of those kinds do nothing (timing only, results are wrong)\n", m);
     cudaMemcpyToSymbol(g_skip, &m, sizeof m);
