@@ -733,7 +733,7 @@ __device__ float route_and_stage(const qf_moe_dec &a, const float *x, const floa
 // x * norm weight, then its warps walk the expert's ffn rows y*8 + warp, stepping by the grid.
 // Lane l holds columns 8 (l + 32 u) of a row: HL (H / 256, rounded up) 16-byte loads per row, at
 // most 8 of the gate row and 8 of the up row in flight a round, with no index arithmetic per load.
-// Blocks of column 0 write slot k's expert and weight (for the streamed down kernel's checks).
+// Blocks of column 0 write slot k's expert and weight (the down kernel reads them when early is off).
 // early: x (the kernel two back wrote it) is staged before the wait; only the routing waits.
 template <int HL>
 __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw, int early) {
@@ -813,11 +813,14 @@ __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_
 #pragma unroll 4
         for (int j = tid; j < S; j += blockDim.x) hsh[j] = silu(rl[E + j]) * rl[E + S + j];
     };
+    auto shared_slot = [&]() { // part K: the shared expert, weighted by its sigmoid gate
+        if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
+    };
     int have = 0;
     if (early) {
         route_block(rl, E, K, ti, wk);
         if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
-        if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
+        shared_slot();
         __syncthreads();
         if (i < H) load(0), have = 1;
         shared_in();
@@ -827,7 +830,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_
         pdl_wait();
         pdl_launch();
         if (tid < K) wk[tid] = topw[t * K + tid], dp[tid] = (const uint16_t *)tab[2 * E + topi[t * K + tid]];
-        if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
+        shared_slot();
         shared_in();
     }
 #pragma unroll 8
