@@ -368,8 +368,10 @@ static void test_dec_attention(int n, int nh, int nkv, int hd, int rot, const in
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
 }
 
-/* Routing, top-k experts and the shared expert, added to x, against the reference ops. */
-static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench) {
+/* Routing, top-k experts and the shared expert, added to x, against the reference ops. ties:
+ * router logits on a coarse grid, so equal logits straddle the top-k boundary and the lower
+ * index must win (the CPU's order). */
+static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench, int ties) {
     void *hsd;
     qf_mat sd = bf16_mat(H, S, &hsd);
     test_experts ex = make_experts(E, I, H);
@@ -378,6 +380,8 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench) {
     float *rl = qt_rnd((size_t)n * rs, 2.0f), *x = qt_rnd((size_t)n * H, 1.0f), *nw = qt_rnd(H, 1.0f), *want = copy_f(x, (size_t)n * H);
     float *xn = malloc((size_t)H * 4), *gb = malloc((size_t)I * 4), *ub = malloc((size_t)I * 4), *hb = malloc((size_t)(I > S ? I : S) * 4);
     float *yb = malloc((size_t)H * 4), *acc = malloc((size_t)H * 4);
+    for (int t = 0; ties && t < n; t++)
+        for (int e = 0; e < E; e++) rl[(size_t)t * rs + e] = floorf(rl[(size_t)t * rs + e] * 2.0f) * 0.5f;
     for (int t = 0; t < n; t++) {
         const float *l = rl + (size_t)t * rs;
         float w[64];
@@ -397,7 +401,7 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench) {
     qf_moe_dec a = {dev, E, K, n, H, I, S, dnw, 1e-6f, drl, rs, &dsd, dx};
     gpu.ops->dec->moe(&gpu, &a);
     char s[80];
-    snprintf(s, sizeof s, "n=%d, %d experts top-%d, %d/%d, shared %d", n, E, K, H, I, S);
+    snprintf(s, sizeof s, "n=%d, %d experts top-%d, %d/%d, shared %d%s", n, E, K, H, I, S, ties ? ", tied logits" : "");
     report("dec moe", s, cmp(dx, want, (size_t)n * H), 1e-5);
     if (bench) { /* per row: K experts x 3 matrices + the shared down */
         int reps = 200;
@@ -486,7 +490,7 @@ static void dec_row_checks(int n) {
     test_dec_matmul(QF_PRE_SIGMOID, 2048, 4096, 256, n, 1);
     test_dec_gdn_proj(n);
     test_dec_gdn(n, 16, 32, 128, 128);
-    test_dec_moe(n, 256, 8, 2048, 512, 512, n == 1);
+    test_dec_moe(n, 256, 8, 2048, 512, 512, n == 1, 0);
     test_dec_argmax(n, 248320);
 }
 
@@ -537,7 +541,9 @@ int main(int argc, char **argv) {
     for (int n = 1; n <= QF_DEC_ROWS; n = n == 1 ? 8 : n + 8) dec_row_checks(n);
     test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 3, 1); /* the fixtures' small heads */
     test_dec_gdn(3, 4, 8, 32, 32);
-    test_dec_moe(3, 64, 4, 192, 32, 192, 0);
+    test_dec_moe(3, 64, 4, 192, 32, 192, 0, 0);
+    test_dec_moe(2, 256, 8, 2048, 512, 512, 0, 1);
+    test_dec_moe(3, 64, 4, 192, 32, 192, 0, 1);
     int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40};
     test_dec_attention(1, 16, 2, 256, 64, p1);
     test_dec_attention(3, 16, 2, 256, 64, p3);
