@@ -287,6 +287,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // y += 8 bf16 weights (one 16-byte load) times 8 floats of x (16-byte aligned).
 __device__ __forceinline__ float dot8(uint4 w, const float *x) {

@@ -64,7 +64,7 @@ __device__ void stage_heads(const float *__restrict__ x, int n, int cols, const 
 #pragma unroll
         for (int u = 0; u < HD_REG; u++) {
             int d = lane + 32 * u;
-            if (d < p.head) o[d] = gated ? silu(g[u]) * (v[u] * inv * w[u]) : v[u] * (1.0f / (1.0f + expf(-g[u])));
+            if (d < p.head) o[d] = gated ? silu(g[u]) * (v[u] * inv * w[u]) : v[u] * sigmoid(g[u]);
         }
     }
     __syncthreads();
@@ -139,7 +139,7 @@ __device__ void stage(const float *__restrict__ x, int n, int cols, const dpre &
                 int i = i0 + u * nt, t = i / cols, c = i % cols;
                 if (i >= n * cols) continue;
                 if (p.kind == QF_PRE_GATED_NORM) xs[i] = silu(g[u]) * (xs[i] * red[t * heads + c / p.head] * w[u]);
-                else xs[i] *= 1.0f / (1.0f + expf(-g[u]));
+                else xs[i] *= sigmoid(g[u]);
             }
         }
     }
@@ -164,8 +164,7 @@ __device__ __forceinline__ float dot8s(uint4 w, const float *x, int lane) {
            bf16f(w.z & 0xffff) * b.x + bf16f(w.z >> 16) * b.y + bf16f(w.w & 0xffff) * b.z + bf16f(w.w >> 16) * b.w;
 }
 
-// The DeltaNet gates of an in_proj row (ops.h gdn_gates): beta, and the decay from a's row.
-__device__ __forceinline__ float beta_gate(float v) { return 1.0f / (1.0f + expf(-v)); }
+// The DeltaNet decay gate of an in_proj row (ops.h gdn_gates; beta is the row's sigmoid).
 __device__ __forceinline__ float decay_gate(float v, float dt_bias, float neg_A) {
     float u = v + dt_bias;
     return neg_A * (u > 20.0f ? u : log1pf(expf(u)));
@@ -185,7 +184,7 @@ __device__ float epi_value(const depi &e, int t, int row, float v) {
     }
     int b0 = e.conv_dim + e.z_dim;
     if (row < b0) return v;
-    if (row < b0 + e.nv) return beta_gate(v);
+    if (row < b0 + e.nv) return sigmoid(v);
     return decay_gate(v, e.dt_bias[row - b0 - e.nv], e.neg_A[row - b0 - e.nv]);
 }
 
@@ -230,7 +229,7 @@ __device__ __forceinline__ float row_epi(const depi &e, int row, float v, const 
     }
     int b0 = e.conv_dim + e.z_dim;
     if (row < b0) return v;
-    if (row < b0 + e.nv) return beta_gate(v);
+    if (row < b0 + e.nv) return sigmoid(v);
     return decay_gate(v, r.bias, r.negA);
 }
 
@@ -515,8 +514,8 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
     }
 }
 
-// ---- the delta rule, one token: two lanes per value column (each half the key rows, so a
-// lane keeps DK/2 state values in registers), 16 columns per warp ----
+// ---- the delta rule, one token: LPC lanes per value column (each a share of the key rows, so a
+// lane keeps DK/LPC state values in registers), 32/LPC columns per warp ----
 
 template <int DK, int LPC> // LPC lanes per value column, each DK / LPC of the key rows
 __global__ void k_gdn_dec(qf_gdn_dec a) {
@@ -568,14 +567,14 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
 void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
     ctx *c = C(be);
     // lanes per value column (QFLASH_CUDA_GDN_LPC): more lanes, more warps and shorter chains per warp
-    int lpc = c->gdn_lpc == 2 || c->gdn_lpc == 8 ? c->gdn_lpc : 4, cpw = 32 / lpc;
-    dim3 g(a->nv, (a->dv + cpw - 1) / cpw, a->n), g2(a->nv, (a->dv + 15) / 16, a->n);
+    int lpc = a->dk <= 64 ? 2 : c->gdn_lpc == 2 || c->gdn_lpc == 8 ? c->gdn_lpc : 4, cpw = 32 / lpc;
+    dim3 g(a->nv, (a->dv + cpw - 1) / cpw, a->n);
     if (a->dk > 128) {
         fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
         return;
     }
     void (*k)(qf_gdn_dec) = a->dk <= 32 ? k_gdn_dec<32, 2> : a->dk <= 64 ? k_gdn_dec<64, 2> : lpc == 2 ? k_gdn_dec<128, 2> : lpc == 4 ? k_gdn_dec<128, 4> : k_gdn_dec<128, 8>;
-    launch(c, "k_gdn_dec", 1, k, a->dk <= 64 ? g2 : g, dim3(32), 0u, *a);
+    launch(c, "k_gdn_dec", 1, k, g, dim3(32), 0u, *a);
 }
 
 // ---- attention, one new token per row ----
@@ -654,8 +653,7 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) {
 // ---- MoE: routing and gate/up in one kernel, down + shared expert + residual in another ----
 
 #define MOE_MAX_K 32 // route_block normalises the chosen weights in one warp
-#define MOE_MAX_E 512 // routing keeps E / 32 logits per lane in registers
-#define DN_U 12       // the same in down (8 experts + shared of 512 columns: two rounds)
+#define MOE_MAX_E 512 // route_block keeps E / 256 logits per thread in registers
 
 // The block routes one row (every thread calls it; E <= MOE_MAX_E, K <= 32): a logit is chosen
 // when fewer than K logits rank above it (greater, or equal at a lower index: the CPU's order).
@@ -814,7 +812,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_
         for (int j = tid; j < S; j += blockDim.x) hsh[j] = silu(rl[E + j]) * rl[E + S + j];
     };
     auto shared_slot = [&]() { // part K: the shared expert, weighted by its sigmoid gate
-        if (tid == 0) wk[K] = 1.0f / (1.0f + expf(-rl[E + 2 * S])), dp[K] = sh_down;
+        if (tid == 0) wk[K] = sigmoid(rl[E + 2 * S]), dp[K] = sh_down;
     };
     int have = 0;
     if (early) {
@@ -931,7 +929,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
     float *hs = (float *)((uint4 *)dyn + blockDim.x / 32 * SR * 32), *hsh = hs + K * I;
     route_block(a.rl, E, K, ti, tw);
     if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
-    if (tid == K) dp[K] = sh_down, tw[K] = 1.0f / (1.0f + expf(-a.rl[E + 2 * S]));
+    if (tid == K) dp[K] = sh_down, tw[K] = sigmoid(a.rl[E + 2 * S]);
     __syncthreads();
     warp_share(H, &i0, &i1);
     int ne = (i1 - i0) * (K * (I / 256) + S / 256);

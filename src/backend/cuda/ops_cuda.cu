@@ -1,7 +1,7 @@
 // The CUDA ops table. Every kernel mirrors the CPU reference op of the same name
 // (src/backend/cpu/ops_ref.c); tests/test_cuda.c compares them on random data of the real shapes.
 #include "backend/cuda/cuda_int.cuh"
-#include <time.h>
+#include "base/timer.h"
 
 namespace {
 
@@ -371,7 +371,7 @@ __global__ void k_sigmoid_mul(float *x, int xs, const float *g, int gs, int n, i
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)n * d) return;
     int64_t t = i / d, c = i % d;
-    x[t * xs + c] *= 1.0f / (1.0f + expf(-g[t * gs + c]));
+    x[t * xs + c] *= sigmoid(g[t * gs + c]);
 }
 
 void cu_sigmoid_mul(qf_backend *be, float *x, int xs, const float *g, int gs, int n, int d) {
@@ -394,7 +394,7 @@ __global__ void k_gdn_gates(float *b, float *a, const float *dt_bias, const floa
     if (i >= n * nv) return;
     int h = i % nv;
     float u = a[i] + dt_bias[h];
-    b[i] = 1.0f / (1.0f + expf(-b[i]));
+    b[i] = sigmoid(b[i]);
     a[i] = neg_A[h] * (u > 20.0f ? u : log1pf(expf(u)));
 }
 
@@ -406,7 +406,7 @@ void cu_gdn_gates(qf_backend *be, float *b, float *a, const float *dt_bias, cons
 __global__ void k_sig_scale_add(float *y, const float *x, const float *g, int n, int d) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)n * d) return;
-    y[i] += x[i] * (1.0f / (1.0f + expf(-g[i / d])));
+    y[i] += x[i] * sigmoid(g[i / d]);
 }
 
 void cu_sigmoid_scale_add(qf_backend *be, float *y, const float *x, const float *g, int n, int d) {
@@ -620,11 +620,7 @@ void cu_download(qf_backend *be, void *dst, const void *src, size_t n) {
     s->out_used += (n + 255) & ~(size_t)255;
 }
 
-double now_us(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
-}
+double now_us(void) { return qf_now() * 1e6; }
 
 // The step's shape decides: graphs for up to QF_DEC_ROWS rows, the same key twice
 // in a row to record, then replays while it stays the same.
