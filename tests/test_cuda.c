@@ -513,6 +513,20 @@ static void streamed_checks(void) {
     bench_dec_matmul(248320, 2048, 1);
 }
 
+/* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), on a backend made with that setting. */
+static void two_kernel_moe_checks(void) {
+    qf_cuda_backend_free(&gpu);
+    setenv("QFLASH_CUDA_MOE1", "0", 1);
+    if (qf_cuda_backend_init(&gpu, 0) != QF_OK) {
+        CHECK(0, "the CUDA backend did not start again: %s", qf_last_error());
+        return;
+    }
+    fprintf(stderr, "one-row MoE as two kernels (QFLASH_CUDA_MOE1=0):\n");
+    test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0);
+    test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
+    unsetenv("QFLASH_CUDA_MOE1");
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     setenv("QFLASH_CUDA_STREAM", "0", 1); /* the default kernels first; streamed_checks() the others */
@@ -544,6 +558,12 @@ int main(int argc, char **argv) {
     test_dec_moe(3, 64, 4, 192, 32, 192, 0, 0);
     test_dec_moe(2, 256, 8, 2048, 512, 512, 0, 1);
     test_dec_moe(3, 64, 4, 192, 32, 192, 0, 1);
+    /* one row: the one-kernel MoE (its grid count must be back at zero after each launch, or the
+     * next launch's down rows would read gate/up rows not yet written), at the fixtures' shapes */
+    test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
+    test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
+    test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 1);
+    test_dec_moe(1, 64, 4, 192, 32, 192, 0, 0);
     int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40};
     test_dec_attention(1, 16, 2, 256, 64, p1);
     test_dec_attention(3, 16, 2, 256, 64, p3);
@@ -554,6 +574,7 @@ int main(int argc, char **argv) {
     bench_gemv(248320, 2048, 1); /* the lm_head */
     bench_gemv(8192, 2048, 1);
     bench_gemv(248320, 2048, 4);
+    two_kernel_moe_checks();
     streamed_checks();
     qf_cuda_backend_free(&gpu);
     return qt_finish();

@@ -84,6 +84,8 @@ struct ctx {
     int gdn_lpc;                  // lanes per value column in the DeltaNet decode kernel (QFLASH_CUDA_GDN_LPC: 2, 4, 8)
     int pw1;                      // one-row products of few weight rows take a warp per row (QFLASH_CUDA_PW1, default 1)
     int early;                    // decode kernels issue their first weight loads before waiting (QFLASH_CUDA_EARLY, default 1)
+    int moe1;                     // one-row MoE blocks in one kernel, gate/up and down a grid count apart (QFLASH_CUDA_MOE1, default 1)
+    unsigned *moe_cnt;            // that kernel's two grid counts (zero between launches)
     profile prof;
     graph_state gs;
     cublasHandle_t blas;

@@ -727,16 +727,79 @@ __device__ float route_and_stage(const qf_moe_dec &a, const float *x, const floa
     return stage_normed(a, x, xs, red);
 }
 
+// silu(gate row j . xs) * (up row j . xs) of expert e, each sum scaled by inv. Lane l holds
+// columns 8 (l + 32 u) of a row: HL (H / 256, rounded up) 16-byte loads per row, at most 8 of the
+// gate row and 8 of the up row in flight a round, with no index arithmetic per load.
+template <int HL>
+__device__ __forceinline__ float gu_row(const void *const *tab, int E, int e, int j, int H, const float *xs, float inv, int lane) {
+    constexpr int HC = HL < 8 ? HL : 8;
+    int h8 = H / 8;
+    const uint4 *G = (const uint4 *)((const uint16_t *)tab[e] + (int64_t)j * H), *Up = (const uint4 *)((const uint16_t *)tab[E + e] + (int64_t)j * H);
+    float g = 0.0f, u = 0.0f;
+#pragma unroll
+    for (int c0 = 0; c0 < HL; c0 += HC) {
+        uint4 wg[HC], wu[HC];
+#pragma unroll
+        for (int q = 0; q < HC; q++) {
+            int c = lane + 32 * (c0 + q);
+            if (c < h8) wg[q] = __ldcs(G + c), wu[q] = __ldcs(Up + c);
+        }
+#pragma unroll
+        for (int q = 0; q < HC; q++) {
+            int c = lane + 32 * (c0 + q);
+            if (c < h8) g += dot8s(wg[q], xs + c * 8, lane), u += dot8s(wu[q], xs + c * 8, lane);
+        }
+    }
+    g = warp_sum(g) * inv, u = warp_sum(u) * inv;
+    return silu(g) * u;
+}
+
+// One output row i of the MoE down step, in registers: part q is expert slot q's down row (q = K:
+// the shared expert's), PL 16-byte loads per lane; G parts are loaded at once (one memory latency
+// for the whole row at I = 512). dp[q]: part q's matrix; wk[q] its weight; hs + q * I its input.
+template <int PL>
+struct dn_row {
+    static constexpr int G = 18 / PL < 1 ? 1 : 18 / PL; // parts a round: 18 loads per lane in flight
+    uint4 w[G][PL];
+    __device__ __forceinline__ void load(const uint16_t *const *dp, int K, int I, int S, int i, int q0) {
+        int lane = threadIdx.x & 31, P = K + 1;
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            int q = q0 + g, cols = q < K ? I : S;
+            const uint4 *src = (const uint4 *)(dp[q < P ? q : 0] + (int64_t)i * cols);
+#pragma unroll
+            for (int u = 0; u < PL; u++)
+                if (q < P && lane + 32 * u < cols / 8) w[g][u] = __ldcs(src + lane + 32 * u);
+        }
+    }
+    // The row's sum over every part (every lane gets it); have: the first round is loaded.
+    __device__ __forceinline__ float sum(const uint16_t *const *dp, const float *wk, const float *hs, int K, int I, int S, int i, int have) {
+        int lane = threadIdx.x & 31, P = K + 1;
+        float acc = 0.0f;
+        for (int q0 = 0; q0 < P; q0 += G) {
+            if (!have) load(dp, K, I, S, i, q0);
+            have = 0;
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                int q = q0 + g, cols = q < K ? I : S;
+                float d = 0.0f;
+#pragma unroll
+                for (int u = 0; u < PL; u++)
+                    if (q < P && lane + 32 * u < cols / 8) d += dot8s(w[g][u], hs + q * I + (lane + 32 * u) * 8, lane);
+                if (q < P) acc += wk[q] * d;
+            }
+        }
+        return warp_sum(acc);
+    }
+};
+
 // Block (slot k, column y, row t): routes row t itself (cheaper than a launch between), stages
 // x * norm weight, then its warps walk the expert's ffn rows y*8 + warp, stepping by the grid.
-// Lane l holds columns 8 (l + 32 u) of a row: HL (H / 256, rounded up) 16-byte loads per row, at
-// most 8 of the gate row and 8 of the up row in flight a round, with no index arithmetic per load.
 // Blocks of column 0 write slot k's expert and weight (the down kernel reads them when early is off).
 // early: x (the kernel two back wrote it) is staged before the wait; only the routing waits.
 template <int HL>
 __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw, int early) {
     if (skipped(SK_MOE_GU)) return;
-    constexpr int HC = HL < 8 ? HL : 8;
     extern __shared__ float4 dyn[];
     __shared__ float red[32], tw[MOE_MAX_K];
     __shared__ int ti[MOE_MAX_K];
@@ -753,104 +816,132 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_mo
         pdl_launch();
         inv = route_and_stage(a, x, rl, ti, tw, xs, red);
     }
-    int e = ti[k], lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32, h8 = H / 8;
+    int e = ti[k], lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32;
     if (blockIdx.y == 0 && tid == 0) topi[t * K + k] = e, topw[t * K + k] = tw[k];
     for (; j < I; j += gridDim.y * (blockDim.x / 32)) {
-        const uint4 *G = (const uint4 *)((const uint16_t *)tab[e] + (int64_t)j * H), *Up = (const uint4 *)((const uint16_t *)tab[E + e] + (int64_t)j * H);
-        float g = 0.0f, u = 0.0f;
-#pragma unroll
-        for (int c0 = 0; c0 < HL; c0 += HC) {
-            uint4 wg[HC], wu[HC];
-#pragma unroll
-            for (int q = 0; q < HC; q++) {
-                int c = lane + 32 * (c0 + q);
-                if (c < h8) wg[q] = __ldcs(G + c), wu[q] = __ldcs(Up + c);
-            }
-#pragma unroll
-            for (int q = 0; q < HC; q++) {
-                int c = lane + 32 * (c0 + q);
-                if (c < h8) g += dot8s(wg[q], xs + c * 8, lane), u += dot8s(wu[q], xs + c * 8, lane);
-            }
-        }
-        g = warp_sum(g) * inv, u = warp_sum(u) * inv;
-        if (lane == 0) hbuf[((int64_t)t * K + k) * I + j] = silu(g) * u;
+        float h = gu_row<HL>(tab, E, e, j, H, xs, inv, lane);
+        if (lane == 0) hbuf[((int64_t)t * K + k) * I + j] = h;
     }
 }
 
+// The shared expert's input silu(sh_g) * sh_u (from the router product's row rl) into hsh.
+__device__ __forceinline__ void shared_in(const qf_moe_dec &a, const float *rl, float *hsh) {
+    int E = a.n_experts, S = a.sh_ffn;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < S; j += blockDim.x) hsh[j] = silu(rl[E + j]) * rl[E + S + j];
+}
+
+// Part K of a down row: the shared expert, weighted by its sigmoid gate.
+__device__ __forceinline__ void shared_slot(const qf_moe_dec &a, const float *rl, const uint16_t *sh_down, float *wk, const uint16_t **dp) {
+    if (threadIdx.x == 0) wk[a.top_k] = sigmoid(rl[a.n_experts + 2 * a.sh_ffn]), dp[a.top_k] = sh_down;
+}
+
 // Block (a warp per output row, stepping by the grid; row t): x[t][i] += sum_k w_k down_k[i] . h_k
-// + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u. Part q of a row is expert slot q's
-// down row (q = K: the shared expert's), PL 16-byte loads per lane; G parts are loaded at once
-// (one memory latency for the whole row at I = 512). early: the routing is redone here from the
+// + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u, a dn_row each. early: the routing is redone here from the
 // router logits (two kernels back, so before the wait) and the warp's first loads and the shared
 // expert's input go out before it; else the routing comes from gate/up (topi, topw).
 template <int PL>
 __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi,
                                                      const float *topw, int early) {
     if (skipped(SK_MOE_DN)) return;
-    constexpr int G = 18 / PL < 1 ? 1 : 18 / PL; // parts a round: 18 loads per lane in flight
     extern __shared__ float4 dyn[];
     __shared__ float wk[MOE_MAX_K + 1];
     __shared__ int ti[MOE_MAX_K];
     __shared__ const uint16_t *dp[MOE_MAX_K + 1];
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, t = blockIdx.y;
-    int lane = tid & 31, P = K + 1, i = blockIdx.x * (blockDim.x / 32) + tid / 32;
-    float *hs = (float *)dyn, *hsh = hs + K * I; // part q's input at hs + q * I
+    int i = blockIdx.x * (blockDim.x / 32) + tid / 32;
+    float *hs = (float *)dyn; // part q's input at hs + q * I
     const float *rl = a.rl + (int64_t)t * a.rl_stride;
-    uint4 w[G][PL];
-    auto load = [&](int q0) {
-#pragma unroll
-        for (int g = 0; g < G; g++) {
-            int q = q0 + g, cols = q < K ? I : S;
-            const uint4 *src = (const uint4 *)(dp[q < P ? q : 0] + (int64_t)i * cols);
-#pragma unroll
-            for (int u = 0; u < PL; u++)
-                if (q < P && lane + 32 * u < cols / 8) w[g][u] = __ldcs(src + lane + 32 * u);
-        }
-    };
-    auto shared_in = [&]() {
-#pragma unroll 4
-        for (int j = tid; j < S; j += blockDim.x) hsh[j] = silu(rl[E + j]) * rl[E + S + j];
-    };
-    auto shared_slot = [&]() { // part K: the shared expert, weighted by its sigmoid gate
-        if (tid == 0) wk[K] = sigmoid(rl[E + 2 * S]), dp[K] = sh_down;
-    };
+    dn_row<PL> w;
     int have = 0;
     if (early) {
         route_block(rl, E, K, ti, wk);
         if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
-        shared_slot();
+        shared_slot(a, rl, sh_down, wk, dp);
         __syncthreads();
-        if (i < H) load(0), have = 1;
-        shared_in();
+        if (i < H) w.load(dp, K, I, S, i, 0), have = 1;
+        shared_in(a, rl, hs + K * I);
         pdl_wait();
         pdl_launch();
     } else {
         pdl_wait();
         pdl_launch();
         if (tid < K) wk[tid] = topw[t * K + tid], dp[tid] = (const uint16_t *)tab[2 * E + topi[t * K + tid]];
-        shared_slot();
-        shared_in();
+        shared_slot(a, rl, sh_down, wk, dp);
+        shared_in(a, rl, hs + K * I);
     }
 #pragma unroll 8
     for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = ((const float4 *)(hbuf + (int64_t)t * K * I))[j];
     __syncthreads();
-    for (; i < H; i += gridDim.x * (blockDim.x / 32)) {
-        float acc = 0.0f;
-        for (int q0 = 0; q0 < P; q0 += G) {
-            if (!have) load(q0);
-            have = 0;
-#pragma unroll
-            for (int g = 0; g < G; g++) {
-                int q = q0 + g, cols = q < K ? I : S;
-                float d = 0.0f;
-#pragma unroll
-                for (int u = 0; u < PL; u++)
-                    if (q < P && lane + 32 * u < cols / 8) d += dot8s(w[g][u], hs + q * I + (lane + 32 * u) * 8, lane);
-                if (q < P) acc += wk[q] * d;
-            }
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) a.x[(int64_t)t * H + i] += acc;
+    for (; i < H; i += gridDim.x * (blockDim.x / 32), have = 0) {
+        float acc = w.sum(dp, wk, hs, K, I, S, i, have);
+        if ((tid & 31) == 0) a.x[(int64_t)t * H + i] += acc;
+    }
+}
+
+// A grid-wide count (one thread per block), read with acquire semantics.
+__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Block-wide wait until every block of the grid has arrived at cnt[0] (the grid must be resident
+// at once). The last block past it resets both counts for the next launch.
+__device__ void grid_arrive_wait(unsigned *cnt) {
+    __threadfence(); // this thread's writes before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicAdd(cnt, 1u);
+        long long t0 = clock64();
+        while (ld_acquire(cnt) < gridDim.x)
+            if (clock64() - t0 > (1ll << 34)) __trap(); // ~8 s: the grid is not resident at once, a bug
+        __threadfence();
+    }
+    __syncthreads();
+}
+__device__ void grid_leave(unsigned *cnt) {
+    if (threadIdx.x == 0 && atomicAdd(cnt + 1, 1u) == gridDim.x - 1) atomicExch(cnt, 0u), atomicExch(cnt + 1, 0u);
+}
+
+// The whole MoE block of one row in one kernel (QFLASH_CUDA_MOE1, default on): every block stages
+// x * norm weight and routes; the grid's warps compute the chosen experts' gate/up rows; then each
+// warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
+// not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
+// other: the grid is never larger than what the SMs hold at once.
+template <int HL, int PL>
+__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt) {
+    extern __shared__ float4 dyn[];
+    __shared__ float red[32], wk[MOE_MAX_K + 1];
+    __shared__ int ti[MOE_MAX_K];
+    __shared__ const uint16_t *dp[MOE_MAX_K + 1];
+    int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, lane = tid & 31;
+    int gw = blockIdx.x * (blockDim.x / 32) + tid / 32, nw = gridDim.x * (blockDim.x / 32);
+    float *xs = (float *)dyn, *hs = xs + H; // x * norm weight; the down parts' inputs (part q at hs + q * I)
+    float inv = stage_normed(a, a.x, xs, red); // x: two kernels back
+    pdl_wait();
+    pdl_launch();
+    route_block(a.rl, E, K, ti, wk);
+    if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
+    shared_slot(a, a.rl, sh_down, wk, dp);
+    __syncthreads();
+    for (int r = gw; r < K * I && !skipped(SK_MOE_GU); r += nw) {
+        int k = r / I;
+        float h = gu_row<HL>(tab, E, ti[k], r - k * I, H, xs, inv, lane);
+        if (lane == 0) hbuf[r] = h;
+    }
+    dn_row<PL> w;
+    int i = gw, have = i < H;
+    if (have) w.load(dp, K, I, S, i, 0);
+    shared_in(a, a.rl, hs + K * I);
+    grid_arrive_wait(cnt);
+#pragma unroll 8
+    for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)hbuf + j); // L2: other SMs wrote it
+    __syncthreads();
+    grid_leave(cnt);
+    for (; i < H && !skipped(SK_MOE_DN); i += nw, have = 0) {
+        float acc = w.sum(dp, wk, hs, K, I, S, i, have);
+        if (lane == 0) a.x[i] += acc;
     }
 }
 
@@ -929,7 +1020,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
     float *hs = (float *)((uint4 *)dyn + blockDim.x / 32 * SR * 32), *hsh = hs + K * I;
     route_block(a.rl, E, K, ti, tw);
     if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
-    if (tid == K) dp[K] = sh_down, tw[K] = sigmoid(a.rl[E + 2 * S]);
+    shared_slot(a, a.rl, sh_down, tw, dp);
     __syncthreads();
     warp_share(H, &i0, &i1);
     int ne = (i1 - i0) * (K * (I / 256) + S / 256);
@@ -945,8 +1036,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
     float res = i0 + lane < i1 ? a.x[i0 + lane] : 0.0f; // the residual of row i0 + lane (rows per warp <= 32, checked at launch)
 #pragma unroll 8
     for (int i = tid; i < K * I / 4; i += blockDim.x) ((float4 *)hs)[i] = ((const float4 *)hbuf)[i];
-#pragma unroll 4
-    for (int i = tid; i < S; i += blockDim.x) hsh[i] = silu(a.rl[E + i]) * a.rl[E + S + i];
+    shared_in(a, a.rl, hsh);
     __syncthreads();
     float acc = 0.0f;
     auto use = [&](uint4 w) {
@@ -958,6 +1048,20 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
         acc = 0.0f;
     };
     ring_drain(ring, ne, next, use);
+}
+
+// One row: k_moe_one for the shapes it is built for (0: not, use the two kernels). One wave: the
+// blocks wait for each other, so the grid is what the SMs hold of it at once.
+int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
+    int H = a->hidden, I = a->ffn, S = a->sh_ffn;
+    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *);
+    int mc = I > S ? I : S;
+    fn k = H <= 256 && mc <= 256 ? k_moe_one<1, 1> : H <= 2048 && mc <= 512 ? k_moe_one<8, 2> : H <= 4096 && mc <= 512 ? k_moe_one<16, 2> : NULL;
+    if (!k) return 0;
+    size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float);
+    int grid = resident(c, (const void *)k, 256, smem) * (c->sms > 0 ? c->sms : 1);
+    launch(c, "k_moe_one", 1, k, dim3((unsigned)grid), dim3(256), (unsigned)smem, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, c->moe_cnt);
+    return 1;
 }
 
 void dec_moe(qf_backend *be, const qf_moe_dec *a) {
@@ -982,6 +1086,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     }
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
+    if (n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf)) return;
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
     // lanes hold 8 (l + 32 u) columns: HL loads per lane for a gate/up row, PL for a down part
@@ -1075,6 +1180,8 @@ void qfc::dec_setup(ctx *c) {
     c->pw1 = !(pw1 && *pw1 == '0');
     const char *lpc = getenv("QFLASH_CUDA_GDN_LPC");
     c->gdn_lpc = lpc ? atoi(lpc) : 4;
+    const char *m1 = getenv("QFLASH_CUDA_MOE1"); // one-row MoE in one kernel (0: gate/up and down apart)
+    c->moe1 = !(m1 && *m1 == '0');
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
     if (m) fprintf(stderr, "qflash cuda: QFLASH_CUDA_SKIP=%#x: decode kernels of those kinds do nothing (timing only, results are wrong)\n", m);
     cudaMemcpyToSymbol(g_skip, &m, sizeof m);

@@ -751,6 +751,7 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     const char *stt = getenv("QFLASH_CUDA_STEPTIME");
     c->st.on = stt && *stt == '1' && cudaEventCreate(&c->st.ev[0]) == cudaSuccess && cudaEventCreate(&c->st.ev[1]) == cudaSuccess;
     for (int i = 0; c->prof.on && i < PROF_RING; i++) cudaEventCreate(&c->prof.ev[i][0]), cudaEventCreate(&c->prof.ev[i][1]);
+    if (cudaMalloc(&c->moe_cnt, 64) != cudaSuccess || cudaMemset(c->moe_cnt, 0, 64) != cudaSuccess) c->moe_cnt = NULL;
     if (cudaMalloc(&c->amax, argmax_scratch_bytes()) != cudaSuccess || cudaMemset(c->amax, 0, argmax_scratch_bytes()) != cudaSuccess) c->amax = NULL;
     c->gs.argbuf = (unsigned char *)malloc(G_ARG_BYTES); // NULL: every replayed node is re-set
     c->gs.pin_out_cap = (size_t)64 << 20;
@@ -782,7 +783,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn), cudaFree(c->amax);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn), cudaFree(c->amax), cudaFree(c->moe_cnt);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);
