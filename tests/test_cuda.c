@@ -494,16 +494,20 @@ static void dec_row_checks(int n) {
     test_dec_argmax(n, 248320);
 }
 
+/* A backend made again with one switch set (the checks after it run on that backend). */
+static int restart_with(const char *name, const char *value) {
+    qf_cuda_backend_free(&gpu);
+    setenv(name, value, 1);
+    int ok = qf_cuda_backend_init(&gpu, 0) == QF_OK;
+    CHECK(ok, "the CUDA backend did not start again with %s=%s: %s", name, value, qf_last_error());
+    if (ok) fprintf(stderr, "with %s=%s:\n", name, value);
+    return ok;
+}
+
 /* One-row steps have a second kernel set, the streamed one (QFLASH_CUDA_STREAM=1): the same
  * checks on a backend made with it. */
 static void streamed_checks(void) {
-    qf_cuda_backend_free(&gpu);
-    setenv("QFLASH_CUDA_STREAM", "1", 1);
-    if (qf_cuda_backend_init(&gpu, 0) != QF_OK) {
-        CHECK(0, "the CUDA backend did not start again: %s", qf_last_error());
-        return;
-    }
-    fprintf(stderr, "streamed one-row kernels (QFLASH_CUDA_STREAM=1):\n");
+    if (!restart_with("QFLASH_CUDA_STREAM", "1")) return;
     dec_row_checks(1);
     test_dec_matmul(QF_PRE_GATED_NORM, 128, 256, 32, 1, 1); /* small heads, one row */
     /* a size asked for before, after a smaller one: the kernel's shared-memory opt-in must still
@@ -513,18 +517,20 @@ static void streamed_checks(void) {
     bench_dec_matmul(248320, 2048, 1);
 }
 
-/* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), on a backend made with that setting. */
-static void two_kernel_moe_checks(void) {
-    qf_cuda_backend_free(&gpu);
-    setenv("QFLASH_CUDA_MOE1", "0", 1);
-    if (qf_cuda_backend_init(&gpu, 0) != QF_OK) {
-        CHECK(0, "the CUDA backend did not start again: %s", qf_last_error());
-        return;
+/* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), and one-row gated norms staged with
+ * every load at once (QFLASH_CUDA_WIDE=1: out_proj's and o_proj's shapes, one row). */
+static void switch_checks(void) {
+    if (restart_with("QFLASH_CUDA_MOE1", "0")) {
+        test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0);
+        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
     }
-    fprintf(stderr, "one-row MoE as two kernels (QFLASH_CUDA_MOE1=0):\n");
-    test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0);
-    test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
     unsetenv("QFLASH_CUDA_MOE1");
+    if (restart_with("QFLASH_CUDA_WIDE", "1")) {
+        test_dec_matmul(QF_PRE_GATED_NORM, 2048, 4096, 128, 1, 1);
+        test_dec_matmul(QF_PRE_SIGMOID, 2048, 4096, 256, 1, 1);
+        test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 1, 1); /* not its shape: the general staging */
+    }
+    unsetenv("QFLASH_CUDA_WIDE");
 }
 
 int main(int argc, char **argv) {
@@ -574,7 +580,7 @@ int main(int argc, char **argv) {
     bench_gemv(248320, 2048, 1); /* the lm_head */
     bench_gemv(8192, 2048, 1);
     bench_gemv(248320, 2048, 4);
-    two_kernel_moe_checks();
+    switch_checks();
     streamed_checks();
     qf_cuda_backend_free(&gpu);
     return qt_finish();

@@ -5,10 +5,15 @@
 # Build here first (sm_90 only keeps it quick), then carry the binaries in the ignored gpu/:
 #   cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DQFLASH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
 #   cmake --build build-cuda -j --target qflash-cli test_cuda test_model   # the app is qflash-cli
-#   mkdir -p gpu && cp build-cuda/qflash build-cuda/tests/test_{cuda,model} gpu/ && strip gpu/*
+#   mkdir -p gpu && cp build-cuda/qflash build-cuda/tests/test_{cuda,model} gpu/ && strip gpu/qflash gpu/test_*
+#   (cd gpu && tar cJf bins.txz qflash test_cuda test_model && rm qflash test_cuda test_model)
+# (xz: the tree is ~44 MB and a device call carries at most 64 MiB; the stripped binaries are ~23 MB)
 # then run `bash tools/gpu-measure.sh [quick]` there with carry ["gpu"]; results land in $OUT.
+# A build with -DQFLASH_CUDA_TRACE=ON adds QFLASH_CUDA_TRACE=1 (one replayed step's timeline); its
+# stamps cost ~5% even when off, so measure speed with a normal build.
 # It takes ~9 minutes (quick: tests, the switches on 8 layers and batch 1, ~4 minutes).
 set -u
+[ -f gpu/bins.txz ] && tar xJf gpu/bins.txz -C gpu
 OUT=${OUT:-/tmp/qflash-measure}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
@@ -22,10 +27,11 @@ B="gpu/qflash bench --synthetic qwen3.6-35b-a3b --device cuda --bw 4300"
 show='^ +[0-9]+ +[0-9]+ +[0-9]+ \||rror|invalid|replayed|load:|peak'
 run() { echo "== $1 | $2"; env $1 QFLASH_CUDA_STEPTIME=1 timeout 120 $B $2 2>&1 | grep -E "$show"; }
 S8="--prompt-len 128 --layers 8 --gen-len 64 --concurrency 1 --runs 1"
-for cfg in "" "QFLASH_CUDA_PDL=0" "QFLASH_CUDA_EARLY=0" "QFLASH_CUDA_PW1=0" "QFLASH_CUDA_GDN_LPC=2"; do run "$cfg" "$S8"; done
+for cfg in "" "QFLASH_CUDA_PDL=0" "QFLASH_CUDA_EARLY=0" "QFLASH_CUDA_PW1=0" "QFLASH_CUDA_GDN_LPC=2" "QFLASH_CUDA_MOE1=0" "QFLASH_CUDA_WIDE=1" ""; do run "$cfg" "$S8"; done
 run "" "--prompt-len 128 --gen-len 64 --concurrency 1 --runs 2 --json $OUT/c1.json"
 [ "${1:-}" = quick ] && exit 0
-for m in 1 2 4 8 16 32 64 128 256 511; do run "QFLASH_CUDA_SKIP=$m" "$S8"; done
+# with the one-kernel MoE, 64 and 128 skip its gate/up and down parts (192: both; routing still runs)
+for m in 1 2 4 8 16 32 64 128 192 256 511; do run "QFLASH_CUDA_SKIP=$m" "$S8"; done
 run "" "--prompt-len 128 --gen-len 64 --concurrency 16,64 --runs 2 --json $OUT/c16-64.json"
 run "" "--prompt-len 8192 --gen-len 4 --concurrency 1 --runs 1 --json $OUT/8k.json"
 run "" "--layers 4 --prompt-len 128 --gen-len 32 --concurrency 1 --runs 3 --json $OUT/slice4.json"

@@ -13,6 +13,7 @@
 
 #include <tuple>
 #include <utility>
+#include <vector>
 
 extern "C" {
 #include "backend/cuda/ops_cuda.h"
@@ -61,6 +62,15 @@ struct graph_state {
     size_t pin_out_cap, pin_tok_cap;
 };
 
+// QFLASH_CUDA_TRACE=1: one replayed step's block events (decode_cuda.cu tr(); trace_cuda.cu).
+enum { TR_START, TR_WAIT, TR_END, TR_LOGITS, TR_RANKED, TR_ROUTED, TR_PHASE1, TR_BARRIER, TR_EVENTS };
+struct trec {
+    unsigned long long t; // global timer, ns
+    unsigned short tag;   // the kernel's kind (the QFLASH_CUDA_SKIP bit)
+    unsigned char ev, sm;
+    unsigned block, grid;
+};
+
 // QFLASH_CUDA_PROFILE=1: every kernel timed with events (eager steps only), summed by kernel and
 // printed when the backend is freed.
 #define PROF_MAX 64
@@ -86,6 +96,7 @@ struct ctx {
     int early;                    // decode kernels issue their first weight loads before waiting (QFLASH_CUDA_EARLY, default 1)
     int moe1;                     // one-row MoE blocks in one kernel, gate/up and down a grid count apart (QFLASH_CUDA_MOE1, default 1)
     unsigned *moe_cnt;            // that kernel's two grid counts (zero between launches)
+    int wide;                     // one-row gated norms of wide heads staged with every load at once (QFLASH_CUDA_WIDE=1, default off)
     profile prof;
     graph_state gs;
     cublasHandle_t blas;
@@ -101,6 +112,7 @@ struct ctx {
     int n_carved;
     // QFLASH_CUDA_STEPTIME=1: replayed steps timed (GPU between events; host from the step's
     // begin to its launch; begin to results), means printed when the backend is freed
+    struct tracing { int on, steps; trec *buf; } trace; // QFLASH_CUDA_TRACE=1: the 20th replayed step
     struct steptime { int on; cudaEvent_t ev[2]; double t0, gpu_ms, host_us, wall_us; long n; } st;
     int n_tabs;
 };
@@ -375,6 +387,10 @@ const void **expert_table(ctx *c, const qf_expert *experts, int E);
 extern const qf_dec_ops k_dec_ops;
 size_t argmax_scratch_bytes(void);
 void dec_setup(ctx *c); // the decode kernels' settings from the environment (after the device is chosen)
+#define TRACE_CAP (1u << 20)
+int trace_arm(ctx *c);            // the next kernels stamp into c->trace.buf (0: no buffer)
+unsigned trace_disarm(ctx *c);    // stamps taken
+void trace_report(std::vector<trec> &r, FILE *f);
 
 } // namespace qfc
 

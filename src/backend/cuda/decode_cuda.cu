@@ -15,6 +15,7 @@ struct dpre {
     const float *w, *g;
     int g_stride, g_hstride, head;
     float eps;
+    int wide; // one row of GATED_NORM / SIGMOID that stage_wide can stage (dec_matmul checks the shape; one-row products of few rows use it)
 };
 
 struct depi {
@@ -69,7 +70,50 @@ __device__ void stage_heads(const float *__restrict__ x, int n, int cols, const 
     }
     __syncthreads();
 }
-template <int NT>
+// One row of GATED_NORM / SIGMOID whose heads are multiples of 128 columns that divide 4 * 256
+// (out_proj, o_proj): thread i holds float4s i + 256 u of x and of the gate, every load issued at
+// once (one memory latency for the row; a warp per head walked the heads one latency each). A
+// warp's float4s of one u lie in one head, so its sum of squares is a warp sum per 128 columns
+// (red[q]) and a head's the sum of its parts; the norm weight is one float4 per thread.
+#define SW_MAX 4 // float4s of a row per thread: 4096 columns at 256 threads
+__device__ void stage_wide(const float *__restrict__ x, int cols, const dpre &p, float *xs, float *red) {
+    int tid = threadIdx.x, nt = blockDim.x, f = cols / (4 * nt), hw4 = p.head / 4, gated = p.kind == QF_PRE_GATED_NORM;
+    float4 v[SW_MAX], g[SW_MAX], w = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+#pragma unroll
+    for (int u = 0; u < SW_MAX; u++) {
+        int i = tid + u * nt, h = i / hw4;
+        if (u < f) v[u] = ((const float4 *)x)[i], g[u] = *(const float4 *)(p.g + (int64_t)h * p.g_hstride + (i - h * hw4) * 4);
+    }
+    if (gated) {
+        w = *(const float4 *)(p.w + (tid % hw4) * 4);
+#pragma unroll
+        for (int u = 0; u < SW_MAX; u++) {
+            float ss = u < f ? v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w : 0.0f;
+            ss = warp_sum(ss);
+            if (u < f && (tid & 31) == 0) red[(tid + u * nt) / 32] = ss;
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int u = 0; u < SW_MAX; u++) {
+        if (u >= f) continue;
+        int i = tid + u * nt, h = i / hw4;
+        float4 o;
+        if (gated) {
+            float ss = 0.0f;
+            for (int q = h * (hw4 / 32); q < (h + 1) * (hw4 / 32); q++) ss += red[q];
+            float inv = 1.0f / sqrtf(ss / (float)p.head + p.eps);
+            o = make_float4(silu(g[u].x) * v[u].x * inv * w.x, silu(g[u].y) * v[u].y * inv * w.y, silu(g[u].z) * v[u].z * inv * w.z,
+                            silu(g[u].w) * v[u].w * inv * w.w);
+        } else {
+            o = make_float4(v[u].x * sigmoid(g[u].x), v[u].y * sigmoid(g[u].y), v[u].z * sigmoid(g[u].z), v[u].w * sigmoid(g[u].w));
+        }
+        ((float4 *)xs)[i] = o;
+    }
+    __syncthreads();
+}
+
+template <int NT, bool WIDE = false> // WIDE: stage_wide (a template flag: its registers stay out of the other kernels)
 __device__ void stage(const float *__restrict__ x, int n, int cols, const dpre &p, float *xs, float *red) {
     constexpr int SU = NT <= 2 ? 4 : 8; // one row: 4 covers 4096 columns in one round and leaves registers to the early loads
     int tid = threadIdx.x, nt = blockDim.x, c4 = cols / 4;
@@ -95,6 +139,10 @@ __device__ void stage(const float *__restrict__ x, int n, int cols, const dpre &
             if ((tid & 31) == 0) red[t * 32 + tid / 32] = ss;
         }
         __syncthreads();
+        return;
+    }
+    if constexpr (WIDE) {
+        stage_wide(x, cols, p, xs, red);
         return;
     }
     if ((p.kind == QF_PRE_GATED_NORM || p.kind == QF_PRE_SIGMOID) && p.head <= 32 * HD_REG) {
@@ -236,8 +284,46 @@ __device__ __forceinline__ float row_epi(const depi &e, int row, float v, const 
 // Diagnostics (QFLASH_CUDA_SKIP, a bit mask): a kernel whose bit is set returns at once, so a
 // replayed step shows what each kind of kernel costs in place (results are then garbage).
 enum { SK_OUT = 1, SK_LMHEAD = 2, SK_FFNIN = 4, SK_IN = 8, SK_GDN = 16, SK_ATTN = 32, SK_MOE_GU = 64, SK_MOE_DN = 128, SK_ARGMAX = 256 };
-__constant__ unsigned g_skip;
-__device__ __forceinline__ bool skipped(unsigned bit) { return (g_skip & bit) != 0; }
+// The diagnostic switches share one constant word pair: a kernel's first constant read fetches both.
+struct diag {
+    unsigned skip, trace_cap; // QFLASH_CUDA_SKIP's mask; stamps the trace may take (0: off)
+};
+__constant__ diag g_diag;
+__device__ __forceinline__ bool skipped(unsigned bit) { return (g_diag.skip & bit) != 0; }
+
+// Diagnostics (QFLASH_CUDA_TRACE=1 in a build with -DQFLASH_CUDA_TRACE=ON): in one replayed step,
+// thread 0 of every block of the decode kernels stamps the global timer at the block's start, when
+// its wait returns, at its end and at the phases of the one-kernel MoE (trace_cuda.cu prints the
+// step's timeline from them). Compiled out by default: even switched off, the checks cost ~5% of
+// a step (measured), so only trace builds carry them.
+__device__ trec *g_trace;
+__device__ unsigned g_trace_n;
+#ifdef QF_CUDA_TRACE
+__device__ __forceinline__ void tr_stamp(unsigned tag, unsigned ev) {
+    unsigned i = atomicAdd(&g_trace_n, 1u);
+    if (i >= g_diag.trace_cap) return;
+    unsigned long long t;
+    unsigned sm;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    g_trace[i] = {t, (unsigned short)tag, (unsigned char)ev, (unsigned char)sm, (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x,
+                  gridDim.x * gridDim.y * gridDim.z};
+}
+__device__ __forceinline__ void tr(unsigned tag, unsigned ev) {
+    if (g_diag.trace_cap && !threadIdx.x) tr_stamp(tag, ev);
+}
+// After every warp of the block has come this far.
+__device__ __forceinline__ void tr_sync(unsigned tag, unsigned ev) {
+    if (!g_diag.trace_cap) return;
+    __syncthreads();
+    tr(tag, ev);
+}
+#else
+__device__ __forceinline__ void tr(unsigned, unsigned) {}
+__device__ __forceinline__ void tr_sync(unsigned, unsigned) {}
+#endif
+__device__ __forceinline__ void tr_end(unsigned tag) { tr_sync(tag, TR_END); }
+
 // which product a shape is in a Qwen3.5/3.6 step (hidden 2048..): out/o_proj, lm_head, router + shared gate/up, in/qkv projections
 __device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
     return rows >= 65536 ? SK_LMHEAD : cols > 2048 ? SK_OUT : rows < 4096 ? SK_FFNIN : SK_IN;
@@ -247,10 +333,11 @@ __device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
 // blocks striding over groups of rows so the staging is paid once per resident block.
 // early: the warp's first loads go out before the wait for the kernel before and the staging
 // (weights never depend on them), so their memory latency overlaps both.
-template <int NT, int PWT> // PWT rows per warp (PW; 1 for one-row products of few rows: twice the warps)
+template <int NT, int PWT, bool WIDE = false> // PWT rows per warp (PW; 1 for one-row products of few rows: twice the warps); WIDE: stage_wide
 __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, int n, dpre p,
                                                      depi e, int acc, float *__restrict__ y, int early) {
     if (skipped(gemv_bit(rows, cols))) return;
+    tr(gemv_bit(rows, cols), TR_START);
     constexpr int CU = PWT == 1 ? 16 : NT <= 2 ? 8 : 4; // 16-byte loads per lane and row in flight: one row is bound by them, more rows by the FMAs
     extern __shared__ float4 dyn[];
     __shared__ float red[NT * PRE_MAX_HEADS];
@@ -270,8 +357,9 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
     else if (row0 < rows) // the warp's first row streams into L2 while the kernel before ends and x is staged
         for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)row0 * cols + l));
     pdl_wait();
+    tr(gemv_bit(rows, cols), TR_WAIT);
     pdl_launch();
-    stage<NT>(x, n, cols, p, xs, red);
+    stage<NT, WIDE>(x, n, cols, p, xs, red);
     float sc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) sc[t] = t < n ? row_scale(p, red, t, cols) : 0.0f;
@@ -315,6 +403,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
                 }
             }
     }
+    if constexpr (NT <= 12) tr_end(gemv_bit(rows, cols)); // more rows: no registers left for it (it would spill)
 }
 
 // ---- one-row products that stream their weights ----
@@ -449,7 +538,7 @@ void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, const dpre 
     int one = NT == 1 && c->pw1 && w->cols <= 32 * 16 * 8 && (w->rows + 8 * PW - 1) / (8 * PW) < 2 * sms;
     void (*k)(const uint16_t *, int, int, const float *, int, dpre, depi, int, float *, int) = k_gemv_pre<NT, PW>;
     if constexpr (NT == 1)
-        if (one) k = k_gemv_pre<1, 1>;
+        if (one) k = p.wide ? k_gemv_pre<1, 1, true> : k_gemv_pre<1, 1>;
     int per_block = threads / 32 * (one ? 1 : PW);
     // no more blocks than fit at once: a second wave would pay the staging again, exposed
     int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)sms * per_sm(c, n, resident(c, (const void *)k, threads, smem));
@@ -468,8 +557,12 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
         fprintf(stderr, "qflash cuda: fused product: more than %d heads per row\n", PRE_MAX_HEADS);
         return;
     }
-    dpre p = {QF_PRE_NONE, NULL, NULL, 0, 0, 1, 0.0f};
-    if (pre) p = {pre->kind, pre->w, pre->g, pre->g_stride, pre->g_hstride, pre->head > 0 ? pre->head : 1, pre->eps};
+    dpre p = {QF_PRE_NONE, NULL, NULL, 0, 0, 1, 0.0f, 0};
+    if (pre) p = {pre->kind, pre->w, pre->g, pre->g_stride, pre->g_hstride, pre->head > 0 ? pre->head : 1, pre->eps, 0};
+    // stage_wide's shape: 256 threads, 1024 | cols <= 4096, heads of 128 k dividing 1024, gates 16-byte aligned
+    p.wide = c->wide && n == 1 && pre && (pre->kind == QF_PRE_GATED_NORM || pre->kind == QF_PRE_SIGMOID) && w->cols % 1024 == 0 &&
+             w->cols <= 4096 && p.head % 128 == 0 && 1024 % p.head == 0 && (uintptr_t)p.g % 16 == 0 && p.g_hstride % 4 == 0 &&
+             (pre->kind == QF_PRE_SIGMOID || (uintptr_t)p.w % 16 == 0);
     depi e = {};
     if (epi) {
         e = {1, epi->conv_dim, epi->z_dim, epi->nv, epi->conv_k, epi->conv_w, epi->dt_bias, epi->neg_A, {}};
@@ -527,10 +620,12 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
     float *S = a.S[t] + (int64_t)h * dk * dv + (int64_t)i0 * dv + j;
     int live = j < dv, n = min(HK, dk - i0);
     if (skipped(SK_GDN)) return;
+    tr(SK_GDN, TR_START);
     float s[HK];
 #pragma unroll
     for (int i = 0; i < HK; i++) s[i] = i < n && live ? S[(int64_t)i * dv] : 0.0f; // state of earlier steps: before the wait
     pdl_wait();
+    tr(SK_GDN, TR_WAIT);
     pdl_launch();
     // every load of this token's inputs issued before the first is used
     float qv[DK / 32], kv[DK / 32], graw = row[zb + a.nv + h], beta = row[zb + h], vj = live ? row[2 * qk + h * dv + j] : 0.0f;
@@ -562,6 +657,7 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
 #pragma unroll
     for (int i = 0; i < HK; i++)
         if (i < n) S[(int64_t)i * dv] = s[i];
+    tr(SK_GDN, TR_END); // lane 0 (always live) after its writes: the block is one warp
 }
 
 void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
@@ -608,7 +704,9 @@ __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
     qf_kv_view kv = a.kv[t];
     const float *row = a.qkv + (int64_t)t * a.stride;
     if (skipped(SK_ATTN)) return;
+    tr(SK_ATTN, TR_START);
     pdl_wait();
+    tr(SK_ATTN, TR_WAIT);
     pdl_launch();
     if (warp == 0) norm_rope(row + (int64_t)h * 2 * hd, a.q_norm, hd, a.rot, pos, a.inv_freq, a.eps, qs);
     else if (warp == 1 && fresh) {
@@ -627,6 +725,7 @@ __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
         attn_key(qr, k, v, hd, a.scale, m, l, o);
     }
     attn_write_part<DATT_WARPS>(m, l, o, hd, part + ((int64_t)th * splits + sp) * (hd + 2));
+    tr(SK_ATTN, TR_END); // warp 0 writes the partial last
 }
 
 void dec_attention(qf_backend *be, const qf_attn_dec *a) {
@@ -662,7 +761,7 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) {
 // instructions where K rounds of a warp-wide argmax were a serial chain of ~6000 cycles. Then
 // the softmax weights over all E, renormalised over the chosen, into ti/tw in rank order.
 #define ROUTE_CAND (MOE_MAX_E / 32 * 32)
-__device__ void route_block(const float *rl, int E, int K, int *ti, float *tw) {
+__device__ void route_block(const float *rl, int E, int K, int *ti, float *tw, bool stamp = false) {
     __shared__ float cv[ROUTE_CAND], red[32];
     __shared__ int ci[ROUTE_CAND], nc;
     int tid = threadIdx.x, lane = tid & 31, nw = blockDim.x / 32;
@@ -687,6 +786,7 @@ __device__ void route_block(const float *rl, int E, int K, int *ti, float *tw) {
         }
     }
     __syncthreads();
+    if (stamp) tr(SK_MOE_GU, TR_LOGITS);
     for (int c = tid; c < nc; c += blockDim.x) {
         float m = cv[c];
         int mi = ci[c], r = 0;
@@ -694,6 +794,7 @@ __device__ void route_block(const float *rl, int E, int K, int *ti, float *tw) {
         if (r < K) ti[r] = mi, tw[r] = m;
     }
     __syncthreads();
+    if (stamp) tr(SK_MOE_GU, TR_RANKED);
     float mx = tw[0], e = 0.0f;
 #pragma unroll
     for (int u = 0; u < MOE_MAX_E / 256; u++)
@@ -918,13 +1019,16 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, lane = tid & 31;
     int gw = blockIdx.x * (blockDim.x / 32) + tid / 32, nw = gridDim.x * (blockDim.x / 32);
     float *xs = (float *)dyn, *hs = xs + H; // x * norm weight; the down parts' inputs (part q at hs + q * I)
+    tr(SK_MOE_GU, TR_START);
     float inv = stage_normed(a, a.x, xs, red); // x: two kernels back
     pdl_wait();
+    tr(SK_MOE_GU, TR_WAIT);
     pdl_launch();
-    route_block(a.rl, E, K, ti, wk);
+    route_block(a.rl, E, K, ti, wk, true);
     if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
     shared_slot(a, a.rl, sh_down, wk, dp);
     __syncthreads();
+    tr(SK_MOE_GU, TR_ROUTED);
     for (int r = gw; r < K * I && !skipped(SK_MOE_GU); r += nw) {
         int k = r / I;
         float h = gu_row<HL>(tab, E, ti[k], r - k * I, H, xs, inv, lane);
@@ -934,7 +1038,9 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     int i = gw, have = i < H;
     if (have) w.load(dp, K, I, S, i, 0);
     shared_in(a, a.rl, hs + K * I);
+    tr_sync(SK_MOE_GU, TR_PHASE1);
     grid_arrive_wait(cnt);
+    tr(SK_MOE_GU, TR_BARRIER);
 #pragma unroll 8
     for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)hbuf + j); // L2: other SMs wrote it
     __syncthreads();
@@ -943,6 +1049,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
         float acc = w.sum(dp, wk, hs, K, I, S, i, have);
         if (lane == 0) a.x[i] += acc;
     }
+    tr_end(SK_MOE_GU);
 }
 
 // Where a streamed slot of gate/up lies: expert slot k, ffn row j, half h (gate 0, up 1), slot c.
@@ -1182,9 +1289,30 @@ void qfc::dec_setup(ctx *c) {
     c->gdn_lpc = lpc ? atoi(lpc) : 4;
     const char *m1 = getenv("QFLASH_CUDA_MOE1"); // one-row MoE in one kernel (0: gate/up and down apart)
     c->moe1 = !(m1 && *m1 == '0');
+    // one-row gated norms of wide heads staged with every load at once (QFLASH_CUDA_WIDE=1; off until
+    // measured in its template form: notes, session 6)
+    const char *wd = getenv("QFLASH_CUDA_WIDE");
+    c->wide = wd && *wd == '1';
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
     if (m) fprintf(stderr, "qflash cuda: QFLASH_CUDA_SKIP=%#x: decode kernels of those kinds do nothing (timing only, results are wrong)\n", m);
-    cudaMemcpyToSymbol(g_skip, &m, sizeof m);
+    cudaMemcpyToSymbol(g_diag, &m, sizeof m, offsetof(diag, skip));
+}
+
+int qfc::trace_arm(ctx *c) {
+    if (!c->trace.buf && cudaMalloc(&c->trace.buf, TRACE_CAP * sizeof(trec)) != cudaSuccess) c->trace.buf = NULL;
+    if (!c->trace.buf) return 0;
+    unsigned zero = 0, cap = TRACE_CAP;
+    cudaMemcpyToSymbol(g_trace, &c->trace.buf, sizeof c->trace.buf);
+    cudaMemcpyToSymbol(g_trace_n, &zero, sizeof zero);
+    cudaMemcpyToSymbol(g_diag, &cap, sizeof cap, offsetof(diag, trace_cap));
+    return 1;
+}
+
+unsigned qfc::trace_disarm(ctx *c) {
+    unsigned n = 0, zero = 0;
+    cudaMemcpyToSymbol(g_diag, &zero, sizeof zero, offsetof(diag, trace_cap));
+    cudaMemcpyFromSymbol(&n, g_trace_n, sizeof n);
+    return n < TRACE_CAP ? n : TRACE_CAP;
 }
 
 size_t qfc::argmax_scratch_bytes(void) { return (size_t)QF_DEC_ROWS * 8 * (AMAX_BLOCKS * 8 + 4); }

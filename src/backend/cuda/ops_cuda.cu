@@ -662,13 +662,17 @@ int cu_step_end(qf_backend *be) {
         s->enabled = 0;
         return qf_fail(QF_EUNSUPPORTED, "CUDA graph step diverged from its recording (graphs now off: QFLASH_CUDA_GRAPHS=0)");
     }
-    int timed = c->st.on && mode == G_REPLAY;
+    int timed = c->st.on && mode == G_REPLAY, traced = c->trace.on && mode == G_REPLAY && ++c->trace.steps == 20 && trace_arm(c);
     double t_launch = timed ? now_us() : 0.0;
     if (timed) cudaEventRecord(c->st.ev[0], 0);
     check(cudaGraphLaunch(s->ex, 0), "graph launch");
     if (timed) cudaEventRecord(c->st.ev[1], 0);
     check(cudaStreamSynchronize(0), "graph step");
     for (int i = 0; i < s->n_outs; i++) memcpy(s->outs[i].dst, s->pin_out + s->outs[i].off, s->outs[i].bytes);
+    if (traced) {
+        std::vector<trec> r(trace_disarm(c));
+        if (!r.empty() && cudaMemcpy(r.data(), c->trace.buf, r.size() * sizeof(trec), cudaMemcpyDeviceToHost) == cudaSuccess) trace_report(r, stderr);
+    }
     if (timed) {
         float ms = 0.0f;
         cudaEventElapsedTime(&ms, c->st.ev[0], c->st.ev[1]);
@@ -748,6 +752,12 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     const char *gr = getenv("QFLASH_CUDA_GRAPHS"), *pr = getenv("QFLASH_CUDA_PROFILE");
     c->prof.on = pr && *pr == '1';
     c->gs.enabled = !(gr && *gr == '0') && !c->prof.on;
+    const char *trc = getenv("QFLASH_CUDA_TRACE");
+    c->trace.on = trc && *trc == '1';
+#ifndef QF_CUDA_TRACE
+    if (c->trace.on) fprintf(stderr, "qflash cuda: QFLASH_CUDA_TRACE=1 needs a build with -DQFLASH_CUDA_TRACE=ON (the stamps are compiled out)\n");
+    c->trace.on = 0;
+#endif
     const char *stt = getenv("QFLASH_CUDA_STEPTIME");
     c->st.on = stt && *stt == '1' && cudaEventCreate(&c->st.ev[0]) == cudaSuccess && cudaEventCreate(&c->st.ev[1]) == cudaSuccess;
     for (int i = 0; c->prof.on && i < PROF_RING; i++) cudaEventCreate(&c->prof.ev[i][0]), cudaEventCreate(&c->prof.ev[i][1]);
@@ -783,7 +793,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn), cudaFree(c->amax), cudaFree(c->moe_cnt);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->trace.buf);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);
