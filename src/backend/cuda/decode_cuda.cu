@@ -294,23 +294,36 @@ __device__ __forceinline__ bool skipped(unsigned bit) { return (g_diag.skip & bi
 // Diagnostics (QFLASH_CUDA_TRACE=1 in a build with -DQFLASH_CUDA_TRACE=ON): in one replayed step,
 // thread 0 of every block of the decode kernels stamps the global timer at the block's start, when
 // its wait returns, at its end and at the phases of the one-kernel MoE (trace_cuda.cu prints the
-// step's timeline from them). Compiled out by default: even switched off, the checks cost ~5% of
-// a step (measured), so only trace builds carry them.
+// step's timeline from them). Every traced kernel stamps TR_START first and TR_END last.
+// Compiled out by default: even switched off, the checks cost ~5% of a step (measured), so only
+// trace builds carry them.
 __device__ trec *g_trace;
 __device__ unsigned g_trace_n;
 #ifdef QF_CUDA_TRACE
-__device__ __forceinline__ void tr_stamp(unsigned tag, unsigned ev) {
-    unsigned i = atomicAdd(&g_trace_n, 1u);
-    if (i >= g_diag.trace_cap) return;
-    unsigned long long t;
-    unsigned sm;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+// The block's stamps wait in shared memory (one slot per event; 0: not taken) and go out at its
+// end with one atomic for all of them, so a stamp costs a register move, not a memory round trip;
+// only the block's exit is later by that one atomic.
+__device__ __forceinline__ unsigned long long *tr_slots() {
+    __shared__ unsigned long long slot[TR_EVENTS];
+    return slot;
+}
+__device__ void tr_flush(unsigned tag) {
+    unsigned long long *slot = tr_slots();
+    unsigned n = 0, sm, b = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x, g = gridDim.x * gridDim.y * gridDim.z;
+    for (int ev = 0; ev < TR_EVENTS; ev++) n += slot[ev] != 0;
+    unsigned i = atomicAdd(&g_trace_n, n);
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    g_trace[i] = {t, (unsigned short)tag, (unsigned char)ev, (unsigned char)sm, (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x,
-                  gridDim.x * gridDim.y * gridDim.z};
+    for (int ev = 0; ev < TR_EVENTS; ev++)
+        if (slot[ev] && i < g_diag.trace_cap) g_trace[i++] = {slot[ev], (unsigned short)tag, (unsigned char)ev, (unsigned char)sm, b, g};
 }
 __device__ __forceinline__ void tr(unsigned tag, unsigned ev) {
-    if (g_diag.trace_cap && !threadIdx.x) tr_stamp(tag, ev);
+    if (!g_diag.trace_cap || threadIdx.x) return;
+    unsigned long long *slot = tr_slots(), t;
+    if (ev == TR_START)
+        for (int e = 0; e < TR_EVENTS; e++) slot[e] = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    slot[ev] = t;
+    if (ev == TR_END) tr_flush(tag);
 }
 // After every warp of the block has come this far.
 __device__ __forceinline__ void tr_sync(unsigned tag, unsigned ev) {
