@@ -517,8 +517,9 @@ static void streamed_checks(void) {
     bench_dec_matmul(248320, 2048, 1);
 }
 
-/* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), and one-row gated norms staged with
- * every load at once (QFLASH_CUDA_WIDE=1: out_proj's and o_proj's shapes, one row). */
+/* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), one-row gated norms staged with every
+ * load at once (QFLASH_CUDA_WIDE=1: out_proj's and o_proj's shapes, one row), and the one-kernel
+ * MoE's fixed-slot routing (QFLASH_CUDA_ROUTE=1). */
 static void switch_checks(void) {
     if (restart_with("QFLASH_CUDA_MOE1", "0")) {
         test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0);
@@ -531,6 +532,13 @@ static void switch_checks(void) {
         test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 1, 1); /* not its shape: the general staging */
     }
     unsetenv("QFLASH_CUDA_WIDE");
+    if (restart_with("QFLASH_CUDA_ROUTE", "1")) { /* the one-kernel MoE's other routing: same choice, order and weights */
+        test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
+        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
+        test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
+        test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1); /* the most experts and the largest top-k it routes */
+    }
+    unsetenv("QFLASH_CUDA_ROUTE");
 }
 
 int main(int argc, char **argv) {

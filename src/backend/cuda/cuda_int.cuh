@@ -96,6 +96,7 @@ struct ctx {
     int early;                    // decode kernels issue their first weight loads before waiting (QFLASH_CUDA_EARLY, default 1)
     int moe1;                     // one-row MoE blocks in one kernel, gate/up and down a grid count apart (QFLASH_CUDA_MOE1, default 1)
     unsigned *moe_cnt;            // that kernel's two grid counts (zero between launches)
+    int fixed_route;              // the one-kernel MoE routes with route_fixed (QFLASH_CUDA_ROUTE=1, default off)
     int wide;                     // one-row gated norms of wide heads staged with every load at once (QFLASH_CUDA_WIDE=1, default off)
     profile prof;
     graph_state gs;

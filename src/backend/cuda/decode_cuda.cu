@@ -820,6 +820,46 @@ __device__ void route_block(const float *rl, int E, int K, int *ti, float *tw, b
     __syncthreads();
 }
 
+// route_block's choice, with less in its way (QFLASH_CUDA_ROUTE=1; opt-in until measured): warp
+// group g's candidate of rank r goes to slot g * K + r (ranks in a group are a permutation, so no
+// shared atomic and no count to read back), and the weights are exp(l - max) normalised over the
+// chosen: the full softmax's sum cancels in the renormalisation, so no block-wide sum of E exps.
+__device__ void route_fixed(const float *rl, int E, int K, int *ti, float *tw, bool stamp = false) {
+    __shared__ float cv[ROUTE_CAND];
+    __shared__ int ci[ROUTE_CAND];
+    int tid = threadIdx.x, lane = tid & 31, nw = blockDim.x / 32, nc = (E + 31) / 32 * K;
+    if (tid < K) ti[tid] = tid, tw[tid] = 0.0f; // NaN logits can leave ranks untaken: slots stay valid experts
+#pragma unroll
+    for (int u = 0; u < MOE_MAX_E / 256; u++) {
+        int g = u * nw + tid / 32, base = g * 32;
+        if (base >= E) continue; // whole warp alike
+        float v = base + lane < E ? rl[base + lane] : -INFINITY;
+        int r = 0;
+#pragma unroll
+        for (int o = 0; o < 32; o++) {
+            float ov = __shfl_sync(0xffffffffu, v, o);
+            r += ov > v || (ov == v && o < lane);
+        }
+        if (r < K) cv[g * K + r] = v, ci[g * K + r] = base + lane; // lanes past E: -inf, ranked after every logit
+    }
+    __syncthreads();
+    if (stamp) tr(SK_MOE_GU, TR_LOGITS);
+    for (int c = tid; c < nc; c += blockDim.x) {
+        float m = cv[c];
+        int mi = ci[c], r = 0;
+#pragma unroll 8
+        for (int j = 0; j < nc; j++) r += cv[j] > m || (cv[j] == m && ci[j] < mi);
+        if (r < K) ti[r] = mi < E ? mi : 0, tw[r] = m;
+    }
+    __syncthreads();
+    if (stamp) tr(SK_MOE_GU, TR_RANKED);
+    if (tid < 32) {
+        float p = lane < K ? expf(tw[lane] - tw[0]) : 0.0f, ts = warp_sum(p);
+        if (lane < K) tw[lane] = p / ts;
+    }
+    __syncthreads();
+}
+
 // x * norm weight into xs; returns x's 1/rms, which scales the finished sums (the barriers of the
 // sum publish xs).
 __device__ float stage_normed(const qf_moe_dec &a, const float *x, float *xs, float *red) {
@@ -1023,7 +1063,7 @@ __device__ void grid_leave(unsigned *cnt) {
 // warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
 // other: the grid is never larger than what the SMs hold at once.
-template <int HL, int PL>
+template <int HL, int PL, bool FIXED = false> // FIXED: route_fixed (a template flag: the default kernel stays as measured)
 __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], wk[MOE_MAX_K + 1];
@@ -1037,7 +1077,8 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     pdl_wait();
     tr(SK_MOE_GU, TR_WAIT);
     pdl_launch();
-    route_block(a.rl, E, K, ti, wk, true);
+    if constexpr (FIXED) route_fixed(a.rl, E, K, ti, wk, true);
+    else route_block(a.rl, E, K, ti, wk, true);
     if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
     shared_slot(a, a.rl, sh_down, wk, dp);
     __syncthreads();
@@ -1176,7 +1217,11 @@ int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
     int H = a->hidden, I = a->ffn, S = a->sh_ffn;
     typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *);
     int mc = I > S ? I : S;
-    fn k = H <= 256 && mc <= 256 ? k_moe_one<1, 1> : H <= 2048 && mc <= 512 ? k_moe_one<8, 2> : H <= 4096 && mc <= 512 ? k_moe_one<16, 2> : NULL;
+    int f = c->fixed_route;
+    fn k = H <= 256 && mc <= 256     ? (f ? k_moe_one<1, 1, true> : k_moe_one<1, 1>)
+           : H <= 2048 && mc <= 512 ? (f ? k_moe_one<8, 2, true> : k_moe_one<8, 2>)
+           : H <= 4096 && mc <= 512 ? (f ? k_moe_one<16, 2, true> : k_moe_one<16, 2>)
+                                    : NULL;
     if (!k) return 0;
     size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float);
     int grid = resident(c, (const void *)k, 256, smem) * (c->sms > 0 ? c->sms : 1);
@@ -1306,6 +1351,8 @@ void qfc::dec_setup(ctx *c) {
     // measured in its template form: notes, session 6)
     const char *wd = getenv("QFLASH_CUDA_WIDE");
     c->wide = wd && *wd == '1';
+    const char *ro = getenv("QFLASH_CUDA_ROUTE"); // 1: the one-kernel MoE routes with route_fixed (not yet measured)
+    c->fixed_route = ro && *ro == '1';
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
     if (m) fprintf(stderr, "qflash cuda: QFLASH_CUDA_SKIP=%#x: decode kernels of those kinds do nothing (timing only, results are wrong)\n", m);
     cudaMemcpyToSymbol(g_diag, &m, sizeof m, offsetof(diag, skip));
