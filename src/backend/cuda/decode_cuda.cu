@@ -774,6 +774,25 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) {
 // instructions where K rounds of a warp-wide argmax were a serial chain of ~6000 cycles. Then
 // the softmax weights over all E, renormalised over the chosen, into ti/tw in rank order.
 #define ROUTE_CAND (MOE_MAX_E / 32 * 32)
+
+// How many of the warp's 32 logits rank above this lane's v (greater, or equal at a lower lane).
+__device__ __forceinline__ int warp_rank(float v, int lane) {
+    int r = 0;
+#pragma unroll
+    for (int o = 0; o < 32; o++) {
+        float ov = __shfl_sync(0xffffffffu, v, o);
+        r += ov > v || (ov == v && o < lane);
+    }
+    return r;
+}
+
+// How many of the nc candidates (cv values, ci expert indices) rank above candidate (m, mi).
+__device__ __forceinline__ int cand_rank(const float *cv, const int *ci, int nc, float m, int mi) {
+    int r = 0;
+    for (int j = 0; j < nc; j++) r += cv[j] > m || (cv[j] == m && ci[j] < mi);
+    return r;
+}
+
 __device__ void route_block(const float *rl, int E, int K, int *ti, float *tw, bool stamp = false) {
     __shared__ float cv[ROUTE_CAND], red[32];
     __shared__ int ci[ROUTE_CAND], nc;
@@ -787,12 +806,7 @@ __device__ void route_block(const float *rl, int E, int K, int *ti, float *tw, b
         int base = (u * nw + tid / 32) * 32;
         v[u] = base + lane < E ? rl[base + lane] : -INFINITY;
         if (base >= E) continue; // whole warp alike
-        int r = 0;
-#pragma unroll
-        for (int o = 0; o < 32; o++) {
-            float ov = __shfl_sync(0xffffffffu, v[u], o);
-            r += ov > v[u] || (ov == v[u] && o < lane);
-        }
+        int r = warp_rank(v[u], lane);
         if (r < K && base + lane < E) {
             int at = atomicAdd(&nc, 1);
             cv[at] = v[u], ci[at] = base + lane;
@@ -802,8 +816,7 @@ __device__ void route_block(const float *rl, int E, int K, int *ti, float *tw, b
     if (stamp) tr(SK_MOE_GU, TR_LOGITS);
     for (int c = tid; c < nc; c += blockDim.x) {
         float m = cv[c];
-        int mi = ci[c], r = 0;
-        for (int j = 0; j < nc; j++) r += cv[j] > m || (cv[j] == m && ci[j] < mi);
+        int mi = ci[c], r = cand_rank(cv, ci, nc, m, mi);
         if (r < K) ti[r] = mi, tw[r] = m;
     }
     __syncthreads();
@@ -834,21 +847,14 @@ __device__ void route_fixed(const float *rl, int E, int K, int *ti, float *tw, b
         int g = u * nw + tid / 32, base = g * 32;
         if (base >= E) continue; // whole warp alike
         float v = base + lane < E ? rl[base + lane] : -INFINITY;
-        int r = 0;
-#pragma unroll
-        for (int o = 0; o < 32; o++) {
-            float ov = __shfl_sync(0xffffffffu, v, o);
-            r += ov > v || (ov == v && o < lane);
-        }
+        int r = warp_rank(v, lane);
         if (r < K) cv[g * K + r] = v, ci[g * K + r] = base + lane; // lanes past E: -inf, ranked after every logit
     }
     __syncthreads();
     if (stamp) tr(SK_MOE_GU, TR_LOGITS);
     for (int c = tid; c < nc; c += blockDim.x) {
         float m = cv[c];
-        int mi = ci[c], r = 0;
-#pragma unroll 8
-        for (int j = 0; j < nc; j++) r += cv[j] > m || (cv[j] == m && ci[j] < mi);
+        int mi = ci[c], r = cand_rank(cv, ci, nc, m, mi);
         if (r < K) ti[r] = mi < E ? mi : 0, tw[r] = m;
     }
     __syncthreads();
@@ -991,9 +997,10 @@ __device__ __forceinline__ void shared_slot(const qf_moe_dec &a, const float *rl
 }
 
 // Block (a warp per output row, stepping by the grid; row t): x[t][i] += sum_k w_k down_k[i] . h_k
-// + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u, a dn_row each. early: the routing is redone here from the
-// router logits (two kernels back, so before the wait) and the warp's first loads and the shared
-// expert's input go out before it; else the routing comes from gate/up (topi, topw).
+// + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u, a dn_row each. early: the routing is
+// redone here from the router logits (two kernels back, so before the wait) and the warp's first
+// loads and the shared expert's input go out before it; else the routing comes from gate/up
+// (topi, topw).
 template <int PL>
 __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi,
                                                      const float *topw, int early) {

@@ -63,8 +63,8 @@ void trace_report(std::vector<trec> &r, FILE *f) {
             r.size(), v.size());
     fprintf(f, "  %3s %-12s %5s %17s %17s %17s %7s  %s\n", "#", "kind", "grid", "start", "wait returned", "end", "adds",
             "moe (first..last): logits read, ranked, routed, gate/up done, past the count");
-    double sum[65536 / 64 + 8] = {0}, wr[65536 / 64 + 8] = {0}, post[65536 / 64 + 8] = {0};
-    int cnt[65536 / 64 + 8] = {0};
+    double sum[17] = {0}, wr[17] = {0}, post[17] = {0}; // by the tag's bit (16: none)
+    int cnt[17] = {0};
     for (size_t i = 0; i < v.size(); i++) {
         inst &k = v[i];
         double prev = i ? v[i - 1].last[TR_END] : k.first[TR_START], adds = k.last[TR_END] - prev;
