@@ -330,6 +330,46 @@ static void test_dec_gdn(int n, int nk, int nv, int dk, int dv) {
     gpu.ops->free(&gpu, dm), gpu.ops->free(&gpu, dS), gpu.ops->free(&gpu, dout);
 }
 
+/* gdn_tail (the step, out_proj and ffn_in as one kernel) against its three ops run on the same
+ * backend from the same inputs: step output, state, residual and ffn_in's output. */
+static float *down_f(const float *d, size_t n) {
+    float *h = malloc(n * sizeof *h);
+    gpu.ops->download(&gpu, h, d, n * sizeof *h);
+    return h;
+}
+static void test_dec_gdn_tail(int nk, int nv, int dk, int dv, int H, int fr) {
+    int qk = nk * dk, cd = 2 * qk + nv * dv, stride = cd + nv * dv + 2 * nv, oc = nv * dv;
+    size_t ns = (size_t)nv * dk * dv;
+    float *mixed = qt_rnd((size_t)stride, 1.0f), *S = qt_rnd(ns, 0.1f), *x = qt_rnd((size_t)H, 2.0f), *gnw = qt_rnd((size_t)dv, 1.0f), *fnw = qt_rnd((size_t)H, 1.0f);
+    for (int h = 0; h < nv; h++) mixed[cd + oc + h] = 0.5f + 0.4f * qt_frand(), mixed[cd + oc + nv + h] = -0.3f + 0.25f * qt_frand();
+    void *hwo, *hwf;
+    qf_mat wo = bf16_mat(H, oc, &hwo), wf = bf16_mat(fr, H, &hwf);
+    wo.data = up(hwo, (size_t)H * oc * 2), wf.data = up(hwf, (size_t)fr * H * 2);
+    float *dm = up_f(mixed, (size_t)stride), *dgnw = up_f(gnw, (size_t)dv), *dfnw = up_f(fnw, (size_t)H), *d[2][4];
+    for (int v = 0; v < 2; v++) /* state, core, x, rl: one set for the chain, one for the kernel */
+        d[v][0] = up_f(S, ns), d[v][1] = gpu.ops->alloc(&gpu, (size_t)oc * 4), d[v][2] = up_f(x, (size_t)H), d[v][3] = gpu.ops->alloc(&gpu, (size_t)fr * 4);
+    qf_pre gn = {QF_PRE_GATED_NORM, dgnw, dm + cd, stride, dv, dv, 1e-6f}, fn = {QF_PRE_RMSNORM, dfnw, NULL, 0, 0, 0, 1e-6f};
+    qf_gdn_dec g0 = {dm, stride, 1, nk, nv, dk, dv, {d[0][0]}, d[0][1]}, g1 = {dm, stride, 1, nk, nv, dk, dv, {d[1][0]}, d[1][1]};
+    gpu.ops->dec->gdn(&gpu, &g0);
+    gpu.ops->dec->matmul(&gpu, &wo, d[0][1], 1, &gn, NULL, 1, d[0][2]);
+    gpu.ops->dec->matmul(&gpu, &wf, d[0][2], 1, &fn, NULL, 0, d[0][3]);
+    int took = gpu.ops->dec->gdn_tail && gpu.ops->dec->gdn_tail(&gpu, &g1, &wo, &gn, d[1][2], &wf, &fn, d[1][3]);
+    char sh[96];
+    snprintf(sh, sizeof sh, "%d/%d heads of %d/%d, hidden %d, ffn_in %d", nk, nv, dk, dv, H, fr);
+    CHECK(took, "gdn_tail declined %s", sh);
+    const char *what[4] = {"dec tail state", "dec tail core", "dec tail x", "dec tail ffn_in"};
+    size_t len[4] = {ns, (size_t)oc, (size_t)H, (size_t)fr};
+    for (int i = 0; i < 4 && took; i++) {
+        float *want = down_f(d[0][i], len[i]);
+        report(what[i], sh, cmp(d[1][i], want, len[i]), 1e-5);
+        free(want);
+    }
+    for (int v = 0; v < 2; v++)
+        for (int i = 0; i < 4; i++) gpu.ops->free(&gpu, d[v][i]);
+    gpu.ops->free(&gpu, dm), gpu.ops->free(&gpu, dgnw), gpu.ops->free(&gpu, dfnw), gpu.ops->free(&gpu, (void *)wo.data), gpu.ops->free(&gpu, (void *)wf.data);
+    free(mixed), free(S), free(x), free(gnw), free(fnw), free(hwo), free(hwf);
+}
+
 /* Rows at different positions, each with its own scrambled pages in one pool. */
 static void test_dec_attention(int n, int nh, int nkv, int hd, int rot, const int *pos) {
     int pt = 16, stride = nh * 2 * hd + 2 * nkv * hd, koff = nh * 2 * hd, voff = koff + nkv * hd, per = 0;
@@ -517,6 +557,27 @@ static void streamed_checks(void) {
     bench_dec_matmul(248320, 2048, 1);
 }
 
+/* One-row products fed by bulk copies (QFLASH_CUDA_BULK=15: every kind, sm_90): every one-row shape of a step
+ * (in_proj with its epilogue, out_proj, o_proj, ffn_in, lm_head), a shape that is no whole row
+ * per slot (512 and 4096 columns), rows fewer than the warps, and one block per SM. */
+static void bulk_checks(void) {
+    if (!restart_with("QFLASH_CUDA_BULK", "15")) return;
+    dec_row_checks(1);
+    test_dec_matmul(QF_PRE_RMSNORM, 2048, 512, 1, 1, 1);
+    test_dec_matmul(QF_PRE_NONE, 100, 2048, 1, 1, 1);
+    test_dec_matmul(QF_PRE_GATED_NORM, 128, 256, 32, 1, 1);
+    test_dec_matmul(QF_PRE_RMSNORM, 248320 / 8, 2048, 1, 1, 0);
+    bench_dec_matmul(12352, 2048, 1);
+    bench_dec_matmul(248320, 2048, 1);
+    if (restart_with("QFLASH_CUDA_BULK_BLOCKS", "1")) {
+        test_dec_gdn_proj(1);
+        test_dec_matmul(QF_PRE_GATED_NORM, 2048, 4096, 128, 1, 1);
+        bench_dec_matmul(12352, 2048, 1);
+    }
+    unsetenv("QFLASH_CUDA_BULK_BLOCKS");
+    unsetenv("QFLASH_CUDA_BULK");
+}
+
 /* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), one-row gated norms staged with every
  * load at once (QFLASH_CUDA_WIDE=1: out_proj's and o_proj's shapes, one row), and the one-kernel
  * MoE's fixed-slot routing (QFLASH_CUDA_ROUTE=1). */
@@ -539,6 +600,14 @@ static void switch_checks(void) {
         test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1); /* the most experts and the largest top-k it routes */
     }
     unsetenv("QFLASH_CUDA_ROUTE");
+    if (restart_with("QFLASH_CUDA_TAIL", "1")) { /* several launches in a row: its grid counts must come back to zero */
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281);
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281);
+        test_dec_gdn_tail(4, 8, 32, 32, 256, 100);
+        test_dec_gdn_tail(2, 4, 64, 64, 512, 300);
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281);
+    }
+    unsetenv("QFLASH_CUDA_TAIL");
 }
 
 int main(int argc, char **argv) {
@@ -589,6 +658,7 @@ int main(int argc, char **argv) {
     bench_gemv(8192, 2048, 1);
     bench_gemv(248320, 2048, 4);
     switch_checks();
+    bulk_checks();
     streamed_checks();
     qf_cuda_backend_free(&gpu);
     return qt_finish();

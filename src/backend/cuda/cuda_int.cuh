@@ -98,6 +98,11 @@ struct ctx {
     unsigned *moe_cnt;            // that kernel's two grid counts (zero between launches)
     int fixed_route;              // the one-kernel MoE routes with route_fixed (QFLASH_CUDA_ROUTE=1, default off)
     int wide;                     // one-row gated norms of wide heads staged with every load at once (QFLASH_CUDA_WIDE=1, default off)
+    int bulk;                     // kinds of one-row products fed by bulk copies into per-warp rings (QFLASH_CUDA_BULK=mask, sm_90)
+    int bulk_blocks;              // their blocks per SM (QFLASH_CUDA_BULK_BLOCKS: 1 or 2, default 2)
+    int tail;                     // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (QFLASH_CUDA_TAIL=1, sm_90)
+    int x_late;                   // the next MoE launch must stage x after its wait (the kernel before it wrote x)
+    int cc_major;                 // the device's compute capability, major
     profile prof;
     graph_state gs;
     cublasHandle_t blas;

@@ -519,6 +519,135 @@ __global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restri
     ring_drain(ring, ne, next, use);
 }
 
+// ---- one-row products fed by bulk copies (sm_90: cp.async.bulk, QFLASH_CUDA_BULK=1) ----
+// The register kernels above lose their time in rounds: a warp's next loads go out only after
+// its last ones were used, so each of its ~3 rounds pays a full memory latency. Here each warp
+// owns a ring of BK_SLOTS slots of 4 KB in shared memory that a single lane fills with one bulk
+// copy per slot (the copy engine, not 32 lanes, moves the bytes: no per-load instructions), and
+// refills a slot as soon as the warp has read it, so every warp keeps BK_SLOTS * 4 KB in flight
+// from before the wait for the kernel before it to its last row. Warps never wait for each
+// other: a warp's slots, barriers and rows are its own.
+#define BK_SLOTS 3     // 12 KB a warp, 96 KB a block of 8 warps: two blocks (or one and the next kernel's) fit an SM
+#define BK_UNITS 8     // 512-byte units (32 lanes x 16 bytes) per slot
+#define BK_BYTES (BK_UNITS * 512)
+
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t *b) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(b)) : "memory"); }
+// The slot's barrier expects `bytes` more, then the copy engine moves them from global memory.
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(bytes), "r"(smem_u32(b))
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *b, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done)
+                     : "r"(smem_u32(b)), "r"(parity)
+                     : "memory");
+#endif
+}
+// The warp's reads of a slot are ordered before the copy engine's next writes into it.
+__device__ __forceinline__ void fence_async_smem() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// y[row] (= or +=) W[row] . pre(x) for one row of x: as k_gemv_stream, the warp's rows are one
+// contiguous run of units (lane l holds 8 columns of each); EPR (cols / 256) known at compile time
+// keeps the lane's x in registers (EPR 8: 64 floats) and a slot one row; EPR 0: any cols % 256,
+// x read from shared memory.
+template <int EPR>
+__global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, dpre p,
+                                                      depi ep, int acc, float *__restrict__ y) {
+    if (skipped(gemv_bit(rows, cols))) return;
+    tr(gemv_bit(rows, cols), TR_START);
+    extern __shared__ float4 dyn[];
+    __shared__ float red[PRE_MAX_HEADS];
+    __shared__ uint64_t bars[8 * BK_SLOTS];
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, r0, r1;
+    uint4 *ring = (uint4 *)dyn + warp * BK_SLOTS * BK_UNITS * 32;
+    uint64_t *bar = bars + warp * BK_SLOTS;
+    float *xs = (float *)((uint4 *)dyn + blockDim.x / 32 * BK_SLOTS * BK_UNITS * 32);
+    warp_share(rows, &r0, &r1);
+    int epr = EPR ? EPR : cols / 256, ne = (r1 - r0) * epr, nch = (ne + BK_UNITS - 1) / BK_UNITS;
+    const char *src = (const char *)(W + (int64_t)r0 * cols);
+    auto fill = [&](int ch) { // lane 0: chunk ch into its slot
+        unsigned units = min(BK_UNITS, ne - ch * BK_UNITS);
+        bulk_load(ring + (ch % BK_SLOTS) * BK_UNITS * 32, src + (int64_t)ch * BK_BYTES, units * 512, bar + ch % BK_SLOTS);
+    };
+    if (lane == 0) {
+        for (int s = 0; s < BK_SLOTS; s++) mbar_init(bar + s);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); // the copy engine sees the barriers made
+#endif
+        for (int ch = 0; ch < min(BK_SLOTS, nch); ch++) fill(ch);
+    }
+    __syncwarp();
+    pdl_wait();
+    tr(gemv_bit(rows, cols), TR_WAIT);
+    pdl_launch();
+    row_in ri = {};
+    int cached = r1 - r0 <= 32; // more rows than lanes (large products, no epilogue): read at the row's end
+    if (cached && r0 + lane < r1) row_in_load(ep, acc, y, r0 + lane, ri);
+    stage<1>(x, 1, cols, p, xs, red);
+    float sc = row_scale(p, red, 0, cols), a = 0.0f;
+    float4 xr[EPR == 8 ? 16 : 1];
+    if constexpr (EPR == 8)
+#pragma unroll
+        for (int u = 0; u < 8; u++) xr[2 * u] = *(const float4 *)(xs + (u * 32 + lane) * 8), xr[2 * u + 1] = *(const float4 *)(xs + (u * 32 + lane) * 8 + 4);
+    int row = r0, c = 0;
+    auto finish = [&]() {
+        float s = warp_sum(a) * sc; // every lane has it
+        if (cached && lane == row - r0) {
+            if (ep.on) s = row_epi(ep, row, s, ri);
+            y[row] = acc ? ri.y + s : s;
+        } else if (!cached && lane == 0) {
+            if (ep.on) s = epi_value(ep, 0, row, s);
+            y[row] = acc ? y[row] + s : s;
+        }
+        a = 0.0f, c = 0, row++;
+    };
+    for (int ch = 0; ch < nch; ch++) {
+        const uint4 *slot = ring + (ch % BK_SLOTS) * BK_UNITS * 32 + lane;
+        mbar_wait(bar + ch % BK_SLOTS, (ch / BK_SLOTS) & 1);
+        if constexpr (EPR == 8) { // the slot is one whole row: all its loads at once
+            uint4 w[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) w[u] = slot[u * 32];
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                float4 p0 = xr[2 * u], p1 = xr[2 * u + 1];
+                a += bf16f(w[u].x & 0xffff) * p0.x + bf16f(w[u].x >> 16) * p0.y + bf16f(w[u].y & 0xffff) * p0.z + bf16f(w[u].y >> 16) * p0.w +
+                     bf16f(w[u].z & 0xffff) * p1.x + bf16f(w[u].z >> 16) * p1.y + bf16f(w[u].w & 0xffff) * p1.z + bf16f(w[u].w >> 16) * p1.w;
+            }
+            finish();
+        } else {
+            int units = min(BK_UNITS, ne - ch * BK_UNITS);
+#pragma unroll
+            for (int u = 0; u < BK_UNITS; u++) {
+                if (u >= units) break;
+                a += dot8s(slot[u * 32], xs + (c * 32 + lane) * 8, lane);
+                if (++c == epr) finish();
+            }
+        }
+        __syncwarp();
+        if (lane == 0 && ch + BK_SLOTS < nch) {
+            fence_async_smem();
+            fill(ch + BK_SLOTS);
+        }
+    }
+    tr_end(gemv_bit(rows, cols));
+}
+
+size_t bulk_smem_bytes(int cols) { return (size_t)8 * BK_SLOTS * BK_BYTES + (size_t)cols * sizeof(float); }
+
 // Blocks of a kernel resident per SM at this shared memory, asked once per kernel and size. The
 // opt-in to dynamic shared memory is one value per kernel for every launch, so it is set to the
 // largest size the kernel has been asked for (setting it to each new size in turn would leave it
@@ -581,6 +710,15 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
         e = {1, epi->conv_dim, epi->z_dim, epi->nv, epi->conv_k, epi->conv_w, epi->dt_bias, epi->neg_A, {}};
         for (int t = 0; t < QF_DEC_ROWS; t++) e.st[t] = epi->conv_state[t];
     }
+    unsigned kind = w->rows >= 65536 ? SK_LMHEAD : w->cols > 2048 ? SK_OUT : w->rows < 4096 ? SK_FFNIN : SK_IN; // as gemv_bit
+    if ((c->bulk & kind) && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
+        size_t smem = bulk_smem_bytes((int)w->cols);
+        void (*k)(const uint16_t *, int, int, const float *, dpre, depi, int, float *) = w->cols == 2048 ? k_gemv_bulk<8> : k_gemv_bulk<0>;
+        int fit = resident(c, (const void *)k, 256, smem), per = fit < c->bulk_blocks ? fit : c->bulk_blocks;
+        launch(c, "k_gemv_bulk", 1, k, dim3((unsigned)(c->sms * per)), dim3(256), (unsigned)smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e,
+               acc, y);
+        return;
+    }
     if (c->stream && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
         size_t smem = stream_ring_bytes(256) + (size_t)w->cols * sizeof(float);
         resident(c, (const void *)k_gemv_stream, 256, smem); // opts in to the shared memory
@@ -620,56 +758,74 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
     }
 }
 
-// ---- the delta rule, one token: LPC lanes per value column (each a share of the key rows, so a
-// lane keeps DK/LPC state values in registers), 32/LPC columns per warp ----
-
+// One warp's share of a head's step: value columns j of head h (LPC lanes each) for row t. load()
+// reads the state of earlier steps (it never depends on the kernel before, so it goes before the
+// wait); run() the token's inputs, the update, the output and the new state. qn, kn: the warp's
+// DK floats each of shared memory.
 template <int DK, int LPC> // LPC lanes per value column, each DK / LPC of the key rows
+struct gdn_task {
+    static constexpr int HK = DK / LPC;
+    float s[HK];
+    float *S;
+    int h, j, t, part, i0, n, live;
+    __device__ __forceinline__ void load(const qf_gdn_dec &a, int h_, int jb, int t_) {
+        int lane = threadIdx.x & 31, dk = a.dk, dv = a.dv;
+        h = h_, t = t_, part = lane & (LPC - 1), j = jb * (32 / LPC) + lane / LPC, i0 = part * ((dk + LPC - 1) / LPC);
+        S = a.S[t] + (int64_t)h * dk * dv + (int64_t)i0 * dv + j;
+        live = j < dv, n = min(HK, dk - i0);
+#pragma unroll
+        for (int i = 0; i < HK; i++) s[i] = i < n && live ? S[(int64_t)i * dv] : 0.0f;
+    }
+    __device__ __forceinline__ void run(const qf_gdn_dec &a, float *qn, float *kn) {
+        int lane = threadIdx.x & 31, dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk), qk = a.nk * dk, zb = 2 * qk + 2 * a.nv * dv;
+        const float *row = a.mixed + (int64_t)t * a.stride, *q = row + kh * dk, *k = row + qk + kh * dk;
+        // every load of this token's inputs issued before the first is used
+        float qv[DK / 32], kv[DK / 32], graw = row[zb + a.nv + h], beta = row[zb + h], vj = live ? row[2 * qk + h * dv + j] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < DK / 32; u++) qv[u] = lane + 32 * u < dk ? q[lane + 32 * u] : 0.0f, kv[u] = lane + 32 * u < dk ? k[lane + 32 * u] : 0.0f;
+        float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+        for (int u = 0; u < DK / 32; u++) sq += qv[u] * qv[u], sk += kv[u] * kv[u];
+        sq = warp_sum(sq), sk = warp_sum(sk);
+        float iq = rsqrtf((float)dk) / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
+#pragma unroll
+        for (int u = 0; u < DK / 32; u++)
+            if (lane + 32 * u < dk) qn[lane + 32 * u] = qv[u] * iq, kn[lane + 32 * u] = kv[u] * ik;
+        __syncwarp();
+        float decay = expf(graw), u = 0.0f, o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < HK; i++)
+            if (i < n) s[i] *= decay, u += s[i] * kn[i0 + i];
+#pragma unroll
+        for (int o = 1; o < LPC; o <<= 1) u += __shfl_xor_sync(0xffffffffu, u, o);
+        u = beta * (vj - u);
+#pragma unroll
+        for (int i = 0; i < HK; i++)
+            if (i < n) s[i] += kn[i0 + i] * u, o += s[i] * qn[i0 + i];
+#pragma unroll
+        for (int m = 1; m < LPC; m <<= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
+        __syncwarp(); // qn, kn may be the next task's
+        if (!live) return;
+        if (!part) a.out[((int64_t)t * a.nv + h) * dv + j] = o;
+#pragma unroll
+        for (int i = 0; i < HK; i++)
+            if (i < n) S[(int64_t)i * dv] = s[i];
+    }
+};
+
+// ---- the delta rule, one token: LPC lanes per value column (each a share of the key rows, so a
+// lane keeps DK/LPC state values in registers), 32/LPC columns per warp, a warp per block ----
+template <int DK, int LPC>
 __global__ void k_gdn_dec(qf_gdn_dec a) {
     __shared__ float qn[DK], kn[DK];
-    const int HK = DK / LPC;
-    int h = blockIdx.x, lane = threadIdx.x, part = lane & (LPC - 1), j = blockIdx.y * (32 / LPC) + lane / LPC, t = blockIdx.z;
-    int dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk), qk = a.nk * dk, zb = 2 * qk + 2 * a.nv * dv, i0 = part * ((dk + LPC - 1) / LPC);
-    const float *row = a.mixed + (int64_t)t * a.stride, *q = row + kh * dk, *k = row + qk + kh * dk;
-    float *S = a.S[t] + (int64_t)h * dk * dv + (int64_t)i0 * dv + j;
-    int live = j < dv, n = min(HK, dk - i0);
     if (skipped(SK_GDN)) return;
     tr(SK_GDN, TR_START);
-    float s[HK];
-#pragma unroll
-    for (int i = 0; i < HK; i++) s[i] = i < n && live ? S[(int64_t)i * dv] : 0.0f; // state of earlier steps: before the wait
+    gdn_task<DK, LPC> w;
+    w.load(a, blockIdx.x, blockIdx.y, blockIdx.z); // state of earlier steps: before the wait
     pdl_wait();
     tr(SK_GDN, TR_WAIT);
     pdl_launch();
-    // every load of this token's inputs issued before the first is used
-    float qv[DK / 32], kv[DK / 32], graw = row[zb + a.nv + h], beta = row[zb + h], vj = live ? row[2 * qk + h * dv + j] : 0.0f;
-#pragma unroll
-    for (int u = 0; u < DK / 32; u++) qv[u] = lane + 32 * u < dk ? q[lane + 32 * u] : 0.0f, kv[u] = lane + 32 * u < dk ? k[lane + 32 * u] : 0.0f;
-    float sq = 0.0f, sk = 0.0f;
-#pragma unroll
-    for (int u = 0; u < DK / 32; u++) sq += qv[u] * qv[u], sk += kv[u] * kv[u];
-    sq = warp_sum(sq), sk = warp_sum(sk);
-    float iq = rsqrtf((float)dk) / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
-#pragma unroll
-    for (int u = 0; u < DK / 32; u++)
-        if (lane + 32 * u < dk) qn[lane + 32 * u] = qv[u] * iq, kn[lane + 32 * u] = kv[u] * ik;
-    __syncwarp();
-    float decay = expf(graw), u = 0.0f, o = 0.0f;
-#pragma unroll
-    for (int i = 0; i < HK; i++)
-        if (i < n) s[i] *= decay, u += s[i] * kn[i0 + i];
-#pragma unroll
-    for (int o = 1; o < LPC; o <<= 1) u += __shfl_xor_sync(0xffffffffu, u, o);
-    u = beta * (vj - u);
-#pragma unroll
-    for (int i = 0; i < HK; i++)
-        if (i < n) s[i] += kn[i0 + i] * u, o += s[i] * qn[i0 + i];
-#pragma unroll
-    for (int m = 1; m < LPC; m <<= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
-    if (!live) return;
-    if (!part) a.out[((int64_t)t * a.nv + h) * dv + j] = o;
-#pragma unroll
-    for (int i = 0; i < HK; i++)
-        if (i < n) S[(int64_t)i * dv] = s[i];
+    w.run(a, qn, kn);
     tr(SK_GDN, TR_END); // lane 0 (always live) after its writes: the block is one warp
 }
 
@@ -1071,7 +1227,7 @@ __device__ void grid_leave(unsigned *cnt) {
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
 // other: the grid is never larger than what the SMs hold at once.
 template <int HL, int PL, bool FIXED = false> // FIXED: route_fixed (a template flag: the default kernel stays as measured)
-__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt) {
+__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], wk[MOE_MAX_K + 1];
     __shared__ int ti[MOE_MAX_K];
@@ -1080,10 +1236,11 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     int gw = blockIdx.x * (blockDim.x / 32) + tid / 32, nw = gridDim.x * (blockDim.x / 32);
     float *xs = (float *)dyn, *hs = xs + H; // x * norm weight; the down parts' inputs (part q at hs + q * I)
     tr(SK_MOE_GU, TR_START);
-    float inv = stage_normed(a, a.x, xs, red); // x: two kernels back
+    float inv = late ? 0.0f : stage_normed(a, a.x, xs, red); // x: two kernels back (late: the kernel before wrote it)
     pdl_wait();
     tr(SK_MOE_GU, TR_WAIT);
     pdl_launch();
+    if (late) inv = stage_normed(a, a.x, xs, red);
     if constexpr (FIXED) route_fixed(a.rl, E, K, ti, wk, true);
     else route_block(a.rl, E, K, ti, wk, true);
     if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
@@ -1220,9 +1377,9 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
 
 // One row: k_moe_one for the shapes it is built for (0: not, use the two kernels). One wave: the
 // blocks wait for each other, so the grid is what the SMs hold of it at once.
-int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
+int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late) {
     int H = a->hidden, I = a->ffn, S = a->sh_ffn;
-    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *);
+    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int);
     int mc = I > S ? I : S;
     int f = c->fixed_route;
     fn k = H <= 256 && mc <= 256     ? (f ? k_moe_one<1, 1, true> : k_moe_one<1, 1>)
@@ -1232,12 +1389,15 @@ int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
     if (!k) return 0;
     size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float);
     int grid = resident(c, (const void *)k, 256, smem) * (c->sms > 0 ? c->sms : 1);
-    launch(c, "k_moe_one", 1, k, dim3((unsigned)grid), dim3(256), (unsigned)smem, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, c->moe_cnt);
+    launch(c, "k_moe_one", 1, k, dim3((unsigned)grid), dim3(256), (unsigned)smem, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, c->moe_cnt,
+           late);
     return 1;
 }
 
 void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     ctx *c = C(be);
+    int late = c->x_late; // x was written by the kernel just before (the DeltaNet tail), not two back
+    c->x_late = 0;
     const void **tab = expert_table(c, a->experts, a->n_experts);
     int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
     size_t head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
@@ -1258,7 +1418,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     }
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
-    if (n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf)) return;
+    if (n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf, late)) return;
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
     // lanes hold 8 (l + 32 u) columns: HL loads per lane for a gate/up row, PL for a down part
@@ -1277,7 +1437,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     int gy = gu_res / (K * n), dx = dn_res / n;
     gy = gy < 1 ? 1 : gy > (I + 7) / 8 ? (I + 7) / 8 : gy;
     dx = dx < 1 ? 1 : dx > (H + 7) / 8 ? (H + 7) / 8 : dx;
-    launch(c, "k_moe_gu", 1, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, c->early);
+    launch(c, "k_moe_gu", 1, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, c->early && !late);
     launch(c, "k_moe_down", 1, dn, dim3(dx, n), dim3(256), (unsigned)sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, (const float *)hbuf,
            (const int *)topi, (const float *)topw, c->early);
 }
@@ -1340,9 +1500,185 @@ void dec_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *out) {
     LAUNCH_PDL(c, k_argmax, dim3(AMAX_BLOCKS, n), 256, 0, x, cols, pv, pi, count, out);
 }
 
+// ---- a DeltaNet layer's step, out_proj and ffn_in in one kernel (one row; QFLASH_CUDA_TAIL) ----
+// Apart, the three kernels each wait for the one before, then load their weights: ~28 us a layer
+// for 22 MB of weights (5 us at 4.3 TB/s) and a 4 MB state. Here every block asks the copy engine
+// for its share of both products' weights (~170 KB) the moment it starts, before the wait for
+// in_proj; the step runs meanwhile, and each product only waits for a grid count (its input is
+// made by every block) and finds its weights in shared memory. One block per SM, all resident.
+struct tail_args {
+    const uint16_t *wo; // out_proj [hidden][o_cols]
+    int hidden, o_cols, head;
+    const float *gnw, *z; // gated norm weight [head]; the gate of head h at z + h * z_hstride
+    int z_hstride;
+    float eps;
+    float *x;           // residual [hidden]: += out_proj
+    const uint16_t *wf; // ffn_in [f_rows][hidden]
+    int f_rows;
+    const float *fnw; // ffn norm weight [hidden]
+    float *rl;        // ffn_in's output [f_rows]
+};
+
+__device__ __forceinline__ void mbar_arrive_expect(uint64_t *b, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+#endif
+}
+// bytes (a multiple of 16, < 1 MB) from global to shared memory in pieces, all counted on b.
+__device__ void bulk_span(void *dst, const void *src, unsigned bytes, uint64_t *b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    mbar_arrive_expect(b, bytes);
+    for (unsigned o = 0; o < bytes; o += 32768) {
+        unsigned n = bytes - o < 32768 ? bytes - o : 32768;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32((char *)dst + o)),
+                     "l"((const char *)src + o), "r"(n), "r"(smem_u32(b))
+                     : "memory");
+    }
+#endif
+}
+
+// Row r of a bf16 matrix in shared memory (cols % 256 == 0) . xs, every lane gets it.
+__device__ __forceinline__ float smem_dot(const uint16_t *Ws, int cols, const float *xs, int lane) {
+    const uint4 *w = (const uint4 *)Ws;
+    float a = 0.0f;
+#pragma unroll 4
+    for (int c = lane; c < cols / 8; c += 32) a += dot8s(w[c], xs + c * 8, lane);
+    return warp_sum(a);
+}
+
+// silu(z) * rmsnorm(core head) * w into xs; core was written by other blocks of this kernel: read
+// from L2. Heads of 128 (a warp's float4s): thread i holds float4s i + 256 u, every load at once.
+// Other heads (<= 32 * HD_REG wide): a warp per head.
+__device__ void tail_stage_gated(const float *core, const tail_args &a, float *xs) {
+    int lane = threadIdx.x & 31, heads = a.o_cols / a.head;
+    if (a.head == 128 && a.o_cols <= 4 * 1024 && blockDim.x == 256) {
+        float4 v[4], g[4], w = ((const float4 *)a.gnw)[lane];
+        int f = a.o_cols / 1024;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int i = threadIdx.x + 256 * u, h = i / 32;
+            if (u < f) v[u] = __ldcg((const float4 *)core + i), g[u] = *(const float4 *)(a.z + (int64_t)h * a.z_hstride + lane * 4);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            if (u >= f) continue;
+            float inv = 1.0f / sqrtf(warp_sum(v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w) / 128.0f + a.eps);
+            ((float4 *)xs)[threadIdx.x + 256 * u] = make_float4(silu(g[u].x) * v[u].x * inv * w.x, silu(g[u].y) * v[u].y * inv * w.y,
+                                                               silu(g[u].z) * v[u].z * inv * w.z, silu(g[u].w) * v[u].w * inv * w.w);
+        }
+        __syncthreads();
+        return;
+    }
+    for (int hh = threadIdx.x / 32; hh < heads; hh += blockDim.x / 32) {
+        float v[HD_REG], g[HD_REG], w[HD_REG], ss = 0.0f;
+#pragma unroll
+        for (int u = 0; u < HD_REG; u++) {
+            int d = lane + 32 * u;
+            if (d < a.head) v[u] = __ldcg(core + hh * a.head + d), g[u] = a.z[(int64_t)hh * a.z_hstride + d], w[u] = a.gnw[d];
+        }
+#pragma unroll
+        for (int u = 0; u < HD_REG; u++)
+            if (lane + 32 * u < a.head) ss += v[u] * v[u];
+        float inv = 1.0f / sqrtf(warp_sum(ss) / (float)a.head + a.eps);
+#pragma unroll
+        for (int u = 0; u < HD_REG; u++) {
+            int d = lane + 32 * u;
+            if (d < a.head) xs[hh * a.head + d] = silu(g[u]) * (v[u] * inv * w[u]);
+        }
+    }
+    __syncthreads();
+}
+
+// x * norm weight into xs (x from L2: other blocks of this kernel wrote it); returns x's 1/rms.
+__device__ float tail_stage_rms(const tail_args &a, float *xs, float *red) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < a.hidden / 4; i += blockDim.x) {
+        float4 v = __ldcg((const float4 *)a.x + i), w = ((const float4 *)a.fnw)[i];
+        ((float4 *)xs)[i] = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    return 1.0f / sqrtf(block_sum(ss, red) / (float)a.hidden + a.eps);
+}
+
+__device__ __forceinline__ int share_of(int n, int b, int G) { return (int)((int64_t)n * b / G); }
+
+template <int DK, int LPC>
+__global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, unsigned *cnt) {
+    extern __shared__ float4 dyn[];
+    __shared__ float red[32], qk[8][2][DK];
+    __shared__ uint64_t bar[2];
+    int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, G = gridDim.x, b = blockIdx.x;
+    int o0 = share_of(a.hidden, b, G), o1 = share_of(a.hidden, b + 1, G), f0 = share_of(a.f_rows, b, G), f1 = share_of(a.f_rows, b + 1, G);
+    uint16_t *wos = (uint16_t *)dyn, *wfs = wos + (int64_t)(o1 - o0) * a.o_cols;
+    float *xs = (float *)(wfs + (int64_t)(f1 - f0) * a.hidden);
+    tr(SK_GDN, TR_START);
+    if (tid == 0) { // the weights never depend on the kernels before: asked for first
+        mbar_init(bar), mbar_init(bar + 1);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+        bulk_span(wos, a.wo + (int64_t)o0 * a.o_cols, (unsigned)((o1 - o0) * a.o_cols * 2), bar);
+        bulk_span(wfs, a.wf + (int64_t)f0 * a.hidden, (unsigned)((f1 - f0) * a.hidden * 2), bar + 1);
+    }
+    constexpr int CPW = 32 / LPC;
+    int jg = (g.dv + CPW - 1) / CPW, tasks = g.nv * jg, task = warp * G + b; // tasks spread over every SM first
+    gdn_task<DK, LPC> w;
+    if (task < tasks) w.load(g, task / jg, task % jg, 0); // state of earlier steps: before the wait
+    pdl_wait();
+    tr(SK_GDN, TR_WAIT);
+    pdl_launch();
+    for (int first = 1; task < tasks; task += G * 8, first = 0) {
+        if (!first) w.load(g, task / jg, task % jg, 0);
+        w.run(g, qk[warp][0], qk[warp][1]);
+    }
+    tr_sync(SK_GDN, TR_LOGITS);
+    grid_arrive_wait(cnt); // the whole step's output (core) is written
+    grid_leave(cnt);
+    tr(SK_GDN, TR_RANKED);
+    tail_stage_gated(g.out, a, xs);
+    mbar_wait(bar, 0);
+    tr(SK_GDN, TR_ROUTED);
+    for (int r = o0 + warp; r < o1; r += 8) {
+        float s = smem_dot(wos + (int64_t)(r - o0) * a.o_cols, a.o_cols, xs, lane);
+        if (lane == 0) a.x[r] = __ldcg(a.x + r) + s;
+    }
+    tr_sync(SK_GDN, TR_PHASE1);
+    grid_arrive_wait(cnt + 2); // the whole residual is updated
+    grid_leave(cnt + 2);
+    tr(SK_GDN, TR_BARRIER);
+    float inv = tail_stage_rms(a, xs, red);
+    mbar_wait(bar + 1, 0);
+    for (int r = f0 + warp; r < f1; r += 8) {
+        float s = smem_dot(wfs + (int64_t)(r - f0) * a.hidden, a.hidden, xs, lane);
+        if (lane == 0) a.rl[r] = s * inv;
+    }
+    tr_end(SK_GDN);
+}
+
+// The tail in one kernel when the shapes fit (returns 0 otherwise: the caller runs the three
+// ops): one row, sm_90, both products' shares of a block in shared memory beside x.
+int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf_pre *gn, float *x, const qf_mat *wf, const qf_pre *fn, float *rl) {
+    ctx *c = C(be);
+    int H = (int)wo->rows, oc = (int)wo->cols, fr = (int)wf->rows;
+    if (!c->tail || c->stream || !c->moe_cnt || g->n != 1 || g->dk > 128 || g->dv > 32 * HD_REG || wo->dtype != QF_DT_BF16 || wf->dtype != QF_DT_BF16 ||
+        (int)wf->cols != H || oc % 256 || H % 256 || oc != g->nv * g->dv || gn->kind != QF_PRE_GATED_NORM || gn->head != g->dv ||
+        fn->kind != QF_PRE_RMSNORM || (uintptr_t)wo->data % 16 || (uintptr_t)wf->data % 16 || (uintptr_t)x % 16)
+        return 0;
+    int G = c->sms > 0 ? c->sms : 1;
+    G = G < H ? G : H, G = G < fr ? G : fr;
+    size_t smem = ((size_t)(H + G - 1) / G * oc + (size_t)(fr + G - 1) / G * H) * 2 + (size_t)(oc > H ? oc : H) * sizeof(float);
+    int lpc = g->dk <= 64 ? 2 : c->gdn_lpc == 2 || c->gdn_lpc == 8 ? c->gdn_lpc : 4;
+    void (*k)(qf_gdn_dec, tail_args, unsigned *) = g->dk <= 32 ? k_gdn_tail<32, 2> : g->dk <= 64 ? k_gdn_tail<64, 2> : lpc == 2 ? k_gdn_tail<128, 2> : lpc == 4 ? k_gdn_tail<128, 4> : k_gdn_tail<128, 8>;
+    if (smem + 8 * 1024 > (size_t)c->smem_optin || resident(c, (const void *)k, 256, smem) < 1) return 0;
+    tail_args t = {(const uint16_t *)wo->data, H, oc, gn->head, gn->w, gn->g, gn->g_hstride, gn->eps, x, (const uint16_t *)wf->data, fr, fn->w, rl};
+    launch(c, "k_gdn_tail", 1, k, dim3((unsigned)G), dim3(256), (unsigned)smem, *g, t, c->moe_cnt + 4);
+    c->x_late = 1; // the MoE kernel after it must not read x before its wait
+    return 1;
+}
+
 } // namespace
 
-const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax};
+const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_tail};
 
 void qfc::dec_setup(ctx *c) {
     const char *bps = getenv("QFLASH_CUDA_BPS"), *early = getenv("QFLASH_CUDA_EARLY"), *skip = getenv("QFLASH_CUDA_SKIP");
@@ -1358,6 +1694,13 @@ void qfc::dec_setup(ctx *c) {
     // measured in its template form: notes, session 6)
     const char *wd = getenv("QFLASH_CUDA_WIDE");
     c->wide = wd && *wd == '1';
+    // one-row products fed by bulk copies (sm_90; QFLASH_CUDA_BULK=mask of kinds, QFLASH_CUDA_BULK_BLOCKS per SM, default 2)
+    const char *bk = getenv("QFLASH_CUDA_BULK"), *bb = getenv("QFLASH_CUDA_BULK_BLOCKS");
+    c->bulk = c->cc_major >= 9 && bk ? (int)strtol(bk, NULL, 0) : 0; // kinds as QFLASH_CUDA_SKIP's: 1 out_proj, 2 lm_head, 4 ffn_in, 8 in_proj
+    c->bulk_blocks = bb && *bb == '1' ? 1 : 2;
+    // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (sm_90; QFLASH_CUDA_TAIL=1)
+    const char *tl = getenv("QFLASH_CUDA_TAIL");
+    c->tail = c->cc_major >= 9 && tl && *tl == '1';
     const char *ro = getenv("QFLASH_CUDA_ROUTE"); // 1: the one-kernel MoE routes with route_fixed (not yet measured)
     c->fixed_route = ro && *ro == '1';
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;

@@ -732,6 +732,7 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
         snprintf(c->name, sizeof c->name, "%s", prop.name);
+        c->cc_major = prop.major;
         c->sms = prop.multiProcessorCount, c->smem_optin = (int)prop.sharedMemPerBlockOptin, c->smem_sm = (int)prop.sharedMemPerMultiprocessor;
         /* programmatic edges where kernels allow them (sm_90+; QFLASH_CUDA_PDL=0 turns them off):
          * since the decode kernels issue their first loads before their wait, 8% faster (notes) */
