@@ -607,6 +607,10 @@ static void switch_checks(void) {
         test_dec_gdn_tail(2, 4, 64, 64, 512, 300);
         test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281);
     }
+    if (restart_with("QFLASH_CUDA_TAIL", "2")) { /* the same kernel reading its weights in place (a diagnosis) */
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281);
+        test_dec_gdn_tail(4, 8, 32, 32, 256, 100);
+    }
     unsetenv("QFLASH_CUDA_TAIL");
 }
 

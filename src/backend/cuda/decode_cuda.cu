@@ -1603,7 +1603,7 @@ __device__ float tail_stage_rms(const tail_args &a, float *xs, float *red) {
 __device__ __forceinline__ int share_of(int n, int b, int G) { return (int)((int64_t)n * b / G); }
 
 template <int DK, int LPC>
-__global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, unsigned *cnt) {
+__global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, unsigned *cnt, int pre) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], qk[8][2][DK];
     __shared__ uint64_t bar[2];
@@ -1612,7 +1612,8 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
     uint16_t *wos = (uint16_t *)dyn, *wfs = wos + (int64_t)(o1 - o0) * a.o_cols;
     float *xs = (float *)(wfs + (int64_t)(f1 - f0) * a.hidden);
     tr(SK_GDN, TR_START);
-    if (tid == 0) { // the weights never depend on the kernels before: asked for first
+    if (!pre) wos = (uint16_t *)a.wo + (int64_t)o0 * a.o_cols, wfs = (uint16_t *)a.wf + (int64_t)f0 * a.hidden; // read in place (QFLASH_CUDA_TAIL=2)
+    if (tid == 0 && pre) { // the weights never depend on the kernels before: asked for first
         mbar_init(bar), mbar_init(bar + 1);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -1636,7 +1637,7 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
     grid_leave(cnt);
     tr(SK_GDN, TR_RANKED);
     tail_stage_gated(g.out, a, xs);
-    mbar_wait(bar, 0);
+    if (pre) mbar_wait(bar, 0);
     tr(SK_GDN, TR_ROUTED);
     for (int r = o0 + warp; r < o1; r += 8) {
         float s = smem_dot(wos + (int64_t)(r - o0) * a.o_cols, a.o_cols, xs, lane);
@@ -1647,7 +1648,7 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
     grid_leave(cnt + 2);
     tr(SK_GDN, TR_BARRIER);
     float inv = tail_stage_rms(a, xs, red);
-    mbar_wait(bar + 1, 0);
+    if (pre) mbar_wait(bar + 1, 0);
     for (int r = f0 + warp; r < f1; r += 8) {
         float s = smem_dot(wfs + (int64_t)(r - f0) * a.hidden, a.hidden, xs, lane);
         if (lane == 0) a.rl[r] = s * inv;
@@ -1668,10 +1669,10 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
     G = G < H ? G : H, G = G < fr ? G : fr;
     size_t smem = ((size_t)(H + G - 1) / G * oc + (size_t)(fr + G - 1) / G * H) * 2 + (size_t)(oc > H ? oc : H) * sizeof(float);
     int lpc = g->dk <= 64 ? 2 : c->gdn_lpc == 2 || c->gdn_lpc == 8 ? c->gdn_lpc : 4;
-    void (*k)(qf_gdn_dec, tail_args, unsigned *) = g->dk <= 32 ? k_gdn_tail<32, 2> : g->dk <= 64 ? k_gdn_tail<64, 2> : lpc == 2 ? k_gdn_tail<128, 2> : lpc == 4 ? k_gdn_tail<128, 4> : k_gdn_tail<128, 8>;
+    void (*k)(qf_gdn_dec, tail_args, unsigned *, int) = g->dk <= 32 ? k_gdn_tail<32, 2> : g->dk <= 64 ? k_gdn_tail<64, 2> : lpc == 2 ? k_gdn_tail<128, 2> : lpc == 4 ? k_gdn_tail<128, 4> : k_gdn_tail<128, 8>;
     if (smem + 8 * 1024 > (size_t)c->smem_optin || resident(c, (const void *)k, 256, smem) < 1) return 0;
     tail_args t = {(const uint16_t *)wo->data, H, oc, gn->head, gn->w, gn->g, gn->g_hstride, gn->eps, x, (const uint16_t *)wf->data, fr, fn->w, rl};
-    launch(c, "k_gdn_tail", 1, k, dim3((unsigned)G), dim3(256), (unsigned)smem, *g, t, c->moe_cnt + 4);
+    launch(c, "k_gdn_tail", 1, k, dim3((unsigned)G), dim3(256), (unsigned)smem, *g, t, c->moe_cnt + 4, c->tail == 1);
     c->x_late = 1; // the MoE kernel after it must not read x before its wait
     return 1;
 }
@@ -1700,7 +1701,7 @@ void qfc::dec_setup(ctx *c) {
     c->bulk_blocks = bb && *bb == '1' ? 1 : 2;
     // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (sm_90; QFLASH_CUDA_TAIL=1)
     const char *tl = getenv("QFLASH_CUDA_TAIL");
-    c->tail = c->cc_major >= 9 && tl && *tl == '1';
+    c->tail = c->cc_major >= 9 && tl ? atoi(tl) : 0; // 2: the same kernel reading its weights in place (a diagnosis)
     const char *ro = getenv("QFLASH_CUDA_ROUTE"); // 1: the one-kernel MoE routes with route_fixed (not yet measured)
     c->fixed_route = ro && *ro == '1';
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
