@@ -599,7 +599,19 @@ static void switch_checks(void) {
         test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
         test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1); /* the most experts and the largest top-k it routes */
     }
+    if (restart_with("QFLASH_CUDA_ROUTE", "2")) { /* route_pairs: the same again */
+        test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
+        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
+        test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
+        test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
+        test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1); /* E not a multiple of 4: padded */
+    }
     unsetenv("QFLASH_CUDA_ROUTE");
+    if (restart_with("QFLASH_CUDA_BULK", "0")) { /* one-row in_proj in the register kernel (the default before, and off sm_90) */
+        test_dec_gdn_proj(1);
+        test_dec_matmul(QF_PRE_RMSNORM, 12352, 2048, 1, 1, 0);
+    }
+    unsetenv("QFLASH_CUDA_BULK");
     if (restart_with("QFLASH_CUDA_TAIL", "1")) { /* several launches in a row: its grid counts must come back to zero */
         test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281);
         test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281);

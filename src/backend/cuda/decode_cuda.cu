@@ -1022,6 +1022,37 @@ __device__ void route_fixed(const float *rl, int E, int K, int *ti, float *tw, b
     __syncthreads();
 }
 
+// route_block's choice by all pairs (QFLASH_CUDA_ROUTE=2; opt-in until measured): the logits go to
+// shared memory once, and each thread ranks its own against all E (16-byte broadcast reads, no
+// atomics, one barrier between), so the ranking is one pass of E compares per thread instead of
+// a warp rank, a shared count and a second rank over the candidates. Weights as route_fixed.
+__device__ void route_pairs(const float *rl, int E, int K, int *ti, float *tw, bool stamp = false) {
+    __shared__ __align__(16) float lv[MOE_MAX_E];
+    int tid = threadIdx.x, lane = tid & 31, E4 = (E + 3) & ~3;
+    if (tid < K) ti[tid] = tid, tw[tid] = 0.0f; // NaN logits can leave ranks untaken: slots stay valid experts
+    for (int i = tid; i < E4; i += blockDim.x) lv[i] = i < E ? rl[i] : -INFINITY; // padding ranks after every logit
+    __syncthreads();
+    if (stamp) tr(SK_MOE_GU, TR_LOGITS);
+    for (int i = tid; i < E; i += blockDim.x) {
+        float v = lv[i];
+        int r = 0;
+#pragma unroll 4
+        for (int j = 0; j < E4; j += 4) {
+            float4 o = *(const float4 *)(lv + j);
+            r += (o.x > v || (o.x == v && j < i)) + (o.y > v || (o.y == v && j + 1 < i)) + (o.z > v || (o.z == v && j + 2 < i)) +
+                 (o.w > v || (o.w == v && j + 3 < i));
+        }
+        if (r < K) ti[r] = i, tw[r] = v;
+    }
+    __syncthreads();
+    if (stamp) tr(SK_MOE_GU, TR_RANKED);
+    if (tid < 32) {
+        float p = lane < K ? expf(tw[lane] - tw[0]) : 0.0f, ts = warp_sum(p);
+        if (lane < K) tw[lane] = p / ts;
+    }
+    __syncthreads();
+}
+
 // x * norm weight into xs; returns x's 1/rms, which scales the finished sums (the barriers of the
 // sum publish xs).
 __device__ float stage_normed(const qf_moe_dec &a, const float *x, float *xs, float *red) {
@@ -1226,7 +1257,7 @@ __device__ void grid_leave(unsigned *cnt) {
 // warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
 // other: the grid is never larger than what the SMs hold at once.
-template <int HL, int PL, bool FIXED = false> // FIXED: route_fixed (a template flag: the default kernel stays as measured)
+template <int HL, int PL, int ROUTE = 0> // ROUTE 1: route_fixed, 2: route_pairs (template flags: the default kernel stays as measured)
 __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], wk[MOE_MAX_K + 1];
@@ -1241,7 +1272,8 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     tr(SK_MOE_GU, TR_WAIT);
     pdl_launch();
     if (late) inv = stage_normed(a, a.x, xs, red);
-    if constexpr (FIXED) route_fixed(a.rl, E, K, ti, wk, true);
+    if constexpr (ROUTE == 2) route_pairs(a.rl, E, K, ti, wk, true);
+    else if constexpr (ROUTE == 1) route_fixed(a.rl, E, K, ti, wk, true);
     else route_block(a.rl, E, K, ti, wk, true);
     if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
     shared_slot(a, a.rl, sh_down, wk, dp);
@@ -1382,9 +1414,9 @@ int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late
     typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int);
     int mc = I > S ? I : S;
     int f = c->fixed_route;
-    fn k = H <= 256 && mc <= 256     ? (f ? k_moe_one<1, 1, true> : k_moe_one<1, 1>)
-           : H <= 2048 && mc <= 512 ? (f ? k_moe_one<8, 2, true> : k_moe_one<8, 2>)
-           : H <= 4096 && mc <= 512 ? (f ? k_moe_one<16, 2, true> : k_moe_one<16, 2>)
+    fn k = H <= 256 && mc <= 256     ? (f == 2 ? k_moe_one<1, 1, 2> : f ? k_moe_one<1, 1, 1> : k_moe_one<1, 1>)
+           : H <= 2048 && mc <= 512 ? (f == 2 ? k_moe_one<8, 2, 2> : f ? k_moe_one<8, 2, 1> : k_moe_one<8, 2>)
+           : H <= 4096 && mc <= 512 ? (f == 2 ? k_moe_one<16, 2, 2> : f ? k_moe_one<16, 2, 1> : k_moe_one<16, 2>)
                                     : NULL;
     if (!k) return 0;
     size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float);
@@ -1697,13 +1729,14 @@ void qfc::dec_setup(ctx *c) {
     c->wide = wd && *wd == '1';
     // one-row products fed by bulk copies (sm_90; QFLASH_CUDA_BULK=mask of kinds, QFLASH_CUDA_BULK_BLOCKS per SM, default 2)
     const char *bk = getenv("QFLASH_CUDA_BULK"), *bb = getenv("QFLASH_CUDA_BULK_BLOCKS");
-    c->bulk = c->cc_major >= 9 && bk ? (int)strtol(bk, NULL, 0) : 0; // kinds as QFLASH_CUDA_SKIP's: 1 out_proj, 2 lm_head, 4 ffn_in, 8 in_proj
+    // kinds as QFLASH_CUDA_SKIP's: 1 out_proj, 2 lm_head, 4 ffn_in, 8 in_proj (the default: whole model 3152 -> 3002 us a step, notes)
+    c->bulk = c->cc_major >= 9 ? (bk ? (int)strtol(bk, NULL, 0) : 8) : 0;
     c->bulk_blocks = bb && *bb == '1' ? 1 : 2;
     // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (sm_90; QFLASH_CUDA_TAIL=1)
     const char *tl = getenv("QFLASH_CUDA_TAIL");
     c->tail = c->cc_major >= 9 && tl ? atoi(tl) : 0; // 2: the same kernel reading its weights in place (a diagnosis)
-    const char *ro = getenv("QFLASH_CUDA_ROUTE"); // 1: the one-kernel MoE routes with route_fixed (not yet measured)
-    c->fixed_route = ro && *ro == '1';
+    const char *ro = getenv("QFLASH_CUDA_ROUTE"); // the one-kernel MoE's routing: 1 route_fixed, 2 route_pairs (opt-in)
+    c->fixed_route = ro ? atoi(ro) : 0;
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
     if (m) fprintf(stderr, "qflash cuda: QFLASH_CUDA_SKIP=%#x: decode kernels of those kinds do nothing (timing only, results are wrong)\n", m);
     cudaMemcpyToSymbol(g_diag, &m, sizeof m, offsetof(diag, skip));
