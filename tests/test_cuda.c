@@ -579,8 +579,9 @@ static void bulk_checks(void) {
 }
 
 /* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), one-row gated norms staged with every
- * load at once (QFLASH_CUDA_WIDE=1: out_proj's and o_proj's shapes, one row), and the one-kernel
- * MoE's fixed-slot routing (QFLASH_CUDA_ROUTE=1). */
+ * load at once (QFLASH_CUDA_WIDE=1: out_proj's and o_proj's shapes, one row), the one-kernel
+ * MoE's other routings (QFLASH_CUDA_ROUTE=1 fixed slots, 0 route_block), the register in_proj
+ * (QFLASH_CUDA_BULK=0) and the DeltaNet tail in one kernel (QFLASH_CUDA_TAIL=1, 2). */
 static void switch_checks(void) {
     if (restart_with("QFLASH_CUDA_MOE1", "0")) {
         test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0);
@@ -599,7 +600,7 @@ static void switch_checks(void) {
         test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
         test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1); /* the most experts and the largest top-k it routes */
     }
-    if (restart_with("QFLASH_CUDA_ROUTE", "2")) { /* route_pairs: the same again */
+    if (restart_with("QFLASH_CUDA_ROUTE", "0")) { /* route_block (the default is route_pairs): the same again */
         test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
         test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
         test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
@@ -663,6 +664,7 @@ int main(int argc, char **argv) {
     test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
     test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 1);
     test_dec_moe(1, 64, 4, 192, 32, 192, 0, 0);
+    test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1); /* E not a multiple of 4: route_pairs pads the logits */
     int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40};
     test_dec_attention(1, 16, 2, 256, 64, p1);
     test_dec_attention(3, 16, 2, 256, 64, p3);

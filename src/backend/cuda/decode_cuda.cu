@@ -1022,7 +1022,7 @@ __device__ void route_fixed(const float *rl, int E, int K, int *ti, float *tw, b
     __syncthreads();
 }
 
-// route_block's choice by all pairs (QFLASH_CUDA_ROUTE=2; opt-in until measured): the logits go to
+// route_block's choice by all pairs (QFLASH_CUDA_ROUTE=2, the default): the logits go to
 // shared memory once, and each thread ranks its own against all E (16-byte broadcast reads, no
 // atomics, one barrier between), so the ranking is one pass of E compares per thread instead of
 // a warp rank, a shared count and a second rank over the candidates. Weights as route_fixed.
@@ -1257,7 +1257,7 @@ __device__ void grid_leave(unsigned *cnt) {
 // warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
 // other: the grid is never larger than what the SMs hold at once.
-template <int HL, int PL, int ROUTE = 0> // ROUTE 1: route_fixed, 2: route_pairs (template flags: the default kernel stays as measured)
+template <int HL, int PL, int ROUTE = 0> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default)
 __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], wk[MOE_MAX_K + 1];
@@ -1735,8 +1735,10 @@ void qfc::dec_setup(ctx *c) {
     // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (sm_90; QFLASH_CUDA_TAIL=1)
     const char *tl = getenv("QFLASH_CUDA_TAIL");
     c->tail = c->cc_major >= 9 && tl ? atoi(tl) : 0; // 2: the same kernel reading its weights in place (a diagnosis)
-    const char *ro = getenv("QFLASH_CUDA_ROUTE"); // the one-kernel MoE's routing: 1 route_fixed, 2 route_pairs (opt-in)
-    c->fixed_route = ro ? atoi(ro) : 0;
+    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (the default: whole
+    // model 2996.9 -> 2945.2 us a step in one call, notes session 7)
+    const char *ro = getenv("QFLASH_CUDA_ROUTE");
+    c->fixed_route = ro ? atoi(ro) : 2;
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
     if (m) fprintf(stderr, "qflash cuda: QFLASH_CUDA_SKIP=%#x: decode kernels of those kinds do nothing (timing only, results are wrong)\n", m);
     cudaMemcpyToSymbol(g_diag, &m, sizeof m, offsetof(diag, skip));
