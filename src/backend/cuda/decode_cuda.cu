@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restri
     ring_drain(ring, ne, next, use);
 }
 
-// ---- one-row products fed by bulk copies (sm_90: cp.async.bulk, QFLASH_CUDA_BULK=1) ----
+// ---- one-row products fed by bulk copies (sm_90: cp.async.bulk; QFLASH_CUDA_BULK, default in_proj/qkv) ----
 // The register kernels above lose their time in rounds: a warp's next loads go out only after
 // its last ones were used, so each of its ~3 rounds pays a full memory latency. Here each warp
 // owns a ring of BK_SLOTS slots of 4 KB in shared memory that a single lane fills with one bulk
@@ -533,14 +533,30 @@ __global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restri
 
 __device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(uint64_t *b) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(b)) : "memory"); }
-// The slot's barrier expects `bytes` more, then the copy engine moves them from global memory.
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *b) {
+// The barrier's phase now waits for `bytes` more (and this thread's arrival is counted).
+__device__ __forceinline__ void mbar_arrive_expect(uint64_t *b, unsigned bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+#endif
+}
+// The copy engine moves bytes (a multiple of 16) from global to shared memory; b counts them.
+__device__ __forceinline__ void bulk_copy(void *dst, const void *src, unsigned bytes, uint64_t *b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)), "l"(src),
                  "r"(bytes), "r"(smem_u32(b))
                  : "memory");
 #endif
+}
+// Barriers made by this thread are seen by the copy engine.
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// One slot: its barrier expects the bytes, then the copy engine moves them.
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *b) {
+    mbar_arrive_expect(b, bytes);
+    bulk_copy(dst, src, bytes, b);
 }
 __device__ __forceinline__ void mbar_wait(uint64_t *b, unsigned parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -584,9 +600,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict
     };
     if (lane == 0) {
         for (int s = 0; s < BK_SLOTS; s++) mbar_init(bar + s);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); // the copy engine sees the barriers made
-#endif
+        mbar_init_fence();
         for (int ch = 0; ch < min(BK_SLOTS, nch); ch++) fill(ch);
     }
     __syncwarp();
@@ -1551,22 +1565,10 @@ struct tail_args {
     float *rl;        // ffn_in's output [f_rows]
 };
 
-__device__ __forceinline__ void mbar_arrive_expect(uint64_t *b, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
-#endif
-}
 // bytes (a multiple of 16, < 1 MB) from global to shared memory in pieces, all counted on b.
 __device__ void bulk_span(void *dst, const void *src, unsigned bytes, uint64_t *b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     mbar_arrive_expect(b, bytes);
-    for (unsigned o = 0; o < bytes; o += 32768) {
-        unsigned n = bytes - o < 32768 ? bytes - o : 32768;
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32((char *)dst + o)),
-                     "l"((const char *)src + o), "r"(n), "r"(smem_u32(b))
-                     : "memory");
-    }
-#endif
+    for (unsigned o = 0; o < bytes; o += 32768) bulk_copy((char *)dst + o, (const char *)src + o, bytes - o < 32768 ? bytes - o : 32768, b);
 }
 
 // Row r of a bf16 matrix in shared memory (cols % 256 == 0) . xs, every lane gets it.
@@ -1647,9 +1649,7 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
     if (!pre) wos = (uint16_t *)a.wo + (int64_t)o0 * a.o_cols, wfs = (uint16_t *)a.wf + (int64_t)f0 * a.hidden; // read in place (QFLASH_CUDA_TAIL=2)
     if (tid == 0 && pre) { // the weights never depend on the kernels before: asked for first
         mbar_init(bar), mbar_init(bar + 1);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
+        mbar_init_fence();
         bulk_span(wos, a.wo + (int64_t)o0 * a.o_cols, (unsigned)((o1 - o0) * a.o_cols * 2), bar);
         bulk_span(wfs, a.wf + (int64_t)f0 * a.hidden, (unsigned)((f1 - f0) * a.hidden * 2), bar + 1);
     }
