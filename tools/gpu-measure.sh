@@ -27,7 +27,8 @@ B="gpu/qflash bench --synthetic qwen3.6-35b-a3b --device cuda --bw 4300"
 show='^ +[0-9]+ +[0-9]+ +[0-9]+ \||rror|invalid|replayed|load:|peak'
 run() { echo "== $1 | $2"; env $1 QFLASH_CUDA_STEPTIME=1 timeout 120 $B $2 2>&1 | grep -E "$show"; }
 S8="--prompt-len 128 --layers 8 --gen-len 64 --concurrency 1 --runs 1"
-for cfg in "" "QFLASH_CUDA_PDL=0" "QFLASH_CUDA_EARLY=0" "QFLASH_CUDA_PW1=0" "QFLASH_CUDA_GDN_LPC=2" "QFLASH_CUDA_MOE1=0" "QFLASH_CUDA_WIDE=1" "QFLASH_CUDA_ROUTE=1" ""; do run "$cfg" "$S8"; done
+for cfg in "" "QFLASH_CUDA_PDL=0" "QFLASH_CUDA_EARLY=0" "QFLASH_CUDA_PW1=0" "QFLASH_CUDA_GDN_LPC=2" "QFLASH_CUDA_MOE1=0" "QFLASH_CUDA_WIDE=1" \
+    "QFLASH_CUDA_ROUTE=0" "QFLASH_CUDA_ROUTE=1" "QFLASH_CUDA_BULK=0" "QFLASH_CUDA_TAIL=1" ""; do run "$cfg" "$S8"; done
 run "" "--prompt-len 128 --gen-len 64 --concurrency 1 --runs 2 --json $OUT/c1.json"
 [ "${1:-}" = quick ] && exit 0
 # with the one-kernel MoE, 64 and 128 skip its gate/up and down parts (192: both; routing still runs)
