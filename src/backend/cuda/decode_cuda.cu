@@ -338,7 +338,7 @@ __device__ __forceinline__ void tr_sync(unsigned, unsigned) {}
 __device__ __forceinline__ void tr_end(unsigned tag) { tr_sync(tag, TR_END); }
 
 // which product a shape is in a Qwen3.5/3.6 step (hidden 2048..): out/o_proj, lm_head, router + shared gate/up, in/qkv projections
-__device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
+__host__ __device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
     return rows >= 65536 ? SK_LMHEAD : cols > 2048 ? SK_OUT : rows < 4096 ? SK_FFNIN : SK_IN;
 }
 
@@ -724,8 +724,7 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
         e = {1, epi->conv_dim, epi->z_dim, epi->nv, epi->conv_k, epi->conv_w, epi->dt_bias, epi->neg_A, {}};
         for (int t = 0; t < QF_DEC_ROWS; t++) e.st[t] = epi->conv_state[t];
     }
-    unsigned kind = w->rows >= 65536 ? SK_LMHEAD : w->cols > 2048 ? SK_OUT : w->rows < 4096 ? SK_FFNIN : SK_IN; // as gemv_bit
-    if ((c->bulk & kind) && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
+    if ((c->bulk & gemv_bit((int)w->rows, (int)w->cols)) && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
         size_t smem = bulk_smem_bytes((int)w->cols);
         void (*k)(const uint16_t *, int, int, const float *, dpre, depi, int, float *) = w->cols == 2048 ? k_gemv_bulk<8> : k_gemv_bulk<0>;
         int fit = resident(c, (const void *)k, 256, smem), per = fit < c->bulk_blocks ? fit : c->bulk_blocks;
@@ -843,10 +842,13 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
     tr(SK_GDN, TR_END); // lane 0 (always live) after its writes: the block is one warp
 }
 
+// Lanes per value column of the DeltaNet step (QFLASH_CUDA_GDN_LPC): more lanes, more warps and
+// shorter chains per warp; key dims up to 64 take 2.
+int gdn_lanes(const ctx *c, int dk) { return dk <= 64 ? 2 : c->gdn_lpc == 2 || c->gdn_lpc == 8 ? c->gdn_lpc : 4; }
+
 void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
     ctx *c = C(be);
-    // lanes per value column (QFLASH_CUDA_GDN_LPC): more lanes, more warps and shorter chains per warp
-    int lpc = a->dk <= 64 ? 2 : c->gdn_lpc == 2 || c->gdn_lpc == 8 ? c->gdn_lpc : 4, cpw = 32 / lpc;
+    int lpc = gdn_lanes(c, a->dk), cpw = 32 / lpc;
     dim3 g(a->nv, (a->dv + cpw - 1) / cpw, a->n);
     if (a->dk > 128) {
         fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
@@ -1427,7 +1429,7 @@ int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late
     int H = a->hidden, I = a->ffn, S = a->sh_ffn;
     typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int);
     int mc = I > S ? I : S;
-    int f = c->fixed_route;
+    int f = c->route;
     fn k = H <= 256 && mc <= 256     ? (f == 2 ? k_moe_one<1, 1, 2> : f ? k_moe_one<1, 1, 1> : k_moe_one<1, 1>)
            : H <= 2048 && mc <= 512 ? (f == 2 ? k_moe_one<8, 2, 2> : f ? k_moe_one<8, 2, 1> : k_moe_one<8, 2>)
            : H <= 4096 && mc <= 512 ? (f == 2 ? k_moe_one<16, 2, 2> : f ? k_moe_one<16, 2, 1> : k_moe_one<16, 2>)
@@ -1700,7 +1702,7 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
     int G = c->sms > 0 ? c->sms : 1;
     G = G < H ? G : H, G = G < fr ? G : fr;
     size_t smem = ((size_t)(H + G - 1) / G * oc + (size_t)(fr + G - 1) / G * H) * 2 + (size_t)(oc > H ? oc : H) * sizeof(float);
-    int lpc = g->dk <= 64 ? 2 : c->gdn_lpc == 2 || c->gdn_lpc == 8 ? c->gdn_lpc : 4;
+    int lpc = gdn_lanes(c, g->dk);
     void (*k)(qf_gdn_dec, tail_args, unsigned *, int) = g->dk <= 32 ? k_gdn_tail<32, 2> : g->dk <= 64 ? k_gdn_tail<64, 2> : lpc == 2 ? k_gdn_tail<128, 2> : lpc == 4 ? k_gdn_tail<128, 4> : k_gdn_tail<128, 8>;
     if (smem + 8 * 1024 > (size_t)c->smem_optin || resident(c, (const void *)k, 256, smem) < 1) return 0;
     tail_args t = {(const uint16_t *)wo->data, H, oc, gn->head, gn->w, gn->g, gn->g_hstride, gn->eps, x, (const uint16_t *)wf->data, fr, fn->w, rl};
@@ -1738,7 +1740,7 @@ void qfc::dec_setup(ctx *c) {
     // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (the default: whole
     // model 2996.9 -> 2945.2 us a step in one call, notes session 7)
     const char *ro = getenv("QFLASH_CUDA_ROUTE");
-    c->fixed_route = ro ? atoi(ro) : 2;
+    c->route = ro ? atoi(ro) : 2;
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
     if (m) fprintf(stderr, "qflash cuda: QFLASH_CUDA_SKIP=%#x: decode kernels of those kinds do nothing (timing only, results are wrong)\n", m);
     cudaMemcpyToSymbol(g_diag, &m, sizeof m, offsetof(diag, skip));
