@@ -337,26 +337,46 @@ static float *down_f(const float *d, size_t n) {
     gpu.ops->download(&gpu, h, d, n * sizeof *h);
     return h;
 }
-static void test_dec_gdn_tail(int nk, int nv, int dk, int dv, int H, int fr) {
+/* E > 0: the MoE block joins (E experts top-K, widths I and S; ffn_in then has E + 2S + 1 rows) and
+ * runs after the three ops on the chain's side; bench: both sides timed, eager. */
+typedef struct tail_moe_shape {
+    int E, K, I, S, bench;
+} tail_moe_shape;
+
+static void tail_chain(const qf_gdn_dec *g, const qf_mat *wo, const qf_pre *gn, float *x, const qf_mat *wf, const qf_pre *fn, float *rl,
+                       const qf_moe_dec *mo) {
+    gpu.ops->dec->gdn(&gpu, g);
+    gpu.ops->dec->matmul(&gpu, wo, g->out, 1, gn, NULL, 1, x);
+    gpu.ops->dec->matmul(&gpu, wf, x, 1, fn, NULL, 0, rl);
+    if (mo) gpu.ops->dec->moe(&gpu, mo);
+}
+
+static void test_dec_gdn_tail(int nk, int nv, int dk, int dv, int H, int fr, tail_moe_shape ms) {
     int qk = nk * dk, cd = 2 * qk + nv * dv, stride = cd + nv * dv + 2 * nv, oc = nv * dv;
+    if (ms.E) fr = ms.E + 2 * ms.S + 1;
     size_t ns = (size_t)nv * dk * dv;
     float *mixed = qt_rnd((size_t)stride, 1.0f), *S = qt_rnd(ns, 0.1f), *x = qt_rnd((size_t)H, 2.0f), *gnw = qt_rnd((size_t)dv, 1.0f), *fnw = qt_rnd((size_t)H, 1.0f);
     for (int h = 0; h < nv; h++) mixed[cd + oc + h] = 0.5f + 0.4f * qt_frand(), mixed[cd + oc + nv + h] = -0.3f + 0.25f * qt_frand();
-    void *hwo, *hwf;
-    qf_mat wo = bf16_mat(H, oc, &hwo), wf = bf16_mat(fr, H, &hwf);
+    void *hwo, *hwf, *hsd = NULL;
+    qf_mat wo = bf16_mat(H, oc, &hwo), wf = bf16_mat(fr, H, &hwf), sd = {0};
     wo.data = up(hwo, (size_t)H * oc * 2), wf.data = up(hwf, (size_t)fr * H * 2);
+    test_experts ex = {0};
+    if (ms.E) ex = make_experts(ms.E, ms.I, H), sd = bf16_mat(H, ms.S, &hsd), sd.data = up(hsd, (size_t)H * ms.S * 2);
     float *dm = up_f(mixed, (size_t)stride), *dgnw = up_f(gnw, (size_t)dv), *dfnw = up_f(fnw, (size_t)H), *d[2][4];
     for (int v = 0; v < 2; v++) /* state, core, x, rl: one set for the chain, one for the kernel */
         d[v][0] = up_f(S, ns), d[v][1] = gpu.ops->alloc(&gpu, (size_t)oc * 4), d[v][2] = up_f(x, (size_t)H), d[v][3] = gpu.ops->alloc(&gpu, (size_t)fr * 4);
     qf_pre gn = {QF_PRE_GATED_NORM, dgnw, dm + cd, stride, dv, dv, 1e-6f}, fn = {QF_PRE_RMSNORM, dfnw, NULL, 0, 0, 0, 1e-6f};
-    qf_gdn_dec g0 = {dm, stride, 1, nk, nv, dk, dv, {d[0][0]}, d[0][1]}, g1 = {dm, stride, 1, nk, nv, dk, dv, {d[1][0]}, d[1][1]};
-    gpu.ops->dec->gdn(&gpu, &g0);
-    gpu.ops->dec->matmul(&gpu, &wo, d[0][1], 1, &gn, NULL, 1, d[0][2]);
-    gpu.ops->dec->matmul(&gpu, &wf, d[0][2], 1, &fn, NULL, 0, d[0][3]);
-    int took = gpu.ops->dec->gdn_tail && gpu.ops->dec->gdn_tail(&gpu, &g1, &wo, &gn, d[1][2], &wf, &fn, d[1][3]);
-    char sh[96];
+    qf_gdn_dec g[2];
+    qf_moe_dec mo[2];
+    for (int v = 0; v < 2; v++)
+        g[v] = (qf_gdn_dec){dm, stride, 1, nk, nv, dk, dv, {d[v][0]}, d[v][1]},
+        mo[v] = (qf_moe_dec){ex.dev, ms.E, ms.K, 1, H, ms.I, ms.S, dfnw, 1e-6f, d[v][3], fr, &sd, d[v][2]};
+    tail_chain(&g[0], &wo, &gn, d[0][2], &wf, &fn, d[0][3], ms.E ? &mo[0] : NULL);
+    int took = gpu.ops->dec->gdn_tail ? gpu.ops->dec->gdn_tail(&gpu, &g[1], &wo, &gn, d[1][2], &wf, &fn, d[1][3], ms.E ? &mo[1] : NULL) : 0;
+    char sh[128];
     snprintf(sh, sizeof sh, "%d/%d heads of %d/%d, hidden %d, ffn_in %d", nk, nv, dk, dv, H, fr);
-    CHECK(took, "gdn_tail declined %s", sh);
+    if (ms.E) snprintf(sh + strlen(sh), sizeof sh - strlen(sh), ", moe %d top-%d %d/%d", ms.E, ms.K, ms.I, ms.S);
+    CHECK(took == (ms.E ? 2 : 1), "gdn_tail took %d of %s", took, sh);
     const char *what[4] = {"dec tail state", "dec tail core", "dec tail x", "dec tail ffn_in"};
     size_t len[4] = {ns, (size_t)oc, (size_t)H, (size_t)fr};
     for (int i = 0; i < 4 && took; i++) {
@@ -364,9 +384,21 @@ static void test_dec_gdn_tail(int nk, int nv, int dk, int dv, int H, int fr) {
         report(what[i], sh, cmp(d[1][i], want, len[i]), 1e-5);
         free(want);
     }
+    for (int v = 0; ms.bench && took && v < 2; v++) { /* the state and x drift; only the time counts */
+        int reps = 200;
+        qf_cuda_sync(&gpu);
+        double t0 = qf_now();
+        for (int i = 0; i < reps; i++) {
+            if (v) gpu.ops->dec->gdn_tail(&gpu, &g[1], &wo, &gn, d[1][2], &wf, &fn, d[1][3], ms.E ? &mo[1] : NULL);
+            else tail_chain(&g[0], &wo, &gn, d[0][2], &wf, &fn, d[0][3], ms.E ? &mo[0] : NULL);
+        }
+        qf_cuda_sync(&gpu);
+        fprintf(stderr, "  dec tail %s: %.1f us per call (%s)\n", sh, (qf_now() - t0) / reps * 1e6, v ? "one kernel" : "the ops apart");
+    }
     for (int v = 0; v < 2; v++)
         for (int i = 0; i < 4; i++) gpu.ops->free(&gpu, d[v][i]);
     gpu.ops->free(&gpu, dm), gpu.ops->free(&gpu, dgnw), gpu.ops->free(&gpu, dfnw), gpu.ops->free(&gpu, (void *)wo.data), gpu.ops->free(&gpu, (void *)wf.data);
+    if (ms.E) free_experts(&ex), gpu.ops->free(&gpu, (void *)sd.data), free(hsd);
     free(mixed), free(S), free(x), free(gnw), free(fnw), free(hwo), free(hwf);
 }
 
@@ -613,16 +645,29 @@ static void switch_checks(void) {
         test_dec_matmul(QF_PRE_RMSNORM, 12352, 2048, 1, 1, 0);
     }
     unsetenv("QFLASH_CUDA_BULK");
+    tail_moe_shape none = {0, 0, 0, 0, 0}, real = {256, 8, 512, 512, 0}, small = {16, 4, 64, 32, 0};
     if (restart_with("QFLASH_CUDA_TAIL", "1")) { /* several launches in a row: its grid counts must come back to zero */
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281);
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281);
-        test_dec_gdn_tail(4, 8, 32, 32, 256, 100);
-        test_dec_gdn_tail(2, 4, 64, 64, 512, 300);
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281);
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none);
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none);
+        test_dec_gdn_tail(4, 8, 32, 32, 256, 100, none);
+        test_dec_gdn_tail(2, 4, 64, 64, 512, 300, none);
+        none.bench = 1;
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none);
+        none.bench = 0;
     }
     if (restart_with("QFLASH_CUDA_TAIL", "2")) { /* the same kernel reading its weights in place (a diagnosis) */
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281);
-        test_dec_gdn_tail(4, 8, 32, 32, 256, 100);
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none);
+        test_dec_gdn_tail(4, 8, 32, 32, 256, 100, none);
+    }
+    if (restart_with("QFLASH_CUDA_TAIL", "3")) { /* the MoE block joins: its two more counts back at zero after each launch */
+        real.bench = 1;
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
+        real.bench = 0;
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
+        test_dec_gdn_tail(4, 8, 32, 32, 256, 0, small);
+        test_dec_gdn_tail(4, 8, 32, 32, 256, 0, small);
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none); /* without a MoE: the tail alone */
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
     }
     unsetenv("QFLASH_CUDA_TAIL");
 }

@@ -200,8 +200,9 @@ static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
     d->matmul(be, &w->wo, core, f->N, &gate, NULL, 1, WS(f->ws, x));
 }
 
-/* Returns 1 when the device also ran ffn_in (its gdn_tail op: the step, out_proj and ffn_in as one). */
-static int dec_linear_attn(fwd *f, int L, const qf_pre *norm, const qf_pre *fn) {
+/* Returns 1 when the device also ran ffn_in (its gdn_tail op: the step, out_proj and ffn_in as one),
+ * 2 when it ran the MoE block mo too. */
+static int dec_linear_attn(fwd *f, int L, const qf_pre *norm, const qf_pre *fn, const qf_moe_dec *mo) {
     const qf_config *c = &f->m->cfg;
     const qf_layer_w *w = &f->m->layers[L];
     qf_backend *be = f->be;
@@ -213,7 +214,8 @@ static int dec_linear_attn(fwd *f, int L, const qf_pre *norm, const qf_pre *fn) 
     for (int t = 0; t < f->N; t++) e.conv_state[t] = f->seqs[t].st->conv[L], g.S[t] = f->seqs[t].st->ssm[L];
     d->matmul(be, &w->in_proj, WS(f->ws, x), f->N, norm, &e, 0, big);
     qf_pre gn = {QF_PRE_GATED_NORM, w->gnorm, big + cd, stride, dv, dv, c->norm_eps};
-    if (d->gdn_tail && d->gdn_tail(be, &g, &w->w_out, &gn, WS(f->ws, x), &w->ffn_in, fn, WS(f->ws, drl))) return 1;
+    int done = d->gdn_tail ? d->gdn_tail(be, &g, &w->w_out, &gn, WS(f->ws, x), &w->ffn_in, fn, WS(f->ws, drl), mo) : 0;
+    if (done) return done;
     d->gdn(be, &g);
     d->matmul(be, &w->w_out, core, f->N, &gn, NULL, 1, WS(f->ws, x));
     return 0;
@@ -226,14 +228,14 @@ static void dec_layer(fwd *f, int L) {
     qf_backend *be = f->be;
     qf_pre an = {QF_PRE_RMSNORM, w->attn_norm, NULL, 0, 0, 0, c->norm_eps}, fn = an;
     fn.w = w->ffn_norm;
-    int ffn_done = 0;
-    if (w->kind == QF_LAYER_FULL) dec_full_attn(f, L, &an);
-    else ffn_done = dec_linear_attn(f, L, &an, &fn);
     float *rl = WS(f->ws, drl);
-    if (!ffn_done) OPS->dec->matmul(be, &w->ffn_in, WS(f->ws, x), f->N, &fn, NULL, 0, rl);
     qf_moe_dec mo = {m->experts->ops->table(m->experts, L), c->n_experts, c->n_experts_used, f->N, c->hidden, c->expert_ffn, c->shared_ffn,
                      w->ffn_norm, c->norm_eps, rl, (int)w->ffn_in.rows, &w->sh_down, WS(f->ws, x)};
-    OPS->dec->moe(be, &mo);
+    int done = 0; /* 1: ffn_in ran, 2: the MoE block too */
+    if (w->kind == QF_LAYER_FULL) dec_full_attn(f, L, &an);
+    else done = dec_linear_attn(f, L, &an, &fn, &mo);
+    if (!done) OPS->dec->matmul(be, &w->ffn_in, WS(f->ws, x), f->N, &fn, NULL, 0, rl);
+    if (done < 2) OPS->dec->moe(be, &mo);
 }
 
 /* Final norm + lm_head over every row (one per sequence), then each sequence's logits or pick. */

@@ -95,7 +95,7 @@ struct ctx {
     int pw1;                      // one-row products of few weight rows take a warp per row (QFLASH_CUDA_PW1, default 1)
     int early;                    // decode kernels issue their first weight loads before waiting (QFLASH_CUDA_EARLY, default 1)
     int moe1;                     // one-row MoE blocks in one kernel, gate/up and down a grid count apart (QFLASH_CUDA_MOE1, default 1)
-    unsigned *moe_cnt;            // grid counts, zero between launches: [0..1] the one-kernel MoE's, [4..7] the DeltaNet tail's
+    unsigned *moe_cnt;            // grid counts, zero between launches: [0..1] the one-kernel MoE's, [4..11] the DeltaNet tail's
     int route;                    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (QFLASH_CUDA_ROUTE)
     int wide;                     // one-row gated norms of wide heads staged with every load at once (QFLASH_CUDA_WIDE=1, default off)
     int bulk;                     // kinds of one-row products fed by bulk copies into per-warp rings (QFLASH_CUDA_BULK=mask, sm_90; default 8: in_proj/qkv)

@@ -212,6 +212,12 @@ __device__ __forceinline__ float dot8s(uint4 w, const float *x, int lane) {
            bf16f(w.z & 0xffff) * b.x + bf16f(w.z >> 16) * b.y + bf16f(w.w & 0xffff) * b.z + bf16f(w.w >> 16) * b.w;
 }
 
+// dot8 with x in registers (a: columns 0-3, b: 4-7), summed in dot8s's order.
+__device__ __forceinline__ float dot8r(uint4 w, float4 a, float4 b) {
+    return bf16f(w.x & 0xffff) * a.x + bf16f(w.x >> 16) * a.y + bf16f(w.y & 0xffff) * a.z + bf16f(w.y >> 16) * a.w +
+           bf16f(w.z & 0xffff) * b.x + bf16f(w.z >> 16) * b.y + bf16f(w.w & 0xffff) * b.z + bf16f(w.w >> 16) * b.w;
+}
+
 // The DeltaNet decay gate of an in_proj row (ops.h gdn_gates; beta is the row's sigmoid).
 __device__ __forceinline__ float decay_gate(float v, float dt_bias, float neg_A) {
     float u = v + dt_bias;
@@ -1042,11 +1048,13 @@ __device__ void route_fixed(const float *rl, int E, int K, int *ti, float *tw, b
 // shared memory once, and each thread ranks its own against all E (16-byte broadcast reads, no
 // atomics, one barrier between), so the ranking is one pass of E compares per thread instead of
 // a warp rank, a shared count and a second rank over the candidates. Weights as route_fixed.
+// L2: rl was written by other blocks of the same kernel (read past L1).
+template <bool L2 = false>
 __device__ void route_pairs(const float *rl, int E, int K, int *ti, float *tw, bool stamp = false) {
     __shared__ __align__(16) float lv[MOE_MAX_E];
     int tid = threadIdx.x, lane = tid & 31, E4 = (E + 3) & ~3;
     if (tid < K) ti[tid] = tid, tw[tid] = 0.0f; // NaN logits can leave ranks untaken: slots stay valid experts
-    for (int i = tid; i < E4; i += blockDim.x) lv[i] = i < E ? rl[i] : -INFINITY; // padding ranks after every logit
+    for (int i = tid; i < E4; i += blockDim.x) lv[i] = i < E ? (L2 ? __ldcg(rl + i) : rl[i]) : -INFINITY; // padding ranks after every logit
     __syncthreads();
     if (stamp) tr(SK_MOE_GU, TR_LOGITS);
     for (int i = tid; i < E; i += blockDim.x) {
@@ -1638,15 +1646,110 @@ __device__ float tail_stage_rms(const tail_args &a, float *xs, float *red) {
 
 __device__ __forceinline__ int share_of(int n, int b, int G) { return (int)((int64_t)n * b / G); }
 
-template <int DK, int LPC>
-__global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, unsigned *cnt, int pre) {
+// The MoE block joined to the tail (QFLASH_CUDA_TAIL=3): the expert table, the op's arguments
+// (its host pointers unused here) and the gate/up rows' scratch.
+struct tail_moe {
+    const void *const *tab;
+    qf_moe_dec a;
+    const uint16_t *sh_down;
+    float *hbuf;
+};
+#define TM_SLOTS 2 // (gate row, up row) pairs in flight per warp, each pair one slot of 4 * hidden bytes
+
+// Shared memory of the MoE part, laid over the products' weights once they are used: each warp's
+// ring of TM_SLOTS pairs, then the down parts' inputs (K * I + S floats).
+__host__ __device__ inline size_t tm_ring_bytes(int H) { return (size_t)8 * TM_SLOTS * 4 * H; }
+
+// The one-row MoE of k_moe_one inside the tail, after ffn_in's rows (router logits, the shared
+// expert's gate/up) are written by every block: each block routes, its warps stream their share of
+// the chosen experts' (gate row, up row) pairs into shared memory with bulk copies (two pairs in
+// flight per warp; the copy engine moves the bytes), each warp then issues its first down row's
+// loads, a grid count (every gate/up row written), and the down rows into x. xs holds
+// x * norm weight (ffn_in's input, the experts' too), inv x's 1/rms.
+// XR (H / 256 where known, else 0): the lane's 8 XR floats of xs kept in registers for both rows
+// of every pair (else each dot reads them from shared memory again, 4 bytes of xs per weight).
+template <int PL, int XR>
+__device__ void tail_moe_run(const tail_moe &m, const float *xs, float inv, char *region, unsigned *cnt) {
+    __shared__ float wk[MOE_MAX_K + 1];
+    __shared__ int ti[MOE_MAX_K];
+    __shared__ const uint16_t *dp[MOE_MAX_K + 1];
+    __shared__ uint64_t bars[8 * TM_SLOTS];
+    const qf_moe_dec &a = m.a;
+    int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+    int gw = warp * gridDim.x + blockIdx.x, nw = gridDim.x * 8, np = gw < K * I ? (K * I - gw + nw - 1) / nw : 0;
+    uint4 *ring = (uint4 *)region + warp * TM_SLOTS * (H / 4);
+    float *hs = (float *)(region + tm_ring_bytes(H));
+    uint64_t *bar = bars + warp * TM_SLOTS;
+    route_pairs<true>(a.rl, E, K, ti, wk);
+    auto fill = [&](int q) { // lane 0: pair q of the warp (row gw + q * nw of the K * I) into its slot
+        int r = gw + q * nw, k = r / I, j = r - k * I, e = ti[k];
+        uint4 *dst = ring + (q % TM_SLOTS) * (H / 4);
+        mbar_arrive_expect(bar + q % TM_SLOTS, 4 * H);
+        bulk_copy(dst, (const uint16_t *)m.tab[e] + (int64_t)j * H, 2 * H, bar + q % TM_SLOTS);
+        bulk_copy(dst + H / 8, (const uint16_t *)m.tab[E + e] + (int64_t)j * H, 2 * H, bar + q % TM_SLOTS);
+    };
+    if (lane == 0) {
+        for (int q = 0; q < TM_SLOTS; q++) mbar_init(bar + q);
+        mbar_init_fence();
+        fence_async_smem(); // the products' reads of this region come before the copies into it
+        for (int q = 0; q < TM_SLOTS && q < np; q++) fill(q);
+    }
+    if (tid < K) dp[tid] = (const uint16_t *)m.tab[2 * E + ti[tid]];
+    if (tid == 0) wk[K] = sigmoid(__ldcg(a.rl + E + 2 * S)), dp[K] = m.sh_down;
+    for (int j = tid; j < S; j += blockDim.x) hs[K * I + j] = silu(__ldcg(a.rl + E + j)) * __ldcg(a.rl + E + S + j);
+    __syncwarp();
+    float4 xr[XR ? 2 * XR : 1];
+    if constexpr (XR > 0)
+#pragma unroll
+        for (int v = 0; v < XR; v++) xr[2 * v] = *(const float4 *)(xs + (v * 32 + lane) * 8), xr[2 * v + 1] = *(const float4 *)(xs + (v * 32 + lane) * 8 + 4);
+    for (int q = 0; q < np; q++) {
+        const uint4 *slot = ring + (q % TM_SLOTS) * (H / 4);
+        mbar_wait(bar + q % TM_SLOTS, (q / TM_SLOTS) & 1);
+        float g = 0.0f, u = 0.0f;
+        if constexpr (XR > 0) {
+            uint4 wg[XR], wu[XR];
+#pragma unroll
+            for (int v = 0; v < XR; v++) wg[v] = slot[v * 32 + lane], wu[v] = slot[H / 8 + v * 32 + lane];
+#pragma unroll
+            for (int v = 0; v < XR; v++) g += dot8r(wg[v], xr[2 * v], xr[2 * v + 1]), u += dot8r(wu[v], xr[2 * v], xr[2 * v + 1]);
+        } else {
+            for (int c = lane; c < H / 8; c += 32) g += dot8s(slot[c], xs + c * 8, lane), u += dot8s(slot[H / 8 + c], xs + c * 8, lane);
+        }
+        g = warp_sum(g) * inv, u = warp_sum(u) * inv;
+        if (lane == 0) m.hbuf[gw + q * nw] = silu(g) * u;
+        __syncwarp();
+        if (lane == 0 && q + TM_SLOTS < np) {
+            fence_async_smem();
+            fill(q + TM_SLOTS);
+        }
+    }
+    __syncthreads(); // dp, wk
+    dn_row<PL> w;
+    int i = blockIdx.x * 8 + warp, have = i < H;
+    if (have) w.load(dp, K, I, S, i, 0);
+    grid_arrive_wait(cnt); // every gate/up row is written
+#pragma unroll 8
+    for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)m.hbuf + j);
+    __syncthreads();
+    grid_leave(cnt);
+    for (; i < H; i += nw, have = 0) {
+        float acc = w.sum(dp, wk, hs, K, I, S, i, have);
+        if (lane == 0) a.x[i] = __ldcg(a.x + i) + acc;
+    }
+}
+
+// PL > 0: the MoE block joins (tail_moe_run; PL as k_moe_one's, XR its x in registers).
+template <int DK, int LPC, int PL = 0, int XR = 0>
+__global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, unsigned *cnt, int pre, tail_moe m) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], qk[8][2][DK];
     __shared__ uint64_t bar[2];
     int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, G = gridDim.x, b = blockIdx.x;
     int o0 = share_of(a.hidden, b, G), o1 = share_of(a.hidden, b + 1, G), f0 = share_of(a.f_rows, b, G), f1 = share_of(a.f_rows, b + 1, G);
+    size_t wbytes = ((size_t)(a.hidden + G - 1) / G * a.o_cols + (size_t)(a.f_rows + G - 1) / G * a.hidden) * 2;
+    if constexpr (PL > 0) wbytes = max(wbytes, tm_ring_bytes(a.hidden) + (size_t)(m.a.top_k * m.a.ffn + m.a.sh_ffn) * 4);
     uint16_t *wos = (uint16_t *)dyn, *wfs = wos + (int64_t)(o1 - o0) * a.o_cols;
-    float *xs = (float *)(wfs + (int64_t)(f1 - f0) * a.hidden);
+    float *xs = (float *)((char *)dyn + wbytes);
     tr(SK_GDN, TR_START);
     if (!pre) wos = (uint16_t *)a.wo + (int64_t)o0 * a.o_cols, wfs = (uint16_t *)a.wf + (int64_t)f0 * a.hidden; // read in place (QFLASH_CUDA_TAIL=2)
     if (tid == 0 && pre) { // the weights never depend on the kernels before: asked for first
@@ -1687,12 +1790,32 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
         float s = smem_dot(wfs + (int64_t)(r - f0) * a.hidden, a.hidden, xs, lane);
         if (lane == 0) a.rl[r] = s * inv;
     }
+    if constexpr (PL > 0) {
+        grid_arrive_wait(cnt + 4); // every router logit and shared gate/up row is written
+        grid_leave(cnt + 4);
+        tail_moe_run<PL, XR>(m, xs, inv, (char *)dyn, cnt + 6);
+    }
     tr_end(SK_GDN);
 }
 
+// The MoE kernel for the tail's shapes (NULL: the tail runs without it): the real shape and one
+// small shape for the tests (each instantiation costs CI compile time on four architectures).
+typedef void (*tail_fn)(qf_gdn_dec, tail_args, unsigned *, int, tail_moe);
+tail_fn tail_with_moe(const qf_gdn_dec *g, const qf_moe_dec *mo, int lpc) {
+    int mc = mo->ffn > mo->sh_ffn ? mo->ffn : mo->sh_ffn;
+    if (mo->n != 1 || mo->top_k > MOE_MAX_K || mo->n_experts > MOE_MAX_E || mo->ffn % 8 || mo->sh_ffn % 8 || (mo->top_k * mo->ffn) % 4 ||
+        mo->sh_down->dtype != QF_DT_BF16 || mo->experts[0].gate.dtype != QF_DT_BF16)
+        return NULL;
+    if (g->dk == 128 && lpc == 4 && mc <= 512 && mo->hidden == 2048) return k_gdn_tail<128, 4, 2, 8>;
+    if (g->dk <= 32 && mc <= 256) return k_gdn_tail<32, 2, 1>;
+    return NULL;
+}
+
 // The tail in one kernel when the shapes fit (returns 0 otherwise: the caller runs the three
-// ops): one row, sm_90, both products' shares of a block in shared memory beside x.
-int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf_pre *gn, float *x, const qf_mat *wf, const qf_pre *fn, float *rl) {
+// ops): one row, sm_90, both products' shares of a block in shared memory beside x. With mo (not
+// NULL) and QFLASH_CUDA_TAIL=3 the MoE block joins it where tail_with_moe has a kernel: 2.
+int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf_pre *gn, float *x, const qf_mat *wf, const qf_pre *fn, float *rl,
+                 const qf_moe_dec *mo) {
     ctx *c = C(be);
     int H = (int)wo->rows, oc = (int)wo->cols, fr = (int)wf->rows;
     if (!c->tail || c->stream || !c->moe_cnt || g->n != 1 || g->dk > 128 || g->dv > 32 * HD_REG || wo->dtype != QF_DT_BF16 || wf->dtype != QF_DT_BF16 ||
@@ -1701,12 +1824,22 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
         return 0;
     int G = c->sms > 0 ? c->sms : 1;
     G = G < H ? G : H, G = G < fr ? G : fr;
-    size_t smem = ((size_t)(H + G - 1) / G * oc + (size_t)(fr + G - 1) / G * H) * 2 + (size_t)(oc > H ? oc : H) * sizeof(float);
+    size_t wbytes = ((size_t)(H + G - 1) / G * oc + (size_t)(fr + G - 1) / G * H) * 2;
     int lpc = gdn_lanes(c, g->dk);
-    void (*k)(qf_gdn_dec, tail_args, unsigned *, int) = g->dk <= 32 ? k_gdn_tail<32, 2> : g->dk <= 64 ? k_gdn_tail<64, 2> : lpc == 2 ? k_gdn_tail<128, 2> : lpc == 4 ? k_gdn_tail<128, 4> : k_gdn_tail<128, 8>;
+    tail_fn k = g->dk <= 32 ? k_gdn_tail<32, 2> : g->dk <= 64 ? k_gdn_tail<64, 2> : lpc == 2 ? k_gdn_tail<128, 2> : lpc == 4 ? k_gdn_tail<128, 4> : k_gdn_tail<128, 8>;
+    tail_moe tm = {};
+    if (c->tail == 3 && mo && mo->x == x && mo->rl == rl && mo->hidden == H && mo->rl_stride == fr && mo->n_experts + 2 * mo->sh_ffn + 1 <= fr) {
+        tail_fn km = tail_with_moe(g, mo, lpc);
+        const void **tab = km ? expert_table(c, mo->experts, mo->n_experts) : NULL;
+        float *hb = tab ? (float *)scratch(c, &c->moe, &c->moe_cap, (size_t)mo->top_k * mo->ffn * sizeof(float)) : NULL;
+        size_t mb = tm_ring_bytes(H) + (size_t)(mo->top_k * mo->ffn + mo->sh_ffn) * 4;
+        if (hb) k = km, tm = {tab, *mo, (const uint16_t *)mo->sh_down->data, hb}, wbytes = wbytes > mb ? wbytes : mb;
+    }
+    size_t smem = wbytes + (size_t)(oc > H ? oc : H) * sizeof(float);
     if (smem + 8 * 1024 > (size_t)c->smem_optin || resident(c, (const void *)k, 256, smem) < 1) return 0;
     tail_args t = {(const uint16_t *)wo->data, H, oc, gn->head, gn->w, gn->g, gn->g_hstride, gn->eps, x, (const uint16_t *)wf->data, fr, fn->w, rl};
-    launch(c, "k_gdn_tail", 1, k, dim3((unsigned)G), dim3(256), (unsigned)smem, *g, t, c->moe_cnt + 4, c->tail == 1);
+    launch(c, "k_gdn_tail", 1, k, dim3((unsigned)G), dim3(256), (unsigned)smem, *g, t, c->moe_cnt + 4, c->tail != 2, tm);
+    if (tm.tab) return 2;
     c->x_late = 1; // the MoE kernel after it must not read x before its wait
     return 1;
 }
