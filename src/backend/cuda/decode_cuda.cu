@@ -642,11 +642,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict
 #pragma unroll
             for (int u = 0; u < 8; u++) w[u] = slot[u * 32];
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
-                float4 p0 = xr[2 * u], p1 = xr[2 * u + 1];
-                a += bf16f(w[u].x & 0xffff) * p0.x + bf16f(w[u].x >> 16) * p0.y + bf16f(w[u].y & 0xffff) * p0.z + bf16f(w[u].y >> 16) * p0.w +
-                     bf16f(w[u].z & 0xffff) * p1.x + bf16f(w[u].z >> 16) * p1.y + bf16f(w[u].w & 0xffff) * p1.z + bf16f(w[u].w >> 16) * p1.w;
-            }
+            for (int u = 0; u < 8; u++) a += dot8r(w[u], xr[2 * u], xr[2 * u + 1]);
             finish();
         } else {
             int units = min(BK_UNITS, ne - ch * BK_UNITS);
