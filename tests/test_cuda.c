@@ -345,7 +345,7 @@ typedef struct tail_moe_shape {
 
 static void tail_chain(const qf_gdn_dec *g, const qf_mat *wo, const qf_pre *gn, float *x, const qf_mat *wf, const qf_pre *fn, float *rl,
                        const qf_moe_dec *mo) {
-    gpu.ops->dec->gdn(&gpu, g);
+    if (g->nv) gpu.ops->dec->gdn(&gpu, g);
     gpu.ops->dec->matmul(&gpu, wo, g->out, 1, gn, NULL, 1, x);
     gpu.ops->dec->matmul(&gpu, wf, x, 1, fn, NULL, 0, rl);
     if (mo) gpu.ops->dec->moe(&gpu, mo);
@@ -400,6 +400,51 @@ static void test_dec_gdn_tail(int nk, int nv, int dk, int dv, int H, int fr, tai
     gpu.ops->free(&gpu, dm), gpu.ops->free(&gpu, dgnw), gpu.ops->free(&gpu, dfnw), gpu.ops->free(&gpu, (void *)wo.data), gpu.ops->free(&gpu, (void *)wf.data);
     if (ms.E) free_experts(&ex), gpu.ops->free(&gpu, (void *)sd.data), free(hsd);
     free(mixed), free(S), free(x), free(gnw), free(fnw), free(hwo), free(hwf);
+}
+
+/* An attention layer's tail (QFLASH_CUDA_TAIL=4): o_proj of the attention output with its sigmoid
+ * gate (nh heads of hd), ffn_in and the MoE block, against the three ops. */
+static void test_dec_attn_tail(int nh, int hd, int H, tail_moe_shape ms) {
+    int oc = nh * hd, gs = 2 * oc, fr = ms.E + 2 * ms.S + 1;
+    float *core = qt_rnd((size_t)oc, 1.0f), *gate = qt_rnd((size_t)gs, 3.0f), *x = qt_rnd((size_t)H, 2.0f), *fnw = qt_rnd((size_t)H, 1.0f);
+    void *hwo, *hwf, *hsd;
+    qf_mat wo = bf16_mat(H, oc, &hwo), wf = bf16_mat(fr, H, &hwf), sd = bf16_mat(H, ms.S, &hsd);
+    wo.data = up(hwo, (size_t)H * oc * 2), wf.data = up(hwf, (size_t)fr * H * 2), sd.data = up(hsd, (size_t)H * ms.S * 2);
+    test_experts ex = make_experts(ms.E, ms.I, H);
+    float *dcore = up_f(core, (size_t)oc), *dgate = up_f(gate, (size_t)gs), *dfnw = up_f(fnw, (size_t)H), *d[2][2];
+    for (int v = 0; v < 2; v++) d[v][0] = up_f(x, (size_t)H), d[v][1] = gpu.ops->alloc(&gpu, (size_t)fr * 4); /* x, rl */
+    qf_pre gn = {QF_PRE_SIGMOID, NULL, dgate + hd, gs, 2 * hd, hd, 0.0f}, fn = {QF_PRE_RMSNORM, dfnw, NULL, 0, 0, 0, 1e-6f};
+    qf_gdn_dec none = {NULL, 0, 1, 0, 0, 0, 0, {0}, dcore};
+    qf_moe_dec mo[2];
+    for (int v = 0; v < 2; v++) mo[v] = (qf_moe_dec){ex.dev, ms.E, ms.K, 1, H, ms.I, ms.S, dfnw, 1e-6f, d[v][1], fr, &sd, d[v][0]};
+    tail_chain(&none, &wo, &gn, d[0][0], &wf, &fn, d[0][1], &mo[0]);
+    int took = gpu.ops->dec->gdn_tail ? gpu.ops->dec->gdn_tail(&gpu, &none, &wo, &gn, d[1][0], &wf, &fn, d[1][1], &mo[1]) : 0;
+    char sh[128];
+    snprintf(sh, sizeof sh, "attention %d heads of %d, hidden %d, moe %d top-%d %d/%d", nh, hd, H, ms.E, ms.K, ms.I, ms.S);
+    CHECK(took == 2, "gdn_tail took %d of %s", took, sh);
+    const char *what[2] = {"dec tail x", "dec tail ffn_in"};
+    size_t len[2] = {(size_t)H, (size_t)fr};
+    for (int i = 0; i < 2 && took; i++) {
+        float *want = down_f(d[0][i], len[i]);
+        report(what[i], sh, cmp(d[1][i], want, len[i]), 1e-5);
+        free(want);
+    }
+    for (int v = 0; ms.bench && took && v < 2; v++) {
+        int reps = 200;
+        qf_cuda_sync(&gpu);
+        double t0 = qf_now();
+        for (int i = 0; i < reps; i++) {
+            if (v) gpu.ops->dec->gdn_tail(&gpu, &none, &wo, &gn, d[1][0], &wf, &fn, d[1][1], &mo[1]);
+            else tail_chain(&none, &wo, &gn, d[0][0], &wf, &fn, d[0][1], &mo[0]);
+        }
+        qf_cuda_sync(&gpu);
+        fprintf(stderr, "  dec tail %s: %.1f us per call (%s)\n", sh, (qf_now() - t0) / reps * 1e6, v ? "one kernel" : "the ops apart");
+    }
+    for (int v = 0; v < 2; v++) gpu.ops->free(&gpu, d[v][0]), gpu.ops->free(&gpu, d[v][1]);
+    gpu.ops->free(&gpu, dcore), gpu.ops->free(&gpu, dgate), gpu.ops->free(&gpu, dfnw);
+    gpu.ops->free(&gpu, (void *)wo.data), gpu.ops->free(&gpu, (void *)wf.data), gpu.ops->free(&gpu, (void *)sd.data);
+    free_experts(&ex);
+    free(core), free(gate), free(x), free(fnw), free(hwo), free(hwf), free(hsd);
 }
 
 /* Rows at different positions, each with its own scrambled pages in one pool. */
@@ -668,6 +713,16 @@ static void switch_checks(void) {
         test_dec_gdn_tail(4, 8, 32, 32, 256, 0, small);
         test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none); /* without a MoE: the tail alone */
         test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
+    }
+    if (restart_with("QFLASH_CUDA_TAIL", "4")) { /* attention layers' tails too (and the DeltaNet ones as at 3) */
+        real.bench = 1;
+        test_dec_attn_tail(16, 256, 2048, real);
+        real.bench = 0;
+        test_dec_attn_tail(16, 256, 2048, real);
+        test_dec_attn_tail(4, 64, 256, small);
+        test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
+        test_dec_gdn_tail(4, 8, 32, 32, 256, 0, small);
+        test_dec_attn_tail(16, 256, 2048, real);
     }
     unsetenv("QFLASH_CUDA_TAIL");
 }

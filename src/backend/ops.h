@@ -160,7 +160,8 @@ typedef struct qf_dec_ops {
     void (*argmax)(qf_backend *be, const float *x, int n, int cols, int32_t *out);
     /* Optional (NULL, or 0 returned for what it does not take): gdn(g), then x += w_out . gn(g->out)
      * (accumulate), then rl = ffn_in . fn(x): the three ops above in that order, as one. 1: done.
-     * moe (may be NULL; its x and rl those given): 2 when the moe op on them was done too. */
+     * moe (may be NULL; its x and rl those given): 2 when the moe op on them was done too.
+     * g->nv == 0: no step, g->out is w_out's input (an attention layer's; gn its sigmoid gate). */
     int (*gdn_tail)(qf_backend *be, const qf_gdn_dec *g, const qf_mat *w_out, const qf_pre *gn, float *x, const qf_mat *ffn_in,
                     const qf_pre *fn, float *rl, const qf_moe_dec *moe);
 } qf_dec_ops;

@@ -184,7 +184,8 @@ static int dec_usable(const fwd *f) {
     return 1;
 }
 
-static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
+/* Returns 2 when the device ran ffn_in and the MoE block mo too (its gdn_tail op without a step). */
+static int dec_full_attn(fwd *f, int L, const qf_pre *norm, const qf_pre *fn, const qf_moe_dec *mo) {
     const qf_config *c = &f->m->cfg;
     const qf_layer_w *w = &f->m->layers[L];
     qf_backend *be = f->be;
@@ -197,7 +198,10 @@ static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
     for (int t = 0; t < f->N; t++) a.kv[t] = qf_state_kv_view(f->seqs[t].st, L), a.pos[t] = f->seqs[t].st->pos;
     d->attention(be, &a);
     qf_pre gate = {QF_PRE_SIGMOID, NULL, big + hd, stride, 2 * hd, hd, 0.0f};
+    qf_gdn_dec none = {NULL, 0, f->N, 0, 0, 0, 0, {0}, core};
+    if (d->gdn_tail && d->gdn_tail(be, &none, &w->wo, &gate, WS(f->ws, x), &w->ffn_in, fn, WS(f->ws, drl), mo) == 2) return 2;
     d->matmul(be, &w->wo, core, f->N, &gate, NULL, 1, WS(f->ws, x));
+    return 0;
 }
 
 /* Returns 1 when the device also ran ffn_in (its gdn_tail op: the step, out_proj and ffn_in as one),
@@ -232,7 +236,7 @@ static void dec_layer(fwd *f, int L) {
     qf_moe_dec mo = {m->experts->ops->table(m->experts, L), c->n_experts, c->n_experts_used, f->N, c->hidden, c->expert_ffn, c->shared_ffn,
                      w->ffn_norm, c->norm_eps, rl, (int)w->ffn_in.rows, &w->sh_down, WS(f->ws, x)};
     int done = 0; /* 1: ffn_in ran, 2: the MoE block too */
-    if (w->kind == QF_LAYER_FULL) dec_full_attn(f, L, &an);
+    if (w->kind == QF_LAYER_FULL) done = dec_full_attn(f, L, &an, &fn, &mo);
     else done = dec_linear_attn(f, L, &an, &fn, &mo);
     if (!done) OPS->dec->matmul(be, &w->ffn_in, WS(f->ws, x), f->N, &fn, NULL, 0, rl);
     if (done < 2) OPS->dec->moe(be, &mo);

@@ -1561,7 +1561,7 @@ void dec_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *out) {
 struct tail_args {
     const uint16_t *wo; // out_proj [hidden][o_cols]
     int hidden, o_cols, head;
-    const float *gnw, *z; // gated norm weight [head]; the gate of head h at z + h * z_hstride
+    const float *gnw, *z; // gated norm weight [head] (NULL: a sigmoid gate, o_proj's); the gate of head h at z + h * z_hstride
     int z_hstride;
     float eps;
     float *x;           // residual [hidden]: += out_proj
@@ -1625,6 +1625,15 @@ __device__ void tail_stage_gated(const float *core, const tail_args &a, float *x
             int d = lane + 32 * u;
             if (d < a.head) xs[hh * a.head + d] = silu(g[u]) * (v[u] * inv * w[u]);
         }
+    }
+    __syncthreads();
+}
+
+// An attention layer's o_proj input: core * sigmoid(gate) per head (core: the kernel before wrote it).
+__device__ void tail_stage_sigmoid(const float *core, const tail_args &a, float *xs) {
+    for (int i = threadIdx.x; i < a.o_cols; i += blockDim.x) {
+        int h = i / a.head;
+        xs[i] = core[i] * sigmoid(a.z[(int64_t)h * a.z_hstride + (i - h * a.head)]);
     }
     __syncthreads();
 }
@@ -1766,10 +1775,13 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
         w.run(g, qk[warp][0], qk[warp][1]);
     }
     tr_sync(SK_GDN, TR_LOGITS);
-    grid_arrive_wait(cnt); // the whole step's output (core) is written
-    grid_leave(cnt);
+    if (g.nv) { // no step (an attention layer): core came from the kernel before
+        grid_arrive_wait(cnt); // the whole step's output (core) is written
+        grid_leave(cnt);
+    }
     tr(SK_GDN, TR_RANKED);
-    tail_stage_gated(g.out, a, xs);
+    if (a.gnw) tail_stage_gated(g.out, a, xs);
+    else tail_stage_sigmoid(g.out, a, xs);
     if (pre) mbar_wait(bar, 0);
     tr(SK_GDN, TR_ROUTED);
     for (int r = o0 + warp; r < o1; r += 8) {
@@ -1802,21 +1814,29 @@ tail_fn tail_with_moe(const qf_gdn_dec *g, const qf_moe_dec *mo, int lpc) {
     if (mo->n != 1 || mo->top_k > MOE_MAX_K || mo->n_experts > MOE_MAX_E || mo->ffn % 8 || mo->sh_ffn % 8 || (mo->top_k * mo->ffn) % 4 ||
         mo->sh_down->dtype != QF_DT_BF16 || mo->experts[0].gate.dtype != QF_DT_BF16)
         return NULL;
-    if (g->dk == 128 && lpc == 4 && mc <= 512 && mo->hidden == 2048) return k_gdn_tail<128, 4, 2, 8>;
-    if (g->dk <= 32 && mc <= 256) return k_gdn_tail<32, 2, 1>;
+    int any = !g->nv; // no step: any of them
+    if ((any || (g->dk == 128 && lpc == 4)) && mc <= 512 && mo->hidden == 2048) return k_gdn_tail<128, 4, 2, 8>;
+    if ((any || g->dk <= 32) && mc <= 256) return k_gdn_tail<32, 2, 1>;
     return NULL;
 }
 
 // The tail in one kernel when the shapes fit (returns 0 otherwise: the caller runs the three
 // ops): one row, sm_90, both products' shares of a block in shared memory beside x. With mo (not
-// NULL) and QFLASH_CUDA_TAIL=3 the MoE block joins it where tail_with_moe has a kernel: 2.
+// NULL) and QFLASH_CUDA_TAIL=3 the MoE block joins it where tail_with_moe has a kernel: 2. With
+// QFLASH_CUDA_TAIL=4 also an attention layer's o_proj, ffn_in and MoE (g->nv == 0: no step).
+// The step's absence (g->nv == 0, an attention layer's o_proj with its sigmoid gate) or its shape.
+int tail_input_ok(const ctx *c, const qf_gdn_dec *g, const qf_pre *gn, int oc) {
+    if (!g->nv) return c->tail == 4 && gn->kind == QF_PRE_SIGMOID && gn->head > 0 && oc % gn->head == 0;
+    return g->dk <= 128 && g->dv <= 32 * HD_REG && oc == g->nv * g->dv && gn->kind == QF_PRE_GATED_NORM && gn->head == g->dv;
+}
+
 int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf_pre *gn, float *x, const qf_mat *wf, const qf_pre *fn, float *rl,
                  const qf_moe_dec *mo) {
     ctx *c = C(be);
     int H = (int)wo->rows, oc = (int)wo->cols, fr = (int)wf->rows;
-    if (!c->tail || c->stream || !c->moe_cnt || g->n != 1 || g->dk > 128 || g->dv > 32 * HD_REG || wo->dtype != QF_DT_BF16 || wf->dtype != QF_DT_BF16 ||
-        (int)wf->cols != H || oc % 256 || H % 256 || oc != g->nv * g->dv || gn->kind != QF_PRE_GATED_NORM || gn->head != g->dv ||
-        fn->kind != QF_PRE_RMSNORM || (uintptr_t)wo->data % 16 || (uintptr_t)wf->data % 16 || (uintptr_t)x % 16)
+    if (!c->tail || c->stream || !c->moe_cnt || g->n != 1 || wo->dtype != QF_DT_BF16 || wf->dtype != QF_DT_BF16 || (int)wf->cols != H || oc % 256 ||
+        H % 256 || !tail_input_ok(c, g, gn, oc) || fn->kind != QF_PRE_RMSNORM || (uintptr_t)wo->data % 16 || (uintptr_t)wf->data % 16 ||
+        (uintptr_t)x % 16)
         return 0;
     int G = c->sms > 0 ? c->sms : 1;
     G = G < H ? G : H, G = G < fr ? G : fr;
@@ -1824,16 +1844,17 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
     int lpc = gdn_lanes(c, g->dk);
     tail_fn k = g->dk <= 32 ? k_gdn_tail<32, 2> : g->dk <= 64 ? k_gdn_tail<64, 2> : lpc == 2 ? k_gdn_tail<128, 2> : lpc == 4 ? k_gdn_tail<128, 4> : k_gdn_tail<128, 8>;
     tail_moe tm = {};
-    if (c->tail == 3 && mo && mo->x == x && mo->rl == rl && mo->hidden == H && mo->rl_stride == fr && mo->n_experts + 2 * mo->sh_ffn + 1 <= fr) {
+    if (c->tail >= 3 && mo && mo->x == x && mo->rl == rl && mo->hidden == H && mo->rl_stride == fr && mo->n_experts + 2 * mo->sh_ffn + 1 <= fr) {
         tail_fn km = tail_with_moe(g, mo, lpc);
         const void **tab = km ? expert_table(c, mo->experts, mo->n_experts) : NULL;
         float *hb = tab ? (float *)scratch(c, &c->moe, &c->moe_cap, (size_t)mo->top_k * mo->ffn * sizeof(float)) : NULL;
         size_t mb = tm_ring_bytes(H) + (size_t)(mo->top_k * mo->ffn + mo->sh_ffn) * 4;
         if (hb) k = km, tm = {tab, *mo, (const uint16_t *)mo->sh_down->data, hb}, wbytes = wbytes > mb ? wbytes : mb;
     }
+    if (!g->nv && !tm.tab) return 0; // an attention layer's tail is only taken with its MoE
     size_t smem = wbytes + (size_t)(oc > H ? oc : H) * sizeof(float);
     if (smem + 8 * 1024 > (size_t)c->smem_optin || resident(c, (const void *)k, 256, smem) < 1) return 0;
-    tail_args t = {(const uint16_t *)wo->data, H, oc, gn->head, gn->w, gn->g, gn->g_hstride, gn->eps, x, (const uint16_t *)wf->data, fr, fn->w, rl};
+    tail_args t = {(const uint16_t *)wo->data, H, oc, gn->head, g->nv ? gn->w : NULL, gn->g, gn->g_hstride, gn->eps, x, (const uint16_t *)wf->data, fr, fn->w, rl};
     launch(c, "k_gdn_tail", 1, k, dim3((unsigned)G), dim3(256), (unsigned)smem, *g, t, c->moe_cnt + 4, c->tail != 2, tm);
     if (tm.tab) return 2;
     c->x_late = 1; // the MoE kernel after it must not read x before its wait
