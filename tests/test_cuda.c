@@ -343,12 +343,34 @@ typedef struct tail_moe_shape {
     int E, K, I, S, bench;
 } tail_moe_shape;
 
-static void tail_chain(const qf_gdn_dec *g, const qf_mat *wo, const qf_pre *gn, float *x, const qf_mat *wf, const qf_pre *fn, float *rl,
-                       const qf_moe_dec *mo) {
-    if (g->nv) gpu.ops->dec->gdn(&gpu, g);
-    gpu.ops->dec->matmul(&gpu, wo, g->out, 1, gn, NULL, 1, x);
-    gpu.ops->dec->matmul(&gpu, wf, x, 1, fn, NULL, 0, rl);
-    if (mo) gpu.ops->dec->moe(&gpu, mo);
+/* One side of a tail check: the chain of ops (fused 0) or the gdn_tail op (fused 1). */
+typedef struct tail_io {
+    const qf_gdn_dec *g;
+    const qf_mat *wo, *wf;
+    const qf_pre *gn, *fn;
+    float *x, *rl;
+    const qf_moe_dec *mo;
+} tail_io;
+
+static int tail_run(const tail_io *t, int fused) {
+    if (fused) return gpu.ops->dec->gdn_tail ? gpu.ops->dec->gdn_tail(&gpu, t->g, t->wo, t->gn, t->x, t->wf, t->fn, t->rl, t->mo) : 0;
+    if (t->g->nv) gpu.ops->dec->gdn(&gpu, t->g);
+    gpu.ops->dec->matmul(&gpu, t->wo, t->g->out, 1, t->gn, NULL, 1, t->x);
+    gpu.ops->dec->matmul(&gpu, t->wf, t->x, 1, t->fn, NULL, 0, t->rl);
+    if (t->mo) gpu.ops->dec->moe(&gpu, t->mo);
+    return 0;
+}
+
+/* Both sides timed, eager (their states and x drift: only the time counts). */
+static void tail_bench(const tail_io io[2], const char *sh) {
+    for (int v = 0; v < 2; v++) {
+        int reps = 200;
+        qf_cuda_sync(&gpu);
+        double t0 = qf_now();
+        for (int i = 0; i < reps; i++) tail_run(&io[v], v);
+        qf_cuda_sync(&gpu);
+        fprintf(stderr, "  dec tail %s: %.1f us per call (%s)\n", sh, (qf_now() - t0) / reps * 1e6, v ? "one kernel" : "the ops apart");
+    }
 }
 
 static void test_dec_gdn_tail(int nk, int nv, int dk, int dv, int H, int fr, tail_moe_shape ms) {
@@ -371,8 +393,10 @@ static void test_dec_gdn_tail(int nk, int nv, int dk, int dv, int H, int fr, tai
     for (int v = 0; v < 2; v++)
         g[v] = (qf_gdn_dec){dm, stride, 1, nk, nv, dk, dv, {d[v][0]}, d[v][1]},
         mo[v] = (qf_moe_dec){ex.dev, ms.E, ms.K, 1, H, ms.I, ms.S, dfnw, 1e-6f, d[v][3], fr, &sd, d[v][2]};
-    tail_chain(&g[0], &wo, &gn, d[0][2], &wf, &fn, d[0][3], ms.E ? &mo[0] : NULL);
-    int took = gpu.ops->dec->gdn_tail ? gpu.ops->dec->gdn_tail(&gpu, &g[1], &wo, &gn, d[1][2], &wf, &fn, d[1][3], ms.E ? &mo[1] : NULL) : 0;
+    tail_io io[2];
+    for (int v = 0; v < 2; v++) io[v] = (tail_io){&g[v], &wo, &wf, &gn, &fn, d[v][2], d[v][3], ms.E ? &mo[v] : NULL};
+    tail_run(&io[0], 0);
+    int took = tail_run(&io[1], 1);
     char sh[128];
     snprintf(sh, sizeof sh, "%d/%d heads of %d/%d, hidden %d, ffn_in %d", nk, nv, dk, dv, H, fr);
     if (ms.E) snprintf(sh + strlen(sh), sizeof sh - strlen(sh), ", moe %d top-%d %d/%d", ms.E, ms.K, ms.I, ms.S);
@@ -384,17 +408,7 @@ static void test_dec_gdn_tail(int nk, int nv, int dk, int dv, int H, int fr, tai
         report(what[i], sh, cmp(d[1][i], want, len[i]), 1e-5);
         free(want);
     }
-    for (int v = 0; ms.bench && took && v < 2; v++) { /* the state and x drift; only the time counts */
-        int reps = 200;
-        qf_cuda_sync(&gpu);
-        double t0 = qf_now();
-        for (int i = 0; i < reps; i++) {
-            if (v) gpu.ops->dec->gdn_tail(&gpu, &g[1], &wo, &gn, d[1][2], &wf, &fn, d[1][3], ms.E ? &mo[1] : NULL);
-            else tail_chain(&g[0], &wo, &gn, d[0][2], &wf, &fn, d[0][3], ms.E ? &mo[0] : NULL);
-        }
-        qf_cuda_sync(&gpu);
-        fprintf(stderr, "  dec tail %s: %.1f us per call (%s)\n", sh, (qf_now() - t0) / reps * 1e6, v ? "one kernel" : "the ops apart");
-    }
+    if (ms.bench && took) tail_bench(io, sh);
     for (int v = 0; v < 2; v++)
         for (int i = 0; i < 4; i++) gpu.ops->free(&gpu, d[v][i]);
     gpu.ops->free(&gpu, dm), gpu.ops->free(&gpu, dgnw), gpu.ops->free(&gpu, dfnw), gpu.ops->free(&gpu, (void *)wo.data), gpu.ops->free(&gpu, (void *)wf.data);
@@ -417,8 +431,10 @@ static void test_dec_attn_tail(int nh, int hd, int H, tail_moe_shape ms) {
     qf_gdn_dec none = {NULL, 0, 1, 0, 0, 0, 0, {0}, dcore};
     qf_moe_dec mo[2];
     for (int v = 0; v < 2; v++) mo[v] = (qf_moe_dec){ex.dev, ms.E, ms.K, 1, H, ms.I, ms.S, dfnw, 1e-6f, d[v][1], fr, &sd, d[v][0]};
-    tail_chain(&none, &wo, &gn, d[0][0], &wf, &fn, d[0][1], &mo[0]);
-    int took = gpu.ops->dec->gdn_tail ? gpu.ops->dec->gdn_tail(&gpu, &none, &wo, &gn, d[1][0], &wf, &fn, d[1][1], &mo[1]) : 0;
+    tail_io io[2];
+    for (int v = 0; v < 2; v++) io[v] = (tail_io){&none, &wo, &wf, &gn, &fn, d[v][0], d[v][1], &mo[v]};
+    tail_run(&io[0], 0);
+    int took = tail_run(&io[1], 1);
     char sh[128];
     snprintf(sh, sizeof sh, "attention %d heads of %d, hidden %d, moe %d top-%d %d/%d", nh, hd, H, ms.E, ms.K, ms.I, ms.S);
     CHECK(took == 2, "gdn_tail took %d of %s", took, sh);
@@ -429,17 +445,7 @@ static void test_dec_attn_tail(int nh, int hd, int H, tail_moe_shape ms) {
         report(what[i], sh, cmp(d[1][i], want, len[i]), 1e-5);
         free(want);
     }
-    for (int v = 0; ms.bench && took && v < 2; v++) {
-        int reps = 200;
-        qf_cuda_sync(&gpu);
-        double t0 = qf_now();
-        for (int i = 0; i < reps; i++) {
-            if (v) gpu.ops->dec->gdn_tail(&gpu, &none, &wo, &gn, d[1][0], &wf, &fn, d[1][1], &mo[1]);
-            else tail_chain(&none, &wo, &gn, d[0][0], &wf, &fn, d[0][1], &mo[0]);
-        }
-        qf_cuda_sync(&gpu);
-        fprintf(stderr, "  dec tail %s: %.1f us per call (%s)\n", sh, (qf_now() - t0) / reps * 1e6, v ? "one kernel" : "the ops apart");
-    }
+    if (ms.bench && took) tail_bench(io, sh);
     for (int v = 0; v < 2; v++) gpu.ops->free(&gpu, d[v][0]), gpu.ops->free(&gpu, d[v][1]);
     gpu.ops->free(&gpu, dcore), gpu.ops->free(&gpu, dgate), gpu.ops->free(&gpu, dfnw);
     gpu.ops->free(&gpu, (void *)wo.data), gpu.ops->free(&gpu, (void *)wf.data), gpu.ops->free(&gpu, (void *)sd.data);
