@@ -729,6 +729,12 @@ static void switch_checks(void) {
         test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
         test_dec_gdn_tail(4, 8, 32, 32, 256, 0, small);
         test_dec_attn_tail(16, 256, 2048, real);
+        setenv("QFLASH_CUDA_TAIL_DSM", "0", 1);
+        if (restart_with("QFLASH_CUDA_TAIL", "4")) { /* every down row fetched after the count */
+            test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
+            test_dec_attn_tail(16, 256, 2048, real);
+        }
+        unsetenv("QFLASH_CUDA_TAIL_DSM");
     }
     unsetenv("QFLASH_CUDA_TAIL");
 }

@@ -1658,7 +1658,26 @@ struct tail_moe {
     qf_moe_dec a;
     const uint16_t *sh_down;
     float *hbuf;
+    int dsm; // a warp's second down row bulk-copied into its ring once its gate/up rows are done (QFLASH_CUDA_TAIL_DSM, default 1)
 };
+
+// One down row whose K + 1 parts lie in shared memory (part q at rb + q * I, the shared expert's
+// at rb + K * I), summed in dn_row::sum's order (so both give the same bits).
+template <int PL>
+__device__ float dn_smem_sum(const uint16_t *rb, const float *wk, const float *hs, int K, int I, int S) {
+    int lane = threadIdx.x & 31;
+    float acc = 0.0f;
+    for (int q = 0; q <= K; q++) {
+        int cols = q < K ? I : S;
+        const uint4 *src = (const uint4 *)(rb + (int64_t)q * I);
+        float d = 0.0f;
+#pragma unroll
+        for (int u = 0; u < PL; u++)
+            if (lane + 32 * u < cols / 8) d += dot8s(src[lane + 32 * u], hs + q * I + (lane + 32 * u) * 8, lane);
+        acc += wk[q] * d;
+    }
+    return warp_sum(acc);
+}
 #define TM_SLOTS 2 // (gate row, up row) pairs in flight per warp, each pair one slot of 4 * hidden bytes
 
 // Shared memory of the MoE part, laid over the products' weights once they are used: each warp's
@@ -1678,7 +1697,7 @@ __device__ void tail_moe_run(const tail_moe &m, const float *xs, float inv, char
     __shared__ float wk[MOE_MAX_K + 1];
     __shared__ int ti[MOE_MAX_K];
     __shared__ const uint16_t *dp[MOE_MAX_K + 1];
-    __shared__ uint64_t bars[8 * TM_SLOTS];
+    __shared__ uint64_t bars[8 * TM_SLOTS], dbar[8];
     const qf_moe_dec &a = m.a;
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
     int gw = warp * gridDim.x + blockIdx.x, nw = gridDim.x * 8, np = gw < K * I ? (K * I - gw + nw - 1) / nw : 0;
@@ -1695,6 +1714,7 @@ __device__ void tail_moe_run(const tail_moe &m, const float *xs, float inv, char
     };
     if (lane == 0) {
         for (int q = 0; q < TM_SLOTS; q++) mbar_init(bar + q);
+        mbar_init(dbar + warp);
         mbar_init_fence();
         fence_async_smem(); // the products' reads of this region come before the copies into it
         for (int q = 0; q < TM_SLOTS && q < np; q++) fill(q);
@@ -1728,17 +1748,28 @@ __device__ void tail_moe_run(const tail_moe &m, const float *xs, float inv, char
             fill(q + TM_SLOTS);
         }
     }
+    int i = blockIdx.x * 8 + warp, i2 = i + nw, have = i < H;
+    // the warp's second down row into its ring (free now: every pair was read), so it is not
+    // fetched after the count as the first row's loads are before it
+    int dsm = m.dsm && i2 < H && (size_t)(K * I + S) * 2 <= (size_t)TM_SLOTS * 4 * H;
+    if (lane == 0 && dsm) {
+        fence_async_smem();
+        mbar_arrive_expect(dbar + warp, (unsigned)(K * I + S) * 2);
+        for (int q = 0; q < K; q++) bulk_copy((uint16_t *)ring + q * I, (const uint16_t *)m.tab[2 * E + ti[q]] + (int64_t)i2 * I, I * 2, dbar + warp);
+        bulk_copy((uint16_t *)ring + K * I, m.sh_down + (int64_t)i2 * S, S * 2, dbar + warp);
+    }
     __syncthreads(); // dp, wk
     dn_row<PL> w;
-    int i = blockIdx.x * 8 + warp, have = i < H;
     if (have) w.load(dp, K, I, S, i, 0);
     grid_arrive_wait(cnt); // every gate/up row is written
 #pragma unroll 8
     for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)m.hbuf + j);
     __syncthreads();
     grid_leave(cnt);
-    for (; i < H; i += nw, have = 0) {
-        float acc = w.sum(dp, wk, hs, K, I, S, i, have);
+    for (int r = 0; i < H; i += nw, r++) {
+        float acc;
+        if (r == 1 && dsm) mbar_wait(dbar + warp, 0), acc = dn_smem_sum<PL>((const uint16_t *)ring, wk, hs, K, I, S);
+        else acc = w.sum(dp, wk, hs, K, I, S, i, r == 0 && have);
         if (lane == 0) a.x[i] = __ldcg(a.x + i) + acc;
     }
 }
@@ -1849,7 +1880,7 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
         const void **tab = km ? expert_table(c, mo->experts, mo->n_experts) : NULL;
         float *hb = tab ? (float *)scratch(c, &c->moe, &c->moe_cap, (size_t)mo->top_k * mo->ffn * sizeof(float)) : NULL;
         size_t mb = tm_ring_bytes(H) + (size_t)(mo->top_k * mo->ffn + mo->sh_ffn) * 4;
-        if (hb) k = km, tm = {tab, *mo, (const uint16_t *)mo->sh_down->data, hb}, wbytes = wbytes > mb ? wbytes : mb;
+        if (hb) k = km, tm = {tab, *mo, (const uint16_t *)mo->sh_down->data, hb, c->tail_dsm}, wbytes = wbytes > mb ? wbytes : mb;
     }
     if (!g->nv && !tm.tab) return 0; // an attention layer's tail is only taken with its MoE
     size_t smem = wbytes + (size_t)(oc > H ? oc : H) * sizeof(float);
@@ -1887,6 +1918,8 @@ void qfc::dec_setup(ctx *c) {
     // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (sm_90; QFLASH_CUDA_TAIL=1)
     const char *tl = getenv("QFLASH_CUDA_TAIL");
     c->tail = c->cc_major >= 9 && tl ? atoi(tl) : 0; // 2: the same kernel reading its weights in place (a diagnosis)
+    const char *td = getenv("QFLASH_CUDA_TAIL_DSM"); // 0: the joined MoE fetches every down row after its count
+    c->tail_dsm = !(td && *td == '0');
     // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (the default: whole
     // model 2996.9 -> 2945.2 us a step in one call, notes session 7)
     const char *ro = getenv("QFLASH_CUDA_ROUTE");
