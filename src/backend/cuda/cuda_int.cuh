@@ -63,7 +63,8 @@ struct graph_state {
 };
 
 // QFLASH_CUDA_TRACE=1: one replayed step's block events (decode_cuda.cu tr(); trace_cuda.cu).
-enum { TR_START, TR_WAIT, TR_END, TR_LOGITS, TR_RANKED, TR_ROUTED, TR_PHASE1, TR_BARRIER, TR_EVENTS };
+// TR_RL, TR_GU, TR_DN: the joined MoE's phases in the tail (router rows counted, gate/up rows done, past their count)
+enum { TR_START, TR_WAIT, TR_END, TR_LOGITS, TR_RANKED, TR_ROUTED, TR_PHASE1, TR_BARRIER, TR_RL, TR_GU, TR_DN, TR_EVENTS };
 struct trec {
     unsigned long long t; // global timer, ns
     unsigned short tag;   // the kernel's kind (the QFLASH_CUDA_SKIP bit)

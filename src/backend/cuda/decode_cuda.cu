@@ -1758,10 +1758,12 @@ __device__ void tail_moe_run(const tail_moe &m, const float *xs, float inv, char
         for (int q = 0; q < K; q++) bulk_copy((uint16_t *)ring + q * I, (const uint16_t *)m.tab[2 * E + ti[q]] + (int64_t)i2 * I, I * 2, dbar + warp);
         bulk_copy((uint16_t *)ring + K * I, m.sh_down + (int64_t)i2 * S, S * 2, dbar + warp);
     }
+    tr_sync(SK_GDN, TR_GU);
     __syncthreads(); // dp, wk
     dn_row<PL> w;
     if (have) w.load(dp, K, I, S, i, 0);
     grid_arrive_wait(cnt); // every gate/up row is written
+    tr(SK_GDN, TR_DN);
 #pragma unroll 8
     for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)m.hbuf + j);
     __syncthreads();
@@ -1832,6 +1834,7 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
     if constexpr (PL > 0) {
         grid_arrive_wait(cnt + 4); // every router logit and shared gate/up row is written
         grid_leave(cnt + 4);
+        tr(SK_GDN, TR_RL);
         tail_moe_run<PL, XR>(m, xs, inv, (char *)dyn, cnt + 6);
     }
     tr_end(SK_GDN);

@@ -62,7 +62,8 @@ void trace_report(std::vector<trec> &r, FILE *f) {
     fprintf(f, "qflash cuda trace: %zu stamps, %zu launches (us from the step's first stamp; 'adds' = last end - previous launch's last end)\n",
             r.size(), v.size());
     fprintf(f, "  %3s %-12s %5s %17s %17s %17s %7s  %s\n", "#", "kind", "grid", "start", "wait returned", "end", "adds",
-            "moe (first..last): logits read, ranked, routed, gate/up done, past the count");
+            "phases (first..last): moe: logits read, ranked, routed, gate/up done, past the count; tail: step done, core counted, "
+            "out_proj weights in, out_proj done, x counted, router rows counted, gate/up done, past the count");
     double sum[17] = {0}, wr[17] = {0}, post[17] = {0}; // by the tag's bit (16: none)
     int cnt[17] = {0};
     for (size_t i = 0; i < v.size(); i++) {
