@@ -726,6 +726,11 @@ static void switch_checks(void) {
         real.bench = 0;
         test_dec_attn_tail(16, 256, 2048, real);
         test_dec_attn_tail(4, 64, 256, small);
+        tail_moe_shape m14 = {64, 4, 32, 192, 0}, tiny = {8, 2, 64, 64, 0}; /* the bundled model's and the MoE fixture's */
+        test_dec_gdn_tail(4, 8, 32, 32, 192, 0, m14);
+        test_dec_attn_tail(4, 64, 192, m14);
+        test_dec_gdn_tail(2, 4, 32, 32, 128, 0, tiny);
+        test_dec_attn_tail(4, 32, 128, tiny);
         test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
         test_dec_gdn_tail(4, 8, 32, 32, 256, 0, small);
         test_dec_attn_tail(16, 256, 2048, real);

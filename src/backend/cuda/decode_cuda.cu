@@ -1868,8 +1868,8 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
                  const qf_moe_dec *mo) {
     ctx *c = C(be);
     int H = (int)wo->rows, oc = (int)wo->cols, fr = (int)wf->rows;
-    if (!c->tail || c->stream || !c->moe_cnt || g->n != 1 || wo->dtype != QF_DT_BF16 || wf->dtype != QF_DT_BF16 || (int)wf->cols != H || oc % 256 ||
-        H % 256 || !tail_input_ok(c, g, gn, oc) || fn->kind != QF_PRE_RMSNORM || (uintptr_t)wo->data % 16 || (uintptr_t)wf->data % 16 ||
+    if (!c->tail || c->stream || !c->moe_cnt || g->n != 1 || wo->dtype != QF_DT_BF16 || wf->dtype != QF_DT_BF16 || (int)wf->cols != H || oc % 8 ||
+        H % 8 || !tail_input_ok(c, g, gn, oc) || fn->kind != QF_PRE_RMSNORM || (uintptr_t)wo->data % 16 || (uintptr_t)wf->data % 16 ||
         (uintptr_t)x % 16)
         return 0;
     int G = c->sms > 0 ? c->sms : 1;
