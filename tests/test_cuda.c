@@ -720,9 +720,12 @@ static void switch_checks(void) {
         test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none); /* without a MoE: the tail alone */
         test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
     }
-    if (restart_with("QFLASH_CUDA_TAIL", "4")) { /* attention layers' tails too (and the DeltaNet ones as at 3) */
+    for (int nw = 8; nw <= 16; nw += 8) { /* attention layers' tails too (and the DeltaNet ones as at 3); 16: the MoE part in registers */
+        setenv("QFLASH_CUDA_TAIL_NW", nw == 16 ? "16" : "8", 1);
+        if (!restart_with("QFLASH_CUDA_TAIL", "4")) break;
         real.bench = 1;
         test_dec_attn_tail(16, 256, 2048, real);
+        if (nw == 16) test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
         real.bench = 0;
         test_dec_attn_tail(16, 256, 2048, real);
         test_dec_attn_tail(4, 64, 256, small);
@@ -734,6 +737,9 @@ static void switch_checks(void) {
         test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
         test_dec_gdn_tail(4, 8, 32, 32, 256, 0, small);
         test_dec_attn_tail(16, 256, 2048, real);
+    }
+    unsetenv("QFLASH_CUDA_TAIL_NW");
+    {
         setenv("QFLASH_CUDA_TAIL_DSM", "0", 1);
         if (restart_with("QFLASH_CUDA_TAIL", "4")) { /* every down row fetched after the count */
             test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);

@@ -1630,10 +1630,20 @@ __device__ void tail_stage_gated(const float *core, const tail_args &a, float *x
 }
 
 // An attention layer's o_proj input: core * sigmoid(gate) per head (core: the kernel before wrote it).
+// Loads go out SG at a time before any store (a store to xs may alias them for the compiler,
+// which then waits one latency per element).
+#define SG 8
 __device__ void tail_stage_sigmoid(const float *core, const tail_args &a, float *xs) {
-    for (int i = threadIdx.x; i < a.o_cols; i += blockDim.x) {
-        int h = i / a.head;
-        xs[i] = core[i] * sigmoid(a.z[(int64_t)h * a.z_hstride + (i - h * a.head)]);
+    for (int i0 = threadIdx.x; i0 < a.o_cols; i0 += SG * blockDim.x) {
+        float v[SG], gt[SG];
+#pragma unroll
+        for (int u = 0; u < SG; u++) {
+            int i = i0 + u * blockDim.x, h = i / a.head;
+            if (i < a.o_cols) v[u] = core[i], gt[u] = a.z[(int64_t)h * a.z_hstride + (i - h * a.head)];
+        }
+#pragma unroll
+        for (int u = 0; u < SG; u++)
+            if (i0 + u * blockDim.x < a.o_cols) xs[i0 + u * blockDim.x] = v[u] * sigmoid(gt[u]);
     }
     __syncthreads();
 }
@@ -1776,16 +1786,55 @@ __device__ void tail_moe_run(const tail_moe &m, const float *xs, float inv, char
     }
 }
 
-// PL > 0: the MoE block joins (tail_moe_run; PL as k_moe_one's, XR its x in registers).
-template <int DK, int LPC, int PL = 0, int XR = 0>
-__global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, unsigned *cnt, int pre, tail_moe m) {
+// The joined MoE with the gate/up and down rows loaded into registers, as k_moe_one does (blocks
+// of 16 warps: one row pair per warp in flight, every down row in the first round). Measured: the
+// bulk-copy ring above moves ~2 TB/s at 128 KB in flight per SM where register loads of the same
+// bytes in flight move ~4 (notes, session 8).
+template <int HL, int PL>
+__device__ void tail_moe_regs(const tail_moe &m, const float *xs, float inv, float *hs, unsigned *cnt) {
+    __shared__ float wk[MOE_MAX_K + 1];
+    __shared__ int ti[MOE_MAX_K];
+    __shared__ const uint16_t *dp[MOE_MAX_K + 1];
+    const qf_moe_dec &a = m.a;
+    int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, lane = tid & 31;
+    int gw = blockIdx.x * (blockDim.x / 32) + tid / 32, nw = gridDim.x * (blockDim.x / 32);
+    route_pairs<true>(a.rl, E, K, ti, wk);
+    if (tid < K) dp[tid] = (const uint16_t *)m.tab[2 * E + ti[tid]];
+    if (tid == 0) wk[K] = sigmoid(__ldcg(a.rl + E + 2 * S)), dp[K] = m.sh_down;
+    for (int j = tid; j < S; j += blockDim.x) hs[K * I + j] = silu(__ldcg(a.rl + E + j)) * __ldcg(a.rl + E + S + j);
+    for (int r = gw; r < K * I; r += nw) {
+        int k = r / I;
+        float h = gu_row<HL>(m.tab, E, ti[k], r - k * I, H, xs, inv, lane);
+        if (lane == 0) m.hbuf[r] = h;
+    }
+    __syncthreads(); // dp, wk
+    dn_row<PL> w;
+    int i = gw, have = i < H;
+    if (have) w.load(dp, K, I, S, i, 0);
+    tr(SK_GDN, TR_GU);
+    grid_arrive_wait(cnt); // every gate/up row is written
+    tr(SK_GDN, TR_DN);
+#pragma unroll 8
+    for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)m.hbuf + j);
+    __syncthreads();
+    grid_leave(cnt);
+    for (; i < H; i += nw, have = 0) {
+        float acc = w.sum(dp, wk, hs, K, I, S, i, have);
+        if (lane == 0) a.x[i] = __ldcg(a.x + i) + acc;
+    }
+}
+
+// PL > 0: the MoE block joins (tail_moe_run; PL as k_moe_one's, XR its x in registers). NW warps a
+// block; NW 16: the MoE part in registers (tail_moe_regs, HL as k_moe_one's).
+template <int DK, int LPC, int PL = 0, int XR = 0, int NW = 8, int HL = 0>
+__global__ void __launch_bounds__(NW * 32, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, unsigned *cnt, int pre, tail_moe m) {
     extern __shared__ float4 dyn[];
-    __shared__ float red[32], qk[8][2][DK];
+    __shared__ float red[32], qk[NW][2][DK];
     __shared__ uint64_t bar[2];
     int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, G = gridDim.x, b = blockIdx.x;
     int o0 = share_of(a.hidden, b, G), o1 = share_of(a.hidden, b + 1, G), f0 = share_of(a.f_rows, b, G), f1 = share_of(a.f_rows, b + 1, G);
     size_t wbytes = ((size_t)(a.hidden + G - 1) / G * a.o_cols + (size_t)(a.f_rows + G - 1) / G * a.hidden) * 2;
-    if constexpr (PL > 0) wbytes = max(wbytes, tm_ring_bytes(a.hidden) + (size_t)(m.a.top_k * m.a.ffn + m.a.sh_ffn) * 4);
+    if constexpr (PL > 0) wbytes = max(wbytes, (NW == 8 ? tm_ring_bytes(a.hidden) : 0) + (size_t)(m.a.top_k * m.a.ffn + m.a.sh_ffn) * 4);
     uint16_t *wos = (uint16_t *)dyn, *wfs = wos + (int64_t)(o1 - o0) * a.o_cols;
     float *xs = (float *)((char *)dyn + wbytes);
     tr(SK_GDN, TR_START);
@@ -1803,7 +1852,7 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
     pdl_wait();
     tr(SK_GDN, TR_WAIT);
     pdl_launch();
-    for (int first = 1; task < tasks; task += G * 8, first = 0) {
+    for (int first = 1; task < tasks; task += G * NW, first = 0) {
         if (!first) w.load(g, task / jg, task % jg, 0);
         w.run(g, qk[warp][0], qk[warp][1]);
     }
@@ -1817,7 +1866,7 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
     else tail_stage_sigmoid(g.out, a, xs);
     if (pre) mbar_wait(bar, 0);
     tr(SK_GDN, TR_ROUTED);
-    for (int r = o0 + warp; r < o1; r += 8) {
+    for (int r = o0 + warp; r < o1; r += NW) {
         float s = smem_dot(wos + (int64_t)(r - o0) * a.o_cols, a.o_cols, xs, lane);
         if (lane == 0) a.x[r] = __ldcg(a.x + r) + s;
     }
@@ -1827,7 +1876,7 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
     tr(SK_GDN, TR_BARRIER);
     float inv = tail_stage_rms(a, xs, red);
     if (pre) mbar_wait(bar + 1, 0);
-    for (int r = f0 + warp; r < f1; r += 8) {
+    for (int r = f0 + warp; r < f1; r += NW) {
         float s = smem_dot(wfs + (int64_t)(r - f0) * a.hidden, a.hidden, xs, lane);
         if (lane == 0) a.rl[r] = s * inv;
     }
@@ -1835,7 +1884,8 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
         grid_arrive_wait(cnt + 4); // every router logit and shared gate/up row is written
         grid_leave(cnt + 4);
         tr(SK_GDN, TR_RL);
-        tail_moe_run<PL, XR>(m, xs, inv, (char *)dyn, cnt + 6);
+        if constexpr (NW == 16) tail_moe_regs<HL, PL>(m, xs, inv, (float *)dyn, cnt + 6);
+        else tail_moe_run<PL, XR>(m, xs, inv, (char *)dyn, cnt + 6);
     }
     tr_end(SK_GDN);
 }
@@ -1843,12 +1893,17 @@ __global__ void __launch_bounds__(256, 1) k_gdn_tail(qf_gdn_dec g, tail_args a, 
 // The MoE kernel for the tail's shapes (NULL: the tail runs without it): the real shape and one
 // small shape for the tests (each instantiation costs CI compile time on four architectures).
 typedef void (*tail_fn)(qf_gdn_dec, tail_args, unsigned *, int, tail_moe);
-tail_fn tail_with_moe(const qf_gdn_dec *g, const qf_moe_dec *mo, int lpc) {
+tail_fn tail_with_moe(const qf_gdn_dec *g, const qf_moe_dec *mo, int lpc, int nw) {
     int mc = mo->ffn > mo->sh_ffn ? mo->ffn : mo->sh_ffn;
     if (mo->n != 1 || mo->top_k > MOE_MAX_K || mo->n_experts > MOE_MAX_E || mo->ffn % 8 || mo->sh_ffn % 8 || (mo->top_k * mo->ffn) % 4 ||
         mo->sh_down->dtype != QF_DT_BF16 || mo->experts[0].gate.dtype != QF_DT_BF16)
         return NULL;
     int any = !g->nv; // no step: any of them
+    if (nw == 16) {
+        if ((any || (g->dk == 128 && lpc == 4)) && mc <= 512 && mo->hidden == 2048) return k_gdn_tail<128, 4, 2, 0, 16, 8>;
+        if ((any || g->dk <= 32) && mc <= 256 && mo->hidden <= 256) return k_gdn_tail<32, 2, 1, 0, 16, 1>;
+        return NULL;
+    }
     if ((any || (g->dk == 128 && lpc == 4)) && mc <= 512 && mo->hidden == 2048) return k_gdn_tail<128, 4, 2, 8>;
     if ((any || g->dk <= 32) && mc <= 256) return k_gdn_tail<32, 2, 1>;
     return NULL;
@@ -1878,18 +1933,20 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
     int lpc = gdn_lanes(c, g->dk);
     tail_fn k = g->dk <= 32 ? k_gdn_tail<32, 2> : g->dk <= 64 ? k_gdn_tail<64, 2> : lpc == 2 ? k_gdn_tail<128, 2> : lpc == 4 ? k_gdn_tail<128, 4> : k_gdn_tail<128, 8>;
     tail_moe tm = {};
+    int nthr = 256;
     if (c->tail >= 3 && mo && mo->x == x && mo->rl == rl && mo->hidden == H && mo->rl_stride == fr && mo->n_experts + 2 * mo->sh_ffn + 1 <= fr) {
-        tail_fn km = tail_with_moe(g, mo, lpc);
+        tail_fn km = tail_with_moe(g, mo, lpc, c->tail_nw);
+        nthr = km && c->tail_nw == 16 ? 512 : 256;
         const void **tab = km ? expert_table(c, mo->experts, mo->n_experts) : NULL;
         float *hb = tab ? (float *)scratch(c, &c->moe, &c->moe_cap, (size_t)mo->top_k * mo->ffn * sizeof(float)) : NULL;
-        size_t mb = tm_ring_bytes(H) + (size_t)(mo->top_k * mo->ffn + mo->sh_ffn) * 4;
+        size_t mb = (nthr == 256 ? tm_ring_bytes(H) : 0) + (size_t)(mo->top_k * mo->ffn + mo->sh_ffn) * 4;
         if (hb) k = km, tm = {tab, *mo, (const uint16_t *)mo->sh_down->data, hb, c->tail_dsm}, wbytes = wbytes > mb ? wbytes : mb;
     }
     if (!g->nv && !tm.tab) return 0; // an attention layer's tail is only taken with its MoE
     size_t smem = wbytes + (size_t)(oc > H ? oc : H) * sizeof(float);
-    if (smem + 8 * 1024 > (size_t)c->smem_optin || resident(c, (const void *)k, 256, smem) < 1) return 0;
+    if (smem + 8 * 1024 > (size_t)c->smem_optin || resident(c, (const void *)k, nthr, smem) < 1) return 0;
     tail_args t = {(const uint16_t *)wo->data, H, oc, gn->head, g->nv ? gn->w : NULL, gn->g, gn->g_hstride, gn->eps, x, (const uint16_t *)wf->data, fr, fn->w, rl};
-    launch(c, "k_gdn_tail", 1, k, dim3((unsigned)G), dim3(256), (unsigned)smem, *g, t, c->moe_cnt + 4, c->tail != 2, tm);
+    launch(c, "k_gdn_tail", 1, k, dim3((unsigned)G), dim3((unsigned)nthr), (unsigned)smem, *g, t, c->moe_cnt + 4, c->tail != 2, tm);
     if (tm.tab) return 2;
     c->x_late = 1; // the MoE kernel after it must not read x before its wait
     return 1;
@@ -1923,6 +1980,8 @@ void qfc::dec_setup(ctx *c) {
     c->tail = c->cc_major >= 9 && tl ? atoi(tl) : 0; // 2: the same kernel reading its weights in place (a diagnosis)
     const char *td = getenv("QFLASH_CUDA_TAIL_DSM"); // 0: the joined MoE fetches every down row after its count
     c->tail_dsm = !(td && *td == '0');
+    const char *tw = getenv("QFLASH_CUDA_TAIL_NW"); // 16: the joined MoE in registers at 16 warps a block
+    c->tail_nw = tw && atoi(tw) == 16 ? 16 : 8;
     // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (the default: whole
     // model 2996.9 -> 2945.2 us a step in one call, notes session 7)
     const char *ro = getenv("QFLASH_CUDA_ROUTE");
