@@ -664,7 +664,9 @@ static void bulk_checks(void) {
 /* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), one-row gated norms staged with every
  * load at once (QFLASH_CUDA_WIDE=1: out_proj's and o_proj's shapes, one row), the one-kernel
  * MoE's other routings (QFLASH_CUDA_ROUTE=1 fixed slots, 0 route_block), the register in_proj
- * (QFLASH_CUDA_BULK=0) and the DeltaNet tail in one kernel (QFLASH_CUDA_TAIL=1, 2). */
+ * (QFLASH_CUDA_BULK=0), the DeltaNet tail in one kernel (QFLASH_CUDA_TAIL=1, 2) and with the MoE
+ * block joined (3; 4 attention layers' tails too; QFLASH_CUDA_TAIL_NW=16 and QFLASH_CUDA_TAIL_DSM=0
+ * its other forms). */
 static void switch_checks(void) {
     if (restart_with("QFLASH_CUDA_MOE1", "0")) {
         test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0);
