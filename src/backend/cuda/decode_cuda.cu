@@ -1700,6 +1700,27 @@ __host__ __device__ inline size_t tm_ring_bytes(int H) { return (size_t)8 * TM_S
 // flight per warp; the copy engine moves the bytes), each warp then issues its first down row's
 // loads, a grid count (every gate/up row written), and the down rows into x. xs holds
 // x * norm weight (ffn_in's input, the experts' too), inv x's 1/rms.
+// The joined MoE's start: route (logits from L2), each part's down matrix and weight (K: the
+// shared expert's, by its sigmoid gate) and the shared expert's input into hs + K * I.
+__device__ void tail_route(const tail_moe &m, int *ti, float *wk, const uint16_t **dp, float *hs) {
+    const qf_moe_dec &a = m.a;
+    int E = a.n_experts, K = a.top_k, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x;
+    route_pairs<true>(a.rl, E, K, ti, wk);
+    if (tid < K) dp[tid] = (const uint16_t *)m.tab[2 * E + ti[tid]];
+    if (tid == 0) wk[K] = sigmoid(__ldcg(a.rl + E + 2 * S)), dp[K] = m.sh_down;
+    for (int j = tid; j < S; j += blockDim.x) hs[K * I + j] = silu(__ldcg(a.rl + E + j)) * __ldcg(a.rl + E + S + j);
+}
+
+// Past the count of every block's gate/up rows, the n of them (written by other SMs: from L2) into hs.
+__device__ void tail_gather_h(unsigned *cnt, const float *hbuf, float *hs, int n) {
+    grid_arrive_wait(cnt);
+    tr(SK_GDN, TR_DN);
+#pragma unroll 8
+    for (int j = threadIdx.x; j < n / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)hbuf + j);
+    __syncthreads();
+    grid_leave(cnt);
+}
+
 // XR (H / 256 where known, else 0): the lane's 8 XR floats of xs kept in registers for both rows
 // of every pair (else each dot reads them from shared memory again, 4 bytes of xs per weight).
 template <int PL, int XR>
@@ -1714,7 +1735,7 @@ __device__ void tail_moe_run(const tail_moe &m, const float *xs, float inv, char
     uint4 *ring = (uint4 *)region + warp * TM_SLOTS * (H / 4);
     float *hs = (float *)(region + tm_ring_bytes(H));
     uint64_t *bar = bars + warp * TM_SLOTS;
-    route_pairs<true>(a.rl, E, K, ti, wk);
+    tail_route(m, ti, wk, dp, hs);
     auto fill = [&](int q) { // lane 0: pair q of the warp (row gw + q * nw of the K * I) into its slot
         int r = gw + q * nw, k = r / I, j = r - k * I, e = ti[k];
         uint4 *dst = ring + (q % TM_SLOTS) * (H / 4);
@@ -1729,9 +1750,6 @@ __device__ void tail_moe_run(const tail_moe &m, const float *xs, float inv, char
         fence_async_smem(); // the products' reads of this region come before the copies into it
         for (int q = 0; q < TM_SLOTS && q < np; q++) fill(q);
     }
-    if (tid < K) dp[tid] = (const uint16_t *)m.tab[2 * E + ti[tid]];
-    if (tid == 0) wk[K] = sigmoid(__ldcg(a.rl + E + 2 * S)), dp[K] = m.sh_down;
-    for (int j = tid; j < S; j += blockDim.x) hs[K * I + j] = silu(__ldcg(a.rl + E + j)) * __ldcg(a.rl + E + S + j);
     __syncwarp();
     float4 xr[XR ? 2 * XR : 1];
     if constexpr (XR > 0)
@@ -1772,12 +1790,7 @@ __device__ void tail_moe_run(const tail_moe &m, const float *xs, float inv, char
     __syncthreads(); // dp, wk
     dn_row<PL> w;
     if (have) w.load(dp, K, I, S, i, 0);
-    grid_arrive_wait(cnt); // every gate/up row is written
-    tr(SK_GDN, TR_DN);
-#pragma unroll 8
-    for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)m.hbuf + j);
-    __syncthreads();
-    grid_leave(cnt);
+    tail_gather_h(cnt, m.hbuf, hs, K * I);
     for (int r = 0; i < H; i += nw, r++) {
         float acc;
         if (r == 1 && dsm) mbar_wait(dbar + warp, 0), acc = dn_smem_sum<PL>((const uint16_t *)ring, wk, hs, K, I, S);
@@ -1798,10 +1811,7 @@ __device__ void tail_moe_regs(const tail_moe &m, const float *xs, float inv, flo
     const qf_moe_dec &a = m.a;
     int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, lane = tid & 31;
     int gw = blockIdx.x * (blockDim.x / 32) + tid / 32, nw = gridDim.x * (blockDim.x / 32);
-    route_pairs<true>(a.rl, E, K, ti, wk);
-    if (tid < K) dp[tid] = (const uint16_t *)m.tab[2 * E + ti[tid]];
-    if (tid == 0) wk[K] = sigmoid(__ldcg(a.rl + E + 2 * S)), dp[K] = m.sh_down;
-    for (int j = tid; j < S; j += blockDim.x) hs[K * I + j] = silu(__ldcg(a.rl + E + j)) * __ldcg(a.rl + E + S + j);
+    tail_route(m, ti, wk, dp, hs);
     for (int r = gw; r < K * I; r += nw) {
         int k = r / I;
         float h = gu_row<HL>(m.tab, E, ti[k], r - k * I, H, xs, inv, lane);
@@ -1812,12 +1822,7 @@ __device__ void tail_moe_regs(const tail_moe &m, const float *xs, float inv, flo
     int i = gw, have = i < H;
     if (have) w.load(dp, K, I, S, i, 0);
     tr(SK_GDN, TR_GU);
-    grid_arrive_wait(cnt); // every gate/up row is written
-    tr(SK_GDN, TR_DN);
-#pragma unroll 8
-    for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)m.hbuf + j);
-    __syncthreads();
-    grid_leave(cnt);
+    tail_gather_h(cnt, m.hbuf, hs, K * I);
     for (; i < H; i += nw, have = 0) {
         float acc = w.sum(dp, wk, hs, K, I, S, i, have);
         if (lane == 0) a.x[i] = __ldcg(a.x + i) + acc;
