@@ -1007,6 +1007,17 @@ __device__ void route_block(const float *rl, int E, int K, int *ti, float *tw, b
     __syncthreads();
 }
 
+// The chosen logits tw[0..K) (tw[0] the largest) become their weights exp(l - max) normalised over
+// the chosen: the full softmax's sum over E cancels in the renormalisation.
+__device__ __forceinline__ void chosen_weights(float *tw, int K) {
+    int tid = threadIdx.x, lane = tid & 31;
+    if (tid < 32) {
+        float p = lane < K ? expf(tw[lane] - tw[0]) : 0.0f, ts = warp_sum(p);
+        if (lane < K) tw[lane] = p / ts;
+    }
+    __syncthreads();
+}
+
 // route_block's choice, with less in its way (QFLASH_CUDA_ROUTE=1; opt-in until measured): warp
 // group g's candidate of rank r goes to slot g * K + r (ranks in a group are a permutation, so no
 // shared atomic and no count to read back), and the weights are exp(l - max) normalised over the
@@ -1033,11 +1044,7 @@ __device__ void route_fixed(const float *rl, int E, int K, int *ti, float *tw, b
     }
     __syncthreads();
     if (stamp) tr(SK_MOE_GU, TR_RANKED);
-    if (tid < 32) {
-        float p = lane < K ? expf(tw[lane] - tw[0]) : 0.0f, ts = warp_sum(p);
-        if (lane < K) tw[lane] = p / ts;
-    }
-    __syncthreads();
+    chosen_weights(tw, K);
 }
 
 // route_block's choice by all pairs (QFLASH_CUDA_ROUTE=2, the default): the logits go to
@@ -1048,7 +1055,7 @@ __device__ void route_fixed(const float *rl, int E, int K, int *ti, float *tw, b
 template <bool L2 = false>
 __device__ void route_pairs(const float *rl, int E, int K, int *ti, float *tw, bool stamp = false) {
     __shared__ __align__(16) float lv[MOE_MAX_E];
-    int tid = threadIdx.x, lane = tid & 31, E4 = (E + 3) & ~3;
+    int tid = threadIdx.x, E4 = (E + 3) & ~3;
     if (tid < K) ti[tid] = tid, tw[tid] = 0.0f; // NaN logits can leave ranks untaken: slots stay valid experts
     for (int i = tid; i < E4; i += blockDim.x) lv[i] = i < E ? (L2 ? __ldcg(rl + i) : rl[i]) : -INFINITY; // padding ranks after every logit
     __syncthreads();
@@ -1066,11 +1073,7 @@ __device__ void route_pairs(const float *rl, int E, int K, int *ti, float *tw, b
     }
     __syncthreads();
     if (stamp) tr(SK_MOE_GU, TR_RANKED);
-    if (tid < 32) {
-        float p = lane < K ? expf(tw[lane] - tw[0]) : 0.0f, ts = warp_sum(p);
-        if (lane < K) tw[lane] = p / ts;
-    }
-    __syncthreads();
+    chosen_weights(tw, K);
 }
 
 // x * norm weight into xs; returns x's 1/rms, which scales the finished sums (the barriers of the
@@ -1694,12 +1697,6 @@ __device__ float dn_smem_sum(const uint16_t *rb, const float *wk, const float *h
 // ring of TM_SLOTS pairs, then the down parts' inputs (K * I + S floats).
 __host__ __device__ inline size_t tm_ring_bytes(int H) { return (size_t)8 * TM_SLOTS * 4 * H; }
 
-// The one-row MoE of k_moe_one inside the tail, after ffn_in's rows (router logits, the shared
-// expert's gate/up) are written by every block: each block routes, its warps stream their share of
-// the chosen experts' (gate row, up row) pairs into shared memory with bulk copies (two pairs in
-// flight per warp; the copy engine moves the bytes), each warp then issues its first down row's
-// loads, a grid count (every gate/up row written), and the down rows into x. xs holds
-// x * norm weight (ffn_in's input, the experts' too), inv x's 1/rms.
 // The joined MoE's start: route (logits from L2), each part's down matrix and weight (K: the
 // shared expert's, by its sigmoid gate) and the shared expert's input into hs + K * I.
 __device__ void tail_route(const tail_moe &m, int *ti, float *wk, const uint16_t **dp, float *hs) {
@@ -1721,6 +1718,12 @@ __device__ void tail_gather_h(unsigned *cnt, const float *hbuf, float *hs, int n
     grid_leave(cnt);
 }
 
+// The one-row MoE of k_moe_one inside the tail, after ffn_in's rows (router logits, the shared
+// expert's gate/up) are written by every block: each block routes, its warps stream their share of
+// the chosen experts' (gate row, up row) pairs into shared memory with bulk copies (two pairs in
+// flight per warp; the copy engine moves the bytes), each warp then issues its first down row's
+// loads, a grid count (every gate/up row written), and the down rows into x. xs holds
+// x * norm weight (ffn_in's input, the experts' too), inv x's 1/rms.
 // XR (H / 256 where known, else 0): the lane's 8 XR floats of xs kept in registers for both rows
 // of every pair (else each dot reads them from shared memory again, 4 bytes of xs per weight).
 template <int PL, int XR>
