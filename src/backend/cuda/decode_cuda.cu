@@ -1917,16 +1917,16 @@ tail_fn tail_with_moe(const qf_gdn_dec *g, const qf_moe_dec *mo, int lpc, int nw
     return NULL;
 }
 
-// The tail in one kernel when the shapes fit (returns 0 otherwise: the caller runs the three
-// ops): one row, sm_90, both products' shares of a block in shared memory beside x. With mo (not
-// NULL) and QFLASH_CUDA_TAIL=3 the MoE block joins it where tail_with_moe has a kernel: 2. With
-// QFLASH_CUDA_TAIL=4 also an attention layer's o_proj, ffn_in and MoE (g->nv == 0: no step).
 // The step's absence (g->nv == 0, an attention layer's o_proj with its sigmoid gate) or its shape.
 int tail_input_ok(const ctx *c, const qf_gdn_dec *g, const qf_pre *gn, int oc) {
     if (!g->nv) return c->tail == 4 && gn->kind == QF_PRE_SIGMOID && gn->head > 0 && oc % gn->head == 0;
     return g->dk <= 128 && g->dv <= 32 * HD_REG && oc == g->nv * g->dv && gn->kind == QF_PRE_GATED_NORM && gn->head == g->dv;
 }
 
+// The tail in one kernel when the shapes fit (returns 0 otherwise: the caller runs the three
+// ops): one row, sm_90, both products' shares of a block in shared memory beside x. With mo (not
+// NULL) and QFLASH_CUDA_TAIL=3 the MoE block joins it where tail_with_moe has a kernel: 2. With
+// QFLASH_CUDA_TAIL=4 also an attention layer's o_proj, ffn_in and MoE (g->nv == 0: no step).
 int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf_pre *gn, float *x, const qf_mat *wf, const qf_pre *fn, float *rl,
                  const qf_moe_dec *mo) {
     ctx *c = C(be);
@@ -1944,11 +1944,11 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
     int nthr = 256;
     if (c->tail >= 3 && mo && mo->x == x && mo->rl == rl && mo->hidden == H && mo->rl_stride == fr && mo->n_experts + 2 * mo->sh_ffn + 1 <= fr) {
         tail_fn km = tail_with_moe(g, mo, lpc, c->tail_nw);
-        nthr = km && c->tail_nw == 16 ? 512 : 256;
         const void **tab = km ? expert_table(c, mo->experts, mo->n_experts) : NULL;
         float *hb = tab ? (float *)scratch(c, &c->moe, &c->moe_cap, (size_t)mo->top_k * mo->ffn * sizeof(float)) : NULL;
-        size_t mb = (nthr == 256 ? tm_ring_bytes(H) : 0) + (size_t)(mo->top_k * mo->ffn + mo->sh_ffn) * 4;
-        if (hb) k = km, tm = {tab, *mo, (const uint16_t *)mo->sh_down->data, hb, c->tail_dsm}, wbytes = wbytes > mb ? wbytes : mb;
+        size_t mb = (c->tail_nw == 16 ? 0 : tm_ring_bytes(H)) + (size_t)(mo->top_k * mo->ffn + mo->sh_ffn) * 4;
+        if (hb) // the threads follow the kernel taken (without the MoE it is the 256-thread tail)
+            k = km, nthr = c->tail_nw * 32, tm = {tab, *mo, (const uint16_t *)mo->sh_down->data, hb, c->tail_dsm}, wbytes = wbytes > mb ? wbytes : mb;
     }
     if (!g->nv && !tm.tab) return 0; // an attention layer's tail is only taken with its MoE
     size_t smem = wbytes + (size_t)(oc > H ? oc : H) * sizeof(float);
