@@ -20,6 +20,9 @@ typedef struct bench_cfg {
     double run_prefill_ms[64], run_ttft_ms[64], run_decode_s[64], run_itl_sum_ms[64]; /* each run, in order */
     int experts_estimated; /* experts_per_step from uniform routing, not counted */
     double experts_per_step, bytes_per_step, bytes_per_token, roofline_tok_s, roofline_pct;
+    uint64_t ids_digest; /* FNV-1a of the last run's decoded ids, every stream every step: equal across
+                          * builds and settings whose kernels sum in the same order (an exactness check
+                          * at shapes with no reference) */
 } bench_cfg;
 
 typedef struct bench_mem {

@@ -35,6 +35,7 @@ void bench_print(const bench_result *r) {
         printf("%5s spread: prefill %.1f..%.1f ms, decode %.1f..%.1f tok/s total; %.1f experts per step%s\n", "", c->prefill_ms.min,
                c->prefill_ms.max, c->decode_tok_s_total.min, c->decode_tok_s_total.max, c->experts_per_step,
                c->experts_estimated ? " (estimated: uniform routing)" : "");
+        printf("%5s decoded ids: %016llx (FNV-1a of the last run's ids)\n", "", (unsigned long long)c->ids_digest);
     }
 }
 
@@ -57,6 +58,9 @@ static json_t *jcfg(const bench_cfg *c) {
     json_object_set_new(j, "bytes_per_token", json_real(c->bytes_per_token));
     json_object_set_new(j, "roofline_tok_s", json_real(c->roofline_tok_s));
     json_object_set_new(j, "roofline_pct", json_real(c->roofline_pct));
+    char dg[24];
+    snprintf(dg, sizeof dg, "%016llx", (unsigned long long)c->ids_digest);
+    json_object_set_new(j, "decoded_ids_fnv1a", json_string(dg));
     json_t *runs = json_array();
     for (int r = 0; r < c->runs; r++)
         json_array_append_new(runs, json_pack("{s:f,s:f,s:f,s:f}", "prefill_ms", c->run_prefill_ms[r], "ttft_ms", c->run_ttft_ms[r],

@@ -189,7 +189,16 @@ typedef struct run_ctx {
 
 typedef struct run_out {
     double prefill_s, ttft_s, decode_s, experts;
+    uint64_t ids; /* FNV-1a of the decoded ids */
 } run_out;
+
+static uint64_t fnv_ids(uint64_t h, const int32_t *ids, int n) {
+    for (int i = 0; i < n; i++) {
+        uint32_t v = (uint32_t)ids[i];
+        for (int b = 0; b < 4; b++) h = (h ^ ((v >> (8 * b)) & 0xffu)) * 1099511628211ull;
+    }
+    return h;
+}
 
 /* Prompts one after another, then G-1 batched decode steps of one token per stream (the first
  * token comes from the prefill's logits). itl gets every step's seconds. */
@@ -206,6 +215,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
     o->prefill_s = qf_now() - t0;
     for (int s = 0; s < x->C; s++) x->next[s] = qf_argmax_f32(x->logits + (size_t)s * V, V);
     o->ttft_s = qf_now() - t0;
+    o->ids = fnv_ids(14695981039346656037ull, x->next, x->C);
     uint64_t acq0 = e->model->experts ? e->model->experts->stats.acquires : 0;
     double d0 = qf_now();
     for (int i = 0; i < x->G - 1; i++) {
@@ -215,6 +225,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
         int rc = qf_forward(e->model, &e->be, e->ws, x->steps, x->C);
         if (rc != QF_OK) return rc;
         itl[i] = qf_now() - s0;
+        o->ids = fnv_ids(o->ids, x->next, x->C);
     }
     o->decode_s = qf_now() - d0;
     uint64_t acq = e->model->experts ? e->model->experts->stats.acquires - acq0 : 0;
@@ -283,6 +294,7 @@ static int bench_cfg_run(qf_engine *e, const bench_opts *o, int C, bench_cfg *c,
         rc = one_run(&x, itl, &out);
         if (rc != QF_OK || r < 0) continue;
         ro[r] = out;
+        c->ids_digest = out.ids;
         c->run_prefill_ms[r] = out.prefill_s * 1e3, c->run_ttft_ms[r] = out.ttft_s * 1e3, c->run_decode_s[r] = out.decode_s;
         for (int i = 0; i < G - 1; i++) c->itl_ms[c->n_itl++] = itl[i] * 1e3, c->run_itl_sum_ms[r] += itl[i] * 1e3;
     }

@@ -693,6 +693,15 @@ static void switch_checks(void) {
         test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1); /* E not a multiple of 4: padded */
     }
     unsetenv("QFLASH_CUDA_ROUTE");
+    if (restart_with("QFLASH_CUDA_MOE_PF", "1")) { /* every gate/up byte asked for at once: the same sums in the same order */
+        test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
+        test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 0); /* again: the grid counts back at zero */
+        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
+        test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
+        test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
+        test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1);
+    }
+    unsetenv("QFLASH_CUDA_MOE_PF");
     if (restart_with("QFLASH_CUDA_BULK", "0")) { /* one-row in_proj in the register kernel (the default before, and off sm_90) */
         test_dec_gdn_proj(1);
         test_dec_matmul(QF_PRE_RMSNORM, 12352, 2048, 1, 1, 0);

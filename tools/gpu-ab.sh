@@ -23,7 +23,7 @@ if [ $tests = 1 ]; then
     done
 fi
 B="gpu/qflash bench --synthetic qwen3.6-35b-a3b --device cuda --bw 4300"
-show='^ +[0-9]+ +[0-9]+ +[0-9]+ \||rror|invalid|replayed'
+show='^ +[0-9]+ +[0-9]+ +[0-9]+ \||rror|invalid|replayed|decoded ids'
 run() { echo "== $1 | $2"; env $1 QFLASH_CUDA_STEPTIME=1 timeout 120 $B $2 2>&1 | grep -E "$show"; }
 for cfg in "$@"; do run "$cfg" "--prompt-len 128 --layers 8 --gen-len 64 --concurrency 1 --runs 1"; done
 if [ $whole = 1 ]; then

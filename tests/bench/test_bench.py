@@ -53,6 +53,7 @@ def check_report(j, svg, conc, prompt, gen, runs):
         assert close(c["bytes_per_token"] * C, c["bytes_per_step"], 1e-9)
         assert close(c["roofline_tok_s"], j["bandwidth"]["gb_s"] * 1e9 / c["bytes_per_token"], 1e-6)
         assert close(c["roofline_pct"], 100 * c["decode_tok_s_total"]["median"] / c["roofline_tok_s"], 1e-6)
+        assert len(c["decoded_ids_fnv1a"]) == 16 and int(c["decoded_ids_fnv1a"], 16) != 0
         assert c["streaming_loads"] == 0 and c["expert_cache_hit_rate"] == 0 and c["inactive_block_ratio"] == 0
         assert set(c["not_active"]) == {"streaming_loads", "expert_cache_hit_rate", "inactive_block_ratio"}
     trace = j["memory_trace"]
@@ -68,6 +69,7 @@ def test_bench_bundled_model(tmp_path):
     assert j["model"]["layers"] == 8 and j["model"]["experts_used"] == 4
     assert j["configs"][0]["experts_per_step"] == 8 * 4  # one token: top-4 in each of 8 layers
     assert "methodology" in out and "% roof" in out
+    assert all(f"decoded ids: {c['decoded_ids_fnv1a']}" in out for c in j["configs"])
 
 
 def test_bench_fixed_bandwidth(tmp_path):

@@ -343,6 +343,39 @@ __device__ __forceinline__ void tr_sync(unsigned, unsigned) {}
 #endif
 __device__ __forceinline__ void tr_end(unsigned tag) { tr_sync(tag, TR_END); }
 
+// A grid-wide count (one thread per block), read with acquire semantics.
+__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Instead of pdl_wait (struct dep): thread 0 waits until every block of the kernel before has
+// counted itself, and its acquire (with the fence) makes their writes visible to the block.
+__device__ __forceinline__ void dep_wait(const dep &d) {
+    if (!d.in) {
+        pdl_wait();
+        return;
+    }
+    if (threadIdx.x == 0) {
+        long long t0 = clock64();
+        while (ld_acquire(d.in) < d.n_in)
+            if (clock64() - t0 > (1ll << 34)) __trap(); // ~8 s: the kernel before never counted, a bug
+        __threadfence();
+    }
+    __syncthreads();
+}
+// At the block's very end: its writes, then its count (the fence orders every thread's writes
+// before it, after the barrier).
+__device__ __forceinline__ void dep_signal(const dep &d) {
+    if (!d.out) return;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(d.out, 1u);
+    }
+}
+
 // which product a shape is in a Qwen3.5/3.6 step (hidden 2048..): out/o_proj, lm_head, router + shared gate/up, in/qkv projections
 __host__ __device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
     return rows >= 65536 ? SK_LMHEAD : cols > 2048 ? SK_OUT : rows < 4096 ? SK_FFNIN : SK_IN;
@@ -354,7 +387,7 @@ __host__ __device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
 // (weights never depend on them), so their memory latency overlaps both.
 template <int NT, int PWT, bool WIDE = false> // PWT rows per warp (PW; 1 for one-row products of few rows: twice the warps); WIDE: stage_wide
 __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, int n, dpre p,
-                                                     depi e, int acc, float *__restrict__ y, int early) {
+                                                     depi e, int acc, float *__restrict__ y, int early, dep d) {
     if (skipped(gemv_bit(rows, cols))) return;
     tr(gemv_bit(rows, cols), TR_START);
     constexpr int CU = PWT == 1 ? 16 : NT <= 2 ? 8 : 4; // 16-byte loads per lane and row in flight: one row is bound by them, more rows by the FMAs
@@ -375,7 +408,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
     if (have) load(min(PWT, rows - row0), 0);
     else if (row0 < rows) // the warp's first row streams into L2 while the kernel before ends and x is staged
         for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)row0 * cols + l));
-    pdl_wait();
+    dep_wait(d);
     tr(gemv_bit(rows, cols), TR_WAIT);
     pdl_launch();
     stage<NT, WIDE>(x, n, cols, p, xs, red);
@@ -423,6 +456,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
             }
     }
     if constexpr (NT <= 12) tr_end(gemv_bit(rows, cols)); // more rows: no registers left for it (it would spill)
+    dep_signal(d);
 }
 
 // ---- one-row products that stream their weights ----
@@ -587,7 +621,7 @@ __device__ __forceinline__ void fence_async_smem() {
 // x read from shared memory.
 template <int EPR>
 __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, dpre p,
-                                                      depi ep, int acc, float *__restrict__ y) {
+                                                      depi ep, int acc, float *__restrict__ y, dep d) {
     if (skipped(gemv_bit(rows, cols))) return;
     tr(gemv_bit(rows, cols), TR_START);
     extern __shared__ float4 dyn[];
@@ -610,7 +644,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict
         for (int ch = 0; ch < min(BK_SLOTS, nch); ch++) fill(ch);
     }
     __syncwarp();
-    pdl_wait();
+    dep_wait(d);
     tr(gemv_bit(rows, cols), TR_WAIT);
     pdl_launch();
     row_in ri = {};
@@ -660,6 +694,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict
         }
     }
     tr_end(gemv_bit(rows, cols));
+    dep_signal(d);
 }
 
 size_t bulk_smem_bytes(int cols) { return (size_t)8 * BK_SLOTS * BK_BYTES + (size_t)cols * sizeof(float); }
@@ -694,7 +729,7 @@ void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, const dpre 
     // one row, few weight rows (out_proj, o_proj, the router): a warp per row, a whole row of up to
     // 4096 columns in flight per warp, so the SMs hold twice the warps (QFLASH_CUDA_PW1=0: off)
     int one = NT == 1 && c->pw1 && w->cols <= 32 * 16 * 8 && (w->rows + 8 * PW - 1) / (8 * PW) < 2 * sms;
-    void (*k)(const uint16_t *, int, int, const float *, int, dpre, depi, int, float *, int) = k_gemv_pre<NT, PW>;
+    void (*k)(const uint16_t *, int, int, const float *, int, dpre, depi, int, float *, int, dep) = k_gemv_pre<NT, PW>;
     if constexpr (NT == 1)
         if (one) k = p.wide ? k_gemv_pre<1, 1, true> : k_gemv_pre<1, 1>;
     int per_block = threads / 32 * (one ? 1 : PW);
@@ -728,7 +763,7 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
     }
     if ((c->bulk & gemv_bit((int)w->rows, (int)w->cols)) && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
         size_t smem = bulk_smem_bytes((int)w->cols);
-        void (*k)(const uint16_t *, int, int, const float *, dpre, depi, int, float *) = w->cols == 2048 ? k_gemv_bulk<8> : k_gemv_bulk<0>;
+        void (*k)(const uint16_t *, int, int, const float *, dpre, depi, int, float *, dep) = w->cols == 2048 ? k_gemv_bulk<8> : k_gemv_bulk<0>;
         int fit = resident(c, (const void *)k, 256, smem), per = fit < c->bulk_blocks ? fit : c->bulk_blocks;
         launch(c, "k_gemv_bulk", 1, k, dim3((unsigned)(c->sms * per)), dim3(256), (unsigned)smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e,
                acc, y);
@@ -831,17 +866,18 @@ struct gdn_task {
 // ---- the delta rule, one token: LPC lanes per value column (each a share of the key rows, so a
 // lane keeps DK/LPC state values in registers), 32/LPC columns per warp, a warp per block ----
 template <int DK, int LPC>
-__global__ void k_gdn_dec(qf_gdn_dec a) {
+__global__ void k_gdn_dec(qf_gdn_dec a, dep d) {
     __shared__ float qn[DK], kn[DK];
     if (skipped(SK_GDN)) return;
     tr(SK_GDN, TR_START);
     gdn_task<DK, LPC> w;
     w.load(a, blockIdx.x, blockIdx.y, blockIdx.z); // state of earlier steps: before the wait
-    pdl_wait();
+    dep_wait(d);
     tr(SK_GDN, TR_WAIT);
     pdl_launch();
     w.run(a, qn, kn);
     tr(SK_GDN, TR_END); // lane 0 (always live) after its writes: the block is one warp
+    dep_signal(d);
 }
 
 // Lanes per value column of the DeltaNet step (QFLASH_CUDA_GDN_LPC): more lanes, more warps and
@@ -856,7 +892,7 @@ void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
         fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
         return;
     }
-    void (*k)(qf_gdn_dec) = a->dk <= 32 ? k_gdn_dec<32, 2> : a->dk <= 64 ? k_gdn_dec<64, 2> : lpc == 2 ? k_gdn_dec<128, 2> : lpc == 4 ? k_gdn_dec<128, 4> : k_gdn_dec<128, 8>;
+    void (*k)(qf_gdn_dec, dep) = a->dk <= 32 ? k_gdn_dec<32, 2> : a->dk <= 64 ? k_gdn_dec<64, 2> : lpc == 2 ? k_gdn_dec<128, 2> : lpc == 4 ? k_gdn_dec<128, 4> : k_gdn_dec<128, 8>;
     launch(c, "k_gdn_dec", 1, k, g, dim3(32), 0u, *a);
 }
 
@@ -1250,12 +1286,6 @@ __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_
     }
 }
 
-// A grid-wide count (one thread per block), read with acquire semantics.
-__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 
 // Block-wide wait until every block of the grid has arrived at cnt[0] (the grid must be resident
 // at once). The last block past it resets both counts for the next launch.
@@ -1275,13 +1305,67 @@ __device__ void grid_leave(unsigned *cnt) {
     if (threadIdx.x == 0 && atomicAdd(cnt + 1, 1u) == gridDim.x - 1) atomicExch(cnt, 0u), atomicExch(cnt + 1, 0u);
 }
 
+// QFLASH_CUDA_MOE_PF=1 (opt-in until measured): the one-kernel MoE with every gate/up byte asked
+// for at once. With 16 warps per SM and a (gate, up) pair of 8 KB per warp in registers, the second
+// pair of a warp was asked for only when its first had come and been summed, so each warp paid two
+// loaded memory latencies in a row and the down rows a third. Here a warp's second pair goes to its
+// own 8 KB of shared memory by cp.async (each lane copies and later reads its own 16-byte pieces,
+// so no barrier) before its first pair's loads; the down row's loads go out when the first pair is
+// summed, while the second is still on its way. The expert table (3 E pointers, constant per
+// layer) is copied to shared memory before the wait, so the chosen experts' row addresses are
+// shared-memory reads after the routing, not a memory round trip.
+__device__ __forceinline__ const void *const *moe_pf_table(const void *const *tab, int E, uint4 *at) {
+    const void **st = (const void **)at;
+    for (int i = threadIdx.x; i < 3 * E; i += blockDim.x) st[i] = tab[i];
+    return st; // published by the barriers of x's staging and of the routing
+}
+
+// The grid's (gate, up) row pairs r = gw + nw * s (K I <= 2 nw: the launch makes sure): s = 0 in
+// registers, s = 1 through the warp's slot of ring (2 HL 16-byte pieces per lane); between the
+// two, dn() issues the warp's down-row loads (a third pair would meet them in registers: spills).
+template <int HL, class Dn>
+__device__ __forceinline__ void moe_pf_gate_up(const void *const *tab, int E, int K, int I, int H, const int *ti, const float *xs, float inv, float *hbuf,
+                                               uint4 *ring, Dn dn) {
+    int tid = threadIdx.x, lane = tid & 31, h8 = H / 8, n = K * I;
+    int gw = blockIdx.x * (blockDim.x / 32) + tid / 32, nw = gridDim.x * (blockDim.x / 32), r1 = gw + nw;
+    uint4 *slot = ring + tid / 32 * 2 * HL * 32 + lane;
+    if (r1 < n) {
+        int k = r1 / I, j = r1 - k * I;
+        const uint4 *G = (const uint4 *)((const uint16_t *)tab[ti[k]] + (int64_t)j * H), *U = (const uint4 *)((const uint16_t *)tab[E + ti[k]] + (int64_t)j * H);
+#pragma unroll
+        for (int q = 0; q < HL; q++)
+            if (lane + 32 * q < h8) cp16(slot + q * 32, G + lane + 32 * q), cp16(slot + (HL + q) * 32, U + lane + 32 * q);
+    }
+    cp_commit();
+    if (gw < n) {
+        int k = gw / I;
+        float h = gu_row<HL>(tab, E, ti[k], gw - k * I, H, xs, inv, lane);
+        if (lane == 0) hbuf[gw] = h;
+    }
+    dn();
+    cp_wait<0>();
+    if (r1 < n) {
+        float g = 0.0f, u = 0.0f;
+#pragma unroll
+        for (int q = 0; q < HL; q++) {
+            int c = lane + 32 * q;
+            if (c < h8) g += dot8s(slot[q * 32], xs + c * 8, lane), u += dot8s(slot[(HL + q) * 32], xs + c * 8, lane);
+        }
+        g = warp_sum(g) * inv, u = warp_sum(u) * inv;
+        if (lane == 0) hbuf[r1] = silu(g) * u;
+    }
+}
+
+// Shared memory of k_moe_one past x and the down inputs when PF: the ring, then the table.
+size_t moe_pf_bytes(int HL, int E) { return (size_t)8 * 2 * HL * 32 * 16 + (size_t)3 * E * sizeof(void *); }
+
 // The whole MoE block of one row in one kernel (QFLASH_CUDA_MOE1, default on): every block stages
 // x * norm weight and routes; the grid's warps compute the chosen experts' gate/up rows; then each
 // warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
 // other: the grid is never larger than what the SMs hold at once.
-template <int HL, int PL, int ROUTE = 0> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default)
-__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late) {
+template <int HL, int PL, int ROUTE = 0, bool PF = false> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default); PF: moe_pf
+__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late, dep d) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], wk[MOE_MAX_K + 1];
     __shared__ int ti[MOE_MAX_K];
@@ -1290,8 +1374,9 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     int gw = blockIdx.x * (blockDim.x / 32) + tid / 32, nw = gridDim.x * (blockDim.x / 32);
     float *xs = (float *)dyn, *hs = xs + H; // x * norm weight; the down parts' inputs (part q at hs + q * I)
     tr(SK_MOE_GU, TR_START);
+    if constexpr (PF) tab = moe_pf_table(tab, E, (uint4 *)(hs + K * I + S) + blockDim.x / 32 * 2 * HL * 32);
     float inv = late ? 0.0f : stage_normed(a, a.x, xs, red); // x: two kernels back (late: the kernel before wrote it)
-    pdl_wait();
+    dep_wait(d);
     tr(SK_MOE_GU, TR_WAIT);
     pdl_launch();
     if (late) inv = stage_normed(a, a.x, xs, red);
@@ -1302,14 +1387,20 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     shared_slot(a, a.rl, sh_down, wk, dp);
     __syncthreads();
     tr(SK_MOE_GU, TR_ROUTED);
-    for (int r = gw; r < K * I && !skipped(SK_MOE_GU); r += nw) {
-        int k = r / I;
-        float h = gu_row<HL>(tab, E, ti[k], r - k * I, H, xs, inv, lane);
-        if (lane == 0) hbuf[r] = h;
-    }
     dn_row<PL> w;
     int i = gw, have = i < H;
-    if (have) w.load(dp, K, I, S, i, 0);
+    if constexpr (PF) {
+        moe_pf_gate_up<HL>(tab, E, K, I, H, ti, xs, inv, hbuf, (uint4 *)(hs + K * I + S), [&]() {
+            if (have) w.load(dp, K, I, S, i, 0);
+        });
+    } else {
+        for (int r = gw; r < K * I && !skipped(SK_MOE_GU); r += nw) {
+            int k = r / I;
+            float h = gu_row<HL>(tab, E, ti[k], r - k * I, H, xs, inv, lane);
+            if (lane == 0) hbuf[r] = h;
+        }
+        if (have) w.load(dp, K, I, S, i, 0);
+    }
     shared_in(a, a.rl, hs + K * I);
     tr_sync(SK_MOE_GU, TR_PHASE1);
     grid_arrive_wait(cnt);
@@ -1323,6 +1414,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
         if (lane == 0) a.x[i] += acc;
     }
     tr_end(SK_MOE_GU);
+    dep_signal(d);
 }
 
 // Where a streamed slot of gate/up lies: expert slot k, ffn row j, half h (gate 0, up 1), slot c.
@@ -1434,16 +1526,23 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
 // blocks wait for each other, so the grid is what the SMs hold of it at once.
 int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late) {
     int H = a->hidden, I = a->ffn, S = a->sh_ffn;
-    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int);
+    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int, dep);
     int mc = I > S ? I : S;
-    int f = c->route;
-    fn k = H <= 256 && mc <= 256     ? (f == 2 ? k_moe_one<1, 1, 2> : f ? k_moe_one<1, 1, 1> : k_moe_one<1, 1>)
+    int f = c->route, pf = c->moe_pf && f == 2 && H <= 2048 && mc <= 512;
+    fn k = pf                        ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, true> : k_moe_one<8, 2, 2, true>)
+           : H <= 256 && mc <= 256  ? (f == 2 ? k_moe_one<1, 1, 2> : f ? k_moe_one<1, 1, 1> : k_moe_one<1, 1>)
            : H <= 2048 && mc <= 512 ? (f == 2 ? k_moe_one<8, 2, 2> : f ? k_moe_one<8, 2, 1> : k_moe_one<8, 2>)
            : H <= 4096 && mc <= 512 ? (f == 2 ? k_moe_one<16, 2, 2> : f ? k_moe_one<16, 2, 1> : k_moe_one<16, 2>)
                                     : NULL;
     if (!k) return 0;
-    size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float);
+    size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float) + (pf ? moe_pf_bytes(H <= 256 && mc <= 256 ? 1 : 8, a->n_experts) : 0);
     int grid = resident(c, (const void *)k, 256, smem) * (c->sms > 0 ? c->sms : 1);
+    if (pf && a->top_k * I > 2 * 8 * grid) { // more than two pairs a warp: the kernel without prefetch
+        c->moe_pf = 0;
+        int r = moe_one(c, tab, a, hbuf, late);
+        c->moe_pf = 1;
+        return r;
+    }
     launch(c, "k_moe_one", 1, k, dim3((unsigned)grid), dim3(256), (unsigned)smem, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, c->moe_cnt,
            late);
     return 1;
@@ -1994,6 +2093,13 @@ void qfc::dec_setup(ctx *c) {
     // model 2996.9 -> 2945.2 us a step in one call, notes session 7)
     const char *ro = getenv("QFLASH_CUDA_ROUTE");
     c->route = ro ? atoi(ro) : 2;
+    const char *pf = getenv("QFLASH_CUDA_MOE_PF"); // 1: the one-kernel MoE asks for every gate/up byte at once (moe_pf_gate_up)
+    c->moe_pf = pf && *pf == '1';
+    // decode kernels in graphs wait on the block count of the kernel before (struct dep; QFLASH_CUDA_DEP=1,
+    // opt-in until measured; not with QFLASH_CUDA_SKIP: a skipped kernel never counts)
+    const char *dp = getenv("QFLASH_CUDA_DEP");
+    c->dep_on = dp && *dp == '1' && !(skip && strtoul(skip, NULL, 0));
+    if (c->dep_on && cudaMalloc(&c->dep_slots, DEP_SLOTS * sizeof(unsigned)) != cudaSuccess) c->dep_slots = NULL;
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
     if (m) fprintf(stderr, "qflash cuda: QFLASH_CUDA_SKIP=%#x: decode kernels of those kinds do nothing (timing only, results are wrong)\n", m);
     cudaMemcpyToSymbol(g_diag, &m, sizeof m, offsetof(diag, skip));
