@@ -642,7 +642,8 @@ static void streamed_checks(void) {
 
 /* One-row products fed by bulk copies (QFLASH_CUDA_BULK=15: every kind, sm_90): every one-row shape of a step
  * (in_proj with its epilogue, out_proj, o_proj, ffn_in, lm_head), a shape that is no whole row
- * per slot (512 and 4096 columns), rows fewer than the warps, and one block per SM. */
+ * per slot (512 and 4096 columns), rows fewer than the warps, one block per SM, and the last rows
+ * of a warp in registers. */
 static void bulk_checks(void) {
     if (!restart_with("QFLASH_CUDA_BULK", "15")) return;
     dec_row_checks(1);
@@ -659,6 +660,16 @@ static void bulk_checks(void) {
     }
     unsetenv("QFLASH_CUDA_BULK_BLOCKS");
     unsetenv("QFLASH_CUDA_BULK");
+    /* a warp's last rows in registers beside the ring (QFLASH_CUDA_BULK_RG=1; 2048 columns): warps of
+     * 5-6 rows (in_proj), of 4 (one row in registers) and of 1 (the ring only) */
+    if (restart_with("QFLASH_CUDA_BULK_RG", "1")) {
+        test_dec_gdn_proj(1);
+        test_dec_matmul(QF_PRE_RMSNORM, 12352, 2048, 1, 1, 0);
+        test_dec_matmul(QF_PRE_RMSNORM, 8448, 2048, 1, 1, 1);
+        test_dec_matmul(QF_PRE_NONE, 100, 2048, 1, 1, 1);
+        bench_dec_matmul(12352, 2048, 1);
+    }
+    unsetenv("QFLASH_CUDA_BULK_RG");
 }
 
 /* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), one-row gated norms staged with every

@@ -111,6 +111,7 @@ struct ctx {
     int route;                    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (QFLASH_CUDA_ROUTE)
     int wide;                     // one-row gated norms of wide heads staged with every load at once (QFLASH_CUDA_WIDE=1, default off)
     int bulk;                     // kinds of one-row products fed by bulk copies into per-warp rings (QFLASH_CUDA_BULK=mask, sm_90; default 8: in_proj/qkv)
+    int bulk_rg;                  // the bulk kernel also loads a warp's last rows into registers before its wait (QFLASH_CUDA_BULK_RG=1)
     int bulk_blocks;              // their blocks per SM (QFLASH_CUDA_BULK_BLOCKS: 1 or 2, default 2)
     int tail;                     // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (QFLASH_CUDA_TAIL=1; 2: weights read in place; sm_90)
     int tail_dsm;                 // the joined MoE's second down rows bulk-copied before its count (QFLASH_CUDA_TAIL_DSM)

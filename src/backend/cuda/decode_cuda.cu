@@ -619,7 +619,13 @@ __device__ __forceinline__ void fence_async_smem() {
 // contiguous run of units (lane l holds 8 columns of each); EPR (cols / 256) known at compile time
 // keeps the lane's x in registers (EPR 8: 64 floats) and a slot one row; EPR 0: any cols % 256,
 // x read from shared memory.
-template <int EPR>
+// RG (EPR 8 only; QFLASH_CUDA_BULK_RG=1, opt-in until measured): a warp's last RG_ROWS rows (when
+// it has more than the ring's slots) are loaded into registers before the wait too, beside the
+// ring's bulk copies: ~20 KB of the warp's ~24 KB in flight from the start instead of 12 KB (bulk
+// copies reach full speed only with deep queues, notes session 8). They are summed first, from x in
+// shared memory, before x goes to registers for the ring's rows.
+#define RG_ROWS 2
+template <int EPR, bool RG = false>
 __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, dpre p,
                                                       depi ep, int acc, float *__restrict__ y, dep d) {
     if (skipped(gemv_bit(rows, cols))) return;
@@ -632,7 +638,15 @@ __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict
     uint64_t *bar = bars + warp * BK_SLOTS;
     float *xs = (float *)((uint4 *)dyn + blockDim.x / 32 * BK_SLOTS * BK_UNITS * 32);
     warp_share(rows, &r0, &r1);
-    int epr = EPR ? EPR : cols / 256, ne = (r1 - r0) * epr, nch = (ne + BK_UNITS - 1) / BK_UNITS;
+    int rr = RG && r1 - r0 > BK_SLOTS ? min(RG_ROWS, r1 - r0 - BK_SLOTS) : 0, rb = r1 - rr; // rows [rb, r1) in registers
+    uint4 wr[RG ? RG_ROWS : 1][8];
+    if constexpr (RG)
+#pragma unroll
+        for (int r = 0; r < RG_ROWS; r++)
+            if (r < rr)
+#pragma unroll
+                for (int u = 0; u < 8; u++) wr[r][u] = __ldcs((const uint4 *)(W + (int64_t)(rb + r) * cols) + u * 32 + lane);
+    int epr = EPR ? EPR : cols / 256, ne = (rb - r0) * epr, nch = (ne + BK_UNITS - 1) / BK_UNITS;
     const char *src = (const char *)(W + (int64_t)r0 * cols);
     auto fill = [&](int ch) { // lane 0: chunk ch into its slot
         unsigned units = min(BK_UNITS, ne - ch * BK_UNITS);
@@ -652,6 +666,23 @@ __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict
     if (cached && r0 + lane < r1) row_in_load(ep, acc, y, r0 + lane, ri);
     stage<1>(x, 1, cols, p, xs, red);
     float sc = row_scale(p, red, 0, cols), a = 0.0f;
+    if constexpr (RG)
+#pragma unroll
+        for (int r = 0; r < RG_ROWS; r++) {
+            if (r >= rr) break;
+            float s = 0.0f;
+#pragma unroll
+            for (int u = 0; u < 8; u++) s += dot8s(wr[r][u], xs + (u * 32 + lane) * 8, lane);
+            s = warp_sum(s) * sc;
+            int row = rb + r;
+            if (cached && lane == row - r0) {
+                if (ep.on) s = row_epi(ep, row, s, ri);
+                y[row] = acc ? ri.y + s : s;
+            } else if (!cached && lane == 0) {
+                if (ep.on) s = epi_value(ep, 0, row, s);
+                y[row] = acc ? y[row] + s : s;
+            }
+        }
     float4 xr[EPR == 8 ? 16 : 1];
     if constexpr (EPR == 8)
 #pragma unroll
@@ -763,7 +794,8 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
     }
     if ((c->bulk & gemv_bit((int)w->rows, (int)w->cols)) && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
         size_t smem = bulk_smem_bytes((int)w->cols);
-        void (*k)(const uint16_t *, int, int, const float *, dpre, depi, int, float *, dep) = w->cols == 2048 ? k_gemv_bulk<8> : k_gemv_bulk<0>;
+        void (*k)(const uint16_t *, int, int, const float *, dpre, depi, int, float *, dep) =
+            w->cols == 2048 ? (c->bulk_rg ? k_gemv_bulk<8, true> : k_gemv_bulk<8>) : k_gemv_bulk<0>;
         int fit = resident(c, (const void *)k, 256, smem), per = fit < c->bulk_blocks ? fit : c->bulk_blocks;
         launch(c, "k_gemv_bulk", 1, k, dim3((unsigned)(c->sms * per)), dim3(256), (unsigned)smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e,
                acc, y);
@@ -2082,6 +2114,8 @@ void qfc::dec_setup(ctx *c) {
     // kinds as QFLASH_CUDA_SKIP's: 1 out_proj, 2 lm_head, 4 ffn_in, 8 in_proj (the default: whole model 3152 -> 3002 us a step, notes)
     c->bulk = c->cc_major >= 9 ? (bk ? (int)strtol(bk, NULL, 0) : 8) : 0;
     c->bulk_blocks = bb && *bb == '1' ? 1 : 2;
+    const char *brg = getenv("QFLASH_CUDA_BULK_RG"); // 1: the bulk kernel's last rows per warp in registers too (k_gemv_bulk RG)
+    c->bulk_rg = brg && *brg == '1';
     // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (sm_90; QFLASH_CUDA_TAIL=1)
     const char *tl = getenv("QFLASH_CUDA_TAIL");
     c->tail = c->cc_major >= 9 && tl ? atoi(tl) : 0; // 2: the same kernel reading its weights in place (a diagnosis)
