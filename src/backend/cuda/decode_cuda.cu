@@ -1263,15 +1263,18 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_mo
 }
 
 // The shared expert's input silu(sh_g) * sh_u (from the router product's row rl) into hsh.
+template <bool L2 = false> // L2: rl was written by other blocks of the same kernel (read past L1)
 __device__ __forceinline__ void shared_in(const qf_moe_dec &a, const float *rl, float *hsh) {
     int E = a.n_experts, S = a.sh_ffn;
 #pragma unroll 4
-    for (int j = threadIdx.x; j < S; j += blockDim.x) hsh[j] = silu(rl[E + j]) * rl[E + S + j];
+    for (int j = threadIdx.x; j < S; j += blockDim.x) hsh[j] = L2 ? silu(__ldcg(rl + E + j)) * __ldcg(rl + E + S + j) : silu(rl[E + j]) * rl[E + S + j];
 }
 
 // Part K of a down row: the shared expert, weighted by its sigmoid gate.
+template <bool L2 = false>
 __device__ __forceinline__ void shared_slot(const qf_moe_dec &a, const float *rl, const uint16_t *sh_down, float *wk, const uint16_t **dp) {
-    if (threadIdx.x == 0) wk[a.top_k] = sigmoid(rl[a.n_experts + 2 * a.sh_ffn]), dp[a.top_k] = sh_down;
+    const float *g = rl + a.n_experts + 2 * a.sh_ffn;
+    if (threadIdx.x == 0) wk[a.top_k] = sigmoid(L2 ? __ldcg(g) : *g), dp[a.top_k] = sh_down;
 }
 
 // Block (a warp per output row, stepping by the grid; row t): x[t][i] += sum_k w_k down_k[i] . h_k
@@ -1396,8 +1399,18 @@ size_t moe_pf_bytes(int HL, int E) { return (size_t)8 * 2 * HL * 32 * 16 + (size
 // warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
 // other: the grid is never larger than what the SMs hold at once.
-template <int HL, int PL, int ROUTE = 0, bool PF = false> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default); PF: moe_pf
-__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late, dep d) {
+// FI (QFLASH_CUDA_MOE_IN=1, opt-in until measured; ROUTE 2 only): the kernel computes the router
+// logits and the shared expert's gate/up rows itself (the ffn_in product, fi: its weights, rows <=
+// the grid's warps), so the ffn_in launch and its boundary go: each warp loads its ffn_in row before
+// the wait, sums it after x is staged (x: the kernel just before wrote it), and a grid count stands
+// where the launch was. Same sums in the same order as ffn_in's kernel (k_gemv_pre, one row per warp).
+struct moe_fi {
+    const uint16_t *w;
+    int rows;
+};
+template <int HL, int PL, int ROUTE = 0, bool PF = false, bool FI = false> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default); PF: moe_pf
+__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late, moe_fi fi,
+                                                    dep d) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], wk[MOE_MAX_K + 1];
     __shared__ int ti[MOE_MAX_K];
@@ -1407,16 +1420,36 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     float *xs = (float *)dyn, *hs = xs + H; // x * norm weight; the down parts' inputs (part q at hs + q * I)
     tr(SK_MOE_GU, TR_START);
     if constexpr (PF) tab = moe_pf_table(tab, E, (uint4 *)(hs + K * I + S) + blockDim.x / 32 * 2 * HL * 32);
+    uint4 fw[FI ? HL : 1];
+    if constexpr (FI) {
+        late = 1;
+#pragma unroll
+        for (int q = 0; q < HL; q++)
+            if (gw < fi.rows && lane + 32 * q < H / 8) fw[q] = __ldcs((const uint4 *)(fi.w + (int64_t)gw * H) + lane + 32 * q);
+    }
     float inv = late ? 0.0f : stage_normed(a, a.x, xs, red); // x: two kernels back (late: the kernel before wrote it)
     dep_wait(d);
     tr(SK_MOE_GU, TR_WAIT);
     pdl_launch();
     if (late) inv = stage_normed(a, a.x, xs, red);
-    if constexpr (ROUTE == 2) route_pairs(a.rl, E, K, ti, wk, true);
+    if constexpr (FI) {
+        if (gw < fi.rows) {
+            float s = 0.0f;
+#pragma unroll
+            for (int q = 0; q < HL; q++)
+                if (lane + 32 * q < H / 8) s += dot8s(fw[q], xs + (lane + 32 * q) * 8, lane);
+            s = warp_sum(s) * inv;
+            if (lane == 0) ((float *)a.rl)[gw] = s;
+        }
+        grid_arrive_wait(cnt + 2); // every router and shared row written
+        grid_leave(cnt + 2);
+    }
+    if constexpr (FI) route_pairs<true>(a.rl, E, K, ti, wk, true);
+    else if constexpr (ROUTE == 2) route_pairs(a.rl, E, K, ti, wk, true);
     else if constexpr (ROUTE == 1) route_fixed(a.rl, E, K, ti, wk, true);
     else route_block(a.rl, E, K, ti, wk, true);
     if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
-    shared_slot(a, a.rl, sh_down, wk, dp);
+    shared_slot<FI>(a, a.rl, sh_down, wk, dp);
     __syncthreads();
     tr(SK_MOE_GU, TR_ROUTED);
     dn_row<PL> w;
@@ -1433,7 +1466,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
         }
         if (have) w.load(dp, K, I, S, i, 0);
     }
-    shared_in(a, a.rl, hs + K * I);
+    shared_in<FI>(a, a.rl, hs + K * I);
     tr_sync(SK_MOE_GU, TR_PHASE1);
     grid_arrive_wait(cnt);
     tr(SK_MOE_GU, TR_BARRIER);
@@ -1556,12 +1589,14 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
 
 // One row: k_moe_one for the shapes it is built for (0: not, use the two kernels). One wave: the
 // blocks wait for each other, so the grid is what the SMs hold of it at once.
-int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late) {
+int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late, moe_fi fi) {
     int H = a->hidden, I = a->ffn, S = a->sh_ffn;
-    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int, dep);
+    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int, moe_fi, dep);
     int mc = I > S ? I : S;
     int f = c->route, pf = c->moe_pf && f == 2 && H <= 2048 && mc <= 512;
-    fn k = pf                        ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, true> : k_moe_one<8, 2, 2, true>)
+    if (fi.w && (f != 2 || pf || H > 2048 || mc > 512)) return 0; // the fused ffn_in's instantiations
+    fn k = fi.w                      ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, false, true> : k_moe_one<8, 2, 2, false, true>)
+           : pf                      ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, true> : k_moe_one<8, 2, 2, true>)
            : H <= 256 && mc <= 256  ? (f == 2 ? k_moe_one<1, 1, 2> : f ? k_moe_one<1, 1, 1> : k_moe_one<1, 1>)
            : H <= 2048 && mc <= 512 ? (f == 2 ? k_moe_one<8, 2, 2> : f ? k_moe_one<8, 2, 1> : k_moe_one<8, 2>)
            : H <= 4096 && mc <= 512 ? (f == 2 ? k_moe_one<16, 2, 2> : f ? k_moe_one<16, 2, 1> : k_moe_one<16, 2>)
@@ -1569,14 +1604,46 @@ int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late
     if (!k) return 0;
     size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float) + (pf ? moe_pf_bytes(H <= 256 && mc <= 256 ? 1 : 8, a->n_experts) : 0);
     int grid = resident(c, (const void *)k, 256, smem) * (c->sms > 0 ? c->sms : 1);
+    if (fi.w && fi.rows > 8 * grid) return 0; // a warp per ffn_in row
     if (pf && a->top_k * I > 2 * 8 * grid) { // more than two pairs a warp: the kernel without prefetch
         c->moe_pf = 0;
-        int r = moe_one(c, tab, a, hbuf, late);
+        int r = moe_one(c, tab, a, hbuf, late, fi);
         c->moe_pf = 1;
         return r;
     }
     launch(c, "k_moe_one", 1, k, dim3((unsigned)grid), dim3(256), (unsigned)smem, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, c->moe_cnt,
-           late);
+           late, fi);
+    return 1;
+}
+
+// The MoE op's expert table and scratch (routing slots, then the gate/up rows from *head on); NULL
+// (said once) when they cannot be had or the shape is not one the kernels take.
+char *moe_scratch(ctx *c, const qf_moe_dec *a, const void ***tab, size_t *head) {
+    int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
+    *tab = expert_table(c, a->experts, a->n_experts);
+    *head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
+    char *s = (char *)scratch(c, &c->moe, &c->moe_cap, *head + (size_t)n * K * I * sizeof(float));
+    if (!*tab || !s || K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || a->experts[0].gate.dtype != QF_DT_BF16 || H % 8 || I % 8 || a->sh_ffn % 8) {
+        fprintf(stderr, "qflash cuda: fused moe: out of device memory, top-k %d > %d, %d experts > %d, or weights not bf16 in rows of 8\n", K, MOE_MAX_K,
+                E, MOE_MAX_E);
+        return NULL;
+    }
+    return s;
+}
+
+// ffn_in (rl = wf . fn(x)) and the MoE block as one kernel (k_moe_one's FI; QFLASH_CUDA_MOE_IN=1):
+// one row, the one-kernel MoE's shapes, ffn_in's pre the MoE's own norm; 0: not taken.
+int dec_moe_in(qf_backend *be, const qf_mat *wf, const qf_pre *fn, const qf_moe_dec *a) {
+    ctx *c = C(be);
+    if (!c->moe_in || a->n != 1 || !c->moe1 || !c->moe_cnt || c->stream || wf->dtype != QF_DT_BF16 || wf->cols != a->hidden || (uintptr_t)wf->data % 16 ||
+        !fn || fn->kind != QF_PRE_RMSNORM || fn->w != a->norm_w || fn->eps != a->eps || wf->rows != a->n_experts + 2 * a->sh_ffn + 1)
+        return 0;
+    const void **tab;
+    size_t head;
+    char *s = moe_scratch(c, a, &tab, &head);
+    if (!s) return 0;
+    if (!moe_one(c, tab, a, (float *)(s + head), 1, moe_fi{(const uint16_t *)wf->data, (int)wf->rows})) return 0;
+    c->x_late = 0;
     return 1;
 }
 
@@ -1584,15 +1651,11 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     ctx *c = C(be);
     int late = c->x_late; // x was written by the kernel just before (the DeltaNet tail), not two back
     c->x_late = 0;
-    const void **tab = expert_table(c, a->experts, a->n_experts);
-    int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
-    size_t head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
-    char *s = (char *)scratch(c, &c->moe, &c->moe_cap, head + (size_t)n * K * I * sizeof(float));
-    if (!tab || !s || K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || a->experts[0].gate.dtype != QF_DT_BF16 || H % 8 || I % 8 || a->sh_ffn % 8) {
-        fprintf(stderr, "qflash cuda: fused moe: out of device memory, top-k %d > %d, %d experts > %d, or weights not bf16 in rows of 8\n", K, MOE_MAX_K,
-                E, MOE_MAX_E);
-        return;
-    }
+    int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn;
+    const void **tab;
+    size_t head;
+    char *s = moe_scratch(c, a, &tab, &head);
+    if (!s) return;
     if (c->stream && n == 1 && H % 256 == 0 && I % 256 == 0 && a->sh_ffn % 256 == 0 && H <= 32 * 8 * (int)stream_grid(c)) {
         float *hb = (float *)(s + head);
         size_t ring = stream_ring_bytes(256), sm_gu = ring + (size_t)H * sizeof(float), sm_dn = ring + (size_t)(K * I + a->sh_ffn) * sizeof(float);
@@ -1604,7 +1667,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     }
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
-    if (n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf, late)) return;
+    if (n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf, late, moe_fi{NULL, 0})) return;
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
     // lanes hold 8 (l + 32 u) columns: HL loads per lane for a gate/up row, PL for a down part
@@ -2093,7 +2156,7 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
 
 } // namespace
 
-const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_tail};
+const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_tail, dec_moe_in};
 
 void qfc::dec_setup(ctx *c) {
     const char *bps = getenv("QFLASH_CUDA_BPS"), *early = getenv("QFLASH_CUDA_EARLY"), *skip = getenv("QFLASH_CUDA_SKIP");
@@ -2129,6 +2192,8 @@ void qfc::dec_setup(ctx *c) {
     c->route = ro ? atoi(ro) : 2;
     const char *pf = getenv("QFLASH_CUDA_MOE_PF"); // 1: the one-kernel MoE asks for every gate/up byte at once (moe_pf_gate_up)
     c->moe_pf = pf && *pf == '1';
+    const char *mi = getenv("QFLASH_CUDA_MOE_IN"); // 1: ffn_in joins the one-kernel MoE (k_moe_one FI)
+    c->moe_in = mi && *mi == '1';
     // decode kernels in graphs wait on the block count of the kernel before (struct dep; QFLASH_CUDA_DEP=1,
     // opt-in until measured; not with QFLASH_CUDA_SKIP: a skipped kernel never counts)
     const char *dp = getenv("QFLASH_CUDA_DEP");
