@@ -337,6 +337,54 @@ static float *down_f(const float *d, size_t n) {
     gpu.ops->download(&gpu, h, d, n * sizeof *h);
     return h;
 }
+
+/* gdn_gn (the step with out_proj's gated norm applied to its output; QFLASH_CUDA_GDN_GN=1): the normed
+ * output and state against the CPU, and out_proj's product from it (no pre) bit for bit against the
+ * product with the gated pre from the plain step's output. */
+static void test_dec_gdn_gn(int nk, int nv, int dk, int dv) {
+    int qk = nk * dk, cd = 2 * qk + nv * dv, stride = cd + nv * dv + 2 * nv + 5, H = 2048;
+    float *mixed = qt_rnd((size_t)stride, 1.0f), *S = qt_rnd((size_t)nv * dk * dv, 0.1f), *out = malloc((size_t)nv * dv * 4), *gw = qt_rnd(dv, 1.0f);
+    for (int h = 0; h < nv; h++) {
+        float *r = mixed + cd + nv * dv;
+        r[h] = 0.5f + 0.4f * qt_frand(), r[nv + h] = -0.3f + 0.25f * qt_frand();
+    }
+    float *dm = up_f(mixed, (size_t)stride), *dS = up_f(S, (size_t)nv * dk * dv), *dS2 = up_f(S, (size_t)nv * dk * dv), *dw = up_f(gw, dv);
+    float *dout = gpu.ops->alloc(&gpu, (size_t)nv * dv * 4), *dout2 = gpu.ops->alloc(&gpu, (size_t)nv * dv * 4);
+    qf_gdn_args a = {mixed, mixed + qk, mixed + 2 * qk, stride, mixed + cd + nv * dv, mixed + cd + nv * dv + nv, S, out, 1, nk, nv, dk, dv};
+    ref.ops->gdn(&ref, &a);
+    for (int h = 0; h < nv; h++) { /* the gated norm, as out_proj's pre */
+        float *o = out + (size_t)h * dv, ss = 0.0f;
+        for (int d = 0; d < dv; d++) ss += o[d] * o[d];
+        float inv = 1.0f / sqrtf(ss / (float)dv + 1e-6f);
+        for (int d = 0; d < dv; d++) {
+            float z = mixed[cd + h * dv + d];
+            o[d] = z / (1.0f + expf(-z)) * (o[d] * inv * gw[d]);
+        }
+    }
+    qf_gdn_dec g = {dm, stride, 1, nk, nv, dk, dv, {dS}, dout}, g2 = g;
+    g2.S[0] = dS2, g2.out = dout2;
+    qf_pre gn = {QF_PRE_GATED_NORM, dw, dm + cd, stride, dv, dv, 1e-6f};
+    int done = gpu.ops->dec->gdn_gn && gpu.ops->dec->gdn_gn(&gpu, &g, &gn);
+    CHECK(done, "gdn_gn did not take %d/%d heads of %d/%d", nk, nv, dk, dv);
+    char s[64];
+    snprintf(s, sizeof s, "%d/%d heads of %d/%d", nk, nv, dk, dv);
+    report("dec gdn_gn out", s, cmp(dout, out, (size_t)nv * dv), 1e-4);
+    report("dec gdn_gn state", s, cmp(dS, S, (size_t)nv * dk * dv), 1e-4);
+    void *hw;
+    qf_mat w = bf16_mat(H, (int64_t)nv * dv, &hw);
+    w.data = up(hw, (size_t)H * nv * dv * 2);
+    float *y1 = gpu.ops->alloc(&gpu, (size_t)H * 4), *y2 = gpu.ops->alloc(&gpu, (size_t)H * 4);
+    gpu.ops->dec->gdn(&gpu, &g2);
+    gpu.ops->dec->matmul(&gpu, &w, dout2, 1, &gn, NULL, 0, y1);
+    gpu.ops->dec->matmul(&gpu, &w, dout, 1, NULL, NULL, 0, y2);
+    float *h1 = down_f(y1, (size_t)H), *h2 = down_f(y2, (size_t)H);
+    CHECK(memcmp(h1, h2, (size_t)H * 4) == 0, "out_proj from gdn_gn's output differs from out_proj with the gated pre");
+    fprintf(stderr, "  %-18s %-40s %s\n", "dec gdn_gn+out", s, memcmp(h1, h2, (size_t)H * 4) ? "DIFFERS" : "bit for bit");
+    free(mixed), free(S), free(out), free(gw), free(hw), free(h1), free(h2);
+    void *d[] = {dm, dS, dS2, dw, dout, dout2, (void *)w.data, y1, y2};
+    for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
+}
+
 /* E > 0: the MoE block joins (E experts top-K, widths I and S; ffn_in then has E + 2S + 1 rows) and
  * runs after the three ops on the chain's side; bench: both sides timed, eager. */
 typedef struct tail_moe_shape {
@@ -768,6 +816,12 @@ static void switch_checks(void) {
         test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 1); /* the MoE op alone on that backend */
     }
     unsetenv("QFLASH_CUDA_MOE_IN");
+    if (restart_with("QFLASH_CUDA_GDN_GN", "1")) { /* the step a head per block, with out_proj's gated norm */
+        test_dec_gdn_gn(16, 32, 128, 128);
+        test_dec_gdn_gn(16, 32, 128, 128);
+        test_dec_gdn(1, 16, 32, 128, 128); /* the plain op on that backend */
+    }
+    unsetenv("QFLASH_CUDA_GDN_GN");
     if (restart_with("QFLASH_CUDA_BULK", "0")) { /* one-row in_proj in the register kernel (the default before, and off sm_90) */
         test_dec_gdn_proj(1);
         test_dec_matmul(QF_PRE_RMSNORM, 12352, 2048, 1, 1, 0);

@@ -220,8 +220,9 @@ static int dec_linear_attn(fwd *f, int L, const qf_pre *norm, const qf_pre *fn, 
     qf_pre gn = {QF_PRE_GATED_NORM, w->gnorm, big + cd, stride, dv, dv, c->norm_eps};
     int done = d->gdn_tail ? d->gdn_tail(be, &g, &w->w_out, &gn, WS(f->ws, x), &w->ffn_in, fn, WS(f->ws, drl), mo) : 0;
     if (done) return done;
-    d->gdn(be, &g);
-    d->matmul(be, &w->w_out, core, f->N, &gn, NULL, 1, WS(f->ws, x));
+    int normed = d->gdn_gn && d->gdn_gn(be, &g, &gn); /* core is gn(core) already */
+    if (!normed) d->gdn(be, &g);
+    d->matmul(be, &w->w_out, core, f->N, normed ? NULL : &gn, NULL, 1, WS(f->ws, x));
     return 0;
 }
 

@@ -858,7 +858,8 @@ struct gdn_task {
 #pragma unroll
         for (int i = 0; i < HK; i++) s[i] = i < n && live ? S[(int64_t)i * dv] : 0.0f;
     }
-    __device__ __forceinline__ void run(const qf_gdn_dec &a, float *qn, float *kn) {
+    // returns the column's output (every lane of the column has it; 0 for dead lanes)
+    __device__ __forceinline__ float run(const qf_gdn_dec &a, float *qn, float *kn) {
         int lane = threadIdx.x & 31, dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk), qk = a.nk * dk, zb = 2 * qk + 2 * a.nv * dv;
         const float *row = a.mixed + (int64_t)t * a.stride, *q = row + kh * dk, *k = row + qk + kh * dk;
         // every load of this token's inputs issued before the first is used
@@ -887,11 +888,12 @@ struct gdn_task {
 #pragma unroll
         for (int m = 1; m < LPC; m <<= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
         __syncwarp(); // qn, kn may be the next task's
-        if (!live) return;
+        if (!live) return 0.0f;
         if (!part) a.out[((int64_t)t * a.nv + h) * dv + j] = o;
 #pragma unroll
         for (int i = 0; i < HK; i++)
             if (i < n) S[(int64_t)i * dv] = s[i];
+        return o;
     }
 };
 
@@ -912,6 +914,45 @@ __global__ void k_gdn_dec(qf_gdn_dec a, dep d) {
     dep_signal(d);
 }
 
+// The step with a whole value head per block (dv / (32 / LPC) warps: 16 at dv 128, LPC 4) that
+// also applies out_proj's gated norm to the head's output (QFLASH_CUDA_GDN_GN=1, opt-in until
+// measured): out_proj then stages its input with one load per element, where its gated staging
+// walked 4 heads per warp one memory latency each. The norm repeats stage_heads' sums in its order
+// (a warp over the head, lane + 32 u), so the product's input is bit for bit what it was.
+struct gdn_gate {
+    const float *w, *g; // norm weight (dv); gate of row t, head h at g + t * gs + h * ghs
+    int gs, ghs;
+    float eps;
+};
+template <int DK, int LPC>
+__global__ void __launch_bounds__(512) k_gdn_head(qf_gdn_dec a, gdn_gate gg) {
+    constexpr int CPW = 32 / LPC, NW = 512 / 32;
+    __shared__ float qkn[NW * 2 * DK], on[NW * CPW], inv_s; // a warp's DK of qn then DK of kn; the head's outputs
+    if (skipped(SK_GDN)) return;
+    tr(SK_GDN, TR_START);
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, h = blockIdx.x, t = blockIdx.z, dv = a.dv;
+    gdn_task<DK, LPC> w;
+    w.load(a, h, warp, t); // state of earlier steps: before the wait
+    pdl_wait();
+    tr(SK_GDN, TR_WAIT);
+    pdl_launch();
+    float *qk = qkn + warp * 2 * DK;
+    float o = w.run(a, qk, qk + DK);
+    if (w.live && !w.part) on[w.j] = o;
+    __syncthreads();
+    const float *gv = gg.g + (int64_t)t * gg.gs + (int64_t)h * gg.ghs;
+    if (warp == 0) { // stage_heads' 1/rms: lane + 32 u, then the warp's sum
+        float ss = 0.0f;
+        for (int d = lane; d < dv; d += 32) ss += on[d] * on[d];
+        ss = warp_sum(ss);
+        if (lane == 0) inv_s = 1.0f / sqrtf(ss / (float)dv + gg.eps);
+    }
+    __syncthreads();
+    float inv = inv_s;
+    for (int d = threadIdx.x; d < dv; d += blockDim.x) a.out[((int64_t)t * a.nv + h) * dv + d] = silu(gv[d]) * (on[d] * inv * gg.w[d]);
+    tr_end(SK_GDN);
+}
+
 // Lanes per value column of the DeltaNet step (QFLASH_CUDA_GDN_LPC): more lanes, more warps and
 // shorter chains per warp; key dims up to 64 take 2.
 int gdn_lanes(const ctx *c, int dk) { return dk <= 64 ? 2 : c->gdn_lpc == 2 || c->gdn_lpc == 8 ? c->gdn_lpc : 4; }
@@ -926,6 +967,17 @@ void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
     }
     void (*k)(qf_gdn_dec, dep) = a->dk <= 32 ? k_gdn_dec<32, 2> : a->dk <= 64 ? k_gdn_dec<64, 2> : lpc == 2 ? k_gdn_dec<128, 2> : lpc == 4 ? k_gdn_dec<128, 4> : k_gdn_dec<128, 8>;
     launch(c, "k_gdn_dec", 1, k, g, dim3(32), 0u, *a);
+}
+
+// gdn(g) then the gated norm of its output in place (k_gdn_head); 0: not taken (a shape it is not
+// built for: key dims 128 at 4 lanes per column, value heads of 128).
+int dec_gdn_gn(qf_backend *be, const qf_gdn_dec *a, const qf_pre *gn) {
+    ctx *c = C(be);
+    if (!c->gdn_gn || a->dk != 128 || a->dv != 128 || gdn_lanes(c, a->dk) != 4 || !gn || gn->kind != QF_PRE_GATED_NORM || gn->head != a->dv)
+        return 0;
+    gdn_gate gg = {gn->w, gn->g, (int)gn->g_stride, (int)gn->g_hstride, gn->eps};
+    launch(c, "k_gdn_head", 1, k_gdn_head<128, 4>, dim3(a->nv, 1, a->n), dim3(a->dv / 8 * 32), 0u, *a, gg);
+    return 1;
 }
 
 // ---- attention, one new token per row ----
@@ -2156,7 +2208,7 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
 
 } // namespace
 
-const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_tail, dec_moe_in};
+const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_tail, dec_moe_in, dec_gdn_gn};
 
 void qfc::dec_setup(ctx *c) {
     const char *bps = getenv("QFLASH_CUDA_BPS"), *early = getenv("QFLASH_CUDA_EARLY"), *skip = getenv("QFLASH_CUDA_SKIP");
@@ -2192,6 +2244,8 @@ void qfc::dec_setup(ctx *c) {
     c->route = ro ? atoi(ro) : 2;
     const char *pf = getenv("QFLASH_CUDA_MOE_PF"); // 1: the one-kernel MoE asks for every gate/up byte at once (moe_pf_gate_up)
     c->moe_pf = pf && *pf == '1';
+    const char *gg = getenv("QFLASH_CUDA_GDN_GN"); // 1: the step a head per block, with out_proj's gated norm (k_gdn_head)
+    c->gdn_gn = gg && *gg == '1';
     const char *mi = getenv("QFLASH_CUDA_MOE_IN"); // 1: ffn_in joins the one-kernel MoE (k_moe_one FI)
     c->moe_in = mi && *mi == '1';
     // decode kernels in graphs wait on the block count of the kernel before (struct dep; QFLASH_CUDA_DEP=1,
