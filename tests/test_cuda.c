@@ -816,12 +816,12 @@ static void switch_checks(void) {
         test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 1); /* the MoE op alone on that backend */
     }
     unsetenv("QFLASH_CUDA_MOE_IN");
-    if (restart_with("QFLASH_CUDA_GDN_GN", "1")) { /* the step a head per block, with out_proj's gated norm */
-        test_dec_gdn_gn(16, 32, 128, 128);
-        test_dec_gdn_gn(16, 32, 128, 128);
-        test_dec_gdn(1, 16, 32, 128, 128); /* the plain op on that backend */
+    if (restart_with("QFLASH_CUDA_MOE_PF", "2")) { /* only the expert table in shared memory */
+        test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
+        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
+        test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
     }
-    unsetenv("QFLASH_CUDA_GDN_GN");
+    unsetenv("QFLASH_CUDA_MOE_PF");
     if (restart_with("QFLASH_CUDA_BULK", "0")) { /* one-row in_proj in the register kernel (the default before, and off sm_90) */
         test_dec_gdn_proj(1);
         test_dec_matmul(QF_PRE_RMSNORM, 12352, 2048, 1, 1, 0);
@@ -907,6 +907,8 @@ int main(int argc, char **argv) {
     test_moe(4, 1);
     test_moe(16, 1);
     for (int n = 1; n <= QF_DEC_ROWS; n = n == 1 ? 8 : n + 8) dec_row_checks(n);
+    test_dec_gdn_gn(16, 32, 128, 128); /* the step with out_proj's gated norm (the default one-row step); twice in a row */
+    test_dec_gdn_gn(16, 32, 128, 128);
     test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 3, 1); /* the fixtures' small heads */
     test_dec_gdn(3, 4, 8, 32, 32);
     test_dec_moe(3, 64, 4, 192, 32, 192, 0, 0);

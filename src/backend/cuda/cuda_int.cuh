@@ -107,9 +107,9 @@ struct ctx {
     int early;                    // decode kernels issue their first weight loads before waiting (QFLASH_CUDA_EARLY, default 1)
     int moe1;                     // one-row MoE blocks in one kernel, gate/up and down a grid count apart (QFLASH_CUDA_MOE1, default 1)
     unsigned *moe_cnt;            // grid counts, zero between launches: [0..1] the one-kernel MoE's, [4..11] the DeltaNet tail's
-    int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (QFLASH_CUDA_GDN_GN=1)
+    int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (default; QFLASH_CUDA_GDN_GN=0: off)
     int moe_in;                   // ffn_in joins the one-kernel MoE (QFLASH_CUDA_MOE_IN=1)
-    int moe_pf;                   // the one-kernel MoE asks for all its gate/up rows at once, the second pair per warp by cp.async (QFLASH_CUDA_MOE_PF=1)
+    int moe_pf;                   // the one-kernel MoE asks for all its gate/up rows at once, the second pair per warp by cp.async (QFLASH_CUDA_MOE_PF=1; 2: only its expert table in shared memory)
     int route;                    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (QFLASH_CUDA_ROUTE)
     int wide;                     // one-row gated norms of wide heads staged with every load at once (QFLASH_CUDA_WIDE=1, default off)
     int bulk;                     // kinds of one-row products fed by bulk copies into per-warp rings (QFLASH_CUDA_BULK=mask, sm_90; default 8: in_proj/qkv)

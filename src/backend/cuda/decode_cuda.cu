@@ -915,9 +915,9 @@ __global__ void k_gdn_dec(qf_gdn_dec a, dep d) {
 }
 
 // The step with a whole value head per block (dv / (32 / LPC) warps: 16 at dv 128, LPC 4) that
-// also applies out_proj's gated norm to the head's output (QFLASH_CUDA_GDN_GN=1, opt-in until
-// measured): out_proj then stages its input with one load per element, where its gated staging
-// walked 4 heads per warp one memory latency each. The norm repeats stage_heads' sums in its order
+// also applies out_proj's gated norm to the head's output (the default; QFLASH_CUDA_GDN_GN=0: off):
+// out_proj then stages its input with one load per element, where its gated staging walked 4 heads
+// per warp one memory latency each (whole model 2948.1 -> 2820.0 us a step, notes session 9). The norm repeats stage_heads' sums in its order
 // (a warp over the head, lane + 32 u), so the product's input is bit for bit what it was.
 struct gdn_gate {
     const float *w, *g; // norm weight (dv); gate of row t, head h at g + t * gs + h * ghs
@@ -1444,7 +1444,7 @@ __device__ __forceinline__ void moe_pf_gate_up(const void *const *tab, int E, in
 }
 
 // Shared memory of k_moe_one past x and the down inputs when PF: the ring, then the table.
-size_t moe_pf_bytes(int HL, int E) { return (size_t)8 * 2 * HL * 32 * 16 + (size_t)3 * E * sizeof(void *); }
+size_t moe_pf_bytes(int HL, int E) { return (size_t)8 * 2 * HL * 32 * 16 + (size_t)3 * E * sizeof(void *); } // HL 0: the table alone
 
 // The whole MoE block of one row in one kernel (QFLASH_CUDA_MOE1, default on): every block stages
 // x * norm weight and routes; the grid's warps compute the chosen experts' gate/up rows; then each
@@ -1460,7 +1460,7 @@ struct moe_fi {
     const uint16_t *w;
     int rows;
 };
-template <int HL, int PL, int ROUTE = 0, bool PF = false, bool FI = false> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default); PF: moe_pf
+template <int HL, int PL, int ROUTE = 0, int PF = 0, bool FI = false> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default); PF: moe_pf (2: its table alone)
 __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late, moe_fi fi,
                                                     dep d) {
     extern __shared__ float4 dyn[];
@@ -1471,7 +1471,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     int gw = blockIdx.x * (blockDim.x / 32) + tid / 32, nw = gridDim.x * (blockDim.x / 32);
     float *xs = (float *)dyn, *hs = xs + H; // x * norm weight; the down parts' inputs (part q at hs + q * I)
     tr(SK_MOE_GU, TR_START);
-    if constexpr (PF) tab = moe_pf_table(tab, E, (uint4 *)(hs + K * I + S) + blockDim.x / 32 * 2 * HL * 32);
+    if constexpr (PF > 0) tab = moe_pf_table(tab, E, (uint4 *)(hs + K * I + S) + (PF == 1 ? blockDim.x / 32 * 2 * HL * 32 : 0));
     uint4 fw[FI ? HL : 1];
     if constexpr (FI) {
         late = 1;
@@ -1506,7 +1506,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     tr(SK_MOE_GU, TR_ROUTED);
     dn_row<PL> w;
     int i = gw, have = i < H;
-    if constexpr (PF) {
+    if constexpr (PF == 1) {
         moe_pf_gate_up<HL>(tab, E, K, I, H, ti, xs, inv, hbuf, (uint4 *)(hs + K * I + S), [&]() {
             if (have) w.load(dp, K, I, S, i, 0);
         });
@@ -1645,19 +1645,20 @@ int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late
     int H = a->hidden, I = a->ffn, S = a->sh_ffn;
     typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int, moe_fi, dep);
     int mc = I > S ? I : S;
-    int f = c->route, pf = c->moe_pf && f == 2 && H <= 2048 && mc <= 512;
+    int f = c->route, pf = f == 2 && H <= 2048 && mc <= 512 ? c->moe_pf : 0;
     if (fi.w && (f != 2 || pf || H > 2048 || mc > 512)) return 0; // the fused ffn_in's instantiations
-    fn k = fi.w                      ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, false, true> : k_moe_one<8, 2, 2, false, true>)
-           : pf                      ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, true> : k_moe_one<8, 2, 2, true>)
+    fn k = fi.w                      ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, 0, true> : k_moe_one<8, 2, 2, 0, true>)
+           : pf == 1                 ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, 1> : k_moe_one<8, 2, 2, 1>)
+           : pf                      ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, 2> : k_moe_one<8, 2, 2, 2>)
            : H <= 256 && mc <= 256  ? (f == 2 ? k_moe_one<1, 1, 2> : f ? k_moe_one<1, 1, 1> : k_moe_one<1, 1>)
            : H <= 2048 && mc <= 512 ? (f == 2 ? k_moe_one<8, 2, 2> : f ? k_moe_one<8, 2, 1> : k_moe_one<8, 2>)
            : H <= 4096 && mc <= 512 ? (f == 2 ? k_moe_one<16, 2, 2> : f ? k_moe_one<16, 2, 1> : k_moe_one<16, 2>)
                                     : NULL;
     if (!k) return 0;
-    size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float) + (pf ? moe_pf_bytes(H <= 256 && mc <= 256 ? 1 : 8, a->n_experts) : 0);
+    size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float) + (pf ? moe_pf_bytes(pf == 1 ? (H <= 256 && mc <= 256 ? 1 : 8) : 0, a->n_experts) : 0);
     int grid = resident(c, (const void *)k, 256, smem) * (c->sms > 0 ? c->sms : 1);
     if (fi.w && fi.rows > 8 * grid) return 0; // a warp per ffn_in row
-    if (pf && a->top_k * I > 2 * 8 * grid) { // more than two pairs a warp: the kernel without prefetch
+    if (pf == 1 && a->top_k * I > 2 * 8 * grid) { // more than two pairs a warp: the kernel without prefetch
         c->moe_pf = 0;
         int r = moe_one(c, tab, a, hbuf, late, fi);
         c->moe_pf = 1;
@@ -2242,10 +2243,13 @@ void qfc::dec_setup(ctx *c) {
     // model 2996.9 -> 2945.2 us a step in one call, notes session 7)
     const char *ro = getenv("QFLASH_CUDA_ROUTE");
     c->route = ro ? atoi(ro) : 2;
-    const char *pf = getenv("QFLASH_CUDA_MOE_PF"); // 1: the one-kernel MoE asks for every gate/up byte at once (moe_pf_gate_up)
-    c->moe_pf = pf && *pf == '1';
-    const char *gg = getenv("QFLASH_CUDA_GDN_GN"); // 1: the step a head per block, with out_proj's gated norm (k_gdn_head)
-    c->gdn_gn = gg && *gg == '1';
+    // 1: the one-kernel MoE asks for every gate/up byte at once (moe_pf_gate_up); 2: only its expert table in shared memory
+    const char *pf = getenv("QFLASH_CUDA_MOE_PF");
+    c->moe_pf = pf && (*pf == '1' || *pf == '2') ? *pf - '0' : 0;
+    // the DeltaNet step a value head per block, with out_proj's gated norm (k_gdn_head; QFLASH_CUDA_GDN_GN=0: off): whole
+    // model 2948.1 -> 2820.0 us a step in one call (notes, session 9)
+    const char *gg = getenv("QFLASH_CUDA_GDN_GN");
+    c->gdn_gn = !(gg && *gg == '0');
     const char *mi = getenv("QFLASH_CUDA_MOE_IN"); // 1: ffn_in joins the one-kernel MoE (k_moe_one FI)
     c->moe_in = mi && *mi == '1';
     // decode kernels in graphs wait on the block count of the kernel before (struct dep; QFLASH_CUDA_DEP=1,
