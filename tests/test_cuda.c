@@ -590,52 +590,6 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench, in
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
 }
 
-/* ffn_in and the MoE block as one op (moe_in; QFLASH_CUDA_MOE_IN=1): the router logits and shared
- * rows it writes, and x after it, against ffn_in's product and the MoE block on the CPU. */
-static void test_dec_moe_in(int E, int K, int H, int I, int S, int bench) {
-    void *hsd, *hfi;
-    int R = E + 2 * S + 1;
-    qf_mat sd = bf16_mat(H, S, &hsd), fi = bf16_mat(R, H, &hfi);
-    test_experts ex = make_experts(E, I, H);
-    float *x = qt_rnd((size_t)H, 1.0f), *nw = qt_rnd(H, 1.0f), *want = copy_f(x, (size_t)H), *rl = malloc((size_t)R * 4);
-    float *xn = malloc((size_t)H * 4), *gb = malloc((size_t)I * 4), *ub = malloc((size_t)I * 4), *hb = malloc((size_t)(I > S ? I : S) * 4);
-    float *yb = malloc((size_t)H * 4), *acc = calloc((size_t)H, 4), w[64];
-    int ti[64];
-    ref.ops->rmsnorm(&ref, x, H, nw, 1, H, 1e-6f, xn, H);
-    ref.ops->matmul(&ref, &fi, xn, 1, rl);
-    qf_ref_route(rl, E, K, ti, w);
-    ref_experts(ex.host, ti, w, K, xn, I, H, gb, ub, hb, yb, acc);
-    ref.ops->swiglu(&ref, rl + E, rl + E + S, S, 1, S, hb);
-    ref.ops->matmul(&ref, &sd, hb, 1, yb);
-    ref.ops->sigmoid_scale_add(&ref, acc, yb, rl + E + 2 * S, 1, H);
-    ref.ops->axpy(&ref, want, acc, 1.0f, H);
-    qf_mat dsd = sd, dfi = fi;
-    dsd.data = up(hsd, (size_t)H * S * 2), dfi.data = up(hfi, (size_t)R * H * 2);
-    float *drl = gpu.ops->alloc(&gpu, (size_t)R * 4), *dx = up_f(x, (size_t)H), *dnw = up_f(nw, H);
-    qf_moe_dec a = {ex.dev, E, K, 1, H, I, S, dnw, 1e-6f, drl, R, &dsd, dx};
-    qf_pre fn = {QF_PRE_RMSNORM, dnw, NULL, 0, 0, 0, 1e-6f};
-    int done = gpu.ops->dec->moe_in && gpu.ops->dec->moe_in(&gpu, &dfi, &fn, &a);
-    CHECK(done, "moe_in did not take %d experts top-%d, %d/%d, shared %d", E, K, H, I, S);
-    char s[80];
-    snprintf(s, sizeof s, "%d experts top-%d, %d/%d, shared %d", E, K, H, I, S);
-    report("dec moe_in rl", s, cmp(drl, rl, (size_t)R), 1e-5);
-    report("dec moe_in x", s, cmp(dx, want, (size_t)H), 1e-5);
-    if (bench && done) { /* one row: ffn_in's rows, K experts x 3 matrices, the shared down */
-        int reps = 200;
-        qf_cuda_sync(&gpu);
-        double t0 = qf_now();
-        for (int i = 0; i < reps; i++) gpu.ops->dec->moe_in(&gpu, &dfi, &fn, &a);
-        qf_cuda_sync(&gpu);
-        double dt = (qf_now() - t0) / reps, bytes = ((double)R * H + K * 3.0 * I * H + (double)H * S) * 2;
-        fprintf(stderr, "  dec moe_in: %.1f us per call, %.0f GB/s of weights (%.0f%% of 4300 GB/s copy)\n", dt * 1e6, bytes / dt / 1e9,
-                100 * bytes / dt / 4.3e12);
-    }
-    free_experts(&ex);
-    free(hsd), free(hfi), free(x), free(nw), free(want), free(rl), free(xn), free(gb), free(ub), free(hb), free(yb), free(acc);
-    void *d[] = {(void *)dsd.data, (void *)dfi.data, drl, dx, dnw};
-    for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
-}
-
 static void test_dec_argmax(int n, int cols) {
     float *x = qt_rnd((size_t)n * cols, 5.0f);
     int32_t want[QF_DEC_ROWS], got[QF_DEC_ROWS];
@@ -736,8 +690,7 @@ static void streamed_checks(void) {
 
 /* One-row products fed by bulk copies (QFLASH_CUDA_BULK=15: every kind, sm_90): every one-row shape of a step
  * (in_proj with its epilogue, out_proj, o_proj, ffn_in, lm_head), a shape that is no whole row
- * per slot (512 and 4096 columns), rows fewer than the warps, one block per SM, and the last rows
- * of a warp in registers. */
+ * per slot (512 and 4096 columns), rows fewer than the warps, and one block per SM. */
 static void bulk_checks(void) {
     if (!restart_with("QFLASH_CUDA_BULK", "15")) return;
     dec_row_checks(1);
@@ -754,16 +707,6 @@ static void bulk_checks(void) {
     }
     unsetenv("QFLASH_CUDA_BULK_BLOCKS");
     unsetenv("QFLASH_CUDA_BULK");
-    /* a warp's last rows in registers beside the ring (QFLASH_CUDA_BULK_RG=1; 2048 columns): warps of
-     * 5-6 rows (in_proj), of 4 (one row in registers) and of 1 (the ring only) */
-    if (restart_with("QFLASH_CUDA_BULK_RG", "1")) {
-        test_dec_gdn_proj(1);
-        test_dec_matmul(QF_PRE_RMSNORM, 12352, 2048, 1, 1, 0);
-        test_dec_matmul(QF_PRE_RMSNORM, 8448, 2048, 1, 1, 1);
-        test_dec_matmul(QF_PRE_NONE, 100, 2048, 1, 1, 1);
-        bench_dec_matmul(12352, 2048, 1);
-    }
-    unsetenv("QFLASH_CUDA_BULK_RG");
 }
 
 /* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), one-row gated norms staged with every
@@ -798,27 +741,11 @@ static void switch_checks(void) {
         test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1); /* E not a multiple of 4: padded */
     }
     unsetenv("QFLASH_CUDA_ROUTE");
-    if (restart_with("QFLASH_CUDA_MOE_PF", "1")) { /* every gate/up byte asked for at once: the same sums in the same order */
+    if (restart_with("QFLASH_CUDA_MOE_PF", "2")) { /* the expert table in shared memory: twice in a row (the counts back at zero) */
         test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
-        test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 0); /* again: the grid counts back at zero */
+        test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 0);
         test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
         test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
-        test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
-        test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1);
-    }
-    unsetenv("QFLASH_CUDA_MOE_PF");
-    if (restart_with("QFLASH_CUDA_MOE_IN", "1")) { /* ffn_in joins the one-kernel MoE: several in a row (its counts back at zero) */
-        test_dec_moe_in(256, 8, 2048, 512, 512, 1);
-        test_dec_moe_in(256, 8, 2048, 512, 512, 0);
-        test_dec_moe_in(64, 4, 192, 32, 192, 0);
-        test_dec_moe_in(8, 2, 128, 64, 64, 0);
-        test_dec_moe_in(250, 8, 256, 64, 64, 0);
-        test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 1); /* the MoE op alone on that backend */
-    }
-    unsetenv("QFLASH_CUDA_MOE_IN");
-    if (restart_with("QFLASH_CUDA_MOE_PF", "2")) { /* only the expert table in shared memory */
-        test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
-        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
         test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
     }
     unsetenv("QFLASH_CUDA_MOE_PF");

@@ -164,9 +164,6 @@ typedef struct qf_dec_ops {
      * g->nv == 0: no step, g->out is w_out's input (an attention layer's; gn its sigmoid gate). */
     int (*gdn_tail)(qf_backend *be, const qf_gdn_dec *g, const qf_mat *w_out, const qf_pre *gn, float *x, const qf_mat *ffn_in,
                     const qf_pre *fn, float *rl, const qf_moe_dec *moe);
-    /* Optional (NULL, or 0 returned when not taken): matmul(ffn_in, moe->x, fn) into moe->rl, then
-     * moe(moe), as one. 1: done. */
-    int (*moe_in)(qf_backend *be, const qf_mat *ffn_in, const qf_pre *fn, const qf_moe_dec *moe);
     /* Optional (NULL, or 0 returned when not taken): gdn(g), then g->out = gn(g->out) in place
      * (gn a GATED_NORM over heads of g->dv), as one: what w_out's product then reads without a pre. 1: done. */
     int (*gdn_gn)(qf_backend *be, const qf_gdn_dec *g, const qf_pre *gn);

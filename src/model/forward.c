@@ -239,7 +239,6 @@ static void dec_layer(fwd *f, int L) {
     int done = 0; /* 1: ffn_in ran, 2: the MoE block too */
     if (w->kind == QF_LAYER_FULL) done = dec_full_attn(f, L, &an, &fn, &mo);
     else done = dec_linear_attn(f, L, &an, &fn, &mo);
-    if (!done && OPS->dec->moe_in && OPS->dec->moe_in(be, &w->ffn_in, &fn, &mo)) done = 2;
     if (!done) OPS->dec->matmul(be, &w->ffn_in, WS(f->ws, x), f->N, &fn, NULL, 0, rl);
     if (done < 2) OPS->dec->moe(be, &mo);
 }

@@ -85,16 +85,6 @@ struct profile {
     int pend_name[PROF_RING];
 };
 
-// A decode kernel's link to the one before it in a graph (QFLASH_CUDA_DEP=1, opt-in until measured):
-// instead of griddepcontrol.wait (which returns ~1.5-2 us after the kernel before has ended,
-// notes), the kernel waits until `in` counts n_in blocks of the kernel before, each of which adds
-// one at its end after its writes (`out`: this kernel's own count; NULL: it counts nothing). The
-// counts are one word per graph node, zeroed by a memset node at the start of every step.
-struct dep {
-    unsigned *in, n_in, *out;
-};
-#define DEP_SLOTS 4096
-
 struct ctx {
     int device, fp32, bf16_single;
     int sms, smem_optin, smem_sm; // multiprocessors; shared memory a block may opt in to, and per SM
@@ -108,22 +98,16 @@ struct ctx {
     int moe1;                     // one-row MoE blocks in one kernel, gate/up and down a grid count apart (QFLASH_CUDA_MOE1, default 1)
     unsigned *moe_cnt;            // grid counts, zero between launches: [0..1] the one-kernel MoE's, [4..11] the DeltaNet tail's
     int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (default; QFLASH_CUDA_GDN_GN=0: off)
-    int moe_in;                   // ffn_in joins the one-kernel MoE (QFLASH_CUDA_MOE_IN=1)
-    int moe_pf;                   // the one-kernel MoE asks for all its gate/up rows at once, the second pair per warp by cp.async (QFLASH_CUDA_MOE_PF=1; 2: only its expert table in shared memory)
+    int moe_pf;                   // the one-kernel MoE's expert table in shared memory (QFLASH_CUDA_MOE_PF=2)
     int route;                    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (QFLASH_CUDA_ROUTE)
     int wide;                     // one-row gated norms of wide heads staged with every load at once (QFLASH_CUDA_WIDE=1, default off)
     int bulk;                     // kinds of one-row products fed by bulk copies into per-warp rings (QFLASH_CUDA_BULK=mask, sm_90; default 8: in_proj/qkv)
-    int bulk_rg;                  // the bulk kernel also loads a warp's last rows into registers before its wait (QFLASH_CUDA_BULK_RG=1)
     int bulk_blocks;              // their blocks per SM (QFLASH_CUDA_BULK_BLOCKS: 1 or 2, default 2)
     int tail;                     // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (QFLASH_CUDA_TAIL=1; 2: weights read in place; sm_90)
     int tail_dsm;                 // the joined MoE's second down rows bulk-copied before its count (QFLASH_CUDA_TAIL_DSM)
     int tail_nw;                  // warps a block of the joined tail: 8 (bulk-copy ring) or 16 (registers; QFLASH_CUDA_TAIL_NW)
     int x_late;                   // the next MoE launch must stage x after its wait (the kernel before it wrote x)
     int cc_major;                 // the device's compute capability, major
-    int dep_on;                   // decode kernels in graphs wait on their predecessor's block count (struct dep; QFLASH_CUDA_DEP=1)
-    unsigned *dep_slots;          // DEP_SLOTS counts, one per graph node
-    int dep_node;                 // the node of the last kernel that counts its blocks (-2: none this step)
-    unsigned dep_grid;            // its blocks
     profile prof;
     graph_state gs;
     cublasHandle_t blas;
@@ -221,29 +205,10 @@ inline void carve(ctx *c, const void *fn) {
     if (c->n_carved < (int)(sizeof c->carved / sizeof *c->carved)) c->carved[c->n_carved++] = fn;
 }
 
-// The dep of a kernel about to be added as the graph's next node (a programmatic launch): it
-// counts its blocks into that node's slot, and waits on the node before when that one counts too.
-inline dep dep_next(ctx *c, dim3 g, int pdl) {
-    graph_state *s = &c->gs;
-    dep d = {NULL, 0u, NULL};
-    if (!c->dep_on || !c->dep_slots || s->mode == G_EAGER || !pdl || !c->pdl || s->n >= DEP_SLOTS) return d;
-    d.out = c->dep_slots + s->n;
-    if (s->n > 0 && c->dep_node == s->n - 1) d.in = c->dep_slots + s->n - 1, d.n_in = c->dep_grid;
-    c->dep_node = s->n, c->dep_grid = g.x * g.y * g.z;
-    return d;
-}
-
-// A kernel whose last parameter is a dep is launched with one argument fewer: launch() adds it.
-template <typename... P, typename... A>
-inline std::tuple<P...> kernel_args(ctx *c, dim3 g, int pdl, A &&...a) {
-    if constexpr (sizeof...(A) + 1 == sizeof...(P)) return std::tuple<P...>(std::forward<A>(a)..., dep_next(c, g, pdl));
-    else return std::tuple<P...>(std::forward<A>(a)...);
-}
-
 template <typename... P, typename... A>
 inline void launch(ctx *c, const char *name, int pdl, void (*k)(P...), dim3 g, dim3 b, unsigned smem, A &&...a) {
     if (c->gs.mode != G_REPLAY) carve(c, (const void *)k); // a replayed kernel was recorded, so carved, before
-    std::tuple<P...> vals = kernel_args<P...>(c, g, pdl, std::forward<A>(a)...); // converted to the kernel's own parameter types
+    std::tuple<P...> vals(std::forward<A>(a)...); // converted to the kernel's own parameter types
     void *args[sizeof...(P) + 1];
     std::apply([&](auto &...v) {
         int i = 0;

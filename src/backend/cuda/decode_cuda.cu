@@ -350,32 +350,6 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
     return v;
 }
 
-// Instead of pdl_wait (struct dep): thread 0 waits until every block of the kernel before has
-// counted itself, and its acquire (with the fence) makes their writes visible to the block.
-__device__ __forceinline__ void dep_wait(const dep &d) {
-    if (!d.in) {
-        pdl_wait();
-        return;
-    }
-    if (threadIdx.x == 0) {
-        long long t0 = clock64();
-        while (ld_acquire(d.in) < d.n_in)
-            if (clock64() - t0 > (1ll << 34)) __trap(); // ~8 s: the kernel before never counted, a bug
-        __threadfence();
-    }
-    __syncthreads();
-}
-// At the block's very end: its writes, then its count (the fence orders every thread's writes
-// before it, after the barrier).
-__device__ __forceinline__ void dep_signal(const dep &d) {
-    if (!d.out) return;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(d.out, 1u);
-    }
-}
-
 // which product a shape is in a Qwen3.5/3.6 step (hidden 2048..): out/o_proj, lm_head, router + shared gate/up, in/qkv projections
 __host__ __device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
     return rows >= 65536 ? SK_LMHEAD : cols > 2048 ? SK_OUT : rows < 4096 ? SK_FFNIN : SK_IN;
@@ -387,7 +361,7 @@ __host__ __device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
 // (weights never depend on them), so their memory latency overlaps both.
 template <int NT, int PWT, bool WIDE = false> // PWT rows per warp (PW; 1 for one-row products of few rows: twice the warps); WIDE: stage_wide
 __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, int n, dpre p,
-                                                     depi e, int acc, float *__restrict__ y, int early, dep d) {
+                                                     depi e, int acc, float *__restrict__ y, int early) {
     if (skipped(gemv_bit(rows, cols))) return;
     tr(gemv_bit(rows, cols), TR_START);
     constexpr int CU = PWT == 1 ? 16 : NT <= 2 ? 8 : 4; // 16-byte loads per lane and row in flight: one row is bound by them, more rows by the FMAs
@@ -408,7 +382,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
     if (have) load(min(PWT, rows - row0), 0);
     else if (row0 < rows) // the warp's first row streams into L2 while the kernel before ends and x is staged
         for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)row0 * cols + l));
-    dep_wait(d);
+    pdl_wait();
     tr(gemv_bit(rows, cols), TR_WAIT);
     pdl_launch();
     stage<NT, WIDE>(x, n, cols, p, xs, red);
@@ -456,7 +430,6 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
             }
     }
     if constexpr (NT <= 12) tr_end(gemv_bit(rows, cols)); // more rows: no registers left for it (it would spill)
-    dep_signal(d);
 }
 
 // ---- one-row products that stream their weights ----
@@ -619,15 +592,9 @@ __device__ __forceinline__ void fence_async_smem() {
 // contiguous run of units (lane l holds 8 columns of each); EPR (cols / 256) known at compile time
 // keeps the lane's x in registers (EPR 8: 64 floats) and a slot one row; EPR 0: any cols % 256,
 // x read from shared memory.
-// RG (EPR 8 only; QFLASH_CUDA_BULK_RG=1, opt-in until measured): a warp's last RG_ROWS rows (when
-// it has more than the ring's slots) are loaded into registers before the wait too, beside the
-// ring's bulk copies: ~20 KB of the warp's ~24 KB in flight from the start instead of 12 KB (bulk
-// copies reach full speed only with deep queues, notes session 8). They are summed first, from x in
-// shared memory, before x goes to registers for the ring's rows.
-#define RG_ROWS 2
-template <int EPR, bool RG = false>
+template <int EPR>
 __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, dpre p,
-                                                      depi ep, int acc, float *__restrict__ y, dep d) {
+                                                      depi ep, int acc, float *__restrict__ y) {
     if (skipped(gemv_bit(rows, cols))) return;
     tr(gemv_bit(rows, cols), TR_START);
     extern __shared__ float4 dyn[];
@@ -638,15 +605,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict
     uint64_t *bar = bars + warp * BK_SLOTS;
     float *xs = (float *)((uint4 *)dyn + blockDim.x / 32 * BK_SLOTS * BK_UNITS * 32);
     warp_share(rows, &r0, &r1);
-    int rr = RG && r1 - r0 > BK_SLOTS ? min(RG_ROWS, r1 - r0 - BK_SLOTS) : 0, rb = r1 - rr; // rows [rb, r1) in registers
-    uint4 wr[RG ? RG_ROWS : 1][8];
-    if constexpr (RG)
-#pragma unroll
-        for (int r = 0; r < RG_ROWS; r++)
-            if (r < rr)
-#pragma unroll
-                for (int u = 0; u < 8; u++) wr[r][u] = __ldcs((const uint4 *)(W + (int64_t)(rb + r) * cols) + u * 32 + lane);
-    int epr = EPR ? EPR : cols / 256, ne = (rb - r0) * epr, nch = (ne + BK_UNITS - 1) / BK_UNITS;
+    int epr = EPR ? EPR : cols / 256, ne = (r1 - r0) * epr, nch = (ne + BK_UNITS - 1) / BK_UNITS;
     const char *src = (const char *)(W + (int64_t)r0 * cols);
     auto fill = [&](int ch) { // lane 0: chunk ch into its slot
         unsigned units = min(BK_UNITS, ne - ch * BK_UNITS);
@@ -658,7 +617,7 @@ __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict
         for (int ch = 0; ch < min(BK_SLOTS, nch); ch++) fill(ch);
     }
     __syncwarp();
-    dep_wait(d);
+    pdl_wait();
     tr(gemv_bit(rows, cols), TR_WAIT);
     pdl_launch();
     row_in ri = {};
@@ -666,23 +625,6 @@ __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict
     if (cached && r0 + lane < r1) row_in_load(ep, acc, y, r0 + lane, ri);
     stage<1>(x, 1, cols, p, xs, red);
     float sc = row_scale(p, red, 0, cols), a = 0.0f;
-    if constexpr (RG)
-#pragma unroll
-        for (int r = 0; r < RG_ROWS; r++) {
-            if (r >= rr) break;
-            float s = 0.0f;
-#pragma unroll
-            for (int u = 0; u < 8; u++) s += dot8s(wr[r][u], xs + (u * 32 + lane) * 8, lane);
-            s = warp_sum(s) * sc;
-            int row = rb + r;
-            if (cached && lane == row - r0) {
-                if (ep.on) s = row_epi(ep, row, s, ri);
-                y[row] = acc ? ri.y + s : s;
-            } else if (!cached && lane == 0) {
-                if (ep.on) s = epi_value(ep, 0, row, s);
-                y[row] = acc ? y[row] + s : s;
-            }
-        }
     float4 xr[EPR == 8 ? 16 : 1];
     if constexpr (EPR == 8)
 #pragma unroll
@@ -725,7 +667,6 @@ __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict
         }
     }
     tr_end(gemv_bit(rows, cols));
-    dep_signal(d);
 }
 
 size_t bulk_smem_bytes(int cols) { return (size_t)8 * BK_SLOTS * BK_BYTES + (size_t)cols * sizeof(float); }
@@ -760,7 +701,7 @@ void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, const dpre 
     // one row, few weight rows (out_proj, o_proj, the router): a warp per row, a whole row of up to
     // 4096 columns in flight per warp, so the SMs hold twice the warps (QFLASH_CUDA_PW1=0: off)
     int one = NT == 1 && c->pw1 && w->cols <= 32 * 16 * 8 && (w->rows + 8 * PW - 1) / (8 * PW) < 2 * sms;
-    void (*k)(const uint16_t *, int, int, const float *, int, dpre, depi, int, float *, int, dep) = k_gemv_pre<NT, PW>;
+    void (*k)(const uint16_t *, int, int, const float *, int, dpre, depi, int, float *, int) = k_gemv_pre<NT, PW>;
     if constexpr (NT == 1)
         if (one) k = p.wide ? k_gemv_pre<1, 1, true> : k_gemv_pre<1, 1>;
     int per_block = threads / 32 * (one ? 1 : PW);
@@ -794,8 +735,7 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
     }
     if ((c->bulk & gemv_bit((int)w->rows, (int)w->cols)) && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
         size_t smem = bulk_smem_bytes((int)w->cols);
-        void (*k)(const uint16_t *, int, int, const float *, dpre, depi, int, float *, dep) =
-            w->cols == 2048 ? (c->bulk_rg ? k_gemv_bulk<8, true> : k_gemv_bulk<8>) : k_gemv_bulk<0>;
+        void (*k)(const uint16_t *, int, int, const float *, dpre, depi, int, float *) = w->cols == 2048 ? k_gemv_bulk<8> : k_gemv_bulk<0>;
         int fit = resident(c, (const void *)k, 256, smem), per = fit < c->bulk_blocks ? fit : c->bulk_blocks;
         launch(c, "k_gemv_bulk", 1, k, dim3((unsigned)(c->sms * per)), dim3(256), (unsigned)smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e,
                acc, y);
@@ -900,18 +840,17 @@ struct gdn_task {
 // ---- the delta rule, one token: LPC lanes per value column (each a share of the key rows, so a
 // lane keeps DK/LPC state values in registers), 32/LPC columns per warp, a warp per block ----
 template <int DK, int LPC>
-__global__ void k_gdn_dec(qf_gdn_dec a, dep d) {
+__global__ void k_gdn_dec(qf_gdn_dec a) {
     __shared__ float qn[DK], kn[DK];
     if (skipped(SK_GDN)) return;
     tr(SK_GDN, TR_START);
     gdn_task<DK, LPC> w;
     w.load(a, blockIdx.x, blockIdx.y, blockIdx.z); // state of earlier steps: before the wait
-    dep_wait(d);
+    pdl_wait();
     tr(SK_GDN, TR_WAIT);
     pdl_launch();
     w.run(a, qn, kn);
     tr(SK_GDN, TR_END); // lane 0 (always live) after its writes: the block is one warp
-    dep_signal(d);
 }
 
 // The step with a whole value head per block (dv / (32 / LPC) warps: 16 at dv 128, LPC 4) that
@@ -965,7 +904,7 @@ void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
         fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
         return;
     }
-    void (*k)(qf_gdn_dec, dep) = a->dk <= 32 ? k_gdn_dec<32, 2> : a->dk <= 64 ? k_gdn_dec<64, 2> : lpc == 2 ? k_gdn_dec<128, 2> : lpc == 4 ? k_gdn_dec<128, 4> : k_gdn_dec<128, 8>;
+    void (*k)(qf_gdn_dec) = a->dk <= 32 ? k_gdn_dec<32, 2> : a->dk <= 64 ? k_gdn_dec<64, 2> : lpc == 2 ? k_gdn_dec<128, 2> : lpc == 4 ? k_gdn_dec<128, 4> : k_gdn_dec<128, 8>;
     launch(c, "k_gdn_dec", 1, k, g, dim3(32), 0u, *a);
 }
 
@@ -1315,18 +1254,15 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_mo
 }
 
 // The shared expert's input silu(sh_g) * sh_u (from the router product's row rl) into hsh.
-template <bool L2 = false> // L2: rl was written by other blocks of the same kernel (read past L1)
 __device__ __forceinline__ void shared_in(const qf_moe_dec &a, const float *rl, float *hsh) {
     int E = a.n_experts, S = a.sh_ffn;
 #pragma unroll 4
-    for (int j = threadIdx.x; j < S; j += blockDim.x) hsh[j] = L2 ? silu(__ldcg(rl + E + j)) * __ldcg(rl + E + S + j) : silu(rl[E + j]) * rl[E + S + j];
+    for (int j = threadIdx.x; j < S; j += blockDim.x) hsh[j] = silu(rl[E + j]) * rl[E + S + j];
 }
 
 // Part K of a down row: the shared expert, weighted by its sigmoid gate.
-template <bool L2 = false>
 __device__ __forceinline__ void shared_slot(const qf_moe_dec &a, const float *rl, const uint16_t *sh_down, float *wk, const uint16_t **dp) {
-    const float *g = rl + a.n_experts + 2 * a.sh_ffn;
-    if (threadIdx.x == 0) wk[a.top_k] = sigmoid(L2 ? __ldcg(g) : *g), dp[a.top_k] = sh_down;
+    if (threadIdx.x == 0) wk[a.top_k] = sigmoid(rl[a.n_experts + 2 * a.sh_ffn]), dp[a.top_k] = sh_down;
 }
 
 // Block (a warp per output row, stepping by the grid; row t): x[t][i] += sum_k w_k down_k[i] . h_k
@@ -1392,77 +1328,23 @@ __device__ void grid_leave(unsigned *cnt) {
     if (threadIdx.x == 0 && atomicAdd(cnt + 1, 1u) == gridDim.x - 1) atomicExch(cnt, 0u), atomicExch(cnt + 1, 0u);
 }
 
-// QFLASH_CUDA_MOE_PF=1 (opt-in until measured): the one-kernel MoE with every gate/up byte asked
-// for at once. With 16 warps per SM and a (gate, up) pair of 8 KB per warp in registers, the second
-// pair of a warp was asked for only when its first had come and been summed, so each warp paid two
-// loaded memory latencies in a row and the down rows a third. Here a warp's second pair goes to its
-// own 8 KB of shared memory by cp.async (each lane copies and later reads its own 16-byte pieces,
-// so no barrier) before its first pair's loads; the down row's loads go out when the first pair is
-// summed, while the second is still on its way. The expert table (3 E pointers, constant per
-// layer) is copied to shared memory before the wait, so the chosen experts' row addresses are
-// shared-memory reads after the routing, not a memory round trip.
-__device__ __forceinline__ const void *const *moe_pf_table(const void *const *tab, int E, uint4 *at) {
+// QFLASH_CUDA_MOE_PF=2 (opt-in until measured): the expert table (3 E pointers, constant per
+// layer) copied to shared memory before the wait, so the chosen experts' row addresses are
+// shared-memory reads after the routing, not a memory round trip. (=1, every gate/up byte asked
+// for at once through a cp.async slot per warp, was slower: notes, session 9.)
+__device__ __forceinline__ const void *const *moe_pf_table(const void *const *tab, int E, void *at) {
     const void **st = (const void **)at;
     for (int i = threadIdx.x; i < 3 * E; i += blockDim.x) st[i] = tab[i];
     return st; // published by the barriers of x's staging and of the routing
 }
-
-// The grid's (gate, up) row pairs r = gw + nw * s (K I <= 2 nw: the launch makes sure): s = 0 in
-// registers, s = 1 through the warp's slot of ring (2 HL 16-byte pieces per lane); between the
-// two, dn() issues the warp's down-row loads (a third pair would meet them in registers: spills).
-template <int HL, class Dn>
-__device__ __forceinline__ void moe_pf_gate_up(const void *const *tab, int E, int K, int I, int H, const int *ti, const float *xs, float inv, float *hbuf,
-                                               uint4 *ring, Dn dn) {
-    int tid = threadIdx.x, lane = tid & 31, h8 = H / 8, n = K * I;
-    int gw = blockIdx.x * (blockDim.x / 32) + tid / 32, nw = gridDim.x * (blockDim.x / 32), r1 = gw + nw;
-    uint4 *slot = ring + tid / 32 * 2 * HL * 32 + lane;
-    if (r1 < n) {
-        int k = r1 / I, j = r1 - k * I;
-        const uint4 *G = (const uint4 *)((const uint16_t *)tab[ti[k]] + (int64_t)j * H), *U = (const uint4 *)((const uint16_t *)tab[E + ti[k]] + (int64_t)j * H);
-#pragma unroll
-        for (int q = 0; q < HL; q++)
-            if (lane + 32 * q < h8) cp16(slot + q * 32, G + lane + 32 * q), cp16(slot + (HL + q) * 32, U + lane + 32 * q);
-    }
-    cp_commit();
-    if (gw < n) {
-        int k = gw / I;
-        float h = gu_row<HL>(tab, E, ti[k], gw - k * I, H, xs, inv, lane);
-        if (lane == 0) hbuf[gw] = h;
-    }
-    dn();
-    cp_wait<0>();
-    if (r1 < n) {
-        float g = 0.0f, u = 0.0f;
-#pragma unroll
-        for (int q = 0; q < HL; q++) {
-            int c = lane + 32 * q;
-            if (c < h8) g += dot8s(slot[q * 32], xs + c * 8, lane), u += dot8s(slot[(HL + q) * 32], xs + c * 8, lane);
-        }
-        g = warp_sum(g) * inv, u = warp_sum(u) * inv;
-        if (lane == 0) hbuf[r1] = silu(g) * u;
-    }
-}
-
-// Shared memory of k_moe_one past x and the down inputs when PF: the ring, then the table.
-size_t moe_pf_bytes(int HL, int E) { return (size_t)8 * 2 * HL * 32 * 16 + (size_t)3 * E * sizeof(void *); } // HL 0: the table alone
 
 // The whole MoE block of one row in one kernel (QFLASH_CUDA_MOE1, default on): every block stages
 // x * norm weight and routes; the grid's warps compute the chosen experts' gate/up rows; then each
 // warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
 // other: the grid is never larger than what the SMs hold at once.
-// FI (QFLASH_CUDA_MOE_IN=1, opt-in until measured; ROUTE 2 only): the kernel computes the router
-// logits and the shared expert's gate/up rows itself (the ffn_in product, fi: its weights, rows <=
-// the grid's warps), so the ffn_in launch and its boundary go: each warp loads its ffn_in row before
-// the wait, sums it after x is staged (x: the kernel just before wrote it), and a grid count stands
-// where the launch was. Same sums in the same order as ffn_in's kernel (k_gemv_pre, one row per warp).
-struct moe_fi {
-    const uint16_t *w;
-    int rows;
-};
-template <int HL, int PL, int ROUTE = 0, int PF = 0, bool FI = false> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default); PF: moe_pf (2: its table alone)
-__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late, moe_fi fi,
-                                                    dep d) {
+template <int HL, int PL, int ROUTE = 0, bool TB = false> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default); TB: moe_pf_table
+__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], wk[MOE_MAX_K + 1];
     __shared__ int ti[MOE_MAX_K];
@@ -1471,54 +1353,28 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     int gw = blockIdx.x * (blockDim.x / 32) + tid / 32, nw = gridDim.x * (blockDim.x / 32);
     float *xs = (float *)dyn, *hs = xs + H; // x * norm weight; the down parts' inputs (part q at hs + q * I)
     tr(SK_MOE_GU, TR_START);
-    if constexpr (PF > 0) tab = moe_pf_table(tab, E, (uint4 *)(hs + K * I + S) + (PF == 1 ? blockDim.x / 32 * 2 * HL * 32 : 0));
-    uint4 fw[FI ? HL : 1];
-    if constexpr (FI) {
-        late = 1;
-#pragma unroll
-        for (int q = 0; q < HL; q++)
-            if (gw < fi.rows && lane + 32 * q < H / 8) fw[q] = __ldcs((const uint4 *)(fi.w + (int64_t)gw * H) + lane + 32 * q);
-    }
+    if constexpr (TB) tab = moe_pf_table(tab, E, hs + K * I + S);
     float inv = late ? 0.0f : stage_normed(a, a.x, xs, red); // x: two kernels back (late: the kernel before wrote it)
-    dep_wait(d);
+    pdl_wait();
     tr(SK_MOE_GU, TR_WAIT);
     pdl_launch();
     if (late) inv = stage_normed(a, a.x, xs, red);
-    if constexpr (FI) {
-        if (gw < fi.rows) {
-            float s = 0.0f;
-#pragma unroll
-            for (int q = 0; q < HL; q++)
-                if (lane + 32 * q < H / 8) s += dot8s(fw[q], xs + (lane + 32 * q) * 8, lane);
-            s = warp_sum(s) * inv;
-            if (lane == 0) ((float *)a.rl)[gw] = s;
-        }
-        grid_arrive_wait(cnt + 2); // every router and shared row written
-        grid_leave(cnt + 2);
-    }
-    if constexpr (FI) route_pairs<true>(a.rl, E, K, ti, wk, true);
-    else if constexpr (ROUTE == 2) route_pairs(a.rl, E, K, ti, wk, true);
+    if constexpr (ROUTE == 2) route_pairs(a.rl, E, K, ti, wk, true);
     else if constexpr (ROUTE == 1) route_fixed(a.rl, E, K, ti, wk, true);
     else route_block(a.rl, E, K, ti, wk, true);
     if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
-    shared_slot<FI>(a, a.rl, sh_down, wk, dp);
+    shared_slot(a, a.rl, sh_down, wk, dp);
     __syncthreads();
     tr(SK_MOE_GU, TR_ROUTED);
+    for (int r = gw; r < K * I && !skipped(SK_MOE_GU); r += nw) {
+        int k = r / I;
+        float h = gu_row<HL>(tab, E, ti[k], r - k * I, H, xs, inv, lane);
+        if (lane == 0) hbuf[r] = h;
+    }
     dn_row<PL> w;
     int i = gw, have = i < H;
-    if constexpr (PF == 1) {
-        moe_pf_gate_up<HL>(tab, E, K, I, H, ti, xs, inv, hbuf, (uint4 *)(hs + K * I + S), [&]() {
-            if (have) w.load(dp, K, I, S, i, 0);
-        });
-    } else {
-        for (int r = gw; r < K * I && !skipped(SK_MOE_GU); r += nw) {
-            int k = r / I;
-            float h = gu_row<HL>(tab, E, ti[k], r - k * I, H, xs, inv, lane);
-            if (lane == 0) hbuf[r] = h;
-        }
-        if (have) w.load(dp, K, I, S, i, 0);
-    }
-    shared_in<FI>(a, a.rl, hs + K * I);
+    if (have) w.load(dp, K, I, S, i, 0);
+    shared_in(a, a.rl, hs + K * I);
     tr_sync(SK_MOE_GU, TR_PHASE1);
     grid_arrive_wait(cnt);
     tr(SK_MOE_GU, TR_BARRIER);
@@ -1531,7 +1387,6 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
         if (lane == 0) a.x[i] += acc;
     }
     tr_end(SK_MOE_GU);
-    dep_signal(d);
 }
 
 // Where a streamed slot of gate/up lies: expert slot k, ffn row j, half h (gate 0, up 1), slot c.
@@ -1641,31 +1496,21 @@ __global__ void __launch_bounds__(256, 2) k_moe_down_stream(const void *const *t
 
 // One row: k_moe_one for the shapes it is built for (0: not, use the two kernels). One wave: the
 // blocks wait for each other, so the grid is what the SMs hold of it at once.
-int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late, moe_fi fi) {
+int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late) {
     int H = a->hidden, I = a->ffn, S = a->sh_ffn;
-    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int, moe_fi, dep);
+    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int);
     int mc = I > S ? I : S;
-    int f = c->route, pf = f == 2 && H <= 2048 && mc <= 512 ? c->moe_pf : 0;
-    if (fi.w && (f != 2 || pf || H > 2048 || mc > 512)) return 0; // the fused ffn_in's instantiations
-    fn k = fi.w                      ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, 0, true> : k_moe_one<8, 2, 2, 0, true>)
-           : pf == 1                 ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, 1> : k_moe_one<8, 2, 2, 1>)
-           : pf                      ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, 2> : k_moe_one<8, 2, 2, 2>)
+    int f = c->route, tb = c->moe_pf && f == 2 && H <= 2048 && mc <= 512;
+    fn k = tb                        ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, true> : k_moe_one<8, 2, 2, true>)
            : H <= 256 && mc <= 256  ? (f == 2 ? k_moe_one<1, 1, 2> : f ? k_moe_one<1, 1, 1> : k_moe_one<1, 1>)
            : H <= 2048 && mc <= 512 ? (f == 2 ? k_moe_one<8, 2, 2> : f ? k_moe_one<8, 2, 1> : k_moe_one<8, 2>)
            : H <= 4096 && mc <= 512 ? (f == 2 ? k_moe_one<16, 2, 2> : f ? k_moe_one<16, 2, 1> : k_moe_one<16, 2>)
                                     : NULL;
     if (!k) return 0;
-    size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float) + (pf ? moe_pf_bytes(pf == 1 ? (H <= 256 && mc <= 256 ? 1 : 8) : 0, a->n_experts) : 0);
+    size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float) + (tb ? (size_t)3 * a->n_experts * sizeof(void *) : 0);
     int grid = resident(c, (const void *)k, 256, smem) * (c->sms > 0 ? c->sms : 1);
-    if (fi.w && fi.rows > 8 * grid) return 0; // a warp per ffn_in row
-    if (pf == 1 && a->top_k * I > 2 * 8 * grid) { // more than two pairs a warp: the kernel without prefetch
-        c->moe_pf = 0;
-        int r = moe_one(c, tab, a, hbuf, late, fi);
-        c->moe_pf = 1;
-        return r;
-    }
     launch(c, "k_moe_one", 1, k, dim3((unsigned)grid), dim3(256), (unsigned)smem, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, c->moe_cnt,
-           late, fi);
+           late);
     return 1;
 }
 
@@ -1682,22 +1527,6 @@ char *moe_scratch(ctx *c, const qf_moe_dec *a, const void ***tab, size_t *head) 
         return NULL;
     }
     return s;
-}
-
-// ffn_in (rl = wf . fn(x)) and the MoE block as one kernel (k_moe_one's FI; QFLASH_CUDA_MOE_IN=1):
-// one row, the one-kernel MoE's shapes, ffn_in's pre the MoE's own norm; 0: not taken.
-int dec_moe_in(qf_backend *be, const qf_mat *wf, const qf_pre *fn, const qf_moe_dec *a) {
-    ctx *c = C(be);
-    if (!c->moe_in || a->n != 1 || !c->moe1 || !c->moe_cnt || c->stream || wf->dtype != QF_DT_BF16 || wf->cols != a->hidden || (uintptr_t)wf->data % 16 ||
-        !fn || fn->kind != QF_PRE_RMSNORM || fn->w != a->norm_w || fn->eps != a->eps || wf->rows != a->n_experts + 2 * a->sh_ffn + 1)
-        return 0;
-    const void **tab;
-    size_t head;
-    char *s = moe_scratch(c, a, &tab, &head);
-    if (!s) return 0;
-    if (!moe_one(c, tab, a, (float *)(s + head), 1, moe_fi{(const uint16_t *)wf->data, (int)wf->rows})) return 0;
-    c->x_late = 0;
-    return 1;
 }
 
 void dec_moe(qf_backend *be, const qf_moe_dec *a) {
@@ -1720,7 +1549,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     }
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
-    if (n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf, late, moe_fi{NULL, 0})) return;
+    if (n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf, late)) return;
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
     // lanes hold 8 (l + 32 u) columns: HL loads per lane for a gate/up row, PL for a down part
@@ -2209,7 +2038,7 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
 
 } // namespace
 
-const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_tail, dec_moe_in, dec_gdn_gn};
+const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_tail, dec_gdn_gn};
 
 void qfc::dec_setup(ctx *c) {
     const char *bps = getenv("QFLASH_CUDA_BPS"), *early = getenv("QFLASH_CUDA_EARLY"), *skip = getenv("QFLASH_CUDA_SKIP");
@@ -2230,8 +2059,6 @@ void qfc::dec_setup(ctx *c) {
     // kinds as QFLASH_CUDA_SKIP's: 1 out_proj, 2 lm_head, 4 ffn_in, 8 in_proj (the default: whole model 3152 -> 3002 us a step, notes)
     c->bulk = c->cc_major >= 9 ? (bk ? (int)strtol(bk, NULL, 0) : 8) : 0;
     c->bulk_blocks = bb && *bb == '1' ? 1 : 2;
-    const char *brg = getenv("QFLASH_CUDA_BULK_RG"); // 1: the bulk kernel's last rows per warp in registers too (k_gemv_bulk RG)
-    c->bulk_rg = brg && *brg == '1';
     // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (sm_90; QFLASH_CUDA_TAIL=1)
     const char *tl = getenv("QFLASH_CUDA_TAIL");
     c->tail = c->cc_major >= 9 && tl ? atoi(tl) : 0; // 2: the same kernel reading its weights in place (a diagnosis)
@@ -2243,20 +2070,12 @@ void qfc::dec_setup(ctx *c) {
     // model 2996.9 -> 2945.2 us a step in one call, notes session 7)
     const char *ro = getenv("QFLASH_CUDA_ROUTE");
     c->route = ro ? atoi(ro) : 2;
-    // 1: the one-kernel MoE asks for every gate/up byte at once (moe_pf_gate_up); 2: only its expert table in shared memory
-    const char *pf = getenv("QFLASH_CUDA_MOE_PF");
-    c->moe_pf = pf && (*pf == '1' || *pf == '2') ? *pf - '0' : 0;
+    const char *pf = getenv("QFLASH_CUDA_MOE_PF"); // 2: the one-kernel MoE's expert table in shared memory (moe_pf_table)
+    c->moe_pf = pf && *pf == '2';
     // the DeltaNet step a value head per block, with out_proj's gated norm (k_gdn_head; QFLASH_CUDA_GDN_GN=0: off): whole
     // model 2948.1 -> 2820.0 us a step in one call (notes, session 9)
     const char *gg = getenv("QFLASH_CUDA_GDN_GN");
     c->gdn_gn = !(gg && *gg == '0');
-    const char *mi = getenv("QFLASH_CUDA_MOE_IN"); // 1: ffn_in joins the one-kernel MoE (k_moe_one FI)
-    c->moe_in = mi && *mi == '1';
-    // decode kernels in graphs wait on the block count of the kernel before (struct dep; QFLASH_CUDA_DEP=1,
-    // opt-in until measured; not with QFLASH_CUDA_SKIP: a skipped kernel never counts)
-    const char *dp = getenv("QFLASH_CUDA_DEP");
-    c->dep_on = dp && *dp == '1' && !(skip && strtoul(skip, NULL, 0));
-    if (c->dep_on && cudaMalloc(&c->dep_slots, DEP_SLOTS * sizeof(unsigned)) != cudaSuccess) c->dep_slots = NULL;
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
     if (m) fprintf(stderr, "qflash cuda: QFLASH_CUDA_SKIP=%#x: decode kernels of those kinds do nothing (timing only, results are wrong)\n", m);
     cudaMemcpyToSymbol(g_diag, &m, sizeof m, offsetof(diag, skip));

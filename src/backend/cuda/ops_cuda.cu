@@ -622,19 +622,6 @@ void cu_download(qf_backend *be, void *dst, const void *src, size_t n) {
 
 double now_us(void) { return qf_now() * 1e6; }
 
-// The first node of a step when decode kernels count their blocks (struct dep): every count back
-// to zero, so a kernel waits only for this step's blocks of the one before.
-void g_zero_deps(ctx *c) {
-    graph_state *s = &c->gs;
-    if (s->mode == G_RECORD) {
-        cudaMemsetParams m = {};
-        m.dst = c->dep_slots, m.value = 0, m.elementSize = 4, m.width = DEP_SLOTS, m.height = 1;
-        if (s->n >= G_MAX_NODES || cudaGraphAddMemsetNode(&s->nodes[s->n], s->g, NULL, 0, &m) != cudaSuccess) s->broken = 1;
-        else s->funcs[s->n++] = NULL;
-    } else if (s->n >= s->n_rec || s->funcs[s->n] != NULL) s->broken = 1;
-    else s->n++;
-}
-
 // The step's shape decides: graphs for up to QF_DEC_ROWS rows, the same key twice
 // in a row to record, then replays while it stays the same.
 void cu_step_begin(qf_backend *be, uint64_t key, int rows) {
@@ -657,8 +644,6 @@ void cu_step_begin(qf_backend *be, uint64_t key, int rows) {
         s->key = key;
     } else s->mode = G_EAGER;
     s->last_key = key;
-    c->dep_node = -2;
-    if (s->mode != G_EAGER && c->dep_on && c->dep_slots) g_zero_deps(c);
 }
 
 int cu_step_end(qf_backend *be) {
@@ -809,7 +794,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->trace.buf), cudaFree(c->dep_slots);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->trace.buf);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);
