@@ -343,13 +343,6 @@ __device__ __forceinline__ void tr_sync(unsigned, unsigned) {}
 #endif
 __device__ __forceinline__ void tr_end(unsigned tag) { tr_sync(tag, TR_END); }
 
-// A grid-wide count (one thread per block), read with acquire semantics.
-__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // which product a shape is in a Qwen3.5/3.6 step (hidden 2048..): out/o_proj, lm_head, router + shared gate/up, in/qkv projections
 __host__ __device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
     return rows >= 65536 ? SK_LMHEAD : cols > 2048 ? SK_OUT : rows < 4096 ? SK_FFNIN : SK_IN;
@@ -856,8 +849,9 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
 // The step with a whole value head per block (dv / (32 / LPC) warps: 16 at dv 128, LPC 4) that
 // also applies out_proj's gated norm to the head's output (the default; QFLASH_CUDA_GDN_GN=0: off):
 // out_proj then stages its input with one load per element, where its gated staging walked 4 heads
-// per warp one memory latency each (whole model 2948.1 -> 2820.0 us a step, notes session 9). The norm repeats stage_heads' sums in its order
-// (a warp over the head, lane + 32 u), so the product's input is bit for bit what it was.
+// per warp one memory latency each (whole model 2948.1 -> 2820.0 us a step, notes session 9). The
+// norm repeats stage_heads' sums in its order (a warp over the head, lane + 32 u), so the
+// product's input is bit for bit what it was.
 struct gdn_gate {
     const float *w, *g; // norm weight (dv); gate of row t, head h at g + t * gs + h * ghs
     int gs, ghs;
@@ -1309,6 +1303,12 @@ __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_
     }
 }
 
+// A grid-wide count (one thread per block), read with acquire semantics.
+__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
 
 // Block-wide wait until every block of the grid has arrived at cnt[0] (the grid must be resident
 // at once). The last block past it resets both counts for the next launch.
@@ -1328,10 +1328,11 @@ __device__ void grid_leave(unsigned *cnt) {
     if (threadIdx.x == 0 && atomicAdd(cnt + 1, 1u) == gridDim.x - 1) atomicExch(cnt, 0u), atomicExch(cnt + 1, 0u);
 }
 
-// QFLASH_CUDA_MOE_PF=2 (opt-in until measured): the expert table (3 E pointers, constant per
-// layer) copied to shared memory before the wait, so the chosen experts' row addresses are
-// shared-memory reads after the routing, not a memory round trip. (=1, every gate/up byte asked
-// for at once through a cp.async slot per warp, was slower: notes, session 9.)
+// QFLASH_CUDA_MOE_PF=2 (opt-in): the expert table (3 E pointers, constant per layer) copied to
+// shared memory before the wait, so the chosen experts' row addresses are shared-memory reads
+// after the routing, not a memory round trip. Measured once: 0.35% faster, within the spread
+// between calls, so not the default. (=1, every gate/up byte asked for at once through a cp.async
+// slot per warp, was slower and is gone: notes, session 9.)
 __device__ __forceinline__ const void *const *moe_pf_table(const void *const *tab, int E, void *at) {
     const void **st = (const void **)at;
     for (int i = threadIdx.x; i < 3 * E; i += blockDim.x) st[i] = tab[i];
