@@ -18,6 +18,12 @@ struct dpre {
     int wide; // one row of GATED_NORM / SIGMOID that stage_wide can stage (dec_matmul checks the shape; one-row products of few rows use it)
 };
 
+// The device's copy of a pre (NULL: none); wide is set by the caller that checked the shape.
+dpre dpre_of(const qf_pre *pre) {
+    if (!pre) return {QF_PRE_NONE, NULL, NULL, 0, 0, 1, 0.0f, 0};
+    return {pre->kind, pre->w, pre->g, pre->g_stride, pre->g_hstride, pre->head > 0 ? pre->head : 1, pre->eps, 0};
+}
+
 struct depi {
     int on, conv_dim, z_dim, nv, K;
     const float *conv_w, *dt_bias, *neg_A;
@@ -715,8 +721,7 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
         fprintf(stderr, "qflash cuda: fused product: more than %d heads per row\n", PRE_MAX_HEADS);
         return;
     }
-    dpre p = {QF_PRE_NONE, NULL, NULL, 0, 0, 1, 0.0f, 0};
-    if (pre) p = {pre->kind, pre->w, pre->g, pre->g_stride, pre->g_hstride, pre->head > 0 ? pre->head : 1, pre->eps, 0};
+    dpre p = dpre_of(pre);
     // stage_wide's shape: 256 threads, 1024 | cols <= 4096, heads of 128 k dividing 1024, gates 16-byte aligned
     p.wide = c->wide && n == 1 && pre && (pre->kind == QF_PRE_GATED_NORM || pre->kind == QF_PRE_SIGMOID) && w->cols % 1024 == 0 &&
              w->cols <= 4096 && p.head % 128 == 0 && 1024 % p.head == 0 && (uintptr_t)p.g % 16 == 0 && p.g_hstride % 4 == 0 &&
@@ -851,14 +856,10 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
 // out_proj then stages its input with one load per element, where its gated staging walked 4 heads
 // per warp one memory latency each (whole model 2948.1 -> 2820.0 us a step, notes session 9). The
 // norm repeats stage_heads' sums in its order (a warp over the head, lane + 32 u), so the
-// product's input is bit for bit what it was.
-struct gdn_gate {
-    const float *w, *g; // norm weight (dv); gate of row t, head h at g + t * gs + h * ghs
-    int gs, ghs;
-    float eps;
-};
+// product's input is bit for bit what it was. gg: out_proj's GATED_NORM (norm weight w over dv, the
+// gate of row t, head h at g + t * g_stride + h * g_hstride).
 template <int DK, int LPC>
-__global__ void __launch_bounds__(512) k_gdn_head(qf_gdn_dec a, gdn_gate gg) {
+__global__ void __launch_bounds__(512) k_gdn_head(qf_gdn_dec a, dpre gg) {
     constexpr int CPW = 32 / LPC, NW = 512 / 32;
     __shared__ float qkn[NW * 2 * DK], on[NW * CPW], inv_s; // a warp's DK of qn then DK of kn; the head's outputs
     if (skipped(SK_GDN)) return;
@@ -873,7 +874,7 @@ __global__ void __launch_bounds__(512) k_gdn_head(qf_gdn_dec a, gdn_gate gg) {
     float o = w.run(a, qk, qk + DK);
     if (w.live && !w.part) on[w.j] = o;
     __syncthreads();
-    const float *gv = gg.g + (int64_t)t * gg.gs + (int64_t)h * gg.ghs;
+    const float *gv = gg.g + (int64_t)t * gg.g_stride + (int64_t)h * gg.g_hstride;
     if (warp == 0) { // stage_heads' 1/rms: lane + 32 u, then the warp's sum
         float ss = 0.0f;
         for (int d = lane; d < dv; d += 32) ss += on[d] * on[d];
@@ -908,8 +909,7 @@ int dec_gdn_gn(qf_backend *be, const qf_gdn_dec *a, const qf_pre *gn) {
     ctx *c = C(be);
     if (!c->gdn_gn || a->dk != 128 || a->dv != 128 || gdn_lanes(c, a->dk) != 4 || !gn || gn->kind != QF_PRE_GATED_NORM || gn->head != a->dv)
         return 0;
-    gdn_gate gg = {gn->w, gn->g, (int)gn->g_stride, (int)gn->g_hstride, gn->eps};
-    launch(c, "k_gdn_head", 1, k_gdn_head<128, 4>, dim3(a->nv, 1, a->n), dim3(a->dv / 8 * 32), 0u, *a, gg);
+    launch(c, "k_gdn_head", 1, k_gdn_head<128, 4>, dim3(a->nv, 1, a->n), dim3(a->dv / 8 * 32), 0u, *a, dpre_of(gn));
     return 1;
 }
 
@@ -1515,30 +1515,19 @@ int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late
     return 1;
 }
 
-// The MoE op's expert table and scratch (routing slots, then the gate/up rows from *head on); NULL
-// (said once) when they cannot be had or the shape is not one the kernels take.
-char *moe_scratch(ctx *c, const qf_moe_dec *a, const void ***tab, size_t *head) {
-    int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
-    *tab = expert_table(c, a->experts, a->n_experts);
-    *head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
-    char *s = (char *)scratch(c, &c->moe, &c->moe_cap, *head + (size_t)n * K * I * sizeof(float));
-    if (!*tab || !s || K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || a->experts[0].gate.dtype != QF_DT_BF16 || H % 8 || I % 8 || a->sh_ffn % 8) {
-        fprintf(stderr, "qflash cuda: fused moe: out of device memory, top-k %d > %d, %d experts > %d, or weights not bf16 in rows of 8\n", K, MOE_MAX_K,
-                E, MOE_MAX_E);
-        return NULL;
-    }
-    return s;
-}
-
 void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     ctx *c = C(be);
     int late = c->x_late; // x was written by the kernel just before (the DeltaNet tail), not two back
     c->x_late = 0;
-    int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn;
-    const void **tab;
-    size_t head;
-    char *s = moe_scratch(c, a, &tab, &head);
-    if (!s) return;
+    const void **tab = expert_table(c, a->experts, a->n_experts);
+    int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
+    size_t head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
+    char *s = (char *)scratch(c, &c->moe, &c->moe_cap, head + (size_t)n * K * I * sizeof(float));
+    if (!tab || !s || K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || a->experts[0].gate.dtype != QF_DT_BF16 || H % 8 || I % 8 || a->sh_ffn % 8) {
+        fprintf(stderr, "qflash cuda: fused moe: out of device memory, top-k %d > %d, %d experts > %d, or weights not bf16 in rows of 8\n", K, MOE_MAX_K,
+                E, MOE_MAX_E);
+        return;
+    }
     if (c->stream && n == 1 && H % 256 == 0 && I % 256 == 0 && a->sh_ffn % 256 == 0 && H <= 32 * 8 * (int)stream_grid(c)) {
         float *hb = (float *)(s + head);
         size_t ring = stream_ring_bytes(256), sm_gu = ring + (size_t)H * sizeof(float), sm_dn = ring + (size_t)(K * I + a->sh_ffn) * sizeof(float);
