@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "backend/cuda/ops_cuda.h"
+#include "base/hashmap.h"
 #include "base/numeric.h"
 #include "base/timer.h"
 #include "bench.h"
@@ -192,14 +193,6 @@ typedef struct run_out {
     uint64_t ids; /* FNV-1a of the decoded ids */
 } run_out;
 
-static uint64_t fnv_ids(uint64_t h, const int32_t *ids, int n) {
-    for (int i = 0; i < n; i++) {
-        uint32_t v = (uint32_t)ids[i];
-        for (int b = 0; b < 4; b++) h = (h ^ ((v >> (8 * b)) & 0xffu)) * 1099511628211ull;
-    }
-    return h;
-}
-
 /* Prompts one after another, then G-1 batched decode steps of one token per stream (the first
  * token comes from the prefill's logits). itl gets every step's seconds. */
 static int one_run(run_ctx *x, double *itl, run_out *o) {
@@ -215,7 +208,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
     o->prefill_s = qf_now() - t0;
     for (int s = 0; s < x->C; s++) x->next[s] = qf_argmax_f32(x->logits + (size_t)s * V, V);
     o->ttft_s = qf_now() - t0;
-    o->ids = fnv_ids(14695981039346656037ull, x->next, x->C);
+    o->ids = qf_fnv1a(QF_FNV_BASIS, x->next, (size_t)x->C * sizeof *x->next);
     uint64_t acq0 = e->model->experts ? e->model->experts->stats.acquires : 0;
     double d0 = qf_now();
     for (int i = 0; i < x->G - 1; i++) {
@@ -225,7 +218,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
         int rc = qf_forward(e->model, &e->be, e->ws, x->steps, x->C);
         if (rc != QF_OK) return rc;
         itl[i] = qf_now() - s0;
-        o->ids = fnv_ids(o->ids, x->next, x->C);
+        o->ids = qf_fnv1a(o->ids, x->next, (size_t)x->C * sizeof *x->next);
     }
     o->decode_s = qf_now() - d0;
     uint64_t acq = e->model->experts ? e->model->experts->stats.acquires - acq0 : 0;

@@ -5,11 +5,13 @@
 
 #include "base/err.h"
 
-static uint64_t hash_bytes(const char *s, size_t n) {
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
+uint64_t qf_fnv1a(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
     return h;
 }
+
+static uint64_t hash_bytes(const char *s, size_t n) { return qf_fnv1a(QF_HASH_START, s, n); }
 
 static uint64_t hash_u64(uint64_t x) {
     x ^= x >> 33;

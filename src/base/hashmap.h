@@ -31,4 +31,11 @@ void qf_u64map_free(qf_u64map *m);
 int qf_u64map_put(qf_u64map *m, uint64_t key, int val); /* val >= 0 */
 int qf_u64map_get(const qf_u64map *m, uint64_t key);
 
+/* FNV-1a of n bytes, continuing from h. The maps and the synthetic model's tensor seeds start from
+ * QF_HASH_START (one digit short of FNV's offset basis: kept, since the synthetic weights are
+ * seeded from it); a fresh FNV-1a starts from QF_FNV_BASIS. */
+#define QF_HASH_START 1469598103934665603ull
+#define QF_FNV_BASIS 14695981039346656037ull
+uint64_t qf_fnv1a(uint64_t h, const void *p, size_t n);
+
 #endif

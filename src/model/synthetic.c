@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "base/dtype.h"
+#include "base/hashmap.h"
 #include "base/numeric.h"
 #include "base/pool.h"
 #include "model/model_int.h"
@@ -75,11 +76,6 @@ static void fill_task(void *ctx, int task) {
     }
 }
 
-static uint64_t hash_name(const char *s) {
-    uint64_t h = 1469598103934665603ull;
-    for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-    return h;
-}
 
 static int ends_with(const char *s, const char *suffix) {
     size_t n = strlen(s), k = strlen(suffix);
@@ -104,7 +100,7 @@ const qf_st_tensor *qf_synth_tensor(qf_model *m, const char *name, int ndim, con
     plan(&f, name, shape, ndim);
     f.n = 1;
     for (int i = 0; i < ndim; i++) f.n *= shape[i];
-    f.seed = hash_name(name) ^ m->synth_seed;
+    f.seed = qf_fnv1a(QF_HASH_START, name, strlen(name)) ^ m->synth_seed;
     f.data = malloc((size_t)(f.n > 0 ? f.n : 1) * qf_dtype_size(f.dtype));
     if (!f.data) return NULL;
     int tasks = (int)((f.n + CHUNK - 1) / CHUNK);
