@@ -352,15 +352,9 @@ static void test_dec_gdn_gn(int nk, int nv, int dk, int dv) {
     float *dout = gpu.ops->alloc(&gpu, (size_t)nv * dv * 4), *dout2 = gpu.ops->alloc(&gpu, (size_t)nv * dv * 4);
     qf_gdn_args a = {mixed, mixed + qk, mixed + 2 * qk, stride, mixed + cd + nv * dv, mixed + cd + nv * dv + nv, S, out, 1, nk, nv, dk, dv};
     ref.ops->gdn(&ref, &a);
-    for (int h = 0; h < nv; h++) { /* the gated norm, as out_proj's pre */
-        float *o = out + (size_t)h * dv, ss = 0.0f;
-        for (int d = 0; d < dv; d++) ss += o[d] * o[d];
-        float inv = 1.0f / sqrtf(ss / (float)dv + 1e-6f);
-        for (int d = 0; d < dv; d++) {
-            float z = mixed[cd + h * dv + d];
-            o[d] = z / (1.0f + expf(-z)) * (o[d] * inv * gw[d]);
-        }
-    }
+    /* the gated norm, as out_proj's pre (and test_dec_matmul's reference): rmsnorm per head, then silu(z) * that */
+    ref.ops->rmsnorm(&ref, out, dv, gw, nv, dv, 1e-6f, out, dv);
+    ref.ops->swiglu(&ref, mixed + cd, out, dv, nv, dv, out);
     qf_gdn_dec g = {dm, stride, 1, nk, nv, dk, dv, {dS}, dout}, g2 = g;
     g2.S[0] = dS2, g2.out = dout2;
     qf_pre gn = {QF_PRE_GATED_NORM, dw, dm + cd, stride, dv, dv, 1e-6f};
