@@ -495,6 +495,38 @@ static void test_dec_attn_tail(int nh, int hd, int H, tail_moe_shape ms) {
     free(core), free(gate), free(x), free(fnw), free(hwo), free(hwf), free(hsd);
 }
 
+/* attn_gate (QFLASH_CUDA_ATT_GATE=1) on the inputs of a (the kv pool holds the new keys already:
+ * they are written again, the same): the gated output against the CPU's (out times the sigmoid of
+ * the gate), and o_proj's product from it (no pre) bit for bit against the product of the plain
+ * output with the SIGMOID pre, as the layer ran before. Taken only where the backend takes it. */
+static void dec_attention_gated(const qf_attn_dec *a, const float *qkv, float *out, const char *s) {
+    int n = a->n, nh = a->nh, hd = a->hd, H = 64, cols = nh * hd;
+    qf_attn_dec b = *a;
+    float *plain = a->out, *dgated = gpu.ops->alloc(&gpu, (size_t)n * cols * 4);
+    b.out = dgated;
+    if (!gpu.ops->dec->attn_gate(&gpu, &b)) {
+        fprintf(stderr, "  %-18s %-40s not taken\n", "dec attn_gate", s);
+        gpu.ops->free(&gpu, dgated);
+        return;
+    }
+    for (int t = 0; t < n; t++) ref.ops->sigmoid_mul(&ref, out + (size_t)t * cols, hd, qkv + (size_t)t * a->stride + hd, 2 * hd, nh, hd);
+    report("dec attn_gate", s, cmp(dgated, out, (size_t)n * cols), 1e-5);
+    void *hw;
+    qf_mat w = bf16_mat(H, cols, &hw);
+    w.data = up(hw, (size_t)H * cols * 2);
+    float *y1 = gpu.ops->alloc(&gpu, (size_t)n * H * 4), *y2 = gpu.ops->alloc(&gpu, (size_t)n * H * 4);
+    qf_pre gate = {QF_PRE_SIGMOID, NULL, a->qkv + hd, a->stride, 2 * hd, hd, 0.0f};
+    gpu.ops->dec->matmul(&gpu, &w, plain, n, &gate, NULL, 0, y1);
+    gpu.ops->dec->matmul(&gpu, &w, dgated, n, NULL, NULL, 0, y2);
+    float *h1 = down_f(y1, (size_t)n * H), *h2 = down_f(y2, (size_t)n * H);
+    int same = memcmp(h1, h2, (size_t)n * H * 4) == 0;
+    CHECK(same, "o_proj from attn_gate's output differs from o_proj with the sigmoid pre (%s)", s);
+    fprintf(stderr, "  %-18s %-40s %s\n", "dec attn_gate+o", s, same ? "bit for bit" : "DIFFERS");
+    free(hw), free(h1), free(h2);
+    void *d[] = {dgated, (void *)w.data, y1, y2};
+    for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
+}
+
 /* Rows at different positions, each with its own scrambled pages in one pool. */
 static void test_dec_attention(int n, int nh, int nkv, int hd, int rot, const int *pos) {
     int pt = 16, stride = nh * 2 * hd + 2 * nkv * hd, koff = nh * 2 * hd, voff = koff + nkv * hd, per = 0;
@@ -528,6 +560,7 @@ static void test_dec_attention(int n, int nh, int nkv, int hd, int rot, const in
     snprintf(s, sizeof s, "n=%d at %d.., %d/%d heads of %d, rot %d", n, pos[0], nh, nkv, hd, rot);
     report("dec attention", s, cmp(dout, out, (size_t)n * nh * hd), 1e-5);
     report("dec attention kv", s, cmp(dpool, pool, (size_t)np * pstride), 1e-6);
+    if (gpu.ops->dec->attn_gate) dec_attention_gated(&a, qkv, out, s);
     free(pool), free(qkv), free(qn), free(kn), free(inv), free(out), free(qw), free(kw), free(pages);
     void *d[] = {dpool, dqkv, dqn, dkn, dinv, dpages, dout};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
@@ -709,6 +742,26 @@ static void bulk_checks(void) {
  * (QFLASH_CUDA_BULK=0), the DeltaNet tail in one kernel (QFLASH_CUDA_TAIL=1, 2) and with the MoE
  * block joined (3; 4 attention layers' tails too; QFLASH_CUDA_TAIL_NW=16 and QFLASH_CUDA_TAIL_DSM=0
  * its other forms). */
+/* The decode attention's other forms: the gate applied by the combine kernel (ATT_GATE=1), and
+ * the one-kernel attention (ATT1=1: keys loaded before the wait, the last split combines), without
+ * and with the gate; several launches in a row (its per-head counts must be back at zero), short
+ * and long contexts (keys past the ones loaded early), several rows. */
+static void att_checks(void) {
+    int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40}, p4[1] = {150}, p5[1] = {8000};
+    const char *sets[][2] = {{"QFLASH_CUDA_ATT_GATE", "1"}, {"QFLASH_CUDA_ATT1", "1"}, {"QFLASH_CUDA_ATT_GATE", "1"}};
+    for (int k = 0; k < 3; k++) {
+        if (!restart_with(sets[k][0], sets[k][1])) continue;
+        for (int r = 0; r < 2; r++) test_dec_attention(1, 16, 2, 256, 64, p4);
+        test_dec_attention(1, 16, 2, 256, 64, p1);
+        test_dec_attention(1, 16, 2, 256, 64, p5);
+        test_dec_attention(3, 16, 2, 256, 64, p3);
+        test_dec_attention(2, 4, 2, 64, 16, p2);
+        test_dec_attention(2, 8, 2, 32, 8, p2);
+        if (k == 0) unsetenv("QFLASH_CUDA_ATT_GATE");
+    }
+    unsetenv("QFLASH_CUDA_ATT1"), unsetenv("QFLASH_CUDA_ATT_GATE");
+}
+
 static void switch_checks(void) {
     if (restart_with("QFLASH_CUDA_MOE1", "0")) {
         test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0);
@@ -743,6 +796,7 @@ static void switch_checks(void) {
         test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
     }
     unsetenv("QFLASH_CUDA_MOE_PF");
+    att_checks();
     if (restart_with("QFLASH_CUDA_BULK", "0")) { /* one-row in_proj in the register kernel (the default before, and off sm_90) */
         test_dec_gdn_proj(1);
         test_dec_matmul(QF_PRE_RMSNORM, 12352, 2048, 1, 1, 0);

@@ -167,6 +167,10 @@ typedef struct qf_dec_ops {
     /* Optional (NULL, or 0 returned when not taken): gdn(g), then g->out = gn(g->out) in place
      * (gn a GATED_NORM over heads of g->dv), as one: what w_out's product then reads without a pre. 1: done. */
     int (*gdn_gn)(qf_backend *be, const qf_gdn_dec *g, const qf_pre *gn);
+    /* Optional (NULL, or 0 returned when not taken): attention(a), then each output head times the
+     * sigmoid of its gate (q|gate layout: head h's gate at qkv + t*stride + h*2*hd + hd), as one:
+     * what o_proj then reads without a pre. 1: done. */
+    int (*attn_gate)(qf_backend *be, const qf_attn_dec *a);
 } qf_dec_ops;
 
 

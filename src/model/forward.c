@@ -196,11 +196,12 @@ static int dec_full_attn(fwd *f, int L, const qf_pre *norm, const qf_pre *fn, co
     qf_attn_dec a = {big, stride, nh * 2 * hd, nh * 2 * hd + nkv * hd, f->N, nh, nkv, hd, c->rot_dim, w->q_norm, w->k_norm, f->m->inv_freq,
                      c->norm_eps, 1.0f / sqrtf((float)hd), {{0}}, {0}, core};
     for (int t = 0; t < f->N; t++) a.kv[t] = qf_state_kv_view(f->seqs[t].st, L), a.pos[t] = f->seqs[t].st->pos;
-    d->attention(be, &a);
+    int gated = d->attn_gate && d->attn_gate(be, &a); /* core is gated already */
+    if (!gated) d->attention(be, &a);
     qf_pre gate = {QF_PRE_SIGMOID, NULL, big + hd, stride, 2 * hd, hd, 0.0f};
     qf_gdn_dec none = {NULL, 0, f->N, 0, 0, 0, 0, {0}, core};
-    if (d->gdn_tail && d->gdn_tail(be, &none, &w->wo, &gate, WS(f->ws, x), &w->ffn_in, fn, WS(f->ws, drl), mo) == 2) return 2;
-    d->matmul(be, &w->wo, core, f->N, &gate, NULL, 1, WS(f->ws, x));
+    if (!gated && d->gdn_tail && d->gdn_tail(be, &none, &w->wo, &gate, WS(f->ws, x), &w->ffn_in, fn, WS(f->ws, drl), mo) == 2) return 2;
+    d->matmul(be, &w->wo, core, f->N, gated ? NULL : &gate, NULL, 1, WS(f->ws, x));
     return 0;
 }
 

@@ -131,7 +131,7 @@ static void c_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *o
     for (int t = 0; t < n; t++) out[t] = qf_argmax_f32(x + (size_t)t * cols, cols);
 }
 
-static const qf_dec_ops k_compose = {c_matmul, c_gdn, c_attention, c_moe, c_argmax, NULL, NULL};
+static const qf_dec_ops k_compose = {c_matmul, c_gdn, c_attention, c_moe, c_argmax, NULL, NULL, NULL};
 
 int qf_cpu_dec_compose_init(qf_backend *be, const qf_ops *base, size_t scratch_floats) {
     compose *c = calloc(1, sizeof *c);

@@ -97,6 +97,9 @@ struct ctx {
     int early;                    // decode kernels issue their first weight loads before waiting (QFLASH_CUDA_EARLY, default 1)
     int moe1;                     // one-row MoE blocks in one kernel, gate/up and down a grid count apart (QFLASH_CUDA_MOE1, default 1)
     unsigned *moe_cnt;            // grid counts, zero between launches: [0..1] the one-kernel MoE's, [4..11] the DeltaNet tail's
+    int att1;                     // the decode attention in one kernel, keys loaded before its wait (QFLASH_CUDA_ATT1)
+    int att_gate;                 // the decode attention applies the output gate, o_proj none (QFLASH_CUDA_ATT_GATE)
+    unsigned *att_cnt;            // per (row, head) counts of k_attn_one's finished splits, zero between launches
     int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (default; QFLASH_CUDA_GDN_GN=0: off)
     int moe_pf;                   // the one-kernel MoE's expert table in shared memory (QFLASH_CUDA_MOE_PF=2)
     int route;                    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (QFLASH_CUDA_ROUTE)
@@ -326,6 +329,7 @@ inline unsigned blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / p
 // ---- paged attention (decode splits the keys; the partials are combined by k_attn_combine) ----
 #define ATT_WARPS 4
 #define ATT_DPL 8 // dims per lane: head_dim up to 256
+#define ATT_MAX_HEADS 4096 // (row, head) pairs k_attn_one counts
 
 __device__ __forceinline__ const float *kv_row(const qf_kv_view &v, int j, int nkv, int hd, int h, int is_v) {
     size_t page = (size_t)v.pages[j / v.page_tokens];
@@ -343,24 +347,57 @@ __device__ __forceinline__ void attn_start(const float *q, int hd, float *qr, fl
     }
 }
 
-// One key into a warp's running softmax (max m, sum l) and output o; lane holds dims lane + 32u.
-__device__ __forceinline__ void attn_key(const float *qr, const float *k, const float *v, int hd, float scale, float &m, float &l, float *o) {
+// A key's or value's row of hd floats into the lane's dims lane + 32u (0 past hd).
+__device__ __forceinline__ void attn_row(const float *r, int hd, float *rr) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < ATT_DPL; u++) rr[u] = lane + 32 * u < hd ? r[lane + 32 * u] : 0.0f;
+}
+
+// One key (kr, vr: the lane's dims, as attn_row loads them) into a warp's running softmax (max m,
+// sum l) and output o.
+__device__ __forceinline__ void attn_key_r(const float *qr, const float *kr, const float *vr, int hd, float scale, float &m, float &l, float *o) {
     int lane = threadIdx.x & 31;
     float s = 0.0f;
 #pragma unroll
-    for (int u = 0; u < ATT_DPL; u++) {
-        int d = lane + 32 * u;
-        if (d < hd) s += qr[u] * k[d];
-    }
+    for (int u = 0; u < ATT_DPL; u++)
+        if (lane + 32 * u < hd) s += qr[u] * kr[u];
     s = warp_sum(s) * scale;
     float mn = fmaxf(m, s), corr = expf(m - mn), p = expf(s - mn);
     l = l * corr + p;
 #pragma unroll
-    for (int u = 0; u < ATT_DPL; u++) {
-        int d = lane + 32 * u;
-        o[u] = o[u] * corr + (d < hd ? p * v[d] : 0.0f);
-    }
+    for (int u = 0; u < ATT_DPL; u++) o[u] = o[u] * corr + (lane + 32 * u < hd ? p * vr[u] : 0.0f);
     m = mn;
+}
+
+// One key row k and value row v into a warp's running softmax; lane holds dims lane + 32u.
+__device__ __forceinline__ void attn_key(const float *qr, const float *k, const float *v, int hd, float scale, float &m, float &l, float *o) {
+    float kr[ATT_DPL], vr[ATT_DPL];
+    attn_row(k, hd, kr), attn_row(v, hd, vr);
+    attn_key_r(qr, kr, vr, hd, scale, m, l, o);
+}
+
+// One head's output from its splits' partials (M, L, o[hd] each, at p): sum_s o_s e^(M_s - M) / L,
+// times sigmoid(gate[d]) where gate is given (the attention layer's output gate, as o_proj's
+// SIGMOID pre would apply it). The block's threads stride the dims. Partials read past L1: in the
+// one-kernel attention other blocks of the same kernel wrote them.
+__device__ __forceinline__ void attn_combine_head(const float *p, int splits, int hd, const float *gate, float *out) {
+    float M = -INFINITY;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, __ldcg(p + s * (hd + 2)));
+    float L = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        float ms = __ldcg(p + s * (hd + 2));
+        if (ms != -INFINITY) L += __ldcg(p + s * (hd + 2) + 1) * expf(ms - M);
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            float ms = __ldcg(p + s * (hd + 2));
+            if (ms != -INFINITY) acc += __ldcg(p + s * (hd + 2) + 2 + d) * expf(ms - M);
+        }
+        float v = acc / L;
+        out[d] = gate ? v * sigmoid(gate[d]) : v;
+    }
 }
 
 // The W warps' (m, l, o) merged into the block's unnormalised partial (M, L, o[hd]) at out.
@@ -387,7 +424,8 @@ __device__ void attn_write_part(float m, float l, const float *o, int hd, float 
     }
 }
 
-__global__ void k_attn_combine(int splits, int hd, const float *part, float *out);
+// gate (may be NULL): the fused q|gate rows (row t at gate + t * gstride, head h's gate at + h * 2 * hd + hd).
+__global__ void k_attn_combine(int splits, int hd, const float *part, float *out, const float *gate, int gstride, int nh);
 
 // How many key splits (and keys per split) for `rows` (query, head) pairs over up to max_keys keys.
 int attn_splits(int max_keys, int rows, int *chunk);

@@ -796,7 +796,9 @@ struct gdn_task {
 #pragma unroll
         for (int i = 0; i < HK; i++) s[i] = i < n && live ? S[(int64_t)i * dv] : 0.0f;
     }
-    // returns the column's output (every lane of the column has it; 0 for dead lanes)
+    // returns the column's output (every lane of the column has it; 0 for dead lanes), also
+    // written to a.out unless the caller writes it (normed) itself
+    template <bool OUT = true>
     __device__ __forceinline__ float run(const qf_gdn_dec &a, float *qn, float *kn) {
         int lane = threadIdx.x & 31, dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk), qk = a.nk * dk, zb = 2 * qk + 2 * a.nv * dv;
         const float *row = a.mixed + (int64_t)t * a.stride, *q = row + kh * dk, *k = row + qk + kh * dk;
@@ -827,7 +829,7 @@ struct gdn_task {
         for (int m = 1; m < LPC; m <<= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
         __syncwarp(); // qn, kn may be the next task's
         if (!live) return 0.0f;
-        if (!part) a.out[((int64_t)t * a.nv + h) * dv + j] = o;
+        if (OUT && !part) a.out[((int64_t)t * a.nv + h) * dv + j] = o;
 #pragma unroll
         for (int i = 0; i < HK; i++)
             if (i < n) S[(int64_t)i * dv] = s[i];
@@ -871,7 +873,7 @@ __global__ void __launch_bounds__(512) k_gdn_head(qf_gdn_dec a, dpre gg) {
     tr(SK_GDN, TR_WAIT);
     pdl_launch();
     float *qk = qkn + warp * 2 * DK;
-    float o = w.run(a, qk, qk + DK);
+    float o = w.template run<false>(a, qk, qk + DK); // the normed output only
     if (w.live && !w.part) on[w.j] = o;
     __syncthreads();
     const float *gv = gg.g + (int64_t)t * gg.g_stride + (int64_t)h * gg.g_hstride;
@@ -968,8 +970,72 @@ __global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
     tr(SK_ATTN, TR_END); // warp 0 writes the partial last
 }
 
-void dec_attention(qf_backend *be, const qf_attn_dec *a) {
-    ctx *c = C(be);
+// The decode attention in one kernel (QFLASH_CUDA_ATT1): as k_attn_dec, but each warp loads its
+// first KP keys and values before its wait (written by earlier steps: every kernel two launches
+// back has ended), so no key costs a memory latency after it; and the last block of a head's
+// splits to finish (a count per head, back at zero after it) combines the partials itself, so no
+// combine kernel and its boundary follow. gate: the output heads times their sigmoid gate.
+template <int KP>
+__global__ void __launch_bounds__(DATT_WARPS * 32) k_attn_one(qf_attn_dec a, int chunk, int splits, float *part, unsigned *cnt, int gate) {
+    __shared__ float qs[ATT_DPL * 32], kn[ATT_DPL * 32], vn[ATT_DPL * 32];
+    __shared__ int last;
+    int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, ratio = a.nh / a.nkv, kvh = h / ratio;
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, hd = a.hd, pos = a.pos[t];
+    int j0 = sp * chunk, j1 = min(pos + 1, j0 + chunk), fresh = j0 <= pos && pos < j1;
+    qf_kv_view kv = a.kv[t];
+    const float *row = a.qkv + (int64_t)t * a.stride;
+    if (skipped(SK_ATTN)) return;
+    tr(SK_ATTN, TR_START);
+    float kr[KP][ATT_DPL], vr[KP][ATT_DPL];
+#pragma unroll
+    for (int i = 0; i < KP; i++) {
+        int j = j0 + warp + DATT_WARPS * i;
+        if (j < j1 && j != pos) attn_row(kv_row(kv, j, a.nkv, hd, kvh, 0), hd, kr[i]), attn_row(kv_row(kv, j, a.nkv, hd, kvh, 1), hd, vr[i]);
+    }
+    pdl_wait();
+    tr(SK_ATTN, TR_WAIT);
+    pdl_launch();
+    if (warp == 0) norm_rope(row + (int64_t)h * 2 * hd, a.q_norm, hd, a.rot, pos, a.inv_freq, a.eps, qs);
+    else if (warp == 1 && fresh) {
+        norm_rope(row + a.k_off + kvh * hd, a.k_norm, hd, a.rot, pos, a.inv_freq, a.eps, kn);
+        for (int d = lane; d < hd; d += 32) vn[d] = row[a.v_off + kvh * hd + d];
+        if (h % ratio == 0) {
+            float *kd = (float *)kv_row(kv, pos, a.nkv, hd, kvh, 0), *vd = (float *)kv_row(kv, pos, a.nkv, hd, kvh, 1);
+            for (int d = lane; d < hd; d += 32) kd[d] = kn[d], vd[d] = vn[d];
+        }
+    }
+    __syncthreads();
+    float qr[ATT_DPL], o[ATT_DPL], m = -INFINITY, l = 0.0f;
+    attn_start(qs, hd, qr, o);
+#pragma unroll
+    for (int i = 0; i < KP; i++) { // the warp's keys in k_attn_dec's order: the same sums
+        int j = j0 + warp + DATT_WARPS * i;
+        if (j < j1) {
+            if (j == pos) attn_key(qr, kn, vn, hd, a.scale, m, l, o);
+            else attn_key_r(qr, kr[i], vr[i], hd, a.scale, m, l, o);
+        }
+    }
+    for (int j = j0 + warp + DATT_WARPS * KP; j < j1; j += DATT_WARPS) {
+        const float *k = j == pos ? kn : kv_row(kv, j, a.nkv, hd, kvh, 0), *v = j == pos ? vn : kv_row(kv, j, a.nkv, hd, kvh, 1);
+        attn_key(qr, k, v, hd, a.scale, m, l, o);
+    }
+    float *hp = part + (int64_t)th * splits * (hd + 2);
+    attn_write_part<DATT_WARPS>(m, l, o, hd, hp + (int64_t)sp * (hd + 2));
+    __threadfence(); // the partial, before the count says it is there
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(cnt + th, 1u) == (unsigned)splits - 1;
+        if (last) cnt[th] = 0; // every split has counted: zero for the next launch
+    }
+    __syncthreads();
+    if (last) {
+        __threadfence();
+        attn_combine_head(hp, splits, hd, gate ? row + (int64_t)h * 2 * hd + hd : NULL, a.out + (int64_t)th * hd);
+    }
+    tr(SK_ATTN, TR_END);
+}
+
+static void attention_dec(ctx *c, const qf_attn_dec *a, int gate) {
     if (a->hd > ATT_DPL * 32 || a->nh % a->nkv) {
         fprintf(stderr, "qflash cuda: head_dim %d > %d (or heads %d not a multiple of kv heads %d) is not supported\n", a->hd, ATT_DPL * 32, a->nh,
                 a->nkv);
@@ -985,8 +1051,23 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) {
     if (chunk < 32) chunk = 32, splits = (max_keys + 31) / 32;
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * 64 * (a->hd + 2) * sizeof(float));
     if (!part) return;
+    if (c->att1 && c->att_cnt && rows <= ATT_MAX_HEADS) {
+        LAUNCH_PDL(c, k_attn_one<4>, dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, c->att_cnt, gate);
+        return;
+    }
     LAUNCH_PDL(c, k_attn_dec, dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part);
-    LAUNCH_PDL(c, k_attn_combine, rows, 128, 0, splits, a->hd, part, a->out);
+    LAUNCH_PDL(c, k_attn_combine, rows, 128, 0, splits, a->hd, part, a->out, gate ? a->qkv : (const float *)NULL, a->stride, a->nh);
+}
+
+void dec_attention(qf_backend *be, const qf_attn_dec *a) { attention_dec(C(be), a, 0); }
+
+// attention with the output gate applied (QFLASH_CUDA_ATT_GATE); 0: not taken (the attention
+// layers' joined tail applies the gate itself).
+int dec_attn_gate(qf_backend *be, const qf_attn_dec *a) {
+    ctx *c = C(be);
+    if (!c->att_gate || c->tail == 4) return 0;
+    attention_dec(c, a, 1);
+    return 1;
 }
 
 // ---- MoE: routing and gate/up in one kernel, down + shared expert + residual in another ----
@@ -2028,7 +2109,7 @@ int dec_gdn_tail(qf_backend *be, const qf_gdn_dec *g, const qf_mat *wo, const qf
 
 } // namespace
 
-const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_tail, dec_gdn_gn};
+const qf_dec_ops qfc::k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_tail, dec_gdn_gn, dec_attn_gate};
 
 void qfc::dec_setup(ctx *c) {
     const char *bps = getenv("QFLASH_CUDA_BPS"), *early = getenv("QFLASH_CUDA_EARLY"), *skip = getenv("QFLASH_CUDA_SKIP");
@@ -2064,6 +2145,9 @@ void qfc::dec_setup(ctx *c) {
     c->moe_pf = pf && *pf == '2';
     // the DeltaNet step a value head per block, with out_proj's gated norm (k_gdn_head; QFLASH_CUDA_GDN_GN=0: off): whole
     // model 2948.1 -> 2820.0 us a step in one call (notes, session 9)
+    const char *a1 = getenv("QFLASH_CUDA_ATT1"), *ag = getenv("QFLASH_CUDA_ATT_GATE");
+    c->att1 = a1 && *a1 == '1';
+    c->att_gate = ag && *ag == '1';
     const char *gg = getenv("QFLASH_CUDA_GDN_GN");
     c->gdn_gn = !(gg && *gg == '0');
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;

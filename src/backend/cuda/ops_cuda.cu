@@ -293,26 +293,12 @@ __global__ void k_attn_part(qf_attn_args a, int chunk, int splits, float *part) 
 
 } // namespace
 
-__global__ void qfc::k_attn_combine(int splits, int hd, const float *part, float *out) {
-    int th = blockIdx.x;
-    const float *p = part + (int64_t)th * splits * (hd + 2);
+__global__ void qfc::k_attn_combine(int splits, int hd, const float *part, float *out, const float *gate, int gstride, int nh) {
+    int th = blockIdx.x, t = th / nh, h = th - t * nh;
     pdl_wait(); // the decode step launches it programmatically; elsewhere a no-op
     pdl_launch();
-    float M = -INFINITY;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, p[s * (hd + 2)]);
-    float L = 0.0f;
-    for (int s = 0; s < splits; s++) {
-        float ms = p[s * (hd + 2)];
-        if (ms != -INFINITY) L += p[s * (hd + 2) + 1] * expf(ms - M);
-    }
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            float ms = p[s * (hd + 2)];
-            if (ms != -INFINITY) acc += p[s * (hd + 2) + 2 + d] * expf(ms - M);
-        }
-        out[(int64_t)th * hd + d] = acc / L;
-    }
+    attn_combine_head(part + (int64_t)th * splits * (hd + 2), splits, hd, gate ? gate + (int64_t)t * gstride + (int64_t)h * 2 * hd + hd : NULL,
+                      out + (int64_t)th * hd);
 }
 
 int qfc::attn_splits(int max_keys, int rows, int *chunk) {
@@ -336,7 +322,7 @@ void cu_attention(qf_backend *be, const qf_attn_args *a) {
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * (splits > 64 ? splits : 64) * (a->hd + 2) * sizeof(float));
     if (!part) return;
     LAUNCH(c, k_attn_part, dim3(rows, splits), ATT_WARPS * 32, *a, chunk, splits, part);
-    LAUNCH(c, k_attn_combine, rows, 128, splits, a->hd, part, a->out);
+    LAUNCH(c, k_attn_combine, rows, 128, splits, a->hd, part, a->out, (const float *)NULL, 0, a->nh);
 }
 
 __global__ void k_kv_store(qf_kv_view kv, const float *k, const float *v, int T, int pos0, int nkv, int hd) {
@@ -763,6 +749,7 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     c->st.on = stt && *stt == '1' && cudaEventCreate(&c->st.ev[0]) == cudaSuccess && cudaEventCreate(&c->st.ev[1]) == cudaSuccess;
     for (int i = 0; c->prof.on && i < PROF_RING; i++) cudaEventCreate(&c->prof.ev[i][0]), cudaEventCreate(&c->prof.ev[i][1]);
     if (cudaMalloc(&c->moe_cnt, 64) != cudaSuccess || cudaMemset(c->moe_cnt, 0, 64) != cudaSuccess) c->moe_cnt = NULL;
+    if (cudaMalloc(&c->att_cnt, ATT_MAX_HEADS * 4) != cudaSuccess || cudaMemset(c->att_cnt, 0, ATT_MAX_HEADS * 4) != cudaSuccess) c->att_cnt = NULL;
     if (cudaMalloc(&c->amax, argmax_scratch_bytes()) != cudaSuccess || cudaMemset(c->amax, 0, argmax_scratch_bytes()) != cudaSuccess) c->amax = NULL;
     c->gs.argbuf = (unsigned char *)malloc(G_ARG_BYTES); // NULL: every replayed node is re-set
     c->gs.pin_out_cap = (size_t)64 << 20;
@@ -794,7 +781,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->trace.buf);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->att_cnt), cudaFree(c->trace.buf);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);
