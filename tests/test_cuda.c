@@ -742,22 +742,20 @@ static void bulk_checks(void) {
  * (QFLASH_CUDA_BULK=0), the DeltaNet tail in one kernel (QFLASH_CUDA_TAIL=1, 2) and with the MoE
  * block joined (3; 4 attention layers' tails too; QFLASH_CUDA_TAIL_NW=16 and QFLASH_CUDA_TAIL_DSM=0
  * its other forms). */
-/* The decode attention's other forms: the gate applied by the combine kernel (ATT_GATE=1), and
- * the one-kernel attention (ATT1=1: keys loaded before the wait, the last split combines), without
- * and with the gate; several launches in a row (its per-head counts must be back at zero), short
- * and long contexts (keys past the ones loaded early), several rows. */
+/* The decode attention's other forms (the default: one kernel with the gate, ATT1 and ATT_GATE):
+ * the gate applied by the combine kernel after the two-kernel attention (ATT1=0), and neither
+ * (ATT_GATE=0 too: o_proj applies it); short and long contexts (keys past the ones the one kernel
+ * loads early), several rows, and twice in a row (its per-head counts must be back at zero). */
 static void att_checks(void) {
     int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40}, p4[1] = {150}, p5[1] = {8000};
-    const char *sets[][2] = {{"QFLASH_CUDA_ATT_GATE", "1"}, {"QFLASH_CUDA_ATT1", "1"}, {"QFLASH_CUDA_ATT_GATE", "1"}};
-    for (int k = 0; k < 3; k++) {
+    const char *sets[][2] = {{"QFLASH_CUDA_ATT1", "0"}, {"QFLASH_CUDA_ATT_GATE", "0"}};
+    for (int k = 0; k < 2; k++) {
         if (!restart_with(sets[k][0], sets[k][1])) continue;
-        for (int r = 0; r < 2; r++) test_dec_attention(1, 16, 2, 256, 64, p4);
+        test_dec_attention(1, 16, 2, 256, 64, p4);
         test_dec_attention(1, 16, 2, 256, 64, p1);
         test_dec_attention(1, 16, 2, 256, 64, p5);
         test_dec_attention(3, 16, 2, 256, 64, p3);
         test_dec_attention(2, 4, 2, 64, 16, p2);
-        test_dec_attention(2, 8, 2, 32, 8, p2);
-        if (k == 0) unsetenv("QFLASH_CUDA_ATT_GATE");
     }
     unsetenv("QFLASH_CUDA_ATT1"), unsetenv("QFLASH_CUDA_ATT_GATE");
 }
@@ -896,7 +894,10 @@ int main(int argc, char **argv) {
     test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 1);
     test_dec_moe(1, 64, 4, 192, 32, 192, 0, 0);
     test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1); /* E not a multiple of 4: route_pairs pads the logits */
-    int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40};
+    int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40}, p4[1] = {150}, p5[1] = {8000};
+    test_dec_attention(1, 16, 2, 256, 64, p4); /* keys within those loaded before the wait; twice: the counts back at zero */
+    test_dec_attention(1, 16, 2, 256, 64, p4);
+    test_dec_attention(1, 16, 2, 256, 64, p5);
     test_dec_attention(1, 16, 2, 256, 64, p1);
     test_dec_attention(3, 16, 2, 256, 64, p3);
     test_dec_attention(2, 4, 2, 64, 16, p2);

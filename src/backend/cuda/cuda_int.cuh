@@ -99,6 +99,7 @@ struct ctx {
     unsigned *moe_cnt;            // grid counts, zero between launches: [0..1] the one-kernel MoE's, [4..11] the DeltaNet tail's
     int att1;                     // the decode attention in one kernel, keys loaded before its wait (QFLASH_CUDA_ATT1)
     int att_gate;                 // the decode attention applies the output gate, o_proj none (QFLASH_CUDA_ATT_GATE)
+    int trig;                     // kernels that let their dependents launch before their own wait (QFLASH_CUDA_TRIG mask)
     unsigned *att_cnt;            // per (row, head) counts of k_attn_one's finished splits, zero between launches
     int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (default; QFLASH_CUDA_GDN_GN=0: off)
     int moe_pf;                   // the one-kernel MoE's expert table in shared memory (QFLASH_CUDA_MOE_PF=2)
