@@ -944,102 +944,87 @@ __device__ void norm_rope(const float *x, const float *w, int hd, int rot, int p
 
 #define DATT_WARPS 8 // keys of a split shared by 8 warps: each walks few keys, one latency apiece
 
-// Block (row t * nh + head h, split): as k_attn_part, with the query's norm and RoPE done here;
-// the split that holds the new position prepares the new key and value itself (and the first
-// head of each kv group stores them), so no block reads a key another block is writing.
-__global__ void k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part) {
-    __shared__ float qs[ATT_DPL * 32], kn[ATT_DPL * 32], vn[ATT_DPL * 32];
-    int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, ratio = a.nh / a.nkv, kvh = h / ratio;
-    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, hd = a.hd, pos = a.pos[t];
-    int j0 = sp * chunk, j1 = min(pos + 1, j0 + chunk), fresh = j0 <= pos && pos < j1;
-    qf_kv_view kv = a.kv[t];
-    const float *row = a.qkv + (int64_t)t * a.stride;
-    if (skipped(SK_ATTN)) return;
-    tr(SK_ATTN, TR_START);
-    pdl_wait();
-    tr(SK_ATTN, TR_WAIT);
-    pdl_launch();
+// After the wait for the qkv product: warp 0 normalises and rotates head h's query into qs; in the
+// split that holds the new position warp 1 prepares the new key and value (kn, vn) of kv head kvh,
+// and the kv group's first head stores them.
+__device__ __forceinline__ void attn_new_token(const qf_attn_dec &a, const float *row, int h, int kvh, int pos, int fresh, const qf_kv_view &kv, float *qs,
+                                               float *kn, float *vn) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, hd = a.hd;
     if (warp == 0) norm_rope(row + (int64_t)h * 2 * hd, a.q_norm, hd, a.rot, pos, a.inv_freq, a.eps, qs);
     else if (warp == 1 && fresh) {
         norm_rope(row + a.k_off + kvh * hd, a.k_norm, hd, a.rot, pos, a.inv_freq, a.eps, kn);
         for (int d = lane; d < hd; d += 32) vn[d] = row[a.v_off + kvh * hd + d];
-        if (h % ratio == 0) {
+        if (h % (a.nh / a.nkv) == 0) {
             float *kd = (float *)kv_row(kv, pos, a.nkv, hd, kvh, 0), *vd = (float *)kv_row(kv, pos, a.nkv, hd, kvh, 1);
             for (int d = lane; d < hd; d += 32) kd[d] = kn[d], vd[d] = vn[d];
         }
     }
     __syncthreads();
-    float qr[ATT_DPL], o[ATT_DPL], m = -INFINITY, l = 0.0f;
-    attn_start(qs, hd, qr, o);
-    for (int j = j0 + warp; j < j1; j += DATT_WARPS) {
-        const float *k = j == pos ? kn : kv_row(kv, j, a.nkv, hd, kvh, 0), *v = j == pos ? vn : kv_row(kv, j, a.nkv, hd, kvh, 1);
-        attn_key(qr, k, v, hd, a.scale, m, l, o);
-    }
-    attn_write_part<DATT_WARPS>(m, l, o, hd, part + ((int64_t)th * splits + sp) * (hd + 2));
-    tr(SK_ATTN, TR_END); // warp 0 writes the partial last
 }
 
-// The decode attention in one kernel (QFLASH_CUDA_ATT1): as k_attn_dec, but each warp loads its
-// first KP keys and values before its wait (written by earlier steps: every kernel two launches
-// back has ended), so no key costs a memory latency after it; and the last block of a head's
-// splits to finish (a count per head, back at zero after it) combines the partials itself, so no
-// combine kernel and its boundary follow. gate: the output heads times their sigmoid gate.
-template <int KP>
-__global__ void __launch_bounds__(DATT_WARPS * 32) k_attn_one(qf_attn_dec a, int chunk, int splits, float *part, unsigned *cnt, int gate, int trig) {
+// A warp's keys j, j + DATT_WARPS, .. below j1 into its running softmax (the new position's from kn, vn).
+__device__ __forceinline__ void attn_keys(const qf_attn_dec &a, const qf_kv_view &kv, int kvh, int pos, const float *kn, const float *vn, int j, int j1,
+                                          const float *qr, float &m, float &l, float *o) {
+    for (; j < j1; j += DATT_WARPS) {
+        const float *k = j == pos ? kn : kv_row(kv, j, a.nkv, a.hd, kvh, 0), *v = j == pos ? vn : kv_row(kv, j, a.nkv, a.hd, kvh, 1);
+        attn_key(qr, k, v, a.hd, a.scale, m, l, o);
+    }
+}
+
+// Block (row t * nh + head h, split): as k_attn_part, with the query's norm and RoPE done here;
+// the split that holds the new position prepares the new key and value itself (and the first
+// head of each kv group stores them), so no block reads a key another block is writing.
+// KP > 0 (QFLASH_CUDA_ATT1, the default): each warp loads its first KP keys and values before its
+// wait (written by earlier steps: every kernel two launches back has ended), so those keys cost no
+// memory latency after it. ONE: the last block of a head's splits to finish (a count per head, back
+// at zero after it) combines the partials itself, so no combine kernel and its boundary follow;
+// gate: the output heads times their sigmoid gate. Keys are summed in the same order either way.
+template <int KP, bool ONE>
+__global__ void __launch_bounds__(DATT_WARPS * 32) k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part, unsigned *cnt, int gate, int trig) {
     __shared__ float qs[ATT_DPL * 32], kn[ATT_DPL * 32], vn[ATT_DPL * 32];
     __shared__ int last;
-    int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, ratio = a.nh / a.nkv, kvh = h / ratio;
-    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, hd = a.hd, pos = a.pos[t];
+    int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, kvh = h / (a.nh / a.nkv);
+    int warp = threadIdx.x / 32, hd = a.hd, pos = a.pos[t];
     int j0 = sp * chunk, j1 = min(pos + 1, j0 + chunk), fresh = j0 <= pos && pos < j1;
     qf_kv_view kv = a.kv[t];
     const float *row = a.qkv + (int64_t)t * a.stride;
     if (skipped(SK_ATTN)) return;
     tr(SK_ATTN, TR_START);
-    float kr[KP][ATT_DPL], vr[KP][ATT_DPL];
+    float kr[KP > 0 ? KP : 1][ATT_DPL], vr[KP > 0 ? KP : 1][ATT_DPL];
 #pragma unroll
     for (int i = 0; i < KP; i++) {
         int j = j0 + warp + DATT_WARPS * i;
         if (j < j1 && j != pos) attn_row(kv_row(kv, j, a.nkv, hd, kvh, 0), hd, kr[i]), attn_row(kv_row(kv, j, a.nkv, hd, kvh, 1), hd, vr[i]);
     }
     pdl_wait_trig(trig, SK_ATTN);
-    if (warp == 0) norm_rope(row + (int64_t)h * 2 * hd, a.q_norm, hd, a.rot, pos, a.inv_freq, a.eps, qs);
-    else if (warp == 1 && fresh) {
-        norm_rope(row + a.k_off + kvh * hd, a.k_norm, hd, a.rot, pos, a.inv_freq, a.eps, kn);
-        for (int d = lane; d < hd; d += 32) vn[d] = row[a.v_off + kvh * hd + d];
-        if (h % ratio == 0) {
-            float *kd = (float *)kv_row(kv, pos, a.nkv, hd, kvh, 0), *vd = (float *)kv_row(kv, pos, a.nkv, hd, kvh, 1);
-            for (int d = lane; d < hd; d += 32) kd[d] = kn[d], vd[d] = vn[d];
-        }
-    }
-    __syncthreads();
+    attn_new_token(a, row, h, kvh, pos, fresh, kv, qs, kn, vn);
     float qr[ATT_DPL], o[ATT_DPL], m = -INFINITY, l = 0.0f;
     attn_start(qs, hd, qr, o);
 #pragma unroll
-    for (int i = 0; i < KP; i++) { // the warp's keys in k_attn_dec's order: the same sums
+    for (int i = 0; i < KP; i++) {
         int j = j0 + warp + DATT_WARPS * i;
         if (j < j1) {
             if (j == pos) attn_key(qr, kn, vn, hd, a.scale, m, l, o);
             else attn_key_r(qr, kr[i], vr[i], hd, a.scale, m, l, o);
         }
     }
-    for (int j = j0 + warp + DATT_WARPS * KP; j < j1; j += DATT_WARPS) {
-        const float *k = j == pos ? kn : kv_row(kv, j, a.nkv, hd, kvh, 0), *v = j == pos ? vn : kv_row(kv, j, a.nkv, hd, kvh, 1);
-        attn_key(qr, k, v, hd, a.scale, m, l, o);
-    }
+    attn_keys(a, kv, kvh, pos, kn, vn, j0 + warp + DATT_WARPS * KP, j1, qr, m, l, o);
     float *hp = part + (int64_t)th * splits * (hd + 2);
     attn_write_part<DATT_WARPS>(m, l, o, hd, hp + (int64_t)sp * (hd + 2));
-    __threadfence(); // the partial, before the count says it is there
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(cnt + th, 1u) == (unsigned)splits - 1;
-        if (last) cnt[th] = 0; // every split has counted: zero for the next launch
+    if constexpr (ONE) {
+        __threadfence(); // the partial, before the count says it is there
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            last = atomicAdd(cnt + th, 1u) == (unsigned)splits - 1;
+            if (last) cnt[th] = 0; // every split has counted: zero for the next launch
+        }
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            attn_combine_head(hp, splits, hd, gate ? row + (int64_t)h * 2 * hd + hd : NULL, a.out + (int64_t)th * hd);
+        }
     }
-    __syncthreads();
-    if (last) {
-        __threadfence();
-        attn_combine_head(hp, splits, hd, gate ? row + (int64_t)h * 2 * hd + hd : NULL, a.out + (int64_t)th * hd);
-    }
-    tr(SK_ATTN, TR_END);
+    tr(SK_ATTN, TR_END); // (without ONE: warp 0 writes the partial last)
 }
 
 static void attention_dec(ctx *c, const qf_attn_dec *a, int gate) {
@@ -1059,10 +1044,10 @@ static void attention_dec(ctx *c, const qf_attn_dec *a, int gate) {
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * 64 * (a->hd + 2) * sizeof(float));
     if (!part) return;
     if (c->att1 && c->att_cnt && rows <= ATT_MAX_HEADS) {
-        LAUNCH_PDL(c, k_attn_one<4>, dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, c->att_cnt, gate, c->trig & 1);
+        LAUNCH_PDL(c, (k_attn_dec<4, true>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, c->att_cnt, gate, c->trig & 1);
         return;
     }
-    LAUNCH_PDL(c, k_attn_dec, dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part);
+    LAUNCH_PDL(c, (k_attn_dec<0, false>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, (unsigned *)NULL, 0, 0);
     LAUNCH_PDL(c, k_attn_combine, rows, 128, 0, splits, a->hd, part, a->out, gate ? a->qkv : (const float *)NULL, a->stride, a->nh);
 }
 
