@@ -99,7 +99,6 @@ struct ctx {
     unsigned *moe_cnt;            // grid counts, zero between launches: [0..1] the one-kernel MoE's, [4..11] the DeltaNet tail's
     int att1;                     // the decode attention in one kernel, keys loaded before its wait (QFLASH_CUDA_ATT1)
     int att_gate;                 // the decode attention applies the output gate, o_proj none (QFLASH_CUDA_ATT_GATE)
-    int trig;                     // kernels that let their dependents launch before their own wait (QFLASH_CUDA_TRIG mask)
     unsigned *att_cnt;            // per (row, head) counts of k_attn_one's finished splits, zero between launches
     int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (default; QFLASH_CUDA_GDN_GN=0: off)
     int moe_pf;                   // the one-kernel MoE's expert table in shared memory (QFLASH_CUDA_MOE_PF=2)
@@ -380,21 +379,25 @@ __device__ __forceinline__ void attn_key(const float *qr, const float *k, const 
 
 // One head's output from its splits' partials (M, L, o[hd] each, at p): sum_s o_s e^(M_s - M) / L,
 // times sigmoid(gate[d]) where gate is given (the attention layer's output gate, as o_proj's
-// SIGMOID pre would apply it). The block's threads stride the dims. Partials read past L1: in the
-// one-kernel attention other blocks of the same kernel wrote them.
+// SIGMOID pre would apply it). The block's threads stride the dims. L2: the partials are read past
+// L1 (in the one-kernel attention other blocks of the same kernel wrote them); the combine kernel
+// reads them through L1, which serves its re-reads of each split's M.
+template <bool L2>
+__device__ __forceinline__ float part_ld(const float *p) { return L2 ? __ldcg(p) : *p; }
+template <bool L2>
 __device__ __forceinline__ void attn_combine_head(const float *p, int splits, int hd, const float *gate, float *out) {
     float M = -INFINITY;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, __ldcg(p + s * (hd + 2)));
+    for (int s = 0; s < splits; s++) M = fmaxf(M, part_ld<L2>(p + s * (hd + 2)));
     float L = 0.0f;
     for (int s = 0; s < splits; s++) {
-        float ms = __ldcg(p + s * (hd + 2));
-        if (ms != -INFINITY) L += __ldcg(p + s * (hd + 2) + 1) * expf(ms - M);
+        float ms = part_ld<L2>(p + s * (hd + 2));
+        if (ms != -INFINITY) L += part_ld<L2>(p + s * (hd + 2) + 1) * expf(ms - M);
     }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.0f;
         for (int s = 0; s < splits; s++) {
-            float ms = __ldcg(p + s * (hd + 2));
-            if (ms != -INFINITY) acc += __ldcg(p + s * (hd + 2) + 2 + d) * expf(ms - M);
+            float ms = part_ld<L2>(p + s * (hd + 2));
+            if (ms != -INFINITY) acc += part_ld<L2>(p + s * (hd + 2) + 2 + d) * expf(ms - M);
         }
         float v = acc / L;
         out[d] = gate ? v * sigmoid(gate[d]) : v;

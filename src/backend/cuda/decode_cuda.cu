@@ -349,17 +349,6 @@ __device__ __forceinline__ void tr_sync(unsigned, unsigned) {}
 #endif
 __device__ __forceinline__ void tr_end(unsigned tag) { tr_sync(tag, TR_END); }
 
-// Waits for the kernel before (stamped as tag's wait) and lets the next kernel launch: after the
-// wait, or before it (trig: QFLASH_CUDA_TRIG), which only a kernel whose dependent reads nothing
-// before its own wait but weights and earlier steps' data may do: the dependent may then start
-// while this kernel's predecessor still runs.
-__device__ __forceinline__ void pdl_wait_trig(int trig, unsigned tag) {
-    if (trig) pdl_launch();
-    pdl_wait();
-    tr(tag, TR_WAIT);
-    if (!trig) pdl_launch();
-}
-
 // which product a shape is in a Qwen3.5/3.6 step (hidden 2048..): out/o_proj, lm_head, router + shared gate/up, in/qkv projections
 __host__ __device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
     return rows >= 65536 ? SK_LMHEAD : cols > 2048 ? SK_OUT : rows < 4096 ? SK_FFNIN : SK_IN;
@@ -604,7 +593,7 @@ __device__ __forceinline__ void fence_async_smem() {
 // x read from shared memory.
 template <int EPR>
 __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, dpre p,
-                                                      depi ep, int acc, float *__restrict__ y, int trig) {
+                                                      depi ep, int acc, float *__restrict__ y) {
     if (skipped(gemv_bit(rows, cols))) return;
     tr(gemv_bit(rows, cols), TR_START);
     extern __shared__ float4 dyn[];
@@ -627,7 +616,9 @@ __global__ void __launch_bounds__(256, 2) k_gemv_bulk(const uint16_t *__restrict
         for (int ch = 0; ch < min(BK_SLOTS, nch); ch++) fill(ch);
     }
     __syncwarp();
-    pdl_wait_trig(trig, gemv_bit(rows, cols));
+    pdl_wait();
+    tr(gemv_bit(rows, cols), TR_WAIT);
+    pdl_launch();
     row_in ri = {};
     int cached = r1 - r0 <= 32; // more rows than lanes (large products, no epilogue): read at the row's end
     if (cached && r0 + lane < r1) row_in_load(ep, acc, y, r0 + lane, ri);
@@ -742,12 +733,10 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
     }
     if ((c->bulk & gemv_bit((int)w->rows, (int)w->cols)) && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
         size_t smem = bulk_smem_bytes((int)w->cols);
-        void (*k)(const uint16_t *, int, int, const float *, dpre, depi, int, float *, int) = w->cols == 2048 ? k_gemv_bulk<8> : k_gemv_bulk<0>;
+        void (*k)(const uint16_t *, int, int, const float *, dpre, depi, int, float *) = w->cols == 2048 ? k_gemv_bulk<8> : k_gemv_bulk<0>;
         int fit = resident(c, (const void *)k, 256, smem), per = fit < c->bulk_blocks ? fit : c->bulk_blocks;
-        // in_proj/qkv only: the DeltaNet step and the attention read earlier steps' state before their wait
-        int trig = (c->trig & 2) && gemv_bit((int)w->rows, (int)w->cols) == SK_IN;
         launch(c, "k_gemv_bulk", 1, k, dim3((unsigned)(c->sms * per)), dim3(256), (unsigned)smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, p, e,
-               acc, y, trig);
+               acc, y);
         return;
     }
     if (c->stream && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
@@ -872,7 +861,7 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
 // product's input is bit for bit what it was. gg: out_proj's GATED_NORM (norm weight w over dv, the
 // gate of row t, head h at g + t * g_stride + h * g_hstride).
 template <int DK, int LPC>
-__global__ void __launch_bounds__(512) k_gdn_head(qf_gdn_dec a, dpre gg, int trig) {
+__global__ void __launch_bounds__(512) k_gdn_head(qf_gdn_dec a, dpre gg) {
     constexpr int CPW = 32 / LPC, NW = 512 / 32;
     __shared__ float qkn[NW * 2 * DK], on[NW * CPW], inv_s; // a warp's DK of qn then DK of kn; the head's outputs
     if (skipped(SK_GDN)) return;
@@ -880,7 +869,9 @@ __global__ void __launch_bounds__(512) k_gdn_head(qf_gdn_dec a, dpre gg, int tri
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31, h = blockIdx.x, t = blockIdx.z, dv = a.dv;
     gdn_task<DK, LPC> w;
     w.load(a, h, warp, t); // state of earlier steps: before the wait
-    pdl_wait_trig(trig, SK_GDN);
+    pdl_wait();
+    tr(SK_GDN, TR_WAIT);
+    pdl_launch();
     float *qk = qkn + warp * 2 * DK;
     float o = w.template run<false>(a, qk, qk + DK); // the normed output only
     if (w.live && !w.part) on[w.j] = o;
@@ -920,7 +911,7 @@ int dec_gdn_gn(qf_backend *be, const qf_gdn_dec *a, const qf_pre *gn) {
     ctx *c = C(be);
     if (!c->gdn_gn || a->dk != 128 || a->dv != 128 || gdn_lanes(c, a->dk) != 4 || !gn || gn->kind != QF_PRE_GATED_NORM || gn->head != a->dv)
         return 0;
-    launch(c, "k_gdn_head", 1, k_gdn_head<128, 4>, dim3(a->nv, 1, a->n), dim3(a->dv / 8 * 32), 0u, *a, dpre_of(gn), c->trig & 1);
+    launch(c, "k_gdn_head", 1, k_gdn_head<128, 4>, dim3(a->nv, 1, a->n), dim3(a->dv / 8 * 32), 0u, *a, dpre_of(gn));
     return 1;
 }
 
@@ -980,7 +971,7 @@ __device__ __forceinline__ void attn_keys(const qf_attn_dec &a, const qf_kv_view
 // at zero after it) combines the partials itself, so no combine kernel and its boundary follow;
 // gate: the output heads times their sigmoid gate. Keys are summed in the same order either way.
 template <int KP, bool ONE>
-__global__ void __launch_bounds__(DATT_WARPS * 32) k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part, unsigned *cnt, int gate, int trig) {
+__global__ void __launch_bounds__(DATT_WARPS * 32) k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part, unsigned *cnt, int gate) {
     __shared__ float qs[ATT_DPL * 32], kn[ATT_DPL * 32], vn[ATT_DPL * 32];
     __shared__ int last;
     int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, kvh = h / (a.nh / a.nkv);
@@ -996,7 +987,9 @@ __global__ void __launch_bounds__(DATT_WARPS * 32) k_attn_dec(qf_attn_dec a, int
         int j = j0 + warp + DATT_WARPS * i;
         if (j < j1 && j != pos) attn_row(kv_row(kv, j, a.nkv, hd, kvh, 0), hd, kr[i]), attn_row(kv_row(kv, j, a.nkv, hd, kvh, 1), hd, vr[i]);
     }
-    pdl_wait_trig(trig, SK_ATTN);
+    pdl_wait();
+    tr(SK_ATTN, TR_WAIT);
+    pdl_launch();
     attn_new_token(a, row, h, kvh, pos, fresh, kv, qs, kn, vn);
     float qr[ATT_DPL], o[ATT_DPL], m = -INFINITY, l = 0.0f;
     attn_start(qs, hd, qr, o);
@@ -1021,7 +1014,7 @@ __global__ void __launch_bounds__(DATT_WARPS * 32) k_attn_dec(qf_attn_dec a, int
         __syncthreads();
         if (last) {
             __threadfence();
-            attn_combine_head(hp, splits, hd, gate ? row + (int64_t)h * 2 * hd + hd : NULL, a.out + (int64_t)th * hd);
+            attn_combine_head<true>(hp, splits, hd, gate ? row + (int64_t)h * 2 * hd + hd : NULL, a.out + (int64_t)th * hd);
         }
     }
     tr(SK_ATTN, TR_END); // (without ONE: warp 0 writes the partial last)
@@ -1044,10 +1037,10 @@ static void attention_dec(ctx *c, const qf_attn_dec *a, int gate) {
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * 64 * (a->hd + 2) * sizeof(float));
     if (!part) return;
     if (c->att1 && c->att_cnt && rows <= ATT_MAX_HEADS) {
-        LAUNCH_PDL(c, (k_attn_dec<4, true>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, c->att_cnt, gate, c->trig & 1);
+        LAUNCH_PDL(c, (k_attn_dec<4, true>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, c->att_cnt, gate);
         return;
     }
-    LAUNCH_PDL(c, (k_attn_dec<0, false>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, (unsigned *)NULL, 0, 0);
+    LAUNCH_PDL(c, (k_attn_dec<0, false>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, (unsigned *)NULL, 0);
     LAUNCH_PDL(c, k_attn_combine, rows, 128, 0, splits, a->hd, part, a->out, gate ? a->qkv : (const float *)NULL, a->stride, a->nh);
 }
 
@@ -2140,10 +2133,6 @@ void qfc::dec_setup(ctx *c) {
     const char *a1 = getenv("QFLASH_CUDA_ATT1"), *ag = getenv("QFLASH_CUDA_ATT_GATE");
     c->att1 = !(a1 && *a1 == '0');     // default on: whole model 2804.4 -> 2758.5 us a step with ATT_GATE (notes, session 10)
     c->att_gate = !(ag && *ag == '0');
-    // kernels whose dependents read only weights or earlier steps' data before their wait let them
-    // launch before their own wait (QFLASH_CUDA_TRIG mask: 1 the DeltaNet step and attention, 2 in_proj/qkv)
-    const char *tg = getenv("QFLASH_CUDA_TRIG");
-    c->trig = tg ? atoi(tg) : 0;
     const char *gg = getenv("QFLASH_CUDA_GDN_GN");
     c->gdn_gn = !(gg && *gg == '0');
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;

@@ -297,7 +297,7 @@ __global__ void qfc::k_attn_combine(int splits, int hd, const float *part, float
     int th = blockIdx.x, t = th / nh, h = th - t * nh;
     pdl_wait(); // the decode step launches it programmatically; elsewhere a no-op
     pdl_launch();
-    attn_combine_head(part + (int64_t)th * splits * (hd + 2), splits, hd, gate ? gate + (int64_t)t * gstride + (int64_t)h * 2 * hd + hd : NULL,
+    attn_combine_head<false>(part + (int64_t)th * splits * (hd + 2), splits, hd, gate ? gate + (int64_t)t * gstride + (int64_t)h * 2 * hd + hd : NULL,
                       out + (int64_t)th * hd);
 }
 
