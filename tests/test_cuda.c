@@ -743,13 +743,15 @@ static void bulk_checks(void) {
  * block joined (3; 4 attention layers' tails too; QFLASH_CUDA_TAIL_NW=16 and QFLASH_CUDA_TAIL_DSM=0
  * its other forms). */
 /* The decode attention's other forms (the default: one kernel with the gate, ATT1 and ATT_GATE):
- * the gate applied by the combine kernel after the two-kernel attention (ATT1=0), and neither
- * (ATT_GATE=0 too: o_proj applies it); short and long contexts (keys past the ones the one kernel
- * loads early), several rows, and twice in a row (its per-head counts must be back at zero). */
+ * the gate applied by the combine kernel after the two-kernel attention (ATT1=0), neither
+ * (ATT_GATE=0 too: o_proj applies it), and the one kernel with the plain combine (COMB=0); short
+ * and long contexts (keys past the ones the one kernel loads early), several rows, and twice in a
+ * row (its per-head counts must be back at zero). */
 static void att_checks(void) {
     int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40}, p4[1] = {150}, p5[1] = {8000};
-    const char *sets[][2] = {{"QFLASH_CUDA_ATT1", "0"}, {"QFLASH_CUDA_ATT_GATE", "0"}};
-    for (int k = 0; k < 2; k++) {
+    const char *sets[][2] = {{"QFLASH_CUDA_ATT1", "0"}, {"QFLASH_CUDA_ATT_GATE", "0"}, {"QFLASH_CUDA_COMB", "0"}};
+    for (int k = 0; k < 3; k++) {
+        if (k == 2) unsetenv("QFLASH_CUDA_ATT1"), unsetenv("QFLASH_CUDA_ATT_GATE"); /* the one kernel with the plain combine */
         if (!restart_with(sets[k][0], sets[k][1])) continue;
         test_dec_attention(1, 16, 2, 256, 64, p4);
         test_dec_attention(1, 16, 2, 256, 64, p1);
@@ -757,7 +759,7 @@ static void att_checks(void) {
         test_dec_attention(3, 16, 2, 256, 64, p3);
         test_dec_attention(2, 4, 2, 64, 16, p2);
     }
-    unsetenv("QFLASH_CUDA_ATT1"), unsetenv("QFLASH_CUDA_ATT_GATE");
+    unsetenv("QFLASH_CUDA_ATT1"), unsetenv("QFLASH_CUDA_ATT_GATE"), unsetenv("QFLASH_CUDA_COMB");
 }
 
 static void switch_checks(void) {

@@ -99,6 +99,7 @@ struct ctx {
     unsigned *moe_cnt;            // grid counts, zero between launches: [0..1] the one-kernel MoE's, [4..11] the DeltaNet tail's
     int att1;                     // the decode attention in one kernel, keys loaded before its wait (QFLASH_CUDA_ATT1)
     int att_gate;                 // the decode attention applies the output gate, o_proj none (QFLASH_CUDA_ATT_GATE)
+    int comb;                     // the attention's combine loads every split at once (attn_combine_head PAR; QFLASH_CUDA_COMB=0: off)
     unsigned *att_cnt;            // per (row, head) counts of k_attn_one's finished splits, zero between launches
     int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (default; QFLASH_CUDA_GDN_GN=0: off)
     int moe_pf;                   // the one-kernel MoE's expert table in shared memory (QFLASH_CUDA_MOE_PF=2)
@@ -379,25 +380,43 @@ __device__ __forceinline__ void attn_key(const float *qr, const float *k, const 
 
 // One head's output from its splits' partials (M, L, o[hd] each, at p): sum_s o_s e^(M_s - M) / L,
 // times sigmoid(gate[d]) where gate is given (the attention layer's output gate, as o_proj's
-// SIGMOID pre would apply it). The block's threads stride the dims. L2: the partials are read past
-// L1 (in the one-kernel attention other blocks of the same kernel wrote them); the combine kernel
-// reads them through L1, which serves its re-reads of each split's M.
+// SIGMOID pre would apply it). The block's threads stride the dims; every thread of the block
+// calls it. L2: the partials are read past L1 (in the one-kernel attention other blocks of the same
+// kernel wrote them). PAR (the default; QFLASH_CUDA_COMB=0: off, decode only): each split's M and L
+// are loaded once by the block, in one round, and a dim's partials 8 splits at a time, where the
+// plain loops paid a memory latency per split in each of three loops. Sums in the same order.
+#define COMB_MAX_SPLITS 64
 template <bool L2>
 __device__ __forceinline__ float part_ld(const float *p) { return L2 ? __ldcg(p) : *p; }
-template <bool L2>
+template <bool L2, bool PAR = true>
 __device__ __forceinline__ void attn_combine_head(const float *p, int splits, int hd, const float *gate, float *out) {
+    __shared__ float sm[COMB_MAX_SPLITS], sl[COMB_MAX_SPLITS];
+    bool par = PAR && splits <= COMB_MAX_SPLITS; // block-uniform
+    if (par) {
+        for (int s = threadIdx.x; s < splits; s += blockDim.x) sm[s] = part_ld<L2>(p + s * (hd + 2)), sl[s] = part_ld<L2>(p + s * (hd + 2) + 1);
+        __syncthreads();
+    }
+    auto ms_of = [&](int s) { return par ? sm[s] : part_ld<L2>(p + s * (hd + 2)); };
     float M = -INFINITY;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, part_ld<L2>(p + s * (hd + 2)));
+    for (int s = 0; s < splits; s++) M = fmaxf(M, ms_of(s));
     float L = 0.0f;
     for (int s = 0; s < splits; s++) {
-        float ms = part_ld<L2>(p + s * (hd + 2));
-        if (ms != -INFINITY) L += part_ld<L2>(p + s * (hd + 2) + 1) * expf(ms - M);
+        float ms = ms_of(s);
+        if (ms != -INFINITY) L += (par ? sl[s] : part_ld<L2>(p + s * (hd + 2) + 1)) * expf(ms - M);
     }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            float ms = part_ld<L2>(p + s * (hd + 2));
-            if (ms != -INFINITY) acc += part_ld<L2>(p + s * (hd + 2) + 2 + d) * expf(ms - M);
+        for (int s0 = 0; s0 < splits; s0 += 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = par && s0 + u < splits ? part_ld<L2>(p + (s0 + u) * (hd + 2) + 2 + d) : 0.0f;
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                int s = s0 + u;
+                if (s >= splits) break;
+                float ms = ms_of(s);
+                if (ms != -INFINITY) acc += (par ? v[u] : part_ld<L2>(p + s * (hd + 2) + 2 + d)) * expf(ms - M);
+            }
         }
         float v = acc / L;
         out[d] = gate ? v * sigmoid(gate[d]) : v;

@@ -970,7 +970,7 @@ __device__ __forceinline__ void attn_keys(const qf_attn_dec &a, const qf_kv_view
 // memory latency after it. ONE: the last block of a head's splits to finish (a count per head, back
 // at zero after it) combines the partials itself, so no combine kernel and its boundary follow;
 // gate: the output heads times their sigmoid gate. Keys are summed in the same order either way.
-template <int KP, bool ONE>
+template <int KP, bool ONE, bool PAR = true>
 __global__ void __launch_bounds__(DATT_WARPS * 32) k_attn_dec(qf_attn_dec a, int chunk, int splits, float *part, unsigned *cnt, int gate) {
     __shared__ float qs[ATT_DPL * 32], kn[ATT_DPL * 32], vn[ATT_DPL * 32];
     __shared__ int last;
@@ -1014,7 +1014,7 @@ __global__ void __launch_bounds__(DATT_WARPS * 32) k_attn_dec(qf_attn_dec a, int
         __syncthreads();
         if (last) {
             __threadfence();
-            attn_combine_head<true>(hp, splits, hd, gate ? row + (int64_t)h * 2 * hd + hd : NULL, a.out + (int64_t)th * hd);
+            attn_combine_head<true, PAR>(hp, splits, hd, gate ? row + (int64_t)h * 2 * hd + hd : NULL, a.out + (int64_t)th * hd);
         }
     }
     tr(SK_ATTN, TR_END); // (without ONE: warp 0 writes the partial last)
@@ -1037,7 +1037,8 @@ static void attention_dec(ctx *c, const qf_attn_dec *a, int gate) {
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * 64 * (a->hd + 2) * sizeof(float));
     if (!part) return;
     if (c->att1 && c->att_cnt && rows <= ATT_MAX_HEADS) {
-        LAUNCH_PDL(c, (k_attn_dec<4, true>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, c->att_cnt, gate);
+        if (c->comb) LAUNCH_PDL(c, (k_attn_dec<4, true>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, c->att_cnt, gate);
+        else LAUNCH_PDL(c, (k_attn_dec<4, true, false>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, c->att_cnt, gate);
         return;
     }
     LAUNCH_PDL(c, (k_attn_dec<0, false>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, (unsigned *)NULL, 0);
@@ -2133,6 +2134,8 @@ void qfc::dec_setup(ctx *c) {
     const char *a1 = getenv("QFLASH_CUDA_ATT1"), *ag = getenv("QFLASH_CUDA_ATT_GATE");
     c->att1 = !(a1 && *a1 == '0');     // default on: whole model 2804.4 -> 2758.5 us a step with ATT_GATE (notes, session 10)
     c->att_gate = !(ag && *ag == '0');
+    const char *cb = getenv("QFLASH_CUDA_COMB"); // 0: the attention's combine with a memory latency per split (attn_combine_head)
+    c->comb = !(cb && *cb == '0');
     const char *gg = getenv("QFLASH_CUDA_GDN_GN");
     c->gdn_gn = !(gg && *gg == '0');
     unsigned m = skip ? (unsigned)strtoul(skip, NULL, 0) : 0u;
