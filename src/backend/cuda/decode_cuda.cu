@@ -1196,6 +1196,57 @@ __device__ void route_pairs(const float *rl, int E, int K, int *ti, float *tw, b
     chosen_weights(tw, K);
 }
 
+// (v, i) before (w, j) in the routing order: greater, or equal at a lower index (the CPU's).
+__device__ __forceinline__ bool route_before(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
+
+// One compare-exchange of a bitonic sort into route order: the element at position pos (register
+// v, i) against the one at pos ^ j (the same register of lane ^ j), in a run of k sorted
+// descending where pos & k is 0.
+__device__ __forceinline__ void bitonic_step(float &v, int &i, int pos, int k, int j) {
+    float w = __shfl_xor_sync(0xffffffffu, v, j);
+    int q = __shfl_xor_sync(0xffffffffu, i, j);
+    bool first = ((pos & k) == 0) == ((pos & j) == 0); // this position keeps the one that comes first
+    if (route_before(w, q, v, i) == first) v = w, i = q;
+}
+
+// QFLASH_CUDA_ROUTE=3 (opt-in, E <= 256, K <= 8; written after session 10's last call, not yet
+// measured): route_pairs' choice by sorting networks. Each of 8 warps sorts its 32 logits by
+// shuffles (15 steps) and keeps its first 8; warp 0 sorts those 64 (2 a lane, 21 steps) and takes
+// the first K. The trace put route_pairs' ranking at 3-5 us a layer: 256 compares per thread in
+// all 16 warps of an SM at once, issue-bound; this is ~40 shuffle steps in 8 warps, then one warp.
+__device__ void route_sort(const float *rl, int E, int K, int *ti, float *tw, bool stamp = false) {
+    __shared__ float cv[64];
+    __shared__ int ci[64];
+    int tid = threadIdx.x, lane = tid & 31, w = tid / 32;
+    if (w < 8) {
+        int i = w * 32 + lane;
+        float v = i < E ? rl[i] : -INFINITY; // lanes past E: -inf at indices past E, after every logit
+        for (int k = 2; k <= 32; k <<= 1)
+            for (int j = k >> 1; j > 0; j >>= 1) bitonic_step(v, i, lane, k, j);
+        if (lane < 8) cv[w * 8 + lane] = v, ci[w * 8 + lane] = i; // the warp's first 8 in order
+    }
+    __syncthreads();
+    if (stamp) tr(SK_MOE_GU, TR_LOGITS);
+    if (w == 0) {
+        float v0 = cv[lane], v1 = cv[lane + 32];
+        int i0 = ci[lane], i1 = ci[lane + 32];
+        for (int k = 2; k <= 64; k <<= 1)
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                if (j == 32) { // positions lane and lane + 32, both in this lane (k = 64: one run, descending)
+                    if (route_before(v1, i1, v0, i0)) {
+                        float tv = v0;
+                        int t = i0;
+                        v0 = v1, i0 = i1, v1 = tv, i1 = t;
+                    }
+                } else bitonic_step(v0, i0, lane, k, j), bitonic_step(v1, i1, lane + 32, k, j);
+            }
+        if (lane < K) ti[lane] = i0 < E ? i0 : 0, tw[lane] = v0;
+    }
+    __syncthreads();
+    if (stamp) tr(SK_MOE_GU, TR_RANKED);
+    chosen_weights(tw, K);
+}
+
 // x * norm weight into xs; returns x's 1/rms, which scales the finished sums (the barriers of the
 // sum publish xs).
 __device__ float stage_normed(const qf_moe_dec &a, const float *x, float *xs, float *red) {
@@ -1411,7 +1462,7 @@ __device__ __forceinline__ const void *const *moe_pf_table(const void *const *ta
 // warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
 // other: the grid is never larger than what the SMs hold at once.
-template <int HL, int PL, int ROUTE = 0, bool TB = false> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default); TB: moe_pf_table
+template <int HL, int PL, int ROUTE = 0, bool TB = false> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default), 3: route_sort; TB: moe_pf_table
 __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], wk[MOE_MAX_K + 1];
@@ -1427,7 +1478,8 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     tr(SK_MOE_GU, TR_WAIT);
     pdl_launch();
     if (late) inv = stage_normed(a, a.x, xs, red);
-    if constexpr (ROUTE == 2) route_pairs(a.rl, E, K, ti, wk, true);
+    if constexpr (ROUTE == 3) route_sort(a.rl, E, K, ti, wk, true);
+    else if constexpr (ROUTE == 2) route_pairs(a.rl, E, K, ti, wk, true);
     else if constexpr (ROUTE == 1) route_fixed(a.rl, E, K, ti, wk, true);
     else route_block(a.rl, E, K, ti, wk, true);
     if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
@@ -1568,11 +1620,12 @@ int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late
     int H = a->hidden, I = a->ffn, S = a->sh_ffn;
     typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int);
     int mc = I > S ? I : S;
-    int f = c->route, tb = c->moe_pf && f == 2 && H <= 2048 && mc <= 512;
+    int f = c->route == 3 && (a->n_experts > 256 || a->top_k > 8) ? 2 : c->route; // route_sort's shapes, else route_pairs
+    int tb = c->moe_pf && f == 2 && H <= 2048 && mc <= 512;
     fn k = tb                        ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, true> : k_moe_one<8, 2, 2, true>)
-           : H <= 256 && mc <= 256  ? (f == 2 ? k_moe_one<1, 1, 2> : f ? k_moe_one<1, 1, 1> : k_moe_one<1, 1>)
-           : H <= 2048 && mc <= 512 ? (f == 2 ? k_moe_one<8, 2, 2> : f ? k_moe_one<8, 2, 1> : k_moe_one<8, 2>)
-           : H <= 4096 && mc <= 512 ? (f == 2 ? k_moe_one<16, 2, 2> : f ? k_moe_one<16, 2, 1> : k_moe_one<16, 2>)
+           : H <= 256 && mc <= 256  ? (f == 3 ? k_moe_one<1, 1, 3> : f == 2 ? k_moe_one<1, 1, 2> : f ? k_moe_one<1, 1, 1> : k_moe_one<1, 1>)
+           : H <= 2048 && mc <= 512 ? (f == 3 ? k_moe_one<8, 2, 3> : f == 2 ? k_moe_one<8, 2, 2> : f ? k_moe_one<8, 2, 1> : k_moe_one<8, 2>)
+           : H <= 4096 && mc <= 512 ? (f >= 2 ? k_moe_one<16, 2, 2> : f ? k_moe_one<16, 2, 1> : k_moe_one<16, 2>)
                                     : NULL;
     if (!k) return 0;
     size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float) + (tb ? (size_t)3 * a->n_experts * sizeof(void *) : 0);
