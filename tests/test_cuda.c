@@ -795,6 +795,12 @@ static void switch_checks(void) {
         test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1); /* E not a multiple of 32: padded */
         test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1); /* past its shapes: route_pairs */
     }
+    setenv("QFLASH_CUDA_MOE_PF", "2", 1);
+    if (restart_with("QFLASH_CUDA_ROUTE", "3")) { /* route_sort with the expert table in shared memory */
+        test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 1);
+        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
+    }
+    unsetenv("QFLASH_CUDA_MOE_PF");
     unsetenv("QFLASH_CUDA_ROUTE");
     if (restart_with("QFLASH_CUDA_MOE_PF", "2")) { /* the expert table in shared memory: twice in a row (the counts back at zero) */
         test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);

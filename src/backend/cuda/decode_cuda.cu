@@ -1621,8 +1621,9 @@ int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, int late
     typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, int);
     int mc = I > S ? I : S;
     int f = c->route == 3 && (a->n_experts > 256 || a->top_k > 8) ? 2 : c->route; // route_sort's shapes, else route_pairs
-    int tb = c->moe_pf && f == 2 && H <= 2048 && mc <= 512;
-    fn k = tb                        ? (H <= 256 && mc <= 256 ? k_moe_one<1, 1, 2, true> : k_moe_one<8, 2, 2, true>)
+    int tb = c->moe_pf && f >= 2 && H <= 2048 && mc <= 512;
+    fn k = tb                        ? (H <= 256 && mc <= 256 ? (f == 3 ? k_moe_one<1, 1, 3, true> : k_moe_one<1, 1, 2, true>)
+                                                              : (f == 3 ? k_moe_one<8, 2, 3, true> : k_moe_one<8, 2, 2, true>))
            : H <= 256 && mc <= 256  ? (f == 3 ? k_moe_one<1, 1, 3> : f == 2 ? k_moe_one<1, 1, 2> : f ? k_moe_one<1, 1, 1> : k_moe_one<1, 1>)
            : H <= 2048 && mc <= 512 ? (f == 3 ? k_moe_one<8, 2, 3> : f == 2 ? k_moe_one<8, 2, 2> : f ? k_moe_one<8, 2, 1> : k_moe_one<8, 2>)
            : H <= 4096 && mc <= 512 ? (f >= 2 ? k_moe_one<16, 2, 2> : f ? k_moe_one<16, 2, 1> : k_moe_one<16, 2>)
