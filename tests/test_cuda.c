@@ -330,12 +330,29 @@ static void test_dec_gdn(int n, int nk, int nv, int dk, int dv) {
     gpu.ops->free(&gpu, dm), gpu.ops->free(&gpu, dS), gpu.ops->free(&gpu, dout);
 }
 
-/* gdn_tail (the step, out_proj and ffn_in as one kernel) against its three ops run on the same
- * backend from the same inputs: step output, state, residual and ffn_in's output. */
+/* A device array of n floats, downloaded into a new host array. */
 static float *down_f(const float *d, size_t n) {
     float *h = malloc(n * sizeof *h);
     gpu.ops->download(&gpu, h, d, n * sizeof *h);
     return h;
+}
+
+/* The product of a random bf16 [H x cols] with pre(x_pre) (n rows) and with x_plain (no pre) must
+ * be the same bits: a fused op that applied the pre itself (op's output x_plain) left the
+ * product's input as it was. */
+static void check_same_product(const char *op, const char *s, int H, int cols, int n, const float *x_pre, const qf_pre *pre, const float *x_plain) {
+    void *hw;
+    qf_mat w = bf16_mat(H, cols, &hw);
+    w.data = up(hw, (size_t)H * cols * 2);
+    float *y1 = gpu.ops->alloc(&gpu, (size_t)n * H * 4), *y2 = gpu.ops->alloc(&gpu, (size_t)n * H * 4);
+    gpu.ops->dec->matmul(&gpu, &w, x_pre, n, pre, NULL, 0, y1);
+    gpu.ops->dec->matmul(&gpu, &w, x_plain, n, NULL, NULL, 0, y2);
+    float *h1 = down_f(y1, (size_t)n * H), *h2 = down_f(y2, (size_t)n * H);
+    int same = memcmp(h1, h2, (size_t)n * H * 4) == 0;
+    CHECK(same, "%s %s: the product of its output differs from the product with the pre", op, s);
+    fprintf(stderr, "  %-18s %-40s %s\n", op, s, same ? "bit for bit" : "DIFFERS");
+    free(hw), free(h1), free(h2);
+    gpu.ops->free(&gpu, (void *)w.data), gpu.ops->free(&gpu, y1), gpu.ops->free(&gpu, y2);
 }
 
 /* gdn_gn (the step with out_proj's gated norm applied to its output; QFLASH_CUDA_GDN_GN=1): the normed
@@ -364,18 +381,10 @@ static void test_dec_gdn_gn(int nk, int nv, int dk, int dv) {
     snprintf(s, sizeof s, "%d/%d heads of %d/%d", nk, nv, dk, dv);
     report("dec gdn_gn out", s, cmp(dout, out, (size_t)nv * dv), 1e-4);
     report("dec gdn_gn state", s, cmp(dS, S, (size_t)nv * dk * dv), 1e-4);
-    void *hw;
-    qf_mat w = bf16_mat(H, (int64_t)nv * dv, &hw);
-    w.data = up(hw, (size_t)H * nv * dv * 2);
-    float *y1 = gpu.ops->alloc(&gpu, (size_t)H * 4), *y2 = gpu.ops->alloc(&gpu, (size_t)H * 4);
     gpu.ops->dec->gdn(&gpu, &g2);
-    gpu.ops->dec->matmul(&gpu, &w, dout2, 1, &gn, NULL, 0, y1);
-    gpu.ops->dec->matmul(&gpu, &w, dout, 1, NULL, NULL, 0, y2);
-    float *h1 = down_f(y1, (size_t)H), *h2 = down_f(y2, (size_t)H);
-    CHECK(memcmp(h1, h2, (size_t)H * 4) == 0, "out_proj from gdn_gn's output differs from out_proj with the gated pre");
-    fprintf(stderr, "  %-18s %-40s %s\n", "dec gdn_gn+out", s, memcmp(h1, h2, (size_t)H * 4) ? "DIFFERS" : "bit for bit");
-    free(mixed), free(S), free(out), free(gw), free(hw), free(h1), free(h2);
-    void *d[] = {dm, dS, dS2, dw, dout, dout2, (void *)w.data, y1, y2};
+    check_same_product("dec gdn_gn+out", s, H, nv * dv, 1, dout2, &gn, dout);
+    free(mixed), free(S), free(out), free(gw);
+    void *d[] = {dm, dS, dS2, dw, dout, dout2};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
 }
 
@@ -415,6 +424,8 @@ static void tail_bench(const tail_io io[2], const char *sh) {
     }
 }
 
+/* gdn_tail (the step, out_proj and ffn_in as one kernel) against its three ops run on the same
+ * backend from the same inputs: step output, state, residual and ffn_in's output. */
 static void test_dec_gdn_tail(int nk, int nv, int dk, int dv, int H, int fr, tail_moe_shape ms) {
     int qk = nk * dk, cd = 2 * qk + nv * dv, stride = cd + nv * dv + 2 * nv, oc = nv * dv;
     if (ms.E) fr = ms.E + 2 * ms.S + 1;
@@ -511,20 +522,9 @@ static void dec_attention_gated(const qf_attn_dec *a, const float *qkv, float *o
     }
     for (int t = 0; t < n; t++) ref.ops->sigmoid_mul(&ref, out + (size_t)t * cols, hd, qkv + (size_t)t * a->stride + hd, 2 * hd, nh, hd);
     report("dec attn_gate", s, cmp(dgated, out, (size_t)n * cols), 1e-5);
-    void *hw;
-    qf_mat w = bf16_mat(H, cols, &hw);
-    w.data = up(hw, (size_t)H * cols * 2);
-    float *y1 = gpu.ops->alloc(&gpu, (size_t)n * H * 4), *y2 = gpu.ops->alloc(&gpu, (size_t)n * H * 4);
     qf_pre gate = {QF_PRE_SIGMOID, NULL, a->qkv + hd, a->stride, 2 * hd, hd, 0.0f};
-    gpu.ops->dec->matmul(&gpu, &w, plain, n, &gate, NULL, 0, y1);
-    gpu.ops->dec->matmul(&gpu, &w, dgated, n, NULL, NULL, 0, y2);
-    float *h1 = down_f(y1, (size_t)n * H), *h2 = down_f(y2, (size_t)n * H);
-    int same = memcmp(h1, h2, (size_t)n * H * 4) == 0;
-    CHECK(same, "o_proj from attn_gate's output differs from o_proj with the sigmoid pre (%s)", s);
-    fprintf(stderr, "  %-18s %-40s %s\n", "dec attn_gate+o", s, same ? "bit for bit" : "DIFFERS");
-    free(hw), free(h1), free(h2);
-    void *d[] = {dgated, (void *)w.data, y1, y2};
-    for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
+    check_same_product("dec attn_gate+o", s, H, cols, n, plain, &gate, dgated);
+    gpu.ops->free(&gpu, dgated);
 }
 
 /* Rows at different positions, each with its own scrambled pages in one pool. */
@@ -736,32 +736,51 @@ static void bulk_checks(void) {
     unsetenv("QFLASH_CUDA_BULK");
 }
 
-/* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), one-row gated norms staged with every
- * load at once (QFLASH_CUDA_WIDE=1: out_proj's and o_proj's shapes, one row), the one-kernel
- * MoE's other routings (QFLASH_CUDA_ROUTE=1 fixed slots, 0 route_block), the register in_proj
- * (QFLASH_CUDA_BULK=0), the DeltaNet tail in one kernel (QFLASH_CUDA_TAIL=1, 2) and with the MoE
- * block joined (3; 4 attention layers' tails too; QFLASH_CUDA_TAIL_NW=16 and QFLASH_CUDA_TAIL_DSM=0
- * its other forms). */
+/* The one-row MoE at the shapes its routings must agree on: the real one (timed, tied logits and
+ * not; twice in a row: the grid counts back at zero), the fixtures', E not a multiple of 32 (padded),
+ * and the most experts and the largest top-k routed (route_sort's fallback to route_pairs). */
+static void routing_checks(void) {
+    test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
+    test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 0);
+    test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
+    test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
+    test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1);
+    test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
+}
+
+/* The decode attention at its shapes: rows at different positions, short contexts (keys within
+ * those loaded before the wait; twice: the per-head counts back at zero), long ones (keys past
+ * them), several rows, small heads. */
+static void dec_attention_checks(void) {
+    int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40}, p4[1] = {150}, p5[1] = {8000};
+    test_dec_attention(1, 16, 2, 256, 64, p4);
+    test_dec_attention(1, 16, 2, 256, 64, p4);
+    test_dec_attention(1, 16, 2, 256, 64, p5);
+    test_dec_attention(1, 16, 2, 256, 64, p1);
+    test_dec_attention(3, 16, 2, 256, 64, p3);
+    test_dec_attention(2, 4, 2, 64, 16, p2);
+    test_dec_attention(2, 8, 2, 32, 8, p2);
+}
+
 /* The decode attention's other forms (the default: one kernel with the gate, ATT1 and ATT_GATE):
  * the gate applied by the combine kernel after the two-kernel attention (ATT1=0), neither
- * (ATT_GATE=0 too: o_proj applies it), and the one kernel with the plain combine (COMB=0); short
- * and long contexts (keys past the ones the one kernel loads early), several rows, and twice in a
- * row (its per-head counts must be back at zero). */
+ * (ATT_GATE=0 too: o_proj applies it), and the one kernel with the plain combine (COMB=0). */
 static void att_checks(void) {
-    int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40}, p4[1] = {150}, p5[1] = {8000};
     const char *sets[][2] = {{"QFLASH_CUDA_ATT1", "0"}, {"QFLASH_CUDA_ATT_GATE", "0"}, {"QFLASH_CUDA_COMB", "0"}};
     for (int k = 0; k < 3; k++) {
         if (k == 2) unsetenv("QFLASH_CUDA_ATT1"), unsetenv("QFLASH_CUDA_ATT_GATE"); /* the one kernel with the plain combine */
-        if (!restart_with(sets[k][0], sets[k][1])) continue;
-        test_dec_attention(1, 16, 2, 256, 64, p4);
-        test_dec_attention(1, 16, 2, 256, 64, p1);
-        test_dec_attention(1, 16, 2, 256, 64, p5);
-        test_dec_attention(3, 16, 2, 256, 64, p3);
-        test_dec_attention(2, 4, 2, 64, 16, p2);
+        if (restart_with(sets[k][0], sets[k][1])) dec_attention_checks();
     }
     unsetenv("QFLASH_CUDA_ATT1"), unsetenv("QFLASH_CUDA_ATT_GATE"), unsetenv("QFLASH_CUDA_COMB");
 }
 
+/* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), one-row gated norms staged with every
+ * load at once (QFLASH_CUDA_WIDE=1: out_proj's and o_proj's shapes, one row), the one-kernel
+ * MoE's other routings and its expert table in shared memory (routing_checks), the decode
+ * attention's other forms (att_checks), the register in_proj
+ * (QFLASH_CUDA_BULK=0), the DeltaNet tail in one kernel (QFLASH_CUDA_TAIL=1, 2) and with the MoE
+ * block joined (3; 4 attention layers' tails too; QFLASH_CUDA_TAIL_NW=16 and QFLASH_CUDA_TAIL_DSM=0
+ * its other forms). */
 static void switch_checks(void) {
     if (restart_with("QFLASH_CUDA_MOE1", "0")) {
         test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0);
@@ -774,41 +793,16 @@ static void switch_checks(void) {
         test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 1, 1); /* not its shape: the general staging */
     }
     unsetenv("QFLASH_CUDA_WIDE");
-    if (restart_with("QFLASH_CUDA_ROUTE", "1")) { /* the one-kernel MoE's other routing: same choice, order and weights */
-        test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
-        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
-        test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
-        test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1); /* the most experts and the largest top-k it routes */
-    }
-    if (restart_with("QFLASH_CUDA_ROUTE", "0")) { /* route_block (the default is route_pairs): the same again */
-        test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
-        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
-        test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
-        test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
-        test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1); /* E not a multiple of 4: padded */
-    }
-    if (restart_with("QFLASH_CUDA_ROUTE", "3")) { /* route_sort (opt-in): sorting networks, the same choice, order and weights */
-        test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
-        test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 0);
-        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
-        test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
-        test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1); /* E not a multiple of 32: padded */
-        test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1); /* past its shapes: route_pairs */
-    }
+    /* the one-kernel MoE's other routings (1 route_fixed, 0 route_block, 3 route_sort: sorting
+     * networks, opt-in; route_pairs is the default), and the expert table in shared memory
+     * (MOE_PF=2, with route_pairs and with route_sort): the same choice, order and weights */
+    const char *routes[] = {"1", "0", "3"};
+    for (int r = 0; r < 3; r++)
+        if (restart_with("QFLASH_CUDA_ROUTE", routes[r])) routing_checks();
     setenv("QFLASH_CUDA_MOE_PF", "2", 1);
-    if (restart_with("QFLASH_CUDA_ROUTE", "3")) { /* route_sort with the expert table in shared memory */
-        test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 1);
-        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
-    }
-    unsetenv("QFLASH_CUDA_MOE_PF");
+    if (restart_with("QFLASH_CUDA_ROUTE", "3")) routing_checks();
     unsetenv("QFLASH_CUDA_ROUTE");
-    if (restart_with("QFLASH_CUDA_MOE_PF", "2")) { /* the expert table in shared memory: twice in a row (the counts back at zero) */
-        test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
-        test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 0);
-        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
-        test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
-        test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
-    }
+    if (restart_with("QFLASH_CUDA_MOE_PF", "2")) routing_checks();
     unsetenv("QFLASH_CUDA_MOE_PF");
     att_checks();
     if (restart_with("QFLASH_CUDA_BULK", "0")) { /* one-row in_proj in the register kernel (the default before, and off sm_90) */
@@ -910,14 +904,7 @@ int main(int argc, char **argv) {
     test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 1);
     test_dec_moe(1, 64, 4, 192, 32, 192, 0, 0);
     test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1); /* E not a multiple of 4: route_pairs pads the logits */
-    int p1[1] = {700}, p3[3] = {0, 95, 4001}, p2[2] = {17, 40}, p4[1] = {150}, p5[1] = {8000};
-    test_dec_attention(1, 16, 2, 256, 64, p4); /* keys within those loaded before the wait; twice: the counts back at zero */
-    test_dec_attention(1, 16, 2, 256, 64, p4);
-    test_dec_attention(1, 16, 2, 256, 64, p5);
-    test_dec_attention(1, 16, 2, 256, 64, p1);
-    test_dec_attention(3, 16, 2, 256, 64, p3);
-    test_dec_attention(2, 4, 2, 64, 16, p2);
-    test_dec_attention(2, 8, 2, 32, 8, p2);
+    dec_attention_checks();
     bench_dec_matmul(12352, 2048, 1); /* the DeltaNet in_proj */
     bench_dec_matmul(248320, 2048, 1);
     bench_gemv(248320, 2048, 1); /* the lm_head */

@@ -100,7 +100,7 @@ struct ctx {
     int att1;                     // the decode attention in one kernel, keys loaded before its wait (QFLASH_CUDA_ATT1)
     int att_gate;                 // the decode attention applies the output gate, o_proj none (QFLASH_CUDA_ATT_GATE)
     int comb;                     // the attention's combine loads every split at once (attn_combine_head PAR; QFLASH_CUDA_COMB=0: off)
-    unsigned *att_cnt;            // per (row, head) counts of k_attn_one's finished splits, zero between launches
+    unsigned *att_cnt;            // per (row, head) counts of the one-kernel attention's finished splits (k_attn_dec ONE), zero between launches
     int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (default; QFLASH_CUDA_GDN_GN=0: off)
     int moe_pf;                   // the one-kernel MoE's expert table in shared memory (QFLASH_CUDA_MOE_PF=2)
     int route;                    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (QFLASH_CUDA_ROUTE)
@@ -330,7 +330,7 @@ inline unsigned blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / p
 // ---- paged attention (decode splits the keys; the partials are combined by k_attn_combine) ----
 #define ATT_WARPS 4
 #define ATT_DPL 8 // dims per lane: head_dim up to 256
-#define ATT_MAX_HEADS 4096 // (row, head) pairs k_attn_one counts
+#define ATT_MAX_HEADS 4096 // (row, head) pairs the one-kernel attention counts
 
 __device__ __forceinline__ const float *kv_row(const qf_kv_view &v, int j, int nkv, int hd, int h, int is_v) {
     size_t page = (size_t)v.pages[j / v.page_tokens];

@@ -1037,8 +1037,8 @@ static void attention_dec(ctx *c, const qf_attn_dec *a, int gate) {
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * 64 * (a->hd + 2) * sizeof(float));
     if (!part) return;
     if (c->att1 && c->att_cnt && rows <= ATT_MAX_HEADS) {
-        if (c->comb) LAUNCH_PDL(c, (k_attn_dec<4, true>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, c->att_cnt, gate);
-        else LAUNCH_PDL(c, (k_attn_dec<4, true, false>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, c->att_cnt, gate);
+        void (*k)(qf_attn_dec, int, int, float *, unsigned *, int) = c->comb ? k_attn_dec<4, true> : k_attn_dec<4, true, false>;
+        launch(c, "k_attn_dec", 1, k, dim3(rows, splits), dim3(DATT_WARPS * 32), 0u, *a, chunk, splits, part, c->att_cnt, gate);
         return;
     }
     LAUNCH_PDL(c, (k_attn_dec<0, false>), dim3(rows, splits), DATT_WARPS * 32, 0, *a, chunk, splits, part, (unsigned *)NULL, 0);
