@@ -130,6 +130,14 @@ static void test_conv_gdn(int T) {
     snprintf(s, sizeof s, "%d tokens, 16/32 heads of 128", T);
     report("gdn out", s, cmp(dout, o, (size_t)T * nv * dv), 1e-4);
     report("gdn state", s, cmp(dS, S, (size_t)nv * dk * dv), 1e-4);
+    if (T >= 256) { /* a prefill chunk's recurrence (the state keeps advancing: timing only) */
+        int reps = 20;
+        qf_cuda_sync(&gpu);
+        double t0 = qf_now();
+        for (int i = 0; i < reps; i++) gpu.ops->gdn(&gpu, &b);
+        qf_cuda_sync(&gpu);
+        fprintf(stderr, "  gdn %d tokens, 16/32 heads of 128: %.1f us per call\n", T, (qf_now() - t0) / reps * 1e6);
+    }
     free(x), free(w), free(st), free(y), free(beta), free(g), free(S), free(o);
     void *d[] = {dx, dw, dst, dy, dbeta, dg, dS, dout};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
@@ -198,34 +206,49 @@ static void ref_experts(const qf_expert *ex, const int *ti, const float *w, int 
     }
 }
 
-/* The device MoE op against routing + expert MLPs done with the reference ops. */
-static void test_moe(int N, int bench) {
-    int E = 256, K = 8, H = 2048, I = 512;
+/* The device MoE op (N rows, E experts top-K, hidden H, expert width I) against routing + expert
+ * MLPs done with the reference ops; from 192 rows (QFLASH_CUDA_MG_MIN) it groups the rows by expert
+ * (moe_grouped) unless QFLASH_CUDA_MG=0. bench: the time per call (200 calls); check 0: timing alone (the reference
+ * takes ~20 ms a row at the real shape). */
+static void test_moe_shape(int N, int E, int K, int H, int I, int check, int bench) {
     test_experts ex = make_experts(E, I, H);
     qf_expert *host = ex.host, *dev = ex.dev;
     float *rl = qt_rnd((size_t)N * E, 2.0f), *x = qt_rnd((size_t)N * H, 1.0f), *want = calloc((size_t)N * H, 4);
     float *gb = malloc((size_t)I * 4), *ub = malloc((size_t)I * 4), *hb = malloc((size_t)I * 4), *yb = malloc((size_t)H * 4);
-    for (int r = 0; r < N; r++) {
-        float w[8];
-        int ti[8];
+    for (int r = 0; check && r < N; r++) {
+        float w[64];
+        int ti[64];
         qf_ref_route(rl + (size_t)r * E, E, K, ti, w);
         ref_experts(host, ti, w, K, x + (size_t)r * H, I, H, gb, ub, hb, yb, want + (size_t)r * H);
     }
     float *drl = up_f(rl, (size_t)N * E), *dx = up_f(x, (size_t)N * H), *dout = gpu.ops->alloc(&gpu, (size_t)N * H * 4);
     qf_moe_args a = {dev, E, K, N, H, I, drl, dx, dout};
     gpu.ops->moe(&gpu, &a);
-    char s[64];
-    snprintf(s, sizeof s, "%d rows, 256 experts top-8, 2048/512", N);
-    report("moe (route+experts)", s, cmp(dout, want, (size_t)N * H), 1e-4);
-    if (bench) { /* 8 experts x 3 matrices of 512 x 2048 bf16 per row read */
-        int reps = 200;
+    char s[80];
+    snprintf(s, sizeof s, "%d rows, %d experts top-%d, %d/%d", N, E, K, H, I);
+    if (check) report("moe (route+experts)", s, cmp(dout, want, (size_t)N * H), 1e-4);
+    if (check) { /* twice on one backend: the grouping's scratch and counts start over each call */
+        gpu.ops->moe(&gpu, &a);
+        report("moe again", s, cmp(dout, want, (size_t)N * H), 1e-4);
+    }
+    if (bench) { /* K experts x 3 matrices of I x H bf16 per row, and the distinct experts' bytes */
+        int reps = 200, used = 0;
+        char *seen = calloc((size_t)E, 1);
+        for (int r = 0; r < N; r++) {
+            float w[64];
+            int ti[64];
+            qf_ref_route(rl + (size_t)r * E, E, K, ti, w);
+            for (int k = 0; k < K; k++) used += !seen[ti[k]], seen[ti[k]] = 1;
+        }
+        free(seen);
         qf_cuda_sync(&gpu);
         double t0 = qf_now();
         for (int i = 0; i < reps; i++) gpu.ops->moe(&gpu, &a);
         qf_cuda_sync(&gpu);
-        double dt = (qf_now() - t0) / reps, bytes = (double)N * K * 3 * I * H * 2;
-        fprintf(stderr, "  moe N=%d: %.1f us per call, %.0f GB/s of expert weights (%.0f%% of 4300 GB/s copy)\n", N, dt * 1e6, bytes / dt / 1e9,
-                100 * bytes / dt / 4.3e12);
+        double dt = (qf_now() - t0) / reps, bytes = (double)N * K * 3 * I * H * 2, once = (double)used * 3 * I * H * 2;
+        fprintf(stderr, "  moe N=%d: %.1f us per call, %.0f GB/s of expert weights per row (%.0f%% of 4300 GB/s copy); %d experts used, "
+                "%.0f GB/s of their bytes read once (%.0f%%)\n", N, dt * 1e6, bytes / dt / 1e9, 100 * bytes / dt / 4.3e12, used,
+                once / dt / 1e9, 100 * once / dt / 4.3e12);
     }
     free_experts(&ex);
     free(rl), free(x), free(want), free(gb), free(ub), free(hb), free(yb);
@@ -793,14 +816,14 @@ static void switch_checks(void) {
         test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 1, 1); /* not its shape: the general staging */
     }
     unsetenv("QFLASH_CUDA_WIDE");
-    /* the one-kernel MoE's other routings (1 route_fixed, 0 route_block, 3 route_sort: sorting
-     * networks, opt-in; route_pairs is the default), and the expert table in shared memory
-     * (MOE_PF=2, with route_pairs and with route_sort): the same choice, order and weights */
-    const char *routes[] = {"1", "0", "3"};
+    /* the one-kernel MoE's other routings (1 route_fixed, 0 route_block, 2 route_pairs; route_sort,
+     * the sorting networks, is the default), and the expert table in shared memory (MOE_PF=2,
+     * with route_pairs and with route_sort): the same choice, order and weights */
+    const char *routes[] = {"1", "0", "2"};
     for (int r = 0; r < 3; r++)
         if (restart_with("QFLASH_CUDA_ROUTE", routes[r])) routing_checks();
     setenv("QFLASH_CUDA_MOE_PF", "2", 1);
-    if (restart_with("QFLASH_CUDA_ROUTE", "3")) routing_checks();
+    if (restart_with("QFLASH_CUDA_ROUTE", "2")) routing_checks();
     unsetenv("QFLASH_CUDA_ROUTE");
     if (restart_with("QFLASH_CUDA_MOE_PF", "2")) routing_checks();
     unsetenv("QFLASH_CUDA_MOE_PF");
@@ -882,13 +905,34 @@ int main(int argc, char **argv) {
     test_small_ops();
     test_conv_gdn(1);
     test_conv_gdn(7);
+    test_conv_gdn(43); /* several rounds of k_gdn_cols' staged tokens, the last one partial */
+    test_conv_gdn(256);
+    if (restart_with("QFLASH_CUDA_GDN_SEQ", "1")) test_conv_gdn(256); /* k_gdn, a block per head */
+    unsetenv("QFLASH_CUDA_GDN_SEQ");
     test_attention(1, 700);
     test_attention(1, 8000);
     test_attention(9, 0);
     test_attention(40, 100);
-    test_moe(1, 1);
-    test_moe(4, 1);
-    test_moe(16, 1);
+    test_moe_shape(1, 256, 8, 2048, 512, 1, 1); /* one GEMV per (row, expert) */
+    test_moe_shape(4, 256, 8, 2048, 512, 1, 1);
+    test_moe_shape(16, 256, 8, 2048, 512, 1, 1);
+    test_moe_shape(64, 256, 8, 2048, 512, 1, 1);
+    test_moe_shape(128, 256, 8, 2048, 512, 0, 1); /* timing alone */
+    test_moe_shape(512, 256, 8, 2048, 512, 0, 1); /* a prefill chunk: from 192 rows grouped by expert */
+    test_moe_shape(300, 16, 4, 256, 64, 1, 0);    /* ~75 rows an expert: two passes */
+    if (restart_with("QFLASH_CUDA_MG_MIN", "16")) { /* grouped at fewer rows: checked at the real shape and the bundled ones */
+        test_moe_shape(16, 256, 8, 2048, 512, 1, 1);
+        test_moe_shape(64, 256, 8, 2048, 512, 1, 1);
+        test_moe_shape(40, 64, 4, 192, 32, 1, 0); /* the bundled model's shape */
+        test_moe_shape(20, 8, 2, 128, 64, 1, 0);  /* the MoE fixture's */
+    }
+    unsetenv("QFLASH_CUDA_MG_MIN");
+    if (restart_with("QFLASH_CUDA_MG", "0")) { /* the GEMV path at many rows */
+        test_moe_shape(300, 16, 4, 256, 64, 1, 0);
+        test_moe_shape(128, 256, 8, 2048, 512, 0, 1);
+        test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
+    }
+    unsetenv("QFLASH_CUDA_MG");
     for (int n = 1; n <= QF_DEC_ROWS; n = n == 1 ? 8 : n + 8) dec_row_checks(n);
     test_dec_gdn_gn(16, 32, 128, 128); /* the step with out_proj's gated norm (the default one-row step); twice in a row */
     test_dec_gdn_gn(16, 32, 128, 128);

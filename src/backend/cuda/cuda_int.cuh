@@ -110,6 +110,10 @@ struct ctx {
     int tail;                     // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (QFLASH_CUDA_TAIL=1; 2: weights read in place; sm_90)
     int tail_dsm;                 // the joined MoE's second down rows bulk-copied before its count (QFLASH_CUDA_TAIL_DSM)
     int tail_nw;                  // warps a block of the joined tail: 8 (bulk-copy ring) or 16 (registers; QFLASH_CUDA_TAIL_NW)
+    int mg, mg_min_rows;          // the many-row MoE grouped by expert (moe_grouped; QFLASH_CUDA_MG=0: off) from this many rows (QFLASH_CUDA_MG_MIN)
+    void *mg_buf;                 // its scratch
+    int gdn_seq;                  // the many-token DeltaNet as a block per head (k_gdn; QFLASH_CUDA_GDN_SEQ=1), not k_gdn_cols
+    size_t mg_cap;
     int x_late;                   // the next MoE launch must stage x after its wait (the kernel before it wrote x)
     int cc_major;                 // the device's compute capability, major
     profile prof;
@@ -455,6 +459,10 @@ int attn_splits(int max_keys, int rows, int *chunk);
 
 // The device table of one MoE layer's expert pointers ([3][E]: gate, up, down), made on first use.
 const void **expert_table(ctx *c, const qf_expert *experts, int E);
+// The MoE op's experts for many rows grouped by expert, on the tensor cores (moe_group_cuda.cu),
+// given the routing (topi, topw: K per row); 0: not taken (too few rows, not bf16, a shape it is
+// not built for, or QFLASH_CUDA_FP32), the caller runs its GEMV path.
+int moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw);
 
 extern const qf_dec_ops k_dec_ops;
 size_t argmax_scratch_bytes(void);

@@ -1167,7 +1167,7 @@ __device__ void route_fixed(const float *rl, int E, int K, int *ti, float *tw, b
     chosen_weights(tw, K);
 }
 
-// route_block's choice by all pairs (QFLASH_CUDA_ROUTE=2, the default): the logits go to
+// route_block's choice by all pairs (QFLASH_CUDA_ROUTE=2, the default for shapes route_sort does not take): the logits go to
 // shared memory once, and each thread ranks its own against all E (16-byte broadcast reads, no
 // atomics, one barrier between), so the ranking is one pass of E compares per thread instead of
 // a warp rank, a shared count and a second rank over the candidates. Weights as route_fixed.
@@ -1209,8 +1209,8 @@ __device__ __forceinline__ void bitonic_step(float &v, int &i, int pos, int k, i
     if (route_before(w, q, v, i) == first) v = w, i = q;
 }
 
-// QFLASH_CUDA_ROUTE=3 (opt-in, E <= 256, K <= 8; written after session 10's last call, not yet
-// measured): route_pairs' choice by sorting networks. Each of 8 warps sorts its 32 logits by
+// QFLASH_CUDA_ROUTE=3 (the default where E <= 256, K <= 8; whole model 2766.1 -> 2675.8 us a step,
+// same digest, notes session 11): route_pairs' choice by sorting networks. Each of 8 warps sorts its 32 logits by
 // shuffles (15 steps) and keeps its first 8; warp 0 sorts those 64 (2 a lane, 21 steps) and takes
 // the first K. The trace put route_pairs' ranking at 3-5 us a layer: 256 compares per thread in
 // all 16 warps of an SM at once, issue-bound; this is ~40 shuffle steps in 8 warps, then one warp.
@@ -1462,7 +1462,7 @@ __device__ __forceinline__ const void *const *moe_pf_table(const void *const *ta
 // warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
 // other: the grid is never larger than what the SMs hold at once.
-template <int HL, int PL, int ROUTE = 0, bool TB = false> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs (the default), 3: route_sort; TB: moe_pf_table
+template <int HL, int PL, int ROUTE = 0, bool TB = false> // ROUTE 0: route_block, 1: route_fixed, 2: route_pairs, 3: route_sort (the default); TB: moe_pf_table
 __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt, int late) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], wk[MOE_MAX_K + 1];
@@ -2177,10 +2177,10 @@ void qfc::dec_setup(ctx *c) {
     c->tail_dsm = !(td && *td == '0');
     const char *tw = getenv("QFLASH_CUDA_TAIL_NW"); // 16: the joined MoE in registers at 16 warps a block
     c->tail_nw = tw && atoi(tw) == 16 ? 16 : 8;
-    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (the default: whole
-    // model 2996.9 -> 2945.2 us a step in one call, notes session 7)
+    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (whole model 2996.9 ->
+    // 2945.2 us a step in one call, notes session 7), 3 route_sort (the default: 2766.1 -> 2675.8, session 11)
     const char *ro = getenv("QFLASH_CUDA_ROUTE");
-    c->route = ro ? atoi(ro) : 2;
+    c->route = ro ? atoi(ro) : 3;
     const char *pf = getenv("QFLASH_CUDA_MOE_PF"); // 2: the one-kernel MoE's expert table in shared memory (moe_pf_table)
     c->moe_pf = pf && *pf == '2';
     // the DeltaNet step a value head per block, with out_proj's gated norm (k_gdn_head; QFLASH_CUDA_GDN_GN=0: off): whole

@@ -263,13 +263,75 @@ __global__ void k_gdn(qf_gdn_args a) {
         if (i < dk && j < dv) S[(int64_t)i * dv + j] = s[i];
 }
 
+#define GDN_TC 8 // tokens whose inputs a warp of k_gdn_cols loads in one round
+
+// The gated delta rule as k_gdn, a warp per (v-head, 32 value columns): the columns of S are
+// independent given the normalised q and k, so each lane keeps its column S[:, j] in registers, the
+// warp normalises q and k itself (no block barrier), and the inputs of GDN_TC tokens come in one
+// round of loads into shared memory, where k_gdn paid several memory latencies per token (12 us a
+// token at the real shape; 4x the blocks, too). The same sums per column in the same order; q's and
+// k's sums of squares in another.
+template <int DK>
+__global__ void __launch_bounds__(32) k_gdn_cols(qf_gdn_args a) {
+    __shared__ float qs[GDN_TC][DK], ks[GDN_TC][DK], vs[GDN_TC][32], gs[GDN_TC], bs[GDN_TC];
+    int h = blockIdx.x, lane = threadIdx.x, j = blockIdx.y * 32 + lane, dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk);
+    bool col = j < dv;
+    float s[DK];
+    float *S = a.S + (int64_t)h * dk * dv;
+#pragma unroll
+    for (int i = 0; i < DK; i++) s[i] = i < dk && col ? S[(int64_t)i * dv + j] : 0.0f;
+    float qscale = rsqrtf((float)dk);
+    for (int t0 = 0; t0 < a.T; t0 += GDN_TC) {
+        int tc = min(GDN_TC, a.T - t0);
+#pragma unroll
+        for (int u = 0; u < GDN_TC; u++) {
+            if (u >= tc) break;
+            int64_t t = t0 + u;
+            const float *q = a.q + t * a.stride + kh * dk, *k = a.k + t * a.stride + kh * dk;
+            for (int i = lane; i < dk; i += 32) qs[u][i] = q[i], ks[u][i] = k[i];
+            vs[u][lane] = col ? a.v[t * a.stride + h * dv + j] : 0.0f;
+            if (lane == 0) gs[u] = a.g[t * a.nv + h], bs[u] = a.beta[t * a.nv + h];
+        }
+        __syncwarp();
+        for (int u = 0; u < tc; u++) {
+            float sq = 0.0f, sk = 0.0f;
+            for (int i = lane; i < dk; i += 32) sq += qs[u][i] * qs[u][i], sk += ks[u][i] * ks[u][i];
+            sq = warp_sum(sq), sk = warp_sum(sk);
+            float iq = qscale / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
+            float decay = expf(gs[u]), beta = bs[u], d = 0.0f, o = 0.0f;
+#pragma unroll
+            for (int i = 0; i < DK; i++)
+                if (i < dk) s[i] *= decay, d += s[i] * (ks[u][i] * ik);
+            d = beta * (vs[u][lane] - d);
+#pragma unroll
+            for (int i = 0; i < DK; i++)
+                if (i < dk) s[i] += (ks[u][i] * ik) * d, o += s[i] * (qs[u][i] * iq);
+            if (col) a.out[((t0 + u) * (int64_t)a.nv + h) * dv + j] = o;
+        }
+        __syncwarp(); // the next round overwrites the staged inputs
+    }
+#pragma unroll
+    for (int i = 0; i < DK; i++)
+        if (i < dk && col) S[(int64_t)i * dv + j] = s[i];
+}
+
 void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
     ctx *c = C(be);
-    int threads = ((a->dv + 31) / 32) * 32;
-    if (a->dk <= 32) LAUNCH(c, k_gdn<32>, a->nv, threads, *a);
-    else if (a->dk <= 64) LAUNCH(c, k_gdn<64>, a->nv, threads, *a);
-    else if (a->dk <= 128) LAUNCH(c, k_gdn<128>, a->nv, threads, *a);
-    else fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
+    if (a->dk > 128) {
+        fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
+        return;
+    }
+    if (c->gdn_seq) { // k_gdn: a block per head (QFLASH_CUDA_GDN_SEQ=1, the kernel before k_gdn_cols)
+        int threads = ((a->dv + 31) / 32) * 32;
+        if (a->dk <= 32) LAUNCH(c, k_gdn<32>, a->nv, threads, *a);
+        else if (a->dk <= 64) LAUNCH(c, k_gdn<64>, a->nv, threads, *a);
+        else LAUNCH(c, k_gdn<128>, a->nv, threads, *a);
+        return;
+    }
+    dim3 g(a->nv, (a->dv + 31) / 32);
+    if (a->dk <= 32) LAUNCH(c, k_gdn_cols<32>, g, 32, *a);
+    else if (a->dk <= 64) LAUNCH(c, k_gdn_cols<64>, g, 32, *a);
+    else LAUNCH(c, k_gdn_cols<128>, g, 32, *a);
 }
 
 // ---- paged attention: split over keys, then combined ----
@@ -400,7 +462,7 @@ void cu_sigmoid_scale_add(qf_backend *be, float *y, const float *x, const float 
     if ((int64_t)n * d > 0) LAUNCH(c, k_sig_scale_add, blocks((int64_t)n * d, 256), 256, y, x, g, n, d);
 }
 
-// ---- MoE: routing, then one GEMV per (row, chosen expert) ----
+// ---- MoE: routing, then one GEMV per (row, chosen expert); from QFLASH_CUDA_MG_MIN rows grouped by expert (moe_group_cuda.cu) ----
 
 // A block per row: softmax over E, k rounds of argmax (ties to the lower index, as the CPU), renormalise.
 __global__ void k_route(const float *logits, int E, int K, int *topi, float *topw) {
@@ -563,6 +625,7 @@ void cu_moe(qf_backend *be, const qf_moe_args *a) {
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)N * K * sizeof(int)), *hbuf = (float *)(s + head), *ybuf = hbuf + (size_t)N * K * I;
     LAUNCH(c, k_route, N, 256, a->router_logits, E, K, topi, topw);
+    if (moe_grouped(c, a, tab, topi, topw)) return;
     int dtype = a->experts[0].gate.dtype;
     LAUNCH(c, k_expert_gate_up, dim3(N * K, (I + 7) / 8), 256, tab, E, dtype, topi, K, a->x, H, I, hbuf);
     LAUNCH(c, k_expert_down, dim3(N * K, (H + 8 * DOWN_ROWS - 1) / (8 * DOWN_ROWS)), 256, tab, E, dtype, topi, hbuf, H, I, ybuf);
@@ -739,6 +802,11 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     const char *gr = getenv("QFLASH_CUDA_GRAPHS"), *pr = getenv("QFLASH_CUDA_PROFILE");
     c->prof.on = pr && *pr == '1';
     c->gs.enabled = !(gr && *gr == '0') && !c->prof.on;
+    const char *mg = getenv("QFLASH_CUDA_MG"), *mgn = getenv("QFLASH_CUDA_MG_MIN");
+    c->mg = !(mg && *mg == '0');
+    c->mg_min_rows = mgn ? atoi(mgn) : 192; // below, the GEMV path is faster at the real shape (128 rows: 949 against 1437 us; 512: 4038 against 1922; notes, session 11)
+    const char *gq = getenv("QFLASH_CUDA_GDN_SEQ");
+    c->gdn_seq = gq && *gq == '1';
     const char *trc = getenv("QFLASH_CUDA_TRACE");
     c->trace.on = trc && *trc == '1';
 #ifndef QF_CUDA_TRACE
@@ -781,7 +849,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->attn), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->att_cnt), cudaFree(c->trace.buf);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->mg_buf), cudaFree(c->attn), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->att_cnt), cudaFree(c->trace.buf);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);

@@ -1,0 +1,202 @@
+// The MoE op for many rows (prefill, wide batches): the (row, expert) choices grouped by expert,
+// then each used expert's weights read once per MG_TOK of its rows by tensor-core products, where
+// the GEMV path (ops_cuda.cu) reads a chosen expert's 6 MB once per row that chose it. Weights are
+// bf16 as stored; each activation is split into two bf16 parts (hi + lo, ~16 bits kept, as
+// cu_matmul does) with fp32 accumulation; QFLASH_CUDA_BF16=1 keeps one part, QFLASH_CUDA_FP32=1
+// keeps the GEMV path (fp32 activations).
+#include <mma.h>
+
+#include "backend/cuda/cuda_int.cuh"
+
+namespace {
+
+using namespace qfc;
+using namespace nvcuda;
+
+#define MG_TOK 32         // rows of one expert per pass at most: 2 tiles of 16
+#define MG_FEAT 64        // output features per block: a warp per 16
+#define MG_THREADS 128
+
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> frag_w;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> frag_x;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> frag_acc;
+
+// Groups the NK = N * K choices by expert: expert e's slots are gstart[e] .. gstart[e + 1],
+// slot_row[s] is the row slot s takes, slot_of[r * K + k] the slot of row r's choice k. The order
+// within a group is the atomics': a slot's results do not depend on its place, since every output
+// column of a tile is a sum of its own.
+__global__ void k_mg_group(const int *topi, int NK, int K, int E, int *gstart, int *slot_row, int *slot_of) {
+    extern __shared__ int sh[];
+    int *cnt = sh, *cur = sh + E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < NK; i += blockDim.x) atomicAdd(&cnt[topi[i]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int s = 0;
+        for (int e = 0; e < E; e++) gstart[e] = cur[e] = s, s += cnt[e];
+        gstart[E] = s;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < NK; i += blockDim.x) {
+        int s = atomicAdd(&cur[topi[i]], 1);
+        slot_row[s] = i / K, slot_of[i] = s;
+    }
+}
+
+__device__ __forceinline__ void split_bf16(float f, __nv_bfloat16 *hi, __nv_bfloat16 *lo) {
+    __nv_bfloat16 h = __float2bfloat16(f);
+    *hi = h;
+    if (lo) *lo = __float2bfloat16(f - __bfloat162float(h));
+}
+
+// xh[s] (and xl[s], the low parts) = x[slot_row[s]] as bf16 parts, for the NK slots.
+__global__ void k_mg_gather(const float *x, const int *slot_row, int NK, int H, __nv_bfloat16 *xh, __nv_bfloat16 *xl) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)NK * H) return;
+    int64_t s = i / H, c = i - s * H;
+    split_bf16(x[(int64_t)slot_row[s] * H + c], xh + i, xl ? xl + i : NULL);
+}
+
+// acc[t] += w (16 rows) times tile t of 16 slots (their parts' rows at bh, bl with pitch ld, from
+// column k on).
+template <int TL>
+__device__ __forceinline__ void mg_mma(frag_acc *acc, const frag_w &w, const __nv_bfloat16 *bh, const __nv_bfloat16 *bl, int ld) {
+#pragma unroll
+    for (int t = 0; t < TL; t++) {
+        frag_x b;
+        wmma::load_matrix_sync(b, bh + (int64_t)t * 16 * ld, ld);
+        wmma::mma_sync(acc[t], w, b, acc[t]);
+        if (bl) {
+            wmma::load_matrix_sync(b, bl + (int64_t)t * 16 * ld, ld);
+            wmma::mma_sync(acc[t], w, b, acc[t]);
+        }
+    }
+}
+
+// One warp's pass over TL tiles of an expert's slots (their x parts at xh, xl): gate and up rows
+// j .. j + 16 (at G, U) against them, then h = silu(gate) * up for the nt slots, out as bf16 parts
+// at hh, hl (slot-major, I wide). No block barrier: each warp streams its own rows, 4
+// steps of loads in flight.
+template <int TL>
+__device__ void mg_gu_pass(const __nv_bfloat16 *G, const __nv_bfloat16 *U, const __nv_bfloat16 *xh, const __nv_bfloat16 *xl, int H, int I, int nt,
+                           float *ow, __nv_bfloat16 *hh, __nv_bfloat16 *hl) {
+    frag_acc g[TL], u[TL];
+#pragma unroll
+    for (int t = 0; t < TL; t++) wmma::fill_fragment(g[t], 0.0f), wmma::fill_fragment(u[t], 0.0f);
+#pragma unroll 4
+    for (int k = 0; k < H; k += 16) {
+        frag_w wg, wu;
+        wmma::load_matrix_sync(wg, G + k, H);
+        wmma::load_matrix_sync(wu, U + k, H);
+        mg_mma<TL>(g, wg, xh + k, xl ? xl + k : NULL, H);
+        mg_mma<TL>(u, wu, xh + k, xl ? xl + k : NULL, H);
+    }
+    float *ou = ow + 16 * MG_TOK;
+#pragma unroll
+    for (int t = 0; t < TL; t++) {
+        wmma::store_matrix_sync(ow + t * 16, g[t], MG_TOK, wmma::mem_row_major);
+        wmma::store_matrix_sync(ou + t * 16, u[t], MG_TOK, wmma::mem_row_major);
+    }
+    __syncwarp();
+    for (int q = threadIdx.x & 31; q < 16 * nt; q += 32) {
+        int m = q & 15, n = q >> 4;
+        float h = silu(ow[m * MG_TOK + n]) * ou[m * MG_TOK + n];
+        split_bf16(h, hh + (int64_t)n * I + m, hl ? hl + (int64_t)n * I + m : NULL);
+    }
+    __syncwarp();
+}
+
+// Block (feature tile, expert e): h[s][j] = silu(gate_e[j] . x[s]) * (up_e[j] . x[s]) for the
+// expert's slots s, a pass per MG_TOK of them; warp w takes features j .. j + 16.
+__global__ void __launch_bounds__(MG_THREADS) k_mg_gate_up(const void *const *tab, int E, const int *gstart, const __nv_bfloat16 *xh,
+                                                           const __nv_bfloat16 *xl, int H, int I, __nv_bfloat16 *hh, __nv_bfloat16 *hl) {
+    __shared__ __align__(32) float out[MG_THREADS / 32][2 * 16 * MG_TOK];
+    int e = blockIdx.y, s0 = gstart[e], cnt = gstart[e + 1] - s0;
+    int warp = threadIdx.x / 32, j = blockIdx.x * MG_FEAT + warp * 16;
+    if (!cnt || j >= I) return; // no block barrier: warps leave on their own
+    const __nv_bfloat16 *G = (const __nv_bfloat16 *)tab[e] + (int64_t)j * H, *U = (const __nv_bfloat16 *)tab[E + e] + (int64_t)j * H;
+    for (int t0 = 0; t0 < cnt; t0 += MG_TOK) {
+        int nt = min(MG_TOK, cnt - t0);
+        int64_t xo = (int64_t)(s0 + t0) * H, ho = (int64_t)(s0 + t0) * I + j;
+        if (nt > 16) mg_gu_pass<2>(G, U, xh + xo, xl ? xl + xo : NULL, H, I, nt, out[warp], hh + ho, hl ? hl + ho : NULL);
+        else mg_gu_pass<1>(G, U, xh + xo, xl ? xl + xo : NULL, H, I, nt, out[warp], hh + ho, hl ? hl + ho : NULL);
+    }
+}
+
+// One warp's pass of the down product: rows i .. i + 16 of the expert's down matrix (at D) against
+// TL tiles of slots' h parts (at bh, bl), into y (slot-major, H wide) for the nt slots.
+template <int TL>
+__device__ void mg_dn_pass(const __nv_bfloat16 *D, const __nv_bfloat16 *bh, const __nv_bfloat16 *bl, int H, int I, int nt, float *ow, float *y) {
+    frag_acc acc[TL];
+#pragma unroll
+    for (int t = 0; t < TL; t++) wmma::fill_fragment(acc[t], 0.0f);
+#pragma unroll 4
+    for (int k = 0; k < I; k += 16) {
+        frag_w w;
+        wmma::load_matrix_sync(w, D + k, I);
+        mg_mma<TL>(acc, w, bh + k, bl ? bl + k : NULL, I);
+    }
+#pragma unroll
+    for (int t = 0; t < TL; t++) wmma::store_matrix_sync(ow + t * 16, acc[t], MG_TOK, wmma::mem_row_major);
+    __syncwarp();
+    for (int q = threadIdx.x & 31; q < 16 * nt; q += 32) {
+        int m = q & 15, n = q >> 4;
+        y[(int64_t)n * H + m] = ow[m * MG_TOK + n];
+    }
+    __syncwarp();
+}
+
+// Block (output tile, expert e): y[s][i] = down_e[i] . h[s] for the expert's slots (their h parts
+// adjacent, slot-major), a pass per MG_TOK of them.
+__global__ void __launch_bounds__(MG_THREADS) k_mg_down(const void *const *tab, int E, const int *gstart, const __nv_bfloat16 *hh,
+                                                        const __nv_bfloat16 *hl, int H, int I, float *y) {
+    __shared__ __align__(32) float out[MG_THREADS / 32][16 * MG_TOK];
+    int e = blockIdx.y, s0 = gstart[e], cnt = gstart[e + 1] - s0;
+    int warp = threadIdx.x / 32, i = blockIdx.x * MG_FEAT + warp * 16;
+    if (!cnt || i >= H) return;
+    const __nv_bfloat16 *D = (const __nv_bfloat16 *)tab[2 * E + e] + (int64_t)i * I;
+    for (int t0 = 0; t0 < cnt; t0 += MG_TOK) {
+        int nt = min(MG_TOK, cnt - t0);
+        int64_t ho = (int64_t)(s0 + t0) * I;
+        float *yo = y + (int64_t)(s0 + t0) * H + i;
+        if (nt > 16) mg_dn_pass<2>(D, hh + ho, hl ? hl + ho : NULL, H, I, nt, out[warp], yo);
+        else mg_dn_pass<1>(D, hh + ho, hl ? hl + ho : NULL, H, I, nt, out[warp], yo);
+    }
+}
+
+// out[r] = sum over k (in order) of topw[r][k] * y[slot of (r, k)]: k_expert_sum's sum.
+__global__ void k_mg_sum(const float *y, const int *slot_of, const float *topw, int K, int N, int H, float *out) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)N * H) return;
+    int64_t r = i / H, c = i % H;
+    float acc = 0.0f;
+    for (int k = 0; k < K; k++) acc += topw[r * K + k] * y[(int64_t)slot_of[r * K + k] * H + c];
+    out[i] = acc;
+}
+
+size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+} // namespace
+
+int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw) {
+    int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts, NK = N * K;
+    if (!c->mg || c->fp32 || N < c->mg_min_rows || H % 16 || I % 16 || E > 4096) return 0;
+    for (int e = 0; e < E; e++)
+        if (a->experts[e].gate.dtype != QF_DT_BF16 || a->experts[e].up.dtype != QF_DT_BF16 || a->experts[e].down.dtype != QF_DT_BF16) return 0;
+    int two = !c->bf16_single;
+    // x's and h's parts padded by a pass of slots: a pass's last tile reads whole 16-slot columns
+    size_t ints = align256((size_t)(E + 1 + 2 * NK) * sizeof(int)), xb = align256((size_t)(NK + MG_TOK) * H * 2), hb = align256((size_t)(NK + MG_TOK) * I * 2);
+    char *s = (char *)scratch(c, &c->mg_buf, &c->mg_cap, ints + 2 * xb + 2 * hb + (size_t)NK * H * sizeof(float));
+    if (!s) return 0;
+    int *gstart = (int *)s, *slot_row = gstart + E + 1, *slot_of = slot_row + NK;
+    __nv_bfloat16 *xh = (__nv_bfloat16 *)(s + ints), *xl = two ? (__nv_bfloat16 *)(s + ints + xb) : NULL;
+    __nv_bfloat16 *hh = (__nv_bfloat16 *)(s + ints + 2 * xb), *hl = two ? (__nv_bfloat16 *)(s + ints + 2 * xb + hb) : NULL;
+    float *y = (float *)(s + ints + 2 * xb + 2 * hb);
+    LAUNCH_S(c, k_mg_group, 1, 1024, 2 * E * sizeof(int), topi, NK, K, E, gstart, slot_row, slot_of);
+    LAUNCH(c, k_mg_gather, blocks((int64_t)NK * H, 256), 256, a->x, slot_row, NK, H, xh, xl);
+    LAUNCH(c, k_mg_gate_up, dim3((I + MG_FEAT - 1) / MG_FEAT, E), MG_THREADS, (const void *const *)tab, E, gstart, xh, xl, H, I, hh, hl);
+    LAUNCH(c, k_mg_down, dim3((H + MG_FEAT - 1) / MG_FEAT, E), MG_THREADS, (const void *const *)tab, E, gstart, hh, hl, H, I, y);
+    LAUNCH(c, k_mg_sum, blocks((int64_t)N * H, 256), 256, y, slot_of, topw, K, N, H, a->out);
+    return 1;
+}
