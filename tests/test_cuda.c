@@ -927,6 +927,18 @@ int main(int argc, char **argv) {
         test_moe_shape(20, 8, 2, 128, 64, 1, 0);  /* the MoE fixture's */
     }
     unsetenv("QFLASH_CUDA_MG_MIN");
+    setenv("QFLASH_CUDA_MG_MIN", "16", 1); /* the cp.async-fed grouped products (opt-in): the same shapes */
+    if (restart_with("QFLASH_CUDA_MG_CP", "1")) {
+        test_moe_shape(16, 256, 8, 2048, 512, 1, 1);
+        test_moe_shape(64, 256, 8, 2048, 512, 1, 1);
+        test_moe_shape(128, 256, 8, 2048, 512, 0, 1);
+        test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
+        test_moe_shape(300, 16, 4, 256, 64, 1, 0);
+        test_moe_shape(20, 8, 2, 128, 64, 1, 0);
+        test_moe_shape(40, 64, 4, 192, 32, 1, 0); /* expert width 32: not its shape, the register form */
+    }
+    unsetenv("QFLASH_CUDA_MG_CP");
+    unsetenv("QFLASH_CUDA_MG_MIN");
     if (restart_with("QFLASH_CUDA_MG", "0")) { /* the GEMV path at many rows */
         test_moe_shape(300, 16, 4, 256, 64, 1, 0);
         test_moe_shape(128, 256, 8, 2048, 512, 0, 1);

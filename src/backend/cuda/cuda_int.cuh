@@ -112,6 +112,7 @@ struct ctx {
     int tail_nw;                  // warps a block of the joined tail: 8 (bulk-copy ring) or 16 (registers; QFLASH_CUDA_TAIL_NW)
     int mg, mg_min_rows;          // the many-row MoE grouped by expert (moe_grouped; QFLASH_CUDA_MG=0: off) from this many rows (QFLASH_CUDA_MG_MIN)
     void *mg_buf;                 // its scratch
+    int mg_cp, mg_cp_attr;        // moe_grouped's products fed by cp.async stages (k_mg_cp; QFLASH_CUDA_MG_CP=1, opt-in, not yet measured)
     int gdn_seq;                  // the many-token DeltaNet as a block per head (k_gdn; QFLASH_CUDA_GDN_SEQ=1), not k_gdn_cols
     size_t mg_cap;
     int x_late;                   // the next MoE launch must stage x after its wait (the kernel before it wrote x)
@@ -328,6 +329,14 @@ __device__ __forceinline__ float dot8(uint4 w, const float *x) {
     return bf16f(w.x & 0xffff) * a.x + bf16f(w.x >> 16) * a.y + bf16f(w.y & 0xffff) * a.z + bf16f(w.y >> 16) * a.w +
            bf16f(w.z & 0xffff) * b.x + bf16f(w.z >> 16) * b.y + bf16f(w.w & 0xffff) * b.z + bf16f(w.w >> 16) * b.w;
 }
+
+// cp.async of 16 bytes from global to shared memory (sm_80+), its groups and their wait.
+__device__ __forceinline__ void cp16(void *dst, const void *src) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 inline unsigned blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
 

@@ -441,13 +441,6 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
 #define SR 24 // slots per warp: 12 KB per warp, 96 KB per SM in flight (two blocks of ~110 KB still fit an SM)
 #define RU 4  // slots used per round of the loop
 
-__device__ __forceinline__ void cp16(uint4 *dst, const void *src) {
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 // The share [*lo, *hi) of n items of warp `warp` of the block among all the grid's warps.
 __device__ __forceinline__ void warp_share(int n, int *lo, int *hi) {
     int64_t warps = blockDim.x / 32, gw = (int64_t)blockIdx.x * warps + threadIdx.x / 32, tw = (int64_t)gridDim.x * warps;

@@ -165,6 +165,92 @@ __global__ void __launch_bounds__(MG_THREADS) k_mg_down(const void *const *tab, 
     }
 }
 
+#define MC_KC 64            // columns of a stage
+#define MC_LD (MC_KC + 8)   // a staged row's pitch (bf16): 144 bytes, 16-byte copies stay aligned
+#define MC_S 4              // stages in the ring: MC_S - 1 in flight while one is summed
+
+// The rows and columns of stage c (columns c * MC_KC ..) into ring stage b: NM * 64 weight rows
+// from f0 (rows past R left as they are: no warp sums them) and the pass's 32 input slots' parts.
+template <int NM>
+__device__ __forceinline__ void mc_issue(__nv_bfloat16 *ring, int b, int c, const __nv_bfloat16 *W0, const __nv_bfloat16 *W1, int f0, int R, int K,
+                                         const __nv_bfloat16 *inh, const __nv_bfloat16 *inl) {
+    __nv_bfloat16 *sw = ring + (size_t)b * (NM + 1) * 64 * MC_LD, *sx = sw + NM * 64 * MC_LD, *sxl = sx + 32 * MC_LD;
+    int k0 = c * MC_KC;
+    for (int q = threadIdx.x; q < NM * 64 * 8; q += blockDim.x) {
+        int r = q >> 3, p = (q & 7) * 8, row = f0 + (r & 63);
+        if (row < R) cp16(sw + r * MC_LD + p, (r < 64 ? W0 : W1) + (int64_t)row * K + k0 + p);
+    }
+    for (int q = threadIdx.x; q < 32 * 8; q += blockDim.x) {
+        int n = q >> 3, p = (q & 7) * 8;
+        cp16(sx + n * MC_LD + p, inh + (int64_t)n * K + k0 + p);
+        if (inl) cp16(sxl + n * MC_LD + p, inl + (int64_t)n * K + k0 + p);
+    }
+}
+
+// Block (feature tile f0 = 64 x, expert e) as k_mg_gate_up (NM 2: gate and up rows, input x's
+// parts, out h's parts) or k_mg_down (NM 1: down rows, input h's parts, out y), a pass per 32
+// slots, but the weight rows and the pass's input slots reach shared memory by cp.async, 16
+// coalesced bytes a copy, through a ring of MC_S stages of MC_KC columns: MC_S - 1 stages in
+// flight while the warps' tensor-core steps read the one that landed; one block barrier a stage.
+// (QFLASH_CUDA_MG_CP=1, opt-in: written after the session's last device call, not yet measured;
+// the register form reads ~20% of the copy bandwidth.) K: the summed width (H or I), R: the
+// matrices' rows (I or H), also the output's pitch.
+template <int NM>
+__global__ void __launch_bounds__(MG_THREADS) k_mg_cp(const void *const *tab, int E, const int *gstart, const __nv_bfloat16 *inh,
+                                                      const __nv_bfloat16 *inl, int K, int R, __nv_bfloat16 *hh, __nv_bfloat16 *hl, float *y) {
+    extern __shared__ __align__(128) unsigned char mc_smem[];
+    __nv_bfloat16 *ring = (__nv_bfloat16 *)mc_smem;
+    int e = blockIdx.y, s0 = gstart[e], cnt = gstart[e + 1] - s0; // block-uniform: before any barrier
+    if (!cnt) return;
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, f0 = blockIdx.x * 64, fw = f0 + warp * 16, nk = K / MC_KC;
+    const __nv_bfloat16 *W0 = (const __nv_bfloat16 *)tab[NM == 2 ? e : 2 * E + e], *W1 = (const __nv_bfloat16 *)tab[E + e];
+    for (int t0 = 0; t0 < cnt; t0 += 32) {
+        int nt = min(32, cnt - t0);
+        const __nv_bfloat16 *ph = inh + (int64_t)(s0 + t0) * K, *pl = inl ? inl + (int64_t)(s0 + t0) * K : NULL;
+        for (int c = 0; c < MC_S - 1; c++) {
+            if (c < nk) mc_issue<NM>(ring, c, c, W0, W1, f0, R, K, ph, pl);
+            cp_commit();
+        }
+        frag_acc acc[NM][2];
+#pragma unroll
+        for (int m = 0; m < NM; m++) wmma::fill_fragment(acc[m][0], 0.0f), wmma::fill_fragment(acc[m][1], 0.0f);
+        for (int c = 0; c < nk; c++) {
+            cp_wait<MC_S - 2>(); // this thread's copies of stage c have landed
+            __syncthreads();     // everyone's have; stage c - 1 is summed by every warp
+            if (c + MC_S - 1 < nk) mc_issue<NM>(ring, (c + MC_S - 1) % MC_S, c + MC_S - 1, W0, W1, f0, R, K, ph, pl);
+            cp_commit();
+            if (fw >= R) continue;
+            const __nv_bfloat16 *sw = ring + (size_t)(c % MC_S) * (NM + 1) * 64 * MC_LD, *sx = sw + NM * 64 * MC_LD;
+#pragma unroll
+            for (int kk = 0; kk < MC_KC; kk += 16)
+#pragma unroll
+                for (int m = 0; m < NM; m++) {
+                    frag_w w;
+                    wmma::load_matrix_sync(w, sw + (m * 64 + warp * 16) * MC_LD + kk, MC_LD);
+                    mg_mma<2>(acc[m], w, sx + kk, inl ? sx + 32 * MC_LD + kk : NULL, MC_LD);
+                }
+        }
+        cp_wait<0>();
+        __syncthreads(); // the ring is free: its room takes the sums
+        if (fw < R) {
+            float *ow = (float *)mc_smem + warp * NM * 16 * 32;
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+                wmma::store_matrix_sync(ow + m * 512, acc[m][0], 32, wmma::mem_row_major), wmma::store_matrix_sync(ow + m * 512 + 16, acc[m][1], 32, wmma::mem_row_major);
+            __syncwarp();
+            for (int q = lane; q < 16 * nt; q += 32) {
+                int mm = q & 15, n = q >> 4;
+                int64_t o = (int64_t)(s0 + t0 + n) * R + fw + mm;
+                if constexpr (NM == 2) split_bf16(silu(ow[mm * 32 + n]) * ow[512 + mm * 32 + n], hh + o, hl ? hl + o : NULL);
+                else y[o] = ow[mm * 32 + n];
+            }
+        }
+        __syncthreads(); // the sums are read before the next pass's copies land
+    }
+}
+
+size_t mc_smem_bytes(int nm) { return (size_t)MC_S * (nm + 1) * 64 * MC_LD * sizeof(__nv_bfloat16); }
+
 // out[r] = sum over k (in order) of topw[r][k] * y[slot of (r, k)]: k_expert_sum's sum.
 __global__ void k_mg_sum(const float *y, const int *slot_of, const float *topw, int K, int N, int H, float *out) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -195,8 +281,20 @@ int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *
     float *y = (float *)(s + ints + 2 * xb + 2 * hb);
     LAUNCH_S(c, k_mg_group, 1, 1024, 2 * E * sizeof(int), topi, NK, K, E, gstart, slot_row, slot_of);
     LAUNCH(c, k_mg_gather, blocks((int64_t)NK * H, 256), 256, a->x, slot_row, NK, H, xh, xl);
-    LAUNCH(c, k_mg_gate_up, dim3((I + MG_FEAT - 1) / MG_FEAT, E), MG_THREADS, (const void *const *)tab, E, gstart, xh, xl, H, I, hh, hl);
-    LAUNCH(c, k_mg_down, dim3((H + MG_FEAT - 1) / MG_FEAT, E), MG_THREADS, (const void *const *)tab, E, gstart, hh, hl, H, I, y);
+    if (c->mg_cp && H % MC_KC == 0 && I % MC_KC == 0) {
+        if (!c->mg_cp_attr) { // past the 48 KB a kernel gets unasked
+            cudaFuncSetAttribute(k_mg_cp<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(2));
+            cudaFuncSetAttribute(k_mg_cp<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(1));
+            c->mg_cp_attr = 1;
+        }
+        LAUNCH_S(c, k_mg_cp<2>, dim3((I + 63) / 64, E), MG_THREADS, mc_smem_bytes(2), (const void *const *)tab, E, gstart, xh, xl, H, I, hh, hl,
+                 (float *)NULL);
+        LAUNCH_S(c, k_mg_cp<1>, dim3((H + 63) / 64, E), MG_THREADS, mc_smem_bytes(1), (const void *const *)tab, E, gstart, hh, hl, I, H,
+                 (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y);
+    } else {
+        LAUNCH(c, k_mg_gate_up, dim3((I + MG_FEAT - 1) / MG_FEAT, E), MG_THREADS, (const void *const *)tab, E, gstart, xh, xl, H, I, hh, hl);
+        LAUNCH(c, k_mg_down, dim3((H + MG_FEAT - 1) / MG_FEAT, E), MG_THREADS, (const void *const *)tab, E, gstart, hh, hl, H, I, y);
+    }
     LAUNCH(c, k_mg_sum, blocks((int64_t)N * H, 256), 256, y, slot_of, topw, K, N, H, a->out);
     return 1;
 }
