@@ -16,7 +16,7 @@ while [ "${1:-}" = --tests ] || [ "${1:-}" = --whole ]; do
 done
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 if [ $tests = 1 ]; then
-    timeout 200 gpu/test_cuda . 2>&1 | tee "$OUT/test_cuda.log" | grep -E "FAIL|checks|invalid|rror|us,|us per call|^with"
+    timeout 320 gpu/test_cuda . 2>&1 | tee "$OUT/test_cuda.log" | grep -E "FAIL|checks|invalid|rror|us,|us per call|moe N=|gdn [0-9]|^with"
     for cfg in "$@"; do
         echo "== test_model $cfg"
         env $cfg QFLASH_TEST_DEVICE=cuda timeout 60 gpu/test_model . 2>&1 | grep -E "error|FAIL|failed" | tail -4

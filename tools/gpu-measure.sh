@@ -34,7 +34,7 @@ if [ "${1:-}" = rest ]; then
 fi
 exec > >(tee "$OUT/log.txt") 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-timeout 150 gpu/test_cuda . 2>&1 | tee "$OUT/test_cuda.log" | grep -E "FAIL|checks|invalid|rror|us,|us per call"
+timeout 320 gpu/test_cuda . 2>&1 | tee "$OUT/test_cuda.log" | grep -E "FAIL|checks|invalid|rror|us,|us per call"
 for cfg in "QFLASH_CUDA_PDL=1" "QFLASH_CUDA_PDL=0 QFLASH_CUDA_EARLY=0" "QFLASH_CUDA_FP32=1"; do
     echo "== test_model $cfg"
     env $cfg QFLASH_TEST_DEVICE=cuda timeout 60 gpu/test_model . 2>&1 | grep -E "error|FAIL|failed" | tail -4
