@@ -766,9 +766,24 @@ static void routing_checks(void) {
     test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 1);
     test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 0);
     test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
+    test_dec_moe(1, 64, 4, 192, 32, 192, 0, 0);
     test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
     test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1);
     test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
+}
+
+/* The MoE op grouped by expert (on a backend whose QFLASH_CUDA_MG_MIN lets 16 rows take it):
+ * checked at 16 and 64 rows of the real shape, 300 rows of 16 experts (several passes an expert),
+ * the MoE fixture's shape and the bundled model's (expert width 32: the cp.async form declines it,
+ * the register form takes it); timed at 128 and 512 rows. */
+static void grouped_moe_checks(void) {
+    test_moe_shape(16, 256, 8, 2048, 512, 1, 1);
+    test_moe_shape(64, 256, 8, 2048, 512, 1, 1);
+    test_moe_shape(128, 256, 8, 2048, 512, 0, 1);
+    test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
+    test_moe_shape(300, 16, 4, 256, 64, 1, 0);
+    test_moe_shape(20, 8, 2, 128, 64, 1, 0);
+    test_moe_shape(40, 64, 4, 192, 32, 1, 0);
 }
 
 /* The decode attention at its shapes: rows at different positions, short contexts (keys within
@@ -920,23 +935,8 @@ int main(int argc, char **argv) {
     test_moe_shape(128, 256, 8, 2048, 512, 0, 1); /* timing alone */
     test_moe_shape(512, 256, 8, 2048, 512, 0, 1); /* a prefill chunk: from 192 rows grouped by expert */
     test_moe_shape(300, 16, 4, 256, 64, 1, 0);    /* ~75 rows an expert: two passes */
-    if (restart_with("QFLASH_CUDA_MG_MIN", "16")) { /* grouped at fewer rows: checked at the real shape and the bundled ones */
-        test_moe_shape(16, 256, 8, 2048, 512, 1, 1);
-        test_moe_shape(64, 256, 8, 2048, 512, 1, 1);
-        test_moe_shape(40, 64, 4, 192, 32, 1, 0); /* the bundled model's shape */
-        test_moe_shape(20, 8, 2, 128, 64, 1, 0);  /* the MoE fixture's */
-    }
-    unsetenv("QFLASH_CUDA_MG_MIN");
-    setenv("QFLASH_CUDA_MG_MIN", "16", 1); /* the cp.async-fed grouped products (opt-in): the same shapes */
-    if (restart_with("QFLASH_CUDA_MG_CP", "1")) {
-        test_moe_shape(16, 256, 8, 2048, 512, 1, 1);
-        test_moe_shape(64, 256, 8, 2048, 512, 1, 1);
-        test_moe_shape(128, 256, 8, 2048, 512, 0, 1);
-        test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
-        test_moe_shape(300, 16, 4, 256, 64, 1, 0);
-        test_moe_shape(20, 8, 2, 128, 64, 1, 0);
-        test_moe_shape(40, 64, 4, 192, 32, 1, 0); /* expert width 32: not its shape, the register form */
-    }
+    if (restart_with("QFLASH_CUDA_MG_MIN", "16")) grouped_moe_checks(); /* grouped at fewer rows */
+    if (restart_with("QFLASH_CUDA_MG_CP", "1")) grouped_moe_checks(); /* the cp.async-fed products (opt-in), MG_MIN still 16 */
     unsetenv("QFLASH_CUDA_MG_CP");
     unsetenv("QFLASH_CUDA_MG_MIN");
     if (restart_with("QFLASH_CUDA_MG", "0")) { /* the GEMV path at many rows */
@@ -955,11 +955,7 @@ int main(int argc, char **argv) {
     test_dec_moe(3, 64, 4, 192, 32, 192, 0, 1);
     /* one row: the one-kernel MoE (its grid count must be back at zero after each launch, or the
      * next launch's down rows would read gate/up rows not yet written), at the fixtures' shapes */
-    test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
-    test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
-    test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 1);
-    test_dec_moe(1, 64, 4, 192, 32, 192, 0, 0);
-    test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1); /* E not a multiple of 4: route_pairs pads the logits */
+    routing_checks();
     dec_attention_checks();
     bench_dec_matmul(12352, 2048, 1); /* the DeltaNet in_proj */
     bench_dec_matmul(248320, 2048, 1);

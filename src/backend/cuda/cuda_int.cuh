@@ -103,7 +103,7 @@ struct ctx {
     unsigned *att_cnt;            // per (row, head) counts of the one-kernel attention's finished splits (k_attn_dec ONE), zero between launches
     int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (default; QFLASH_CUDA_GDN_GN=0: off)
     int moe_pf;                   // the one-kernel MoE's expert table in shared memory (QFLASH_CUDA_MOE_PF=2)
-    int route;                    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs (QFLASH_CUDA_ROUTE)
+    int route;                    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs, 3 route_sort (the default; QFLASH_CUDA_ROUTE)
     int wide;                     // one-row gated norms of wide heads staged with every load at once (QFLASH_CUDA_WIDE=1, default off)
     int bulk;                     // kinds of one-row products fed by bulk copies into per-warp rings (QFLASH_CUDA_BULK=mask, sm_90; default 8: in_proj/qkv)
     int bulk_blocks;              // their blocks per SM (QFLASH_CUDA_BULK_BLOCKS: 1 or 2, default 2)
@@ -112,9 +112,9 @@ struct ctx {
     int tail_nw;                  // warps a block of the joined tail: 8 (bulk-copy ring) or 16 (registers; QFLASH_CUDA_TAIL_NW)
     int mg, mg_min_rows;          // the many-row MoE grouped by expert (moe_grouped; QFLASH_CUDA_MG=0: off) from this many rows (QFLASH_CUDA_MG_MIN)
     void *mg_buf;                 // its scratch
+    size_t mg_cap;
     int mg_cp, mg_cp_attr;        // moe_grouped's products fed by cp.async stages (k_mg_cp; QFLASH_CUDA_MG_CP=1, opt-in, not yet measured)
     int gdn_seq;                  // the many-token DeltaNet as a block per head (k_gdn; QFLASH_CUDA_GDN_SEQ=1), not k_gdn_cols
-    size_t mg_cap;
     int x_late;                   // the next MoE launch must stage x after its wait (the kernel before it wrote x)
     int cc_major;                 // the device's compute capability, major
     profile prof;
@@ -469,9 +469,10 @@ int attn_splits(int max_keys, int rows, int *chunk);
 // The device table of one MoE layer's expert pointers ([3][E]: gate, up, down), made on first use.
 const void **expert_table(ctx *c, const qf_expert *experts, int E);
 // The MoE op's experts for many rows grouped by expert, on the tensor cores (moe_group_cuda.cu),
-// given the routing (topi, topw: K per row); 0: not taken (too few rows, not bf16, a shape it is
-// not built for, or QFLASH_CUDA_FP32), the caller runs its GEMV path.
-int moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw);
+// given the routing (topi, topw: K per row), with the caller's y (N * K rows of H floats: each
+// slot's down product) as scratch; 0: not taken (too few rows, not bf16, a shape it is not built
+// for, or QFLASH_CUDA_FP32), the caller runs its GEMV path.
+int moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw, float *y);
 
 extern const qf_dec_ops k_dec_ops;
 size_t argmax_scratch_bytes(void);

@@ -265,7 +265,7 @@ size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
 } // namespace
 
-int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw) {
+int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw, float *y) {
     int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts, NK = N * K;
     if (!c->mg || c->fp32 || N < c->mg_min_rows || H % 16 || I % 16 || E > 4096) return 0;
     for (int e = 0; e < E; e++)
@@ -273,12 +273,11 @@ int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *
     int two = !c->bf16_single;
     // x's and h's parts padded by a pass of slots: a pass's last tile reads whole 16-slot columns
     size_t ints = align256((size_t)(E + 1 + 2 * NK) * sizeof(int)), xb = align256((size_t)(NK + MG_TOK) * H * 2), hb = align256((size_t)(NK + MG_TOK) * I * 2);
-    char *s = (char *)scratch(c, &c->mg_buf, &c->mg_cap, ints + 2 * xb + 2 * hb + (size_t)NK * H * sizeof(float));
+    char *s = (char *)scratch(c, &c->mg_buf, &c->mg_cap, ints + 2 * xb + 2 * hb);
     if (!s) return 0;
     int *gstart = (int *)s, *slot_row = gstart + E + 1, *slot_of = slot_row + NK;
     __nv_bfloat16 *xh = (__nv_bfloat16 *)(s + ints), *xl = two ? (__nv_bfloat16 *)(s + ints + xb) : NULL;
     __nv_bfloat16 *hh = (__nv_bfloat16 *)(s + ints + 2 * xb), *hl = two ? (__nv_bfloat16 *)(s + ints + 2 * xb + hb) : NULL;
-    float *y = (float *)(s + ints + 2 * xb + 2 * hb);
     LAUNCH_S(c, k_mg_group, 1, 1024, 2 * E * sizeof(int), topi, NK, K, E, gstart, slot_row, slot_of);
     LAUNCH(c, k_mg_gather, blocks((int64_t)NK * H, 256), 256, a->x, slot_row, NK, H, xh, xl);
     if (c->mg_cp && H % MC_KC == 0 && I % MC_KC == 0) {

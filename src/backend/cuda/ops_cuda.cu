@@ -625,7 +625,7 @@ void cu_moe(qf_backend *be, const qf_moe_args *a) {
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)N * K * sizeof(int)), *hbuf = (float *)(s + head), *ybuf = hbuf + (size_t)N * K * I;
     LAUNCH(c, k_route, N, 256, a->router_logits, E, K, topi, topw);
-    if (moe_grouped(c, a, tab, topi, topw)) return;
+    if (moe_grouped(c, a, tab, topi, topw, ybuf)) return;
     int dtype = a->experts[0].gate.dtype;
     LAUNCH(c, k_expert_gate_up, dim3(N * K, (I + 7) / 8), 256, tab, E, dtype, topi, K, a->x, H, I, hbuf);
     LAUNCH(c, k_expert_down, dim3(N * K, (H + 8 * DOWN_ROWS - 1) / (8 * DOWN_ROWS)), 256, tab, E, dtype, topi, hbuf, H, I, ybuf);
