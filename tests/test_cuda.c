@@ -207,7 +207,7 @@ static void ref_experts(const qf_expert *ex, const int *ti, const float *w, int 
 }
 
 /* The device MoE op (N rows, E experts top-K, hidden H, expert width I) against routing + expert
- * MLPs done with the reference ops; from 192 rows (QFLASH_CUDA_MG_MIN) it groups the rows by expert
+ * MLPs done with the reference ops; from 96 rows (QFLASH_CUDA_MG_MIN) it groups the rows by expert
  * (moe_grouped) unless QFLASH_CUDA_MG=0. bench: the time per call (200 calls); check 0: timing alone (the reference
  * takes ~20 ms a row at the real shape). */
 static void test_moe_shape(int N, int E, int K, int H, int I, int check, int bench) {
@@ -932,11 +932,11 @@ int main(int argc, char **argv) {
     test_moe_shape(4, 256, 8, 2048, 512, 1, 1);
     test_moe_shape(16, 256, 8, 2048, 512, 1, 1);
     test_moe_shape(64, 256, 8, 2048, 512, 1, 1);
-    test_moe_shape(128, 256, 8, 2048, 512, 0, 1); /* timing alone */
-    test_moe_shape(512, 256, 8, 2048, 512, 0, 1); /* a prefill chunk: from 192 rows grouped by expert */
+    test_moe_shape(128, 256, 8, 2048, 512, 0, 1); /* timing alone; from 96 rows grouped by expert */
+    test_moe_shape(512, 256, 8, 2048, 512, 0, 1); /* a prefill chunk */
     test_moe_shape(300, 16, 4, 256, 64, 1, 0);    /* ~75 rows an expert: two passes */
     if (restart_with("QFLASH_CUDA_MG_MIN", "16")) grouped_moe_checks(); /* grouped at fewer rows */
-    if (restart_with("QFLASH_CUDA_MG_CP", "1")) grouped_moe_checks(); /* the cp.async-fed products (opt-in), MG_MIN still 16 */
+    if (restart_with("QFLASH_CUDA_MG_CP", "0")) grouped_moe_checks(); /* the register-form products, MG_MIN still 16 */
     unsetenv("QFLASH_CUDA_MG_CP");
     unsetenv("QFLASH_CUDA_MG_MIN");
     if (restart_with("QFLASH_CUDA_MG", "0")) { /* the GEMV path at many rows */

@@ -113,7 +113,7 @@ struct ctx {
     int mg, mg_min_rows;          // the many-row MoE grouped by expert (moe_grouped; QFLASH_CUDA_MG=0: off) from this many rows (QFLASH_CUDA_MG_MIN)
     void *mg_buf;                 // its scratch
     size_t mg_cap;
-    int mg_cp, mg_cp_attr;        // moe_grouped's products fed by cp.async stages (k_mg_cp; QFLASH_CUDA_MG_CP=1, opt-in, not yet measured)
+    int mg_cp, mg_cp_attr;        // moe_grouped's products fed by cp.async stages (k_mg_cp; QFLASH_CUDA_MG_CP=0: the register form)
     int gdn_seq;                  // the many-token DeltaNet as a block per head (k_gdn; QFLASH_CUDA_GDN_SEQ=1), not k_gdn_cols
     int x_late;                   // the next MoE launch must stage x after its wait (the kernel before it wrote x)
     int cc_major;                 // the device's compute capability, major

@@ -804,9 +804,11 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     c->gs.enabled = !(gr && *gr == '0') && !c->prof.on;
     const char *mg = getenv("QFLASH_CUDA_MG"), *mgn = getenv("QFLASH_CUDA_MG_MIN");
     c->mg = !(mg && *mg == '0');
-    c->mg_min_rows = mgn ? atoi(mgn) : 192; // below, the GEMV path is faster at the real shape (128 rows: 949 against 1437 us; 512: 4038 against 1922; notes, session 11)
     const char *mcp = getenv("QFLASH_CUDA_MG_CP");
-    c->mg_cp = mcp && *mcp == '1';
+    c->mg_cp = !(mcp && *mcp == '0');
+    // Below these rows the GEMV path is faster at the real shape (session 12, cp.async form: 64 rows
+    // 698 against 539 us, 128: 789 against 948; session 11, register form: 128 rows 1437 against 949).
+    c->mg_min_rows = mgn ? atoi(mgn) : c->mg_cp ? 96 : 192;
     const char *gq = getenv("QFLASH_CUDA_GDN_SEQ");
     c->gdn_seq = gq && *gq == '1';
     const char *trc = getenv("QFLASH_CUDA_TRACE");
