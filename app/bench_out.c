@@ -15,9 +15,9 @@ void bench_print(const bench_result *r) {
     if (r->peak_device_bytes > 0) printf("; device %s, peak device memory %.2f GiB", r->device, r->peak_device_bytes / 1073741824.0);
     printf("\n");
     printf("methodology: 1 warm-up run (dropped), then %d runs per setting; median, spread min..max;\n"
-           "  prompts prefilled one after another; TTFT = start of the run to every stream's first token;\n"
+           "  prompts prefilled one after another, in chunks of %d tokens; TTFT = start of the run to every stream's first token;\n"
            "  each decode step = one batched forward of one token per stream (ITL); greedy.\n",
-           r->n_cfgs ? r->cfgs[0].runs : 0);
+           r->n_cfgs ? r->cfgs[0].runs : 0, r->prefill_chunk);
     if (r->bw_measured)
         printf("load: %.2f s   bandwidth: %.1f GB/s read (roofline), %.1f GB/s copy (read+write), 256 MiB probes   peak RSS: %.0f MiB\n",
                r->load_s, r->bw_gbs, r->copy_gbs, r->peak_rss_bytes / 1048576.0);
@@ -78,7 +78,7 @@ int bench_write_json(const bench_result *r, const char *path) {
                              r->cores, "threads", r->threads, "model", "source", r->source, "model_type", r->model_type, "layers",
                              r->layers, "experts", r->experts, "experts_used", r->experts_used, "weight_bytes", r->weight_bytes);
     json_object_set_new(root, "methodology",
-                        json_pack("{s:i,s:i,s:s,s:s,s:s}", "warmup_runs", 1, "runs", r->n_cfgs ? r->cfgs[0].runs : 0, "statistic", "median",
+                        json_pack("{s:i,s:i,s:i,s:s,s:s,s:s}", "warmup_runs", 1, "runs", r->n_cfgs ? r->cfgs[0].runs : 0, "prefill_chunk", r->prefill_chunk, "statistic", "median",
                                   "spread", "min..max", "ttft", "start of the run to every stream's first token (prompts one after another)"));
     json_object_set_new(root, "load_seconds", json_real(r->load_s));
     json_t *bw = json_pack("{s:f,s:s}", "gb_s", r->bw_gbs, "source", r->bw_measured ? "probe: 256 MiB read" : "--bw");

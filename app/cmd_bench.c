@@ -19,6 +19,7 @@
 typedef struct bench_opts {
     const char *model, *synthetic, *config, *json, *plot;
     int layers, prompt_len, gen_len, runs, threads, help;
+    int prefill_chunk; /* a prompt's tokens per forward call (the workspace's rows, at least the widest batch) */
     int conc[16], n_conc;
     double bw;
 } bench_opts;
@@ -325,6 +326,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         else if (cli_is(&a, NULL, "--layers")) o->layers = cli_int(&a, 1, 4096);
         else if (cli_is(&a, "-p", "--prompt-len")) o->prompt_len = cli_int(&a, 1, 1 << 20);
         else if (cli_is(&a, "-n", "--gen-len")) o->gen_len = cli_int(&a, 1, 1 << 20);
+        else if (cli_is(&a, NULL, "--prefill-chunk")) o->prefill_chunk = cli_int(&a, 1, 1 << 16);
         else if (cli_is(&a, NULL, "--runs")) o->runs = cli_int(&a, 1, 64);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
         else if (cli_is(&a, NULL, "--device")) cli_device = cli_value(&a);
@@ -344,8 +346,8 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
     }
     if (!a.bad && (o->help || !o->model == !(o->synthetic || o->config))) {
         fprintf(stderr, "usage: qflash bench (-m DIR | --synthetic %s [--layers N] | --config FILE [--layers N])\n"
-                        "       [--prompt-len 128] [--gen-len 64] [--concurrency 1,16] [--runs 3] [--bw GB/s] [-t THREADS]\n"
-                        "       [--json FILE] [--plot FILE.svg] [--device cpu|cuda[:N]]\n", qf_synth_presets());
+                        "       [--prompt-len 128] [--gen-len 64] [--concurrency 1,16] [--runs 3] [--prefill-chunk 512] [--bw GB/s]\n"
+                        "       [-t THREADS] [--json FILE] [--plot FILE.svg] [--device cpu|cuda[:N]]\n", qf_synth_presets());
         a.bad = !o->help;
     }
     return a.bad ? 2 : o->help ? 1 : 0;
@@ -370,7 +372,7 @@ static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
     int max_c = 1;
     for (int i = 0; i < o->n_conc; i++) max_c = o->conc[i] > max_c ? o->conc[i] : max_c;
     qf_synth_opts so = {o->synthetic, o->config, o->layers, 0};
-    qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > 512 ? max_c : 512, .synth = o->model ? NULL : &so, .device = cli_device};
+    qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > o->prefill_chunk ? max_c : o->prefill_chunk, .synth = o->model ? NULL : &so, .device = cli_device};
     double t0 = qf_now();
     int rc = qf_engine_open(e, o->model, &eo);
     *load_s = qf_now() - t0;
@@ -401,7 +403,7 @@ static void fill_roofline(const qf_model *m, bench_result *r) {
 }
 
 int cmd_bench(int argc, char **argv) {
-    bench_opts o = {.prompt_len = 128, .gen_len = 64, .runs = 3, .conc = {1, 16}, .n_conc = 2};
+    bench_opts o = {.prompt_len = 128, .gen_len = 64, .runs = 3, .prefill_chunk = 512, .conc = {1, 16}, .n_conc = 2};
     int prc = parse_bench(argc, argv, &o);
     if (prc) return prc == 1 ? 0 : 2; /* 1: --help */
     enum { TRACE_CAP = 1 << 16 };
@@ -432,6 +434,7 @@ int cmd_bench(int argc, char **argv) {
         const qf_config *c = &e->model->cfg;
         cpu_name(r.cpu, sizeof r.cpu);
         r.cores = qf_cpu_count(), r.threads = qf_pool_size(e->pool), r.layers = c->n_layers;
+        r.prefill_chunk = qf_workspace_rows(e->ws);
         r.experts = c->n_experts, r.experts_used = c->n_experts_used;
         snprintf(r.source, sizeof r.source, "%s%s", o.model ? o.model : "synthetic:", o.model ? "" : o.config ? o.config : o.synthetic);
         snprintf(r.model_type, sizeof r.model_type, "%s", c->model_type);

@@ -144,28 +144,55 @@ static void test_conv_gdn(int T) {
 }
 
 /* Paged cache with scrambled pages; the new keys written by kv_store on both sides. */
-static void test_attention(int T, int pos0) {
-    int nh = 16, nkv = 2, hd = 256, pt = 16, ctx = pos0 + T, np = (ctx + pt - 1) / pt + 3, qs = nh * 2 * hd;
+/* The attention op for T queries at pos0 with nh/nkv heads of hd against the CPU reference; from
+ * 8 queries the tiled kernel takes it (attn_tile_cuda.cu) unless QFLASH_CUDA_ATT_TILE=0. bench:
+ * the time per call (20 calls) and the rate in fp32 multiply-adds (q.k and p.v over the causal keys). */
+static void test_attention_shape(int T, int pos0, int nh, int nkv, int hd, int check, int bench) {
+    int pt = 16, ctx = pos0 + T, np = (ctx + pt - 1) / pt + 3, qs = nh * 2 * hd;
     size_t layer = (size_t)pt * nkv * hd, stride = 2 * layer;
     float *pool = qt_rnd((size_t)np * stride, 1.0f), *q = qt_rnd((size_t)T * qs, 1.0f), *k = qt_rnd((size_t)T * nkv * hd, 1.0f), *v = qt_rnd((size_t)T * nkv * hd, 1.0f);
     int32_t *pages = malloc((size_t)np * 4);
     for (int i = 0; i < np; i++) pages[i] = (i * 7 + 3) % np;
     float *dpool = up_f(pool, (size_t)np * stride), *dq = up_f(q, (size_t)T * qs), *dk = up_f(k, (size_t)T * nkv * hd), *dv = up_f(v, (size_t)T * nkv * hd);
     int32_t *dpages = up(pages, (size_t)np * 4);
-    float *o = malloc((size_t)T * nh * hd * 4), *dout = gpu.ops->alloc(&gpu, (size_t)T * nh * hd * 4);
-    qf_attn_args a = {q, qs, 2 * hd, {pool, pages, pt, stride, 0, layer}, o, T, pos0, nh, nkv, hd, 1.0f / 16.0f, NULL, 0};
+    float *o = malloc((size_t)T * nh * hd * 4), *dout = gpu.ops->alloc(&gpu, (size_t)T * nh * hd * 4), scale = 1.0f / sqrtf((float)hd);
+    qf_attn_args a = {q, qs, 2 * hd, {pool, pages, pt, stride, 0, layer}, o, T, pos0, nh, nkv, hd, scale, NULL, 0};
     ref.ops->kv_store(&ref, &a.kv, k, v, T, pos0, nkv, hd);
-    ref.ops->attention(&ref, &a);
-    qf_attn_args b = {dq, qs, 2 * hd, {dpool, dpages, pt, stride, 0, layer}, dout, T, pos0, nh, nkv, hd, 1.0f / 16.0f, NULL, 0};
+    if (check) ref.ops->attention(&ref, &a); /* the plain reference takes seconds at thousands of keys */
+    qf_attn_args b = {dq, qs, 2 * hd, {dpool, dpages, pt, stride, 0, layer}, dout, T, pos0, nh, nkv, hd, scale, NULL, 0};
     gpu.ops->kv_store(&gpu, &b.kv, dk, dv, T, pos0, nkv, hd);
     gpu.ops->attention(&gpu, &b);
-    char s[64];
-    snprintf(s, sizeof s, "%d queries at %d, 16/2 heads of 256", T, pos0);
+    char s[80];
+    snprintf(s, sizeof s, "%d queries at %d, %d/%d heads of %d", T, pos0, nh, nkv, hd);
     report("kv_store", s, cmp(dpool, pool, (size_t)np * stride), 1e-7);
-    report("attention (paged)", s, cmp(dout, o, (size_t)T * nh * hd), 1e-5);
+    if (check) report("attention (paged)", s, cmp(dout, o, (size_t)T * nh * hd), 1e-5);
+    if (bench) {
+        int reps = 20;
+        qf_cuda_sync(&gpu);
+        double t0 = qf_now();
+        for (int i = 0; i < reps; i++) gpu.ops->attention(&gpu, &b);
+        qf_cuda_sync(&gpu);
+        double dt = (qf_now() - t0) / reps, fma = 2.0 * nh * hd * ((double)T * pos0 + (double)T * (T + 1) / 2);
+        fprintf(stderr, "  attention %s: %.1f us per call, %.2f T fp32 FMA/s\n", s, dt * 1e6, fma / dt / 1e12);
+    }
     free(pool), free(q), free(k), free(v), free(pages), free(o);
     void *d[] = {dpool, dq, dk, dv, dpages, dout};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
+}
+
+static void test_attention(int T, int pos0) { test_attention_shape(T, pos0, 16, 2, 256, 1, 0); }
+
+/* The prompt attention's shapes: the release's (16/2 heads of 256) at a first 256-query chunk,
+ * 16 queries past 4000 keys, a partial tile; the bundled model's and the fixtures' head layouts, a
+ * group of 3; timed at the first and the last 256-query chunk of an 8K prompt. */
+static void prefill_attention_checks(void) {
+    test_attention_shape(256, 0, 16, 2, 256, 1, 1);
+    test_attention_shape(16, 4000, 16, 2, 256, 1, 0);
+    test_attention_shape(37, 300, 16, 2, 256, 1, 0);
+    test_attention_shape(100, 20, 4, 2, 64, 1, 0);
+    test_attention_shape(64, 5, 4, 1, 32, 1, 0);
+    test_attention_shape(50, 70, 12, 4, 128, 1, 0);
+    test_attention_shape(256, 7936, 16, 2, 256, 0, 1);
 }
 
 /* E random bf16 experts (gate, up: I x H; down: H x I), as host views and device copies. */
@@ -924,10 +951,21 @@ int main(int argc, char **argv) {
     test_conv_gdn(256);
     if (restart_with("QFLASH_CUDA_GDN_SEQ", "1")) test_conv_gdn(256); /* k_gdn, a block per head */
     unsetenv("QFLASH_CUDA_GDN_SEQ");
+    const char *lpcs[] = {"1", "2", "8"}; /* k_gdn_cols with other lanes a column than the default 4 */
+    for (int i = 0; i < 3; i++)
+        if (restart_with("QFLASH_CUDA_GDN_PLPC", lpcs[i])) test_conv_gdn(43), test_conv_gdn(256);
+    unsetenv("QFLASH_CUDA_GDN_PLPC");
+    if (restart_with("QFLASH_CUDA_GDN_CP", "0")) test_conv_gdn(43), test_conv_gdn(256); /* inputs by plain loads, a round at a time */
+    unsetenv("QFLASH_CUDA_GDN_CP");
     test_attention(1, 700);
     test_attention(1, 8000);
     test_attention(9, 0);
     test_attention(40, 100);
+    prefill_attention_checks();
+    if (restart_with("QFLASH_CUDA_ATT_TILE", "0")) prefill_attention_checks(); /* k_attn_part, a block per (token, head) */
+    unsetenv("QFLASH_CUDA_ATT_TILE");
+    const char *quick = getenv("QFLASH_TEST_QUICK"); /* a device call that wants the prompt ops alone */
+    if (quick && *quick == '1') return qt_finish();
     test_moe_shape(1, 256, 8, 2048, 512, 1, 1); /* one GEMV per (row, expert) */
     test_moe_shape(4, 256, 8, 2048, 512, 1, 1);
     test_moe_shape(16, 256, 8, 2048, 512, 1, 1);

@@ -26,6 +26,7 @@ def check_report(j, svg, conc, prompt, gen, runs):
     assert j["device"] == "cpu" and j["peak_device_bytes"] is None
     assert j["machine"]["cores"] >= 1 and j["machine"]["threads"] >= 1 and j["machine"]["cpu"]
     assert j["methodology"]["warmup_runs"] == 1 and j["methodology"]["runs"] == runs and j["methodology"]["statistic"] == "median"
+    assert j["methodology"]["prefill_chunk"] == max(512, max(conc))  # the default, widened to the largest batch
     assert j["load_seconds"] > 0 and j["bandwidth"]["gb_s"] > 0 and j["peak_rss_bytes"] > j["model"]["weight_bytes"] * 0.5
     assert [c["concurrency"] for c in j["configs"]] == conc
     for c in j["configs"]:

@@ -114,7 +114,10 @@ struct ctx {
     void *mg_buf;                 // its scratch
     size_t mg_cap;
     int mg_cp, mg_cp_attr;        // moe_grouped's products fed by cp.async stages (k_mg_cp; QFLASH_CUDA_MG_CP=0: the register form)
+    int att_tile, att_tile_attr;  // many-query attention as tiles of rows sharing a kv head (attn_tiled; QFLASH_CUDA_ATT_TILE=0: off)
     int gdn_seq;                  // the many-token DeltaNet as a block per head (k_gdn; QFLASH_CUDA_GDN_SEQ=1), not k_gdn_cols
+    int gdn_plpc;                 // lanes a value column in k_gdn_cols (QFLASH_CUDA_GDN_PLPC: 1, 2, 4 (default), 8)
+    int gdn_cp;                   // k_gdn_cols stages its inputs by cp.async a round ahead (QFLASH_CUDA_GDN_CP=0: plain loads)
     int x_late;                   // the next MoE launch must stage x after its wait (the kernel before it wrote x)
     int cc_major;                 // the device's compute capability, major
     profile prof;
@@ -473,6 +476,11 @@ const void **expert_table(ctx *c, const qf_expert *experts, int E);
 // slot's down product) as scratch; 0: not taken (too few rows, not bf16, a shape it is not built
 // for, or QFLASH_CUDA_FP32), the caller runs its GEMV path.
 int moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw, float *y);
+
+// The attention op for a prompt's queries (8 or more) as tiles of query rows sharing a kv head
+// (attn_tile_cuda.cu), partials in part (room for part_splits splits a row) combined into a->out;
+// 0: not taken (few queries, a shape or alignment it is not built for, QFLASH_CUDA_ATT_TILE=0).
+int attn_tiled(ctx *c, const qf_attn_args *a, float *part, int part_splits);
 
 extern const qf_dec_ops k_dec_ops;
 size_t argmax_scratch_bytes(void);

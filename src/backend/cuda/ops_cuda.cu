@@ -201,26 +201,39 @@ void cu_rope(qf_backend *be, float *x, int stride, int hstride, int T, int nh, i
     if (n > 0) LAUNCH(c, k_rope, blocks(n, 256), 256, x, stride, hstride, T, nh, rot / 2, pos0, inv_freq);
 }
 
-__global__ void k_conv(const float *x, int xs, int T, int Cn, int K, const float *w, float *state, float *y) {
+// The causal conv + SiLU over T tokens, a thread per (token, channel): y[t] needs only the K - 1
+// inputs before it (from the state for the first ones), so the tokens need not be walked in order
+// (a thread per channel walking them left 64 blocks on the chip). The same sum in the same order
+// as the CPU: the K - 1 older inputs oldest first, then x[t].
+__global__ void k_conv_tok(const float *x, int xs, int T, int Cn, int K, const float *w, const float *state, float *y) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)T * Cn) return;
+    int c = (int)(i % Cn), t = (int)(i / Cn);
+    float acc = 0.0f;
+    for (int j = 0; j < K - 1; j++) {
+        int tt = t - (K - 1) + j; // the input's time; before 0: the state's row K - 1 + tt
+        acc += w[c * K + j] * (tt >= 0 ? x[(int64_t)tt * xs + c] : state[(int64_t)(K - 1 + tt) * Cn + c]);
+    }
+    acc += w[c * K + K - 1] * x[(int64_t)t * xs + c];
+    y[(int64_t)t * Cn + c] = silu(acc);
+}
+
+// The state after the T tokens: the last K - 1 inputs (older state rows where T < K - 1). A thread
+// per channel, rows in ascending order: row j reads old row T + j, not yet overwritten. After
+// k_conv_tok, which reads the old state.
+__global__ void k_conv_state(const float *x, int xs, int T, int Cn, int K, float *state) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= Cn) return;
-    float hist[16], wk[16];
-    for (int j = 0; j < K - 1; j++) hist[j] = state[(int64_t)j * Cn + c];
-    for (int j = 0; j < K; j++) wk[j] = w[c * K + j];
-    for (int t = 0; t < T; t++) {
-        float xt = x[(int64_t)t * xs + c], acc = 0.0f;
-        for (int j = 0; j < K - 1; j++) acc += wk[j] * hist[j];
-        acc += wk[K - 1] * xt;
-        y[(int64_t)t * Cn + c] = silu(acc);
-        for (int j = 0; j + 1 < K - 1; j++) hist[j] = hist[j + 1];
-        if (K > 1) hist[K - 2] = xt;
+    for (int j = 0; j < K - 1; j++) {
+        int tt = T - (K - 1) + j;
+        state[(int64_t)j * Cn + c] = tt >= 0 ? x[(int64_t)tt * xs + c] : state[(int64_t)(K - 1 + tt) * Cn + c];
     }
-    for (int j = 0; j < K - 1; j++) state[(int64_t)j * Cn + c] = hist[j];
 }
 
 void cu_conv_silu(qf_backend *be, const float *x, int xs, int T, int Cn, int K, const float *w, float *state, float *y) {
     ctx *c = C(be);
-    LAUNCH(c, k_conv, blocks(Cn, 128), 128, x, xs, T, Cn, K, w, state, y);
+    LAUNCH(c, k_conv_tok, blocks((int64_t)T * Cn, 256), 256, x, xs, T, Cn, K, w, (const float *)state, y);
+    LAUNCH(c, k_conv_state, blocks(Cn, 128), 128, x, xs, T, Cn, K, state);
 }
 
 // Gated delta rule: a block per v-head, a thread per value column j holding S[:, j].
@@ -265,54 +278,129 @@ __global__ void k_gdn(qf_gdn_args a) {
 
 #define GDN_TC 8 // tokens whose inputs a warp of k_gdn_cols loads in one round
 
-// The gated delta rule as k_gdn, a warp per (v-head, 32 value columns): the columns of S are
-// independent given the normalised q and k, so each lane keeps its column S[:, j] in registers, the
-// warp normalises q and k itself (no block barrier), and the inputs of GDN_TC tokens come in one
-// round of loads into shared memory, where k_gdn paid several memory latencies per token (12 us a
-// token at the real shape; 4x the blocks, too). The same sums per column in the same order; q's and
-// k's sums of squares in another.
-template <int DK>
+// The gated delta rule as k_gdn, a warp per (v-head, 32 / LPC value columns): the columns of S are
+// independent given the normalised q and k, so LPC lanes keep a column S[:, j] in registers (lane
+// sub of a column: rows sub, sub + LPC, ...), and the warp normalises q and k itself (no block
+// barrier). The inputs of GDN_TC tokens reach shared memory in one round of cp.async copies, the
+// next round's issued before the current one is used (CP; where rows are not 16-byte aligned,
+// plain loads a round at a time), then 4 lanes a token scale them; k_gdn paid several memory
+// latencies per token (12 us a token at the real shape). LPC 4 (the default; QFLASH_CUDA_GDN_PLPC)
+// gives 4x the warps of one lane a column and a quarter of each dependent chain of sums (session
+// 11's form was one lane a column, 1 warp an SM: one of its 4 schedulers busy). The column sums are
+// LPC partial sums, added by shuffles.
+template <int DK, int LPC>
+struct gdn_stage {
+    float q[GDN_TC][DK], k[GDN_TC][DK], v[GDN_TC][32 / LPC], g[GDN_TC], b[GDN_TC];
+};
+
+__device__ __forceinline__ void cp4(void *dst, const void *src) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+
+// Tokens t0 .. t0 + tc - 1's q, k, the warp's v columns, decay and beta into st.
+template <bool CP, int DK, int LPC>
+__device__ __forceinline__ void gdn_stage_in(const qf_gdn_args &a, int h, int kh, int t0, int tc, gdn_stage<DK, LPC> &st) {
+    constexpr int CPW = 32 / LPC;
+    int lane = threadIdx.x, dk = a.dk, dv = a.dv, j0 = blockIdx.y * CPW;
+#pragma unroll
+    for (int u = 0; u < GDN_TC; u++) {
+        if (u >= tc) break;
+        int64_t t = t0 + u;
+        const float *q = a.q + t * a.stride + kh * dk, *k = a.k + t * a.stride + kh * dk, *v = a.v + t * a.stride + h * dv + j0;
+        if (CP) {
+            for (int i = lane * 4; i < dk; i += 128) cp16(&st.q[u][i], q + i), cp16(&st.k[u][i], k + i);
+            if (lane * 4 < CPW) cp16(&st.v[u][lane * 4], v + lane * 4);
+            if (lane == 0) cp4(&st.g[u], a.g + t * a.nv + h), cp4(&st.b[u], a.beta + t * a.nv + h);
+        } else {
+            for (int i = lane; i < dk; i += 32) st.q[u][i] = q[i], st.k[u][i] = k[i];
+            if (lane < CPW) st.v[u][lane] = j0 + lane < dv ? v[lane] : 0.0f;
+            if (lane == 0) st.g[u] = a.g[t * a.nv + h], st.b[u] = a.beta[t * a.nv + h];
+        }
+    }
+}
+
+// A round's q and k scaled in place: 4 lanes a token.
+template <int DK, int LPC>
+__device__ __forceinline__ void gdn_stage_norm(int dk, int tc, float qscale, gdn_stage<DK, LPC> &st) {
+    int u = threadIdx.x >> 2, p = threadIdx.x & 3;
+    float sq = 0.0f, sk = 0.0f;
+    if (u < tc)
+        for (int i = p; i < dk; i += 4) sq += st.q[u][i] * st.q[u][i], sk += st.k[u][i] * st.k[u][i];
+    sq += __shfl_xor_sync(0xffffffffu, sq, 1), sk += __shfl_xor_sync(0xffffffffu, sk, 1);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 2), sk += __shfl_xor_sync(0xffffffffu, sk, 2);
+    float iq = qscale / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
+    __syncwarp();
+    if (u < tc)
+        for (int i = p; i < dk; i += 4) st.q[u][i] *= iq, st.k[u][i] *= ik;
+}
+
+template <bool CP, int DK, int LPC>
 __global__ void __launch_bounds__(32) k_gdn_cols(qf_gdn_args a) {
-    __shared__ float qs[GDN_TC][DK], ks[GDN_TC][DK], vs[GDN_TC][32], gs[GDN_TC], bs[GDN_TC];
-    int h = blockIdx.x, lane = threadIdx.x, j = blockIdx.y * 32 + lane, dk = a.dk, dv = a.dv, kh = h / (a.nv / a.nk);
+    constexpr int RPL = DK / LPC; // state rows a lane
+    static_assert(GDN_TC * 4 == 32, "4 lanes a token scale a round's q and k");
+    __shared__ __align__(16) gdn_stage<DK, LPC> st[CP ? 2 : 1];
+    int h = blockIdx.x, lane = threadIdx.x, sub = lane % LPC, c = lane / LPC, j = blockIdx.y * (32 / LPC) + c, dk = a.dk, dv = a.dv;
+    int kh = h / (a.nv / a.nk);
     bool col = j < dv;
-    float s[DK];
+    float s[RPL];
     float *S = a.S + (int64_t)h * dk * dv;
 #pragma unroll
-    for (int i = 0; i < DK; i++) s[i] = i < dk && col ? S[(int64_t)i * dv + j] : 0.0f;
+    for (int r = 0; r < RPL; r++) s[r] = r * LPC + sub < dk && col ? S[(int64_t)(r * LPC + sub) * dv + j] : 0.0f;
     float qscale = rsqrtf((float)dk);
-    for (int t0 = 0; t0 < a.T; t0 += GDN_TC) {
+    if (CP) gdn_stage_in<CP>(a, h, kh, 0, min(GDN_TC, a.T), st[0]), cp_commit();
+    for (int t0 = 0, b = 0; t0 < a.T; t0 += GDN_TC, b ^= CP ? 1 : 0) {
         int tc = min(GDN_TC, a.T - t0);
-#pragma unroll
-        for (int u = 0; u < GDN_TC; u++) {
-            if (u >= tc) break;
-            int64_t t = t0 + u;
-            const float *q = a.q + t * a.stride + kh * dk, *k = a.k + t * a.stride + kh * dk;
-            for (int i = lane; i < dk; i += 32) qs[u][i] = q[i], ks[u][i] = k[i];
-            vs[u][lane] = col ? a.v[t * a.stride + h * dv + j] : 0.0f;
-            if (lane == 0) gs[u] = a.g[t * a.nv + h], bs[u] = a.beta[t * a.nv + h];
-        }
+        gdn_stage<DK, LPC> &x = st[b];
+        if (CP) {
+            if (t0 + GDN_TC < a.T) gdn_stage_in<CP>(a, h, kh, t0 + GDN_TC, min(GDN_TC, a.T - t0 - GDN_TC), st[b ^ 1]);
+            cp_commit();
+            cp_wait<1>();
+        } else gdn_stage_in<CP>(a, h, kh, t0, tc, x);
+        __syncwarp();
+        gdn_stage_norm(dk, tc, qscale, x);
         __syncwarp();
         for (int u = 0; u < tc; u++) {
-            float sq = 0.0f, sk = 0.0f;
-            for (int i = lane; i < dk; i += 32) sq += qs[u][i] * qs[u][i], sk += ks[u][i] * ks[u][i];
-            sq = warp_sum(sq), sk = warp_sum(sk);
-            float iq = qscale / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
-            float decay = expf(gs[u]), beta = bs[u], d = 0.0f, o = 0.0f;
+            float decay = expf(x.g[u]), beta = x.b[u], d = 0.0f, o = 0.0f;
 #pragma unroll
-            for (int i = 0; i < DK; i++)
-                if (i < dk) s[i] *= decay, d += s[i] * (ks[u][i] * ik);
-            d = beta * (vs[u][lane] - d);
+            for (int r = 0; r < RPL; r++)
+                if (r * LPC + sub < dk) s[r] *= decay, d += s[r] * x.k[u][r * LPC + sub];
 #pragma unroll
-            for (int i = 0; i < DK; i++)
-                if (i < dk) s[i] += (ks[u][i] * ik) * d, o += s[i] * (qs[u][i] * iq);
-            if (col) a.out[((t0 + u) * (int64_t)a.nv + h) * dv + j] = o;
+            for (int m = 1; m < LPC; m <<= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
+            d = beta * (x.v[u][c] - d);
+#pragma unroll
+            for (int r = 0; r < RPL; r++)
+                if (r * LPC + sub < dk) s[r] += x.k[u][r * LPC + sub] * d, o += s[r] * x.q[u][r * LPC + sub];
+#pragma unroll
+            for (int m = 1; m < LPC; m <<= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
+            if (col && sub == 0) a.out[((t0 + u) * (int64_t)a.nv + h) * dv + j] = o;
         }
-        __syncwarp(); // the next round overwrites the staged inputs
+        __syncwarp(); // a later round overwrites this stage
     }
+    if (CP) cp_wait<0>();
 #pragma unroll
-    for (int i = 0; i < DK; i++)
-        if (i < dk && col) S[(int64_t)i * dv + j] = s[i];
+    for (int r = 0; r < RPL; r++)
+        if (r * LPC + sub < dk && col) S[(int64_t)(r * LPC + sub) * dv + j] = s[r];
+}
+
+template <bool CP, int DK>
+void gdn_cols_launch(ctx *c, const qf_gdn_args *a) {
+    int lpc = c->gdn_plpc, cpw = 32 / lpc;
+    dim3 g(a->nv, (a->dv + cpw - 1) / cpw);
+    if (lpc == 1) LAUNCH(c, (k_gdn_cols<CP, DK, 1>), g, 32, *a);
+    else if (lpc == 2) LAUNCH(c, (k_gdn_cols<CP, DK, 2>), g, 32, *a);
+    else if (lpc == 8) LAUNCH(c, (k_gdn_cols<CP, DK, 8>), g, 32, *a);
+    else LAUNCH(c, (k_gdn_cols<CP, DK, 4>), g, 32, *a);
+}
+
+template <int DK>
+void gdn_cols_pick(ctx *c, const qf_gdn_args *a) {
+    // cp.async copies 16 aligned bytes: every q, k and v row and each warp's v columns must start on 16
+    int cpw = 32 / c->gdn_plpc;
+    bool cp = c->gdn_cp && a->stride % 4 == 0 && a->dk % 4 == 0 && a->dv % cpw == 0 && cpw % 4 == 0 && !((uintptr_t)a->q & 15) &&
+              !((uintptr_t)a->k & 15) && !((uintptr_t)a->v & 15);
+    if (cp) gdn_cols_launch<true, DK>(c, a);
+    else gdn_cols_launch<false, DK>(c, a);
 }
 
 void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
@@ -328,10 +416,9 @@ void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
         else LAUNCH(c, k_gdn<128>, a->nv, threads, *a);
         return;
     }
-    dim3 g(a->nv, (a->dv + 31) / 32);
-    if (a->dk <= 32) LAUNCH(c, k_gdn_cols<32>, g, 32, *a);
-    else if (a->dk <= 64) LAUNCH(c, k_gdn_cols<64>, g, 32, *a);
-    else LAUNCH(c, k_gdn_cols<128>, g, 32, *a);
+    if (a->dk <= 32) gdn_cols_pick<32>(c, a);
+    else if (a->dk <= 64) gdn_cols_pick<64>(c, a);
+    else gdn_cols_pick<128>(c, a);
 }
 
 // ---- paged attention: split over keys, then combined ----
@@ -382,7 +469,7 @@ void cu_attention(qf_backend *be, const qf_attn_args *a) {
     int rows = a->T * a->nh, chunk, splits = attn_splits(a->pos0 + a->T, rows, &chunk);
     // sized for the most splits, so a recorded graph's scratch never moves as the context grows
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * (splits > 64 ? splits : 64) * (a->hd + 2) * sizeof(float));
-    if (!part) return;
+    if (!part || attn_tiled(c, a, part, 64)) return;
     LAUNCH(c, k_attn_part, dim3(rows, splits), ATT_WARPS * 32, *a, chunk, splits, part);
     LAUNCH(c, k_attn_combine, rows, 128, splits, a->hd, part, a->out, (const float *)NULL, 0, a->nh);
 }
@@ -809,8 +896,15 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     // Below these rows the GEMV path is faster at the real shape (session 12, cp.async form: 64 rows
     // 698 against 539 us, 128: 789 against 948; session 11, register form: 128 rows 1437 against 949).
     c->mg_min_rows = mgn ? atoi(mgn) : c->mg_cp ? 96 : 192;
+    const char *at = getenv("QFLASH_CUDA_ATT_TILE");
+    c->att_tile = !(at && *at == '0');
     const char *gq = getenv("QFLASH_CUDA_GDN_SEQ");
     c->gdn_seq = gq && *gq == '1';
+    const char *gp = getenv("QFLASH_CUDA_GDN_PLPC");
+    c->gdn_plpc = gp ? atoi(gp) : 4;
+    if (c->gdn_plpc != 1 && c->gdn_plpc != 2 && c->gdn_plpc != 8) c->gdn_plpc = 4;
+    const char *gc = getenv("QFLASH_CUDA_GDN_CP");
+    c->gdn_cp = !(gc && *gc == '0');
     const char *trc = getenv("QFLASH_CUDA_TRACE");
     c->trace.on = trc && *trc == '1';
 #ifndef QF_CUDA_TRACE
