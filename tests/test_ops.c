@@ -89,6 +89,27 @@ static void test_gdn(qf_backend *fast, qf_backend *ref, int nk, int nv, int dk, 
     free(qkv), free(beta), free(g), free(S0), free(S1), free(o0), free(o1);
 }
 
+/* The chunked form against the token-by-token rule: T tokens in chunks of C (a partial last chunk
+ * where C does not divide T), several chunks carrying the state, strong and weak decays. */
+static void test_gdn_chunked(qf_backend *ref, int nk, int nv, int dk, int dv, int T, int C, float decay_scale) {
+    int stride = 2 * nk * dk + nv * dv;
+    float *qkv = qt_rnd((size_t)T * stride, 1.0f), *beta = qt_rnd((size_t)T * nv, 0.5f), *g = qt_rnd((size_t)T * nv, decay_scale);
+    for (int i = 0; i < T * nv; i++) beta[i] = 0.5f + beta[i], g[i] = -fabsf(g[i]);
+    size_t ns = (size_t)nv * dk * dv;
+    float *S0 = qt_rnd(ns, 0.1f), *S1 = malloc(ns * 4), *o0 = calloc((size_t)T * nv * dv, 4), *o1 = calloc((size_t)T * nv * dv, 4);
+    float *scratch = malloc(qf_gdn_chunked_floats(dk, dv, C) * sizeof(float));
+    memcpy(S1, S0, ns * 4);
+    qf_gdn_args a = {qkv, qkv + nk * dk, qkv + 2 * nk * dk, stride, beta, g, S0, o0, T, nk, nv, dk, dv};
+    ref->ops->gdn(ref, &a);
+    a.S = S1, a.out = o1;
+    qf_gdn_chunked(&a, C, scratch);
+    double eo = qt_rel_err(o1, o0, (size_t)T * nv * dv), es = qt_rel_err(S1, S0, ns);
+    fprintf(stderr, "chunked gdn T %d C %d dk %d dv %d decay %.1f: out %.2e, state %.2e\n", T, C, dk, dv, decay_scale, eo, es);
+    CHECK(eo < 2e-5, "chunked gdn out: T %d C %d dk %d dv %d decay %.2f: rel err %.2e", T, C, dk, dv, decay_scale, eo);
+    CHECK(es < 2e-5, "chunked gdn state: T %d C %d dk %d dv %d decay %.2f: rel err %.2e", T, C, dk, dv, decay_scale, es);
+    free(qkv), free(beta), free(g), free(S0), free(S1), free(o0), free(o1), free(scratch);
+}
+
 /* The cache is paged with its pages in scrambled order, as a shared pool hands them out. */
 static void test_attention(qf_backend *fast, qf_backend *ref, int nh, int nkv, int hd, int T, int pos0) {
     int ctx = pos0 + T, qs = nh * 2 * hd, pt = 16, np = (ctx + pt - 1) / pt + 3;
@@ -169,6 +190,11 @@ int main(int argc, char **argv) {
         tested++;
     }
     test_conv_carry();
+    test_gdn_chunked(&ref, 2, 4, 32, 32, 9, 64, 1.0f);     /* one partial chunk */
+    test_gdn_chunked(&ref, 2, 4, 32, 32, 100, 16, 1.0f);   /* 7 chunks, the last partial */
+    test_gdn_chunked(&ref, 1, 3, 20, 13, 50, 8, 0.1f);     /* odd widths, weak decay */
+    test_gdn_chunked(&ref, 4, 8, 128, 128, 150, 64, 0.3f); /* the release's head width, 64-token chunks */
+    test_gdn_chunked(&ref, 1, 2, 64, 64, 128, 64, 3.0f);   /* strong decay: e^(G_t - G_s) down to ~e^-190 */
     CHECK(tested > 0 || !qf_cpu_ops_avx2(), "no SIMD table tested");
     fprintf(stderr, "SIMD tables tested: %d; best on this CPU: %s\n", tested, qf_cpu_ops_best()->name);
     qf_pool_destroy(pool);

@@ -242,6 +242,11 @@ void qf_be_zero(qf_backend *be, void *p, size_t bytes);
  * backend's routing is checked against it. */
 void qf_ref_route(const float *logits, int E, int K, int *ti, float *tw);
 
+/* The gated delta rule (the gdn op) in chunks of C tokens, the WY form (backend/cpu/gdn_chunked.c):
+ * the reference a chunked device kernel follows. scratch: qf_gdn_chunked_floats(dk, dv, C) floats. */
+size_t qf_gdn_chunked_floats(int dk, int dv, int C);
+void qf_gdn_chunked(const qf_gdn_args *a, int C, float *scratch);
+
 /* CPU tables. qf_cpu_ops_best() picks AVX-512, AVX2/FMA or scalar at run time. */
 extern const qf_ops qf_cpu_ops_ref;
 const qf_ops *qf_cpu_ops_best(void);
