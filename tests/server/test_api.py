@@ -140,8 +140,8 @@ def test_disconnect_frees_slot(server):
     assert m["qflash:kv_cache_pages_used"] == 0 and m["qflash:requests_cancelled_total"] >= 1
 
 
-def post(server, path, body, headers=None, raw=None, method="POST"):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+def post(server, path, body, headers=None, raw=None, method="POST", timeout=60):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
     data = raw if raw is not None else json.dumps(body).encode()
     conn.request(method, path, data, dict({"Content-Type": "application/json"}, **(headers or {})))
     r = conn.getresponse()
@@ -215,9 +215,10 @@ def test_queue_full_503():
     with Server("--max-batch", "1", "--max-queue", "1") as s:
         body = {"prompt": "def fib(n):", "max_tokens": 1500, "ignore_eos": True}  # long enough to watch
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
-            first = ex.submit(post, s, "/v1/completions", body)
+            # 3000 tokens one after another: minutes on a loaded 2-core box under the sanitizers
+            first = ex.submit(post, s, "/v1/completions", body, timeout=600)
             assert wait_for(lambda: s.metrics()["qflash:num_requests_running"] == 1)
-            second = ex.submit(post, s, "/v1/completions", body)
+            second = ex.submit(post, s, "/v1/completions", body, timeout=600)
             assert wait_for(lambda: s.metrics()["qflash:num_requests_waiting"] == 1)
             busy = post(s, "/v1/completions", body)
             assert busy[0] == 503 and busy[1].get("Retry-After") and json.loads(busy[2])["error"]["type"] == "unavailable_error"
