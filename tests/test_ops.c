@@ -73,41 +73,56 @@ static void test_rmsnorm(qf_backend *fast, qf_backend *ref) {
     }
 }
 
+/* Random delta-rule inputs of T tokens (decays -|N| * decay_scale, beta in 0.5..1), with a second
+ * copy of the state and output for the implementation under test: args() gives the reference's
+ * view, S1 and o1 the other's. */
+typedef struct gdn_case {
+    float *qkv, *beta, *g, *S0, *S1, *o0, *o1;
+    int nk, nv, dk, dv, T, stride;
+    size_t ns, no;
+} gdn_case;
+
+static gdn_case gdn_case_new(int nk, int nv, int dk, int dv, int T, float decay_scale) {
+    gdn_case c = {.nk = nk, .nv = nv, .dk = dk, .dv = dv, .T = T, .stride = 2 * nk * dk + nv * dv};
+    c.ns = (size_t)nv * dk * dv, c.no = (size_t)T * nv * dv;
+    c.qkv = qt_rnd((size_t)T * c.stride, 1.0f), c.beta = qt_rnd((size_t)T * nv, 0.5f), c.g = qt_rnd((size_t)T * nv, decay_scale);
+    for (int i = 0; i < T * nv; i++) c.beta[i] = 0.5f + c.beta[i], c.g[i] = -fabsf(c.g[i]);
+    c.S0 = qt_rnd(c.ns, 0.1f), c.S1 = malloc(c.ns * 4), c.o0 = calloc(c.no, 4), c.o1 = calloc(c.no, 4);
+    memcpy(c.S1, c.S0, c.ns * 4);
+    return c;
+}
+
+static qf_gdn_args gdn_case_args(const gdn_case *c, float *S, float *out) {
+    const float *q = c->qkv, *k = q + c->nk * c->dk, *v = k + c->nk * c->dk;
+    return (qf_gdn_args){q, k, v, c->stride, c->beta, c->g, S, out, c->T, c->nk, c->nv, c->dk, c->dv};
+}
+
+static void gdn_case_free(gdn_case *c) { free(c->qkv), free(c->beta), free(c->g), free(c->S0), free(c->S1), free(c->o0), free(c->o1); }
+
 static void test_gdn(qf_backend *fast, qf_backend *ref, int nk, int nv, int dk, int dv, int T) {
-    int stride = 2 * nk * dk + nv * dv;
-    float *qkv = qt_rnd((size_t)T * stride, 1.0f), *beta = qt_rnd((size_t)T * nv, 0.5f), *g = qt_rnd((size_t)T * nv, 1.0f);
-    for (int i = 0; i < T * nv; i++) beta[i] = 0.5f + beta[i], g[i] = -fabsf(g[i]);
-    size_t ns = (size_t)nv * dk * dv;
-    float *S0 = qt_rnd(ns, 0.1f), *S1 = malloc(ns * 4), *o0 = calloc((size_t)T * nv * dv, 4), *o1 = calloc((size_t)T * nv * dv, 4);
-    memcpy(S1, S0, ns * 4);
-    qf_gdn_args a = {qkv, qkv + nk * dk, qkv + 2 * nk * dk, stride, beta, g, S0, o0, T, nk, nv, dk, dv};
+    gdn_case c = gdn_case_new(nk, nv, dk, dv, T, 1.0f);
+    qf_gdn_args a = gdn_case_args(&c, c.S0, c.o0), b = gdn_case_args(&c, c.S1, c.o1);
     ref->ops->gdn(ref, &a);
-    a.S = S1, a.out = o1;
-    fast->ops->gdn(fast, &a);
-    CHECK(qt_rel_err(o1, o0, (size_t)T * nv * dv) < 1e-5, "%s gdn out (nk %d nv %d dk %d)", fast->ops->name, nk, nv, dk);
-    CHECK(qt_rel_err(S1, S0, ns) < 1e-5, "%s gdn state", fast->ops->name);
-    free(qkv), free(beta), free(g), free(S0), free(S1), free(o0), free(o1);
+    fast->ops->gdn(fast, &b);
+    CHECK(qt_rel_err(c.o1, c.o0, c.no) < 1e-5, "%s gdn out (nk %d nv %d dk %d)", fast->ops->name, nk, nv, dk);
+    CHECK(qt_rel_err(c.S1, c.S0, c.ns) < 1e-5, "%s gdn state", fast->ops->name);
+    gdn_case_free(&c);
 }
 
 /* The chunked form against the token-by-token rule: T tokens in chunks of C (a partial last chunk
  * where C does not divide T), several chunks carrying the state, strong and weak decays. */
 static void test_gdn_chunked(qf_backend *ref, int nk, int nv, int dk, int dv, int T, int C, float decay_scale) {
-    int stride = 2 * nk * dk + nv * dv;
-    float *qkv = qt_rnd((size_t)T * stride, 1.0f), *beta = qt_rnd((size_t)T * nv, 0.5f), *g = qt_rnd((size_t)T * nv, decay_scale);
-    for (int i = 0; i < T * nv; i++) beta[i] = 0.5f + beta[i], g[i] = -fabsf(g[i]);
-    size_t ns = (size_t)nv * dk * dv;
-    float *S0 = qt_rnd(ns, 0.1f), *S1 = malloc(ns * 4), *o0 = calloc((size_t)T * nv * dv, 4), *o1 = calloc((size_t)T * nv * dv, 4);
+    gdn_case c = gdn_case_new(nk, nv, dk, dv, T, decay_scale);
     float *scratch = malloc(qf_gdn_chunked_floats(dk, dv, C) * sizeof(float));
-    memcpy(S1, S0, ns * 4);
-    qf_gdn_args a = {qkv, qkv + nk * dk, qkv + 2 * nk * dk, stride, beta, g, S0, o0, T, nk, nv, dk, dv};
+    qf_gdn_args a = gdn_case_args(&c, c.S0, c.o0), b = gdn_case_args(&c, c.S1, c.o1);
     ref->ops->gdn(ref, &a);
-    a.S = S1, a.out = o1;
-    qf_gdn_chunked(&a, C, scratch);
-    double eo = qt_rel_err(o1, o0, (size_t)T * nv * dv), es = qt_rel_err(S1, S0, ns);
+    qf_gdn_chunked(&b, C, scratch);
+    double eo = qt_rel_err(c.o1, c.o0, c.no), es = qt_rel_err(c.S1, c.S0, c.ns);
     fprintf(stderr, "chunked gdn T %d C %d dk %d dv %d decay %.1f: out %.2e, state %.2e\n", T, C, dk, dv, decay_scale, eo, es);
     CHECK(eo < 2e-5, "chunked gdn out: T %d C %d dk %d dv %d decay %.2f: rel err %.2e", T, C, dk, dv, decay_scale, eo);
     CHECK(es < 2e-5, "chunked gdn state: T %d C %d dk %d dv %d decay %.2f: rel err %.2e", T, C, dk, dv, decay_scale, es);
-    free(qkv), free(beta), free(g), free(S0), free(S1), free(o0), free(o1), free(scratch);
+    gdn_case_free(&c);
+    free(scratch);
 }
 
 /* The cache is paged with its pages in scrambled order, as a shared pool hands them out. */

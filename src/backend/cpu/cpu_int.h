@@ -19,6 +19,8 @@ void qf_ref_sigmoid_mul(qf_backend *be, float *x, int x_stride, const float *g, 
 void qf_ref_gdn_gates(qf_backend *be, float *b, float *a, const float *dt_bias, const float *neg_A, int n, int nv);
 void qf_ref_sigmoid_scale_add(qf_backend *be, float *y, const float *x, const float *g, int n, int d);
 void qf_ref_axpy(qf_backend *be, float *y, const float *a, float s, int64_t n);
+/* y = x * scale / sqrt(sum x^2 + 1e-6): the delta rule's q and k normalisation */
+void qf_ref_l2norm(const float *x, int n, float scale, float *y);
 
 static inline float qf_silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float qf_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }

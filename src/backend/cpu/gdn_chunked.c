@@ -12,20 +12,13 @@
  *   S_n = e^G_{n-1} S0 + sum_s e^(G_{n-1} - G_s) k_s u_s^T. */
 #include <math.h>
 
-#include "backend/ops.h"
+#include "backend/cpu/cpu_int.h"
 
 size_t qf_gdn_chunked_floats(int dk, int dv, int C) { return (size_t)C * (3 * (size_t)dk + (size_t)dv + 2); }
 
 typedef struct chunk_bufs {
     float *qn, *kn, *u, *w, *G, *beta; /* [C][dk] [C][dk] [C][dv] [C][dk] [C] [C] */
 } chunk_bufs;
-
-static void unit_rows(const float *x, int n, float scale, float *y) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float inv = scale / sqrtf(ss + 1e-6f);
-    for (int i = 0; i < n; i++) y[i] = x[i] * inv;
-}
 
 static float dotf(const float *a, const float *b, int n) {
     float s = 0.0f;
@@ -39,8 +32,8 @@ static void chunk_inputs(const qf_gdn_args *a, int h, int c0, int n, chunk_bufs 
     float qscale = 1.0f / sqrtf((float)dk), G = 0.0f;
     for (int t = 0; t < n; t++) {
         int64_t row = (int64_t)(c0 + t) * a->stride + kh * dk;
-        unit_rows(a->q + row, dk, qscale, b->qn + (size_t)t * dk);
-        unit_rows(a->k + row, dk, 1.0f, b->kn + (size_t)t * dk);
+        qf_ref_l2norm(a->q + row, dk, qscale, b->qn + (size_t)t * dk);
+        qf_ref_l2norm(a->k + row, dk, 1.0f, b->kn + (size_t)t * dk);
         G += a->g[(c0 + t) * a->nv + h];
         b->G[t] = G, b->beta[t] = a->beta[(c0 + t) * a->nv + h];
     }

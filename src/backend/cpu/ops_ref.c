@@ -86,7 +86,7 @@ void qf_ref_conv_silu(qf_backend *be, const float *x, int x_stride, int T, int C
     }
 }
 
-static void l2norm_into(const float *x, int n, float scale, float *y) {
+void qf_ref_l2norm(const float *x, int n, float scale, float *y) {
     float ss = 0.0f;
     for (int i = 0; i < n; i++) ss += x[i] * x[i];
     float inv = scale / sqrtf(ss + 1e-6f);
@@ -102,8 +102,8 @@ static void ref_gdn(qf_backend *be, const qf_gdn_args *a) {
     for (int t = 0; t < a->T; t++)
         for (int h = 0; h < a->nv; h++) {
             int kh = h / ratio;
-            l2norm_into(a->q + (int64_t)t * a->stride + kh * a->dk, a->dk, qscale, qn);
-            l2norm_into(a->k + (int64_t)t * a->stride + kh * a->dk, a->dk, 1.0f, kn);
+            qf_ref_l2norm(a->q + (int64_t)t * a->stride + kh * a->dk, a->dk, qscale, qn);
+            qf_ref_l2norm(a->k + (int64_t)t * a->stride + kh * a->dk, a->dk, 1.0f, kn);
             const float *v = a->v + (int64_t)t * a->stride + h * a->dv;
             float *S = a->S + (int64_t)h * a->dk * a->dv;
             float decay = expf(a->g[t * a->nv + h]), beta = a->beta[t * a->nv + h];
