@@ -130,7 +130,7 @@ static void test_conv_gdn(int T) {
     snprintf(s, sizeof s, "%d tokens, 16/32 heads of 128", T);
     report("gdn out", s, cmp(dout, o, (size_t)T * nv * dv), 1e-4);
     report("gdn state", s, cmp(dS, S, (size_t)nv * dk * dv), 1e-4);
-    if (T >= 256) { /* a prefill chunk's recurrence (the state keeps advancing: timing only) */
+    if (T == 256 || T == 600) { /* a prefill chunk's recurrence (the state keeps advancing: timing only) */
         int reps = 20;
         qf_cuda_sync(&gpu);
         double t0 = qf_now();
@@ -947,8 +947,13 @@ int main(int argc, char **argv) {
     test_small_ops();
     test_conv_gdn(1);
     test_conv_gdn(7);
-    test_conv_gdn(43); /* several rounds of k_gdn_cols' staged tokens, the last one partial */
-    test_conv_gdn(256);
+    test_conv_gdn(43);  /* one partial chunk of the chunked rule */
+    test_conv_gdn(256); /* four whole chunks */
+    test_conv_gdn(600); /* two launch pairs (8 chunks, then 2, the last partial) */
+    if (restart_with("QFLASH_CUDA_GDN_CHUNK_MIN", "1")) test_conv_gdn(1), test_conv_gdn(7); /* chunks of 1 and 7 tokens */
+    unsetenv("QFLASH_CUDA_GDN_CHUNK_MIN");
+    /* the token-serial kernels (k_gdn_cols and its switches, k_gdn) */
+    if (restart_with("QFLASH_CUDA_GDN_CHUNK", "0")) test_conv_gdn(43), test_conv_gdn(256);
     if (restart_with("QFLASH_CUDA_GDN_SEQ", "1")) test_conv_gdn(256); /* k_gdn, a block per head */
     unsetenv("QFLASH_CUDA_GDN_SEQ");
     const char *lpcs[] = {"1", "2", "8"}; /* k_gdn_cols with other lanes a column than the default 4 */
@@ -957,6 +962,7 @@ int main(int argc, char **argv) {
     unsetenv("QFLASH_CUDA_GDN_PLPC");
     if (restart_with("QFLASH_CUDA_GDN_CP", "0")) test_conv_gdn(43), test_conv_gdn(256); /* inputs by plain loads, a round at a time */
     unsetenv("QFLASH_CUDA_GDN_CP");
+    unsetenv("QFLASH_CUDA_GDN_CHUNK");
     test_attention(1, 700);
     test_attention(1, 8000);
     test_attention(9, 0);

@@ -118,6 +118,10 @@ struct ctx {
     int gdn_seq;                  // the many-token DeltaNet as a block per head (k_gdn; QFLASH_CUDA_GDN_SEQ=1), not k_gdn_cols
     int gdn_plpc;                 // lanes a value column in k_gdn_cols (QFLASH_CUDA_GDN_PLPC: 1, 2, 4 (default), 8)
     int gdn_cp;                   // k_gdn_cols stages its inputs by cp.async a round ahead (QFLASH_CUDA_GDN_CP=0: plain loads)
+    int gdn_chunk, gdn_chunk_min; // the many-token DeltaNet in chunks of 64 (gdn_chunked; QFLASH_CUDA_GDN_CHUNK=0: off) from this many tokens
+    int gdnc_attr;                // its kernels' shared-memory opt-in is set
+    void *gdnc;                   // its scratch
+    size_t gdnc_cap;
     int x_late;                   // the next MoE launch must stage x after its wait (the kernel before it wrote x)
     int cc_major;                 // the device's compute capability, major
     profile prof;
@@ -481,6 +485,10 @@ int moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi,
 // (attn_tile_cuda.cu), partials in part (room for part_splits splits a row) combined into a->out;
 // 0: not taken (few queries, a shape or alignment it is not built for, QFLASH_CUDA_ATT_TILE=0).
 int attn_tiled(ctx *c, const qf_attn_args *a, float *part, int part_splits);
+
+// The gdn op in chunks of 64 tokens, the WY form of backend/cpu/gdn_chunked.c (gdn_chunk_cuda.cu);
+// 0: not taken (fewer tokens than c->gdn_chunk_min, a shape it is not built for, switched off).
+int gdn_chunked(ctx *c, const qf_gdn_args *a);
 
 extern const qf_dec_ops k_dec_ops;
 size_t argmax_scratch_bytes(void);

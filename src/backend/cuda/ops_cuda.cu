@@ -409,6 +409,7 @@ void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
         fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
         return;
     }
+    if (gdn_chunked(c, a)) return;
     if (c->gdn_seq) { // k_gdn: a block per head (QFLASH_CUDA_GDN_SEQ=1, the kernel before k_gdn_cols)
         int threads = ((a->dv + 31) / 32) * 32;
         if (a->dk <= 32) LAUNCH(c, k_gdn<32>, a->nv, threads, *a);
@@ -905,6 +906,9 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     if (c->gdn_plpc != 1 && c->gdn_plpc != 2 && c->gdn_plpc != 8) c->gdn_plpc = 4;
     const char *gc = getenv("QFLASH_CUDA_GDN_CP");
     c->gdn_cp = !(gc && *gc == '0');
+    const char *gch = getenv("QFLASH_CUDA_GDN_CHUNK"), *gcm = getenv("QFLASH_CUDA_GDN_CHUNK_MIN");
+    c->gdn_chunk = !(gch && *gch == '0');
+    c->gdn_chunk_min = gcm ? atoi(gcm) : 32;
     const char *trc = getenv("QFLASH_CUDA_TRACE");
     c->trace.on = trc && *trc == '1';
 #ifndef QF_CUDA_TRACE
@@ -947,7 +951,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->mg_buf), cudaFree(c->attn), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->att_cnt), cudaFree(c->trace.buf);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->mg_buf), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->att_cnt), cudaFree(c->trace.buf);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);
