@@ -115,6 +115,7 @@ struct ctx {
     size_t mg_cap;
     int mg_cp, mg_cp_attr;        // moe_grouped's products fed by cp.async stages (k_mg_cp; QFLASH_CUDA_MG_CP=0: the register form)
     int att_tile, att_tile_attr;  // many-query attention as tiles of rows sharing a kv head (attn_tiled; QFLASH_CUDA_ATT_TILE=0: off)
+    int att_tc;                   // their products on the tensor cores, operands as bf16 hi + lo parts (QFLASH_CUDA_ATT_TC=0: fp32 FMAs)
     int gdn_seq;                  // the many-token DeltaNet as a block per head (k_gdn; QFLASH_CUDA_GDN_SEQ=1), not k_gdn_cols
     int gdn_plpc;                 // lanes a value column in k_gdn_cols (QFLASH_CUDA_GDN_PLPC: 1, 2, 4 (default), 8)
     int gdn_cp;                   // k_gdn_cols stages its inputs by cp.async a round ahead (QFLASH_CUDA_GDN_CP=0: plain loads)
@@ -341,6 +342,11 @@ __device__ __forceinline__ float dot8(uint4 w, const float *x) {
 __device__ __forceinline__ void cp16(void *dst, const void *src) {
     unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+// The same for 4 bytes (through L1: .cg takes 16-byte copies only).
+__device__ __forceinline__ void cp4(void *dst, const void *src) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }

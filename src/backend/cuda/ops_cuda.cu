@@ -293,11 +293,6 @@ struct gdn_stage {
     float q[GDN_TC][DK], k[GDN_TC][DK], v[GDN_TC][32 / LPC], g[GDN_TC], b[GDN_TC];
 };
 
-__device__ __forceinline__ void cp4(void *dst, const void *src) {
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
-}
-
 // Tokens t0 .. t0 + tc - 1's q, k, the warp's v columns, decay and beta into st.
 template <bool CP, int DK, int LPC>
 __device__ __forceinline__ void gdn_stage_in(const qf_gdn_args &a, int h, int kh, int t0, int tc, gdn_stage<DK, LPC> &st) {
@@ -899,6 +894,8 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     c->mg_min_rows = mgn ? atoi(mgn) : c->mg_cp ? 96 : 192;
     const char *at = getenv("QFLASH_CUDA_ATT_TILE");
     c->att_tile = !(at && *at == '0');
+    const char *atc = getenv("QFLASH_CUDA_ATT_TC");
+    c->att_tc = !(atc && *atc == '0');
     const char *gq = getenv("QFLASH_CUDA_GDN_SEQ");
     c->gdn_seq = gq && *gq == '1';
     const char *gp = getenv("QFLASH_CUDA_GDN_PLPC");
