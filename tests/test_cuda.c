@@ -812,7 +812,8 @@ static void grouped_moe_checks(void) {
     test_moe_shape(64, 256, 8, 2048, 512, 1, 1);
     test_moe_shape(128, 256, 8, 2048, 512, 0, 1);
     test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
-    test_moe_shape(300, 16, 4, 256, 64, 1, 0);
+    test_moe_shape(300, 16, 4, 256, 64, 1, 0);   /* ~75 rows an expert: passes of 64 (k_mg_cp's TL 4), the second partial */
+    test_moe_shape(256, 64, 8, 2048, 512, 1, 0); /* ~32 an expert at the real widths: passes of 64 */
     test_moe_shape(20, 8, 2, 128, 64, 1, 0);
     test_moe_shape(40, 64, 4, 192, 32, 1, 0);
 }
@@ -948,43 +949,55 @@ int main(int argc, char **argv) {
     test_matmul(248320 / 8, 2048, 2, 1e-5);
     test_matmul(2048, 2048, 64, 1e-4); /* cuBLAS, activations as two bf16 parts (QFLASH_CUDA_FP32=1: GEMV, exact) */
     test_matmul(8192, 2048, 300, 1e-4);
-    test_small_ops();
-    test_conv_gdn(1);
-    test_conv_gdn(7);
-    test_conv_gdn(43);  /* one partial chunk of the chunked rule */
-    test_conv_gdn(256); /* four whole chunks */
-    test_conv_gdn(600); /* two launch pairs (8 chunks, then 2, the last partial) */
-    if (restart_with("QFLASH_CUDA_GDN_CHUNK_MIN", "1")) test_conv_gdn(1), test_conv_gdn(7); /* chunks of 1 and 7 tokens */
-    unsetenv("QFLASH_CUDA_GDN_CHUNK_MIN");
-    /* the token-serial kernels (k_gdn_cols and its switches, k_gdn) */
-    if (restart_with("QFLASH_CUDA_GDN_CHUNK", "0")) test_conv_gdn(43), test_conv_gdn(256);
-    if (restart_with("QFLASH_CUDA_GDN_SEQ", "1")) test_conv_gdn(256); /* k_gdn, a block per head */
-    unsetenv("QFLASH_CUDA_GDN_SEQ");
-    const char *lpcs[] = {"1", "2", "8"}; /* k_gdn_cols with other lanes a column than the default 4 */
-    for (int i = 0; i < 3; i++)
-        if (restart_with("QFLASH_CUDA_GDN_PLPC", lpcs[i])) test_conv_gdn(43), test_conv_gdn(256);
-    unsetenv("QFLASH_CUDA_GDN_PLPC");
-    if (restart_with("QFLASH_CUDA_GDN_CP", "0")) test_conv_gdn(43), test_conv_gdn(256); /* inputs by plain loads, a round at a time */
-    unsetenv("QFLASH_CUDA_GDN_CP");
-    unsetenv("QFLASH_CUDA_GDN_CHUNK");
-    test_attention(1, 700);
-    test_attention(1, 8000);
-    test_attention(9, 0);
-    test_attention(40, 100);
-    prefill_attention_checks();
-    if (restart_with("QFLASH_CUDA_ATT_TC", "0")) prefill_attention_checks(); /* the tiles' products as fp32 FMAs */
-    unsetenv("QFLASH_CUDA_ATT_TC");
-    if (restart_with("QFLASH_CUDA_ATT_TILE", "0")) prefill_attention_checks(); /* k_attn_part, a block per (token, head) */
-    unsetenv("QFLASH_CUDA_ATT_TILE");
-    const char *quick = getenv("QFLASH_TEST_QUICK"); /* a device call that wants the prompt ops alone */
-    if (quick && *quick == '1') return qt_finish();
+    /* QFLASH_TEST_QUICK (a device call that wants a part): 1 the prompt ops alone, 2 the many-row MoE alone */
+    const char *quick = getenv("QFLASH_TEST_QUICK");
+    int part = quick ? atoi(quick) : 0;
+    if (part != 2) {
+        test_small_ops();
+        test_conv_gdn(1);
+        test_conv_gdn(7);
+        test_conv_gdn(43);  /* one partial chunk of the chunked rule */
+        test_conv_gdn(256); /* four whole chunks */
+        test_conv_gdn(600); /* two launch pairs (8 chunks, then 2, the last partial) */
+        if (restart_with("QFLASH_CUDA_GDN_CHUNK_MIN", "1")) test_conv_gdn(1), test_conv_gdn(7); /* chunks of 1 and 7 tokens */
+        unsetenv("QFLASH_CUDA_GDN_CHUNK_MIN");
+        /* the token-serial kernels (k_gdn_cols and its switches, k_gdn) */
+        if (restart_with("QFLASH_CUDA_GDN_CHUNK", "0")) test_conv_gdn(43), test_conv_gdn(256);
+        if (restart_with("QFLASH_CUDA_GDN_SEQ", "1")) test_conv_gdn(256); /* k_gdn, a block per head */
+        unsetenv("QFLASH_CUDA_GDN_SEQ");
+        const char *lpcs[] = {"1", "2", "8"}; /* k_gdn_cols with other lanes a column than the default 4 */
+        for (int i = 0; i < 3; i++)
+            if (restart_with("QFLASH_CUDA_GDN_PLPC", lpcs[i])) test_conv_gdn(43), test_conv_gdn(256);
+        unsetenv("QFLASH_CUDA_GDN_PLPC");
+        if (restart_with("QFLASH_CUDA_GDN_CP", "0")) test_conv_gdn(43), test_conv_gdn(256); /* inputs by plain loads, a round at a time */
+        unsetenv("QFLASH_CUDA_GDN_CP");
+        unsetenv("QFLASH_CUDA_GDN_CHUNK");
+        test_attention(1, 700);
+        test_attention(1, 8000);
+        test_attention(9, 0);
+        test_attention(40, 100);
+        prefill_attention_checks();
+        if (restart_with("QFLASH_CUDA_ATT_TC", "0")) prefill_attention_checks(); /* the tiles' products as fp32 FMAs */
+        unsetenv("QFLASH_CUDA_ATT_TC");
+        if (restart_with("QFLASH_CUDA_ATT_TILE", "0")) prefill_attention_checks(); /* k_attn_part, a block per (token, head) */
+        unsetenv("QFLASH_CUDA_ATT_TILE");
+    }
+    if (part == 1) return qt_finish();
     test_moe_shape(1, 256, 8, 2048, 512, 1, 1); /* one GEMV per (row, expert) */
     test_moe_shape(4, 256, 8, 2048, 512, 1, 1);
     test_moe_shape(16, 256, 8, 2048, 512, 1, 1);
     test_moe_shape(64, 256, 8, 2048, 512, 1, 1);
     test_moe_shape(128, 256, 8, 2048, 512, 0, 1); /* timing alone; from 96 rows grouped by expert */
-    test_moe_shape(512, 256, 8, 2048, 512, 0, 1); /* a prefill chunk */
-    test_moe_shape(300, 16, 4, 256, 64, 1, 0);    /* ~75 rows an expert: two passes */
+    test_moe_shape(512, 256, 8, 2048, 512, 0, 1);  /* a prefill chunk */
+    test_moe_shape(2048, 256, 8, 2048, 512, 0, 1); /* a 2048-token chunk: passes of 64 slots */
+    test_moe_shape(300, 16, 4, 256, 64, 1, 0);     /* ~75 rows an expert: two passes of 64 */
+    test_moe_shape(256, 64, 8, 2048, 512, 1, 0);   /* ~32 an expert at the real widths: one pass of 64 */
+    if (restart_with("QFLASH_CUDA_MG_P64", "0")) { /* passes of 32 slots at every size */
+        test_moe_shape(300, 16, 4, 256, 64, 1, 0);
+        test_moe_shape(256, 64, 8, 2048, 512, 1, 0);
+        test_moe_shape(2048, 256, 8, 2048, 512, 0, 1);
+    }
+    unsetenv("QFLASH_CUDA_MG_P64");
     if (restart_with("QFLASH_CUDA_MG_MIN", "16")) grouped_moe_checks(); /* grouped at fewer rows */
     if (restart_with("QFLASH_CUDA_MG_CP", "0")) grouped_moe_checks(); /* the register-form products, MG_MIN still 16 */
     unsetenv("QFLASH_CUDA_MG_CP");
@@ -995,6 +1008,7 @@ int main(int argc, char **argv) {
         test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
     }
     unsetenv("QFLASH_CUDA_MG");
+    if (part == 2) return qt_finish();
     for (int n = 1; n <= QF_DEC_ROWS; n = n == 1 ? 8 : n + 8) dec_row_checks(n);
     test_dec_gdn_gn(16, 32, 128, 128); /* the step with out_proj's gated norm (the default one-row step); twice in a row */
     test_dec_gdn_gn(16, 32, 128, 128);

@@ -114,6 +114,7 @@ struct ctx {
     void *mg_buf;                 // its scratch
     size_t mg_cap;
     int mg_cp, mg_cp_attr;        // moe_grouped's products fed by cp.async stages (k_mg_cp; QFLASH_CUDA_MG_CP=0: the register form)
+    int mg_p64;                   // k_mg_cp's passes of 64 slots when experts average more than 24 (QFLASH_CUDA_MG_P64=0: 32)
     int att_tile, att_tile_attr;  // many-query attention as tiles of rows sharing a kv head (attn_tiled; QFLASH_CUDA_ATT_TILE=0: off)
     int att_tc;                   // their products on the tensor cores, operands as bf16 hi + lo parts (QFLASH_CUDA_ATT_TC=0: fp32 FMAs)
     int gdn_seq;                  // the many-token DeltaNet as a block per head (k_gdn; QFLASH_CUDA_GDN_SEQ=1), not k_gdn_cols

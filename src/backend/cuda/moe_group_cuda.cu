@@ -167,89 +167,128 @@ __global__ void __launch_bounds__(MG_THREADS) k_mg_down(const void *const *tab, 
 
 #define MC_KC 64            // columns of a stage
 #define MC_LD (MC_KC + 8)   // a staged row's pitch (bf16): 144 bytes, 16-byte copies stay aligned
-#define MC_S 4              // stages in the ring: MC_S - 1 in flight while one is summed
+
+// Stages in the ring of k_mg_cp<NM, TL> (TL - 1 in flight while one is summed): a pass of 32 slots
+// keeps 4 (two blocks an SM at NM 2), a pass of 64 slots 3 (its stages are larger; still two).
+__host__ __device__ constexpr int mc_stages(int tl) { return tl == 2 ? 4 : 3; }
+__host__ __device__ constexpr size_t mc_stage_elems(int nm, int tl) { return (size_t)(nm + tl / 2) * 64 * MC_LD; }
 
 // The rows and columns of stage c (columns c * MC_KC ..) into ring stage b: NM * 64 weight rows
-// from f0 (rows past R left as they are: no warp sums them) and the pass's 32 input slots' parts.
-template <int NM>
+// from f0 (rows past R left as they are: no warp sums them) and the pass's 16 TL input slots' parts.
+template <int NM, int TL>
 __device__ __forceinline__ void mc_issue(__nv_bfloat16 *ring, int b, int c, const __nv_bfloat16 *W0, const __nv_bfloat16 *W1, int f0, int R, int K,
                                          const __nv_bfloat16 *inh, const __nv_bfloat16 *inl) {
-    __nv_bfloat16 *sw = ring + (size_t)b * (NM + 1) * 64 * MC_LD, *sx = sw + NM * 64 * MC_LD, *sxl = sx + 32 * MC_LD;
+    __nv_bfloat16 *sw = ring + (size_t)b * mc_stage_elems(NM, TL), *sx = sw + NM * 64 * MC_LD, *sxl = sx + 16 * TL * MC_LD;
     int k0 = c * MC_KC;
     for (int q = threadIdx.x; q < NM * 64 * 8; q += blockDim.x) {
         int r = q >> 3, p = (q & 7) * 8, row = f0 + (r & 63);
         if (row < R) cp16(sw + r * MC_LD + p, (r < 64 ? W0 : W1) + (int64_t)row * K + k0 + p);
     }
-    for (int q = threadIdx.x; q < 32 * 8; q += blockDim.x) {
+    for (int q = threadIdx.x; q < 16 * TL * 8; q += blockDim.x) {
         int n = q >> 3, p = (q & 7) * 8;
         cp16(sx + n * MC_LD + p, inh + (int64_t)n * K + k0 + p);
         if (inl) cp16(sxl + n * MC_LD + p, inl + (int64_t)n * K + k0 + p);
     }
 }
 
+// One stage's tensor-core steps of a warp: its 16 rows of each of the NM matrices against the
+// TL tiles of 16 slots. The slots' fragments are loaded once for all NM matrices; each tile's sum
+// takes the hi part then the lo part a step, as mg_mma.
+template <int NM, int TL>
+__device__ __forceinline__ void mc_steps(const __nv_bfloat16 *sw, const __nv_bfloat16 *sx, bool lo, int warp, frag_acc (&acc)[NM][TL]) {
+#pragma unroll
+    for (int kk = 0; kk < MC_KC; kk += 16) {
+        frag_x xh[TL], xl[TL];
+#pragma unroll
+        for (int t = 0; t < TL; t++) {
+            wmma::load_matrix_sync(xh[t], sx + t * 16 * MC_LD + kk, MC_LD);
+            if (lo) wmma::load_matrix_sync(xl[t], sx + (16 * TL + t * 16) * MC_LD + kk, MC_LD);
+        }
+#pragma unroll
+        for (int m = 0; m < NM; m++) {
+            frag_w w;
+            wmma::load_matrix_sync(w, sw + (m * 64 + warp * 16) * MC_LD + kk, MC_LD);
+#pragma unroll
+            for (int t = 0; t < TL; t++) {
+                wmma::mma_sync(acc[m][t], w, xh[t], acc[m][t]);
+                if (lo) wmma::mma_sync(acc[m][t], w, xl[t], acc[m][t]);
+            }
+        }
+    }
+}
+
 // Block (feature tile f0 = 64 x, expert e) as k_mg_gate_up (NM 2: gate and up rows, input x's
-// parts, out h's parts) or k_mg_down (NM 1: down rows, input h's parts, out y), a pass per 32
+// parts, out h's parts) or k_mg_down (NM 1: down rows, input h's parts, out y), a pass per 16 TL
 // slots, but the weight rows and the pass's input slots reach shared memory by cp.async, 16
-// coalesced bytes a copy, through a ring of MC_S stages of MC_KC columns: MC_S - 1 stages in
-// flight while the warps' tensor-core steps read the one that landed; one block barrier a stage.
-// (The default; QFLASH_CUDA_MG_CP=0 gives the register form back. Session 12 at 512 rows of the real
-// shape: 839 us against 1939, 45% of the copy bandwidth for the bytes read once against 19%.) K: the summed width (H or I), R: the
-// matrices' rows (I or H), also the output's pitch.
-template <int NM>
+// coalesced bytes a copy, through a ring of stages of MC_KC columns, all but one in flight while
+// the warps' tensor-core steps read the one that landed; one block barrier a stage. TL 4 (passes
+// of 64 slots, for prompts whose experts average more than 24) reads each weight once per 64 slots
+// where TL 2 reads it once per 32. (The default; QFLASH_CUDA_MG_CP=0 gives the register form back.
+// Session 12 at 512 rows of the real shape: 839 us against 1939, 45% of the copy bandwidth for the
+// bytes read once against 19%.) K: the summed width (H or I), R: the matrices' rows (I or H), also
+// the output's pitch.
+template <int NM, int TL>
 __global__ void __launch_bounds__(MG_THREADS) k_mg_cp(const void *const *tab, int E, const int *gstart, const __nv_bfloat16 *inh,
                                                       const __nv_bfloat16 *inl, int K, int R, __nv_bfloat16 *hh, __nv_bfloat16 *hl, float *y) {
+    constexpr int S = mc_stages(TL), P = 16 * TL; // stages, slots a pass
     extern __shared__ __align__(128) unsigned char mc_smem[];
     __nv_bfloat16 *ring = (__nv_bfloat16 *)mc_smem;
     int e = blockIdx.y, s0 = gstart[e], cnt = gstart[e + 1] - s0; // block-uniform: before any barrier
     if (!cnt) return;
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31, f0 = blockIdx.x * 64, fw = f0 + warp * 16, nk = K / MC_KC;
     const __nv_bfloat16 *W0 = (const __nv_bfloat16 *)tab[NM == 2 ? e : 2 * E + e], *W1 = (const __nv_bfloat16 *)tab[E + e];
-    for (int t0 = 0; t0 < cnt; t0 += 32) {
-        int nt = min(32, cnt - t0);
+    for (int t0 = 0; t0 < cnt; t0 += P) {
+        int nt = min(P, cnt - t0);
         const __nv_bfloat16 *ph = inh + (int64_t)(s0 + t0) * K, *pl = inl ? inl + (int64_t)(s0 + t0) * K : NULL;
-        for (int c = 0; c < MC_S - 1; c++) {
-            if (c < nk) mc_issue<NM>(ring, c, c, W0, W1, f0, R, K, ph, pl);
+        for (int c = 0; c < S - 1; c++) {
+            if (c < nk) mc_issue<NM, TL>(ring, c, c, W0, W1, f0, R, K, ph, pl);
             cp_commit();
         }
-        frag_acc acc[NM][2];
+        frag_acc acc[NM][TL];
 #pragma unroll
-        for (int m = 0; m < NM; m++) wmma::fill_fragment(acc[m][0], 0.0f), wmma::fill_fragment(acc[m][1], 0.0f);
+        for (int m = 0; m < NM; m++)
+#pragma unroll
+            for (int t = 0; t < TL; t++) wmma::fill_fragment(acc[m][t], 0.0f);
         for (int c = 0; c < nk; c++) {
-            cp_wait<MC_S - 2>(); // this thread's copies of stage c have landed
-            __syncthreads();     // everyone's have; stage c - 1 is summed by every warp
-            if (c + MC_S - 1 < nk) mc_issue<NM>(ring, (c + MC_S - 1) % MC_S, c + MC_S - 1, W0, W1, f0, R, K, ph, pl);
+            cp_wait<S - 2>(); // this thread's copies of stage c have landed
+            __syncthreads();  // everyone's have; stage c - 1 is summed by every warp
+            if (c + S - 1 < nk) mc_issue<NM, TL>(ring, (c + S - 1) % S, c + S - 1, W0, W1, f0, R, K, ph, pl);
             cp_commit();
             if (fw >= R) continue;
-            const __nv_bfloat16 *sw = ring + (size_t)(c % MC_S) * (NM + 1) * 64 * MC_LD, *sx = sw + NM * 64 * MC_LD;
-#pragma unroll
-            for (int kk = 0; kk < MC_KC; kk += 16)
-#pragma unroll
-                for (int m = 0; m < NM; m++) {
-                    frag_w w;
-                    wmma::load_matrix_sync(w, sw + (m * 64 + warp * 16) * MC_LD + kk, MC_LD);
-                    mg_mma<2>(acc[m], w, sx + kk, inl ? sx + 32 * MC_LD + kk : NULL, MC_LD);
-                }
+            const __nv_bfloat16 *sw = ring + (size_t)(c % S) * mc_stage_elems(NM, TL);
+            mc_steps<NM, TL>(sw, sw + NM * 64 * MC_LD, inl != NULL, warp, acc);
         }
         cp_wait<0>();
         __syncthreads(); // the ring is free: its room takes the sums
         if (fw < R) {
-            float *ow = (float *)mc_smem + warp * NM * 16 * 32;
+            float *ow = (float *)mc_smem + warp * NM * 16 * P;
 #pragma unroll
             for (int m = 0; m < NM; m++)
-                wmma::store_matrix_sync(ow + m * 512, acc[m][0], 32, wmma::mem_row_major), wmma::store_matrix_sync(ow + m * 512 + 16, acc[m][1], 32, wmma::mem_row_major);
+#pragma unroll
+                for (int t = 0; t < TL; t++) wmma::store_matrix_sync(ow + m * 16 * P + t * 16, acc[m][t], P, wmma::mem_row_major);
             __syncwarp();
             for (int q = lane; q < 16 * nt; q += 32) {
                 int mm = q & 15, n = q >> 4;
                 int64_t o = (int64_t)(s0 + t0 + n) * R + fw + mm;
-                if constexpr (NM == 2) split_bf16(silu(ow[mm * 32 + n]) * ow[512 + mm * 32 + n], hh + o, hl ? hl + o : NULL);
-                else y[o] = ow[mm * 32 + n];
+                if constexpr (NM == 2) split_bf16(silu(ow[mm * P + n]) * ow[16 * P + mm * P + n], hh + o, hl ? hl + o : NULL);
+                else y[o] = ow[mm * P + n];
             }
         }
         __syncthreads(); // the sums are read before the next pass's copies land
     }
 }
 
-size_t mc_smem_bytes(int nm) { return (size_t)MC_S * (nm + 1) * 64 * MC_LD * sizeof(__nv_bfloat16); }
+size_t mc_smem_bytes(int nm, int tl) { return (size_t)mc_stages(tl) * mc_stage_elems(nm, tl) * sizeof(__nv_bfloat16); }
+
+// Both products of the grouped experts by cp.async stages, passes of 16 TL slots.
+template <int TL>
+void mc_launch(ctx *c, const void **tab, int E, int H, int I, const int *gstart, const __nv_bfloat16 *xh, const __nv_bfloat16 *xl, __nv_bfloat16 *hh,
+               __nv_bfloat16 *hl, float *y) {
+    LAUNCH_S(c, (k_mg_cp<2, TL>), dim3((I + 63) / 64, E), MG_THREADS, mc_smem_bytes(2, TL), (const void *const *)tab, E, gstart, xh, xl, H, I, hh, hl,
+             (float *)NULL);
+    LAUNCH_S(c, (k_mg_cp<1, TL>), dim3((H + 63) / 64, E), MG_THREADS, mc_smem_bytes(1, TL), (const void *const *)tab, E, gstart, hh, hl, I, H,
+             (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y);
+}
 
 // out[r] = sum over k (in order) of topw[r][k] * y[slot of (r, k)]: k_expert_sum's sum.
 __global__ void k_mg_sum(const float *y, const int *slot_of, const float *topw, int K, int N, int H, float *out) {
@@ -272,7 +311,7 @@ int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *
         if (a->experts[e].gate.dtype != QF_DT_BF16 || a->experts[e].up.dtype != QF_DT_BF16 || a->experts[e].down.dtype != QF_DT_BF16) return 0;
     int two = !c->bf16_single;
     // x's and h's parts padded by a pass of slots: a pass's last tile reads whole 16-slot columns
-    size_t ints = align256((size_t)(E + 1 + 2 * NK) * sizeof(int)), xb = align256((size_t)(NK + MG_TOK) * H * 2), hb = align256((size_t)(NK + MG_TOK) * I * 2);
+    size_t ints = align256((size_t)(E + 1 + 2 * NK) * sizeof(int)), xb = align256((size_t)(NK + 64) * H * 2), hb = align256((size_t)(NK + 64) * I * 2);
     char *s = (char *)scratch(c, &c->mg_buf, &c->mg_cap, ints + 2 * xb + 2 * hb);
     if (!s) return 0;
     int *gstart = (int *)s, *slot_row = gstart + E + 1, *slot_of = slot_row + NK;
@@ -282,14 +321,15 @@ int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *
     LAUNCH(c, k_mg_gather, blocks((int64_t)NK * H, 256), 256, a->x, slot_row, NK, H, xh, xl);
     if (c->mg_cp && H % MC_KC == 0 && I % MC_KC == 0) {
         if (!c->mg_cp_attr) { // past the 48 KB a kernel gets unasked
-            cudaFuncSetAttribute(k_mg_cp<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(2));
-            cudaFuncSetAttribute(k_mg_cp<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(1));
+            cudaFuncSetAttribute(k_mg_cp<2, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(2, 2));
+            cudaFuncSetAttribute(k_mg_cp<1, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(1, 2));
+            cudaFuncSetAttribute(k_mg_cp<2, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(2, 4));
+            cudaFuncSetAttribute(k_mg_cp<1, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(1, 4));
             c->mg_cp_attr = 1;
         }
-        LAUNCH_S(c, k_mg_cp<2>, dim3((I + 63) / 64, E), MG_THREADS, mc_smem_bytes(2), (const void *const *)tab, E, gstart, xh, xl, H, I, hh, hl,
-                 (float *)NULL);
-        LAUNCH_S(c, k_mg_cp<1>, dim3((H + 63) / 64, E), MG_THREADS, mc_smem_bytes(1), (const void *const *)tab, E, gstart, hh, hl, I, H,
-                 (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y);
+        // passes of 64 slots once the experts average more than 24 (QFLASH_CUDA_MG_P64=0: 32 always)
+        if (c->mg_p64 && NK > 24 * E) mc_launch<4>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
+        else mc_launch<2>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
     } else {
         LAUNCH(c, k_mg_gate_up, dim3((I + MG_FEAT - 1) / MG_FEAT, E), MG_THREADS, (const void *const *)tab, E, gstart, xh, xl, H, I, hh, hl);
         LAUNCH(c, k_mg_down, dim3((H + MG_FEAT - 1) / MG_FEAT, E), MG_THREADS, (const void *const *)tab, E, gstart, hh, hl, H, I, y);

@@ -889,6 +889,8 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
     c->mg = !(mg && *mg == '0');
     const char *mcp = getenv("QFLASH_CUDA_MG_CP");
     c->mg_cp = !(mcp && *mcp == '0');
+    const char *mp64 = getenv("QFLASH_CUDA_MG_P64");
+    c->mg_p64 = !(mp64 && *mp64 == '0');
     // Below these rows the GEMV path is faster at the real shape (session 12, cp.async form: 64 rows
     // 698 against 539 us, 128: 789 against 948; session 11, register form: 128 rows 1437 against 949).
     c->mg_min_rows = mgn ? atoi(mgn) : c->mg_cp ? 96 : 192;
