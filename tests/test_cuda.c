@@ -949,10 +949,11 @@ int main(int argc, char **argv) {
     test_matmul(248320 / 8, 2048, 2, 1e-5);
     test_matmul(2048, 2048, 64, 1e-4); /* cuBLAS, activations as two bf16 parts (QFLASH_CUDA_FP32=1: GEMV, exact) */
     test_matmul(8192, 2048, 300, 1e-4);
-    /* QFLASH_TEST_QUICK (a device call that wants a part): 1 the prompt ops alone, 2 the many-row MoE alone */
+    /* QFLASH_TEST_QUICK (a device call that wants a part): 1 the prompt ops alone, 2 the many-row MoE
+     * alone, 3 the rest (the decode kernels) */
     const char *quick = getenv("QFLASH_TEST_QUICK");
     int part = quick ? atoi(quick) : 0;
-    if (part != 2) {
+    if (part != 2 && part != 3) {
         test_small_ops();
         test_conv_gdn(1);
         test_conv_gdn(7);
@@ -983,31 +984,33 @@ int main(int argc, char **argv) {
         unsetenv("QFLASH_CUDA_ATT_TILE");
     }
     if (part == 1) return qt_finish();
-    test_moe_shape(1, 256, 8, 2048, 512, 1, 1); /* one GEMV per (row, expert) */
-    test_moe_shape(4, 256, 8, 2048, 512, 1, 1);
-    test_moe_shape(16, 256, 8, 2048, 512, 1, 1);
-    test_moe_shape(64, 256, 8, 2048, 512, 1, 1);
-    test_moe_shape(128, 256, 8, 2048, 512, 0, 1); /* timing alone; from 96 rows grouped by expert */
-    test_moe_shape(512, 256, 8, 2048, 512, 0, 1);  /* a prefill chunk */
-    test_moe_shape(2048, 256, 8, 2048, 512, 0, 1); /* a 2048-token chunk: passes of 64 slots */
-    test_moe_shape(300, 16, 4, 256, 64, 1, 0);     /* ~75 rows an expert: two passes of 64 */
-    test_moe_shape(256, 64, 8, 2048, 512, 1, 0);   /* ~32 an expert at the real widths: one pass of 64 */
-    if (restart_with("QFLASH_CUDA_MG_P64", "0")) { /* passes of 32 slots at every size */
-        test_moe_shape(300, 16, 4, 256, 64, 1, 0);
-        test_moe_shape(256, 64, 8, 2048, 512, 1, 0);
-        test_moe_shape(2048, 256, 8, 2048, 512, 0, 1);
+    if (part != 3) {
+        test_moe_shape(1, 256, 8, 2048, 512, 1, 1); /* one GEMV per (row, expert) */
+        test_moe_shape(4, 256, 8, 2048, 512, 1, 1);
+        test_moe_shape(16, 256, 8, 2048, 512, 1, 1);
+        test_moe_shape(64, 256, 8, 2048, 512, 1, 1);
+        test_moe_shape(128, 256, 8, 2048, 512, 0, 1); /* timing alone; from 96 rows grouped by expert */
+        test_moe_shape(512, 256, 8, 2048, 512, 0, 1);  /* a prefill chunk */
+        test_moe_shape(2048, 256, 8, 2048, 512, 0, 1); /* a 2048-token chunk: passes of 64 slots */
+        test_moe_shape(300, 16, 4, 256, 64, 1, 0);     /* ~75 rows an expert: two passes of 64 */
+        test_moe_shape(256, 64, 8, 2048, 512, 1, 0);   /* ~32 an expert at the real widths: one pass of 64 */
+        if (restart_with("QFLASH_CUDA_MG_P64", "0")) { /* passes of 32 slots at every size */
+            test_moe_shape(300, 16, 4, 256, 64, 1, 0);
+            test_moe_shape(256, 64, 8, 2048, 512, 1, 0);
+            test_moe_shape(2048, 256, 8, 2048, 512, 0, 1);
+        }
+        unsetenv("QFLASH_CUDA_MG_P64");
+        if (restart_with("QFLASH_CUDA_MG_MIN", "16")) grouped_moe_checks(); /* grouped at fewer rows */
+        if (restart_with("QFLASH_CUDA_MG_CP", "0")) grouped_moe_checks(); /* the register-form products, MG_MIN still 16 */
+        unsetenv("QFLASH_CUDA_MG_CP");
+        unsetenv("QFLASH_CUDA_MG_MIN");
+        if (restart_with("QFLASH_CUDA_MG", "0")) { /* the GEMV path at many rows */
+            test_moe_shape(300, 16, 4, 256, 64, 1, 0);
+            test_moe_shape(128, 256, 8, 2048, 512, 0, 1);
+            test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
+        }
+        unsetenv("QFLASH_CUDA_MG");
     }
-    unsetenv("QFLASH_CUDA_MG_P64");
-    if (restart_with("QFLASH_CUDA_MG_MIN", "16")) grouped_moe_checks(); /* grouped at fewer rows */
-    if (restart_with("QFLASH_CUDA_MG_CP", "0")) grouped_moe_checks(); /* the register-form products, MG_MIN still 16 */
-    unsetenv("QFLASH_CUDA_MG_CP");
-    unsetenv("QFLASH_CUDA_MG_MIN");
-    if (restart_with("QFLASH_CUDA_MG", "0")) { /* the GEMV path at many rows */
-        test_moe_shape(300, 16, 4, 256, 64, 1, 0);
-        test_moe_shape(128, 256, 8, 2048, 512, 0, 1);
-        test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
-    }
-    unsetenv("QFLASH_CUDA_MG");
     if (part == 2) return qt_finish();
     for (int n = 1; n <= QF_DEC_ROWS; n = n == 1 ? 8 : n + 8) dec_row_checks(n);
     test_dec_gdn_gn(16, 32, 128, 128); /* the step with out_proj's gated norm (the default one-row step); twice in a row */
