@@ -1,5 +1,6 @@
 // The MoE op for many rows (prefill, wide batches): the (row, expert) choices grouped by expert,
-// then each used expert's weights read once per MG_TOK of its rows by tensor-core products, where
+// then each used expert's weights read once per pass of its rows (32 or 64; the register form
+// MG_TOK) by tensor-core products, where
 // the GEMV path (ops_cuda.cu) reads a chosen expert's 6 MB once per row that chose it. Weights are
 // bf16 as stored; each activation is split into two bf16 parts (hi + lo, ~16 bits kept, as
 // cu_matmul does) with fp32 accumulation; QFLASH_CUDA_BF16=1 keeps one part, QFLASH_CUDA_FP32=1
