@@ -163,8 +163,8 @@ __device__ __forceinline__ void at_mma3(float (&c)[4], const unsigned (&ah)[4], 
     at_mma(c, al, bh[0], bh[1]);
 }
 
-// The A operand of rows r0 + g, r0 + g + 8 (g = lane / 4) at columns c0 + 2 (lane % 4) (+ 8) of x
-// (pitch ld, 8-byte aligned pairs), as hi and lo parts.
+// The A operand of a 16 x 16 tile whose first element x points at (pitch ld): rows g and g + 8
+// (g = lane / 4), columns 2 (lane % 4), + 1 (and + 8), read as 8-byte pairs, as hi and lo parts.
 __device__ __forceinline__ void at_frag_a2(const float *x, int ld, unsigned (&ah)[4], unsigned (&al)[4]) {
     int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     const float *r0 = x + g * ld + 2 * t, *r1 = r0 + 8 * ld;

@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(GC_THREADS) k_gdnc_prep(qf_gdn_args a, int c0,
 
 // The chunk's products into shared memory (WT, QT, KD, PT lie one after another in both), and the
 // block's 32 columns of Ut.
-__device__ void gc_stage(const float *b, const gc_off &off, int dk, int dv, int j0, float *ut, float *wt) {
+__device__ void gc_stage(const float *b, const gc_off &off, int dv, int j0, float *ut, float *wt) {
     for (int e = threadIdx.x; e < GC_T * GC_COLS / 4; e += GC_THREADS) {
         int t = e / (GC_COLS / 4), q = e % (GC_COLS / 4);
         cp16(ut + t * GC_COLS + q * 4, b + (size_t)t * dv + j0 + q * 4);
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(GC_THREADS) k_gdnc_walk(qf_gdn_args a, int c0,
     for (int ch = 0; ch < nch; ch++) {
         const float *b = scr + ((size_t)ch * a.nv + h) * off.all;
         int t0 = c0 + ch * GC_T;
-        gc_stage(b, off, dk, dv, j0, ut, wt);
+        gc_stage(b, off, dv, j0, ut, wt);
         float eg = b[off.eg];
         cp_wait<0>();
         __syncthreads(); // the stage is in, and the last chunk's state written

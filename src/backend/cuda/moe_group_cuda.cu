@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(MG_THREADS) k_mg_down(const void *const *tab, 
 #define MC_KC 64            // columns of a stage
 #define MC_LD (MC_KC + 8)   // a staged row's pitch (bf16): 144 bytes, 16-byte copies stay aligned
 
-// Stages in the ring of k_mg_cp<NM, TL> (TL - 1 in flight while one is summed): a pass of 32 slots
+// Stages in the ring of k_mg_cp<NM, TL> (all but one in flight while one is summed): a pass of 32 slots
 // keeps 4 (two blocks an SM at NM 2), a pass of 64 slots 3 (its stages are larger; still two).
 __host__ __device__ constexpr int mc_stages(int tl) { return tl == 2 ? 4 : 3; }
 __host__ __device__ constexpr size_t mc_stage_elems(int nm, int tl) { return (size_t)(nm + tl / 2) * 64 * MC_LD; }
