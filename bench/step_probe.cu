@@ -41,8 +41,21 @@
 #define TOPK 8
 #define FF 512
 #define F_ROWS (NE + 2 * FF + 1)
-#define NW 16 // warps a block, one block a SM
-#define NS 3  // 4 KB ring slots a warp: 192 KB a block
+// Block shape (-D to override): one block a SM of NW warps. NW 8 gives 255 registers a thread;
+// every warp holds GU_PAIRS (gate, up) row pairs in flight (2 spill even at 255: the compiler
+// unpacks every loaded bf16 before the sums), its first DN_PRE down rows and ST_PRE state columns
+// from before their barriers, and NS ring slots of 4 KB (192 KB a block).
+#ifndef NW
+#define NW 8
+#endif
+#ifndef NS
+#define NS (48 / NW)
+#endif
+#ifndef GU_PAIRS
+#define GU_PAIRS 1
+#endif
+#define ST_PRE (32 / NW) // 4096 state columns over 132 x NW warps
+#define DN_PRE (16 / NW) // 2048 down rows over 132 x NW warps
 #define MAXL 40
 #define XS_FLOATS (TOPK * FF + FF) // the largest staged input: the experts' h and the shared expert's
 
@@ -55,7 +68,9 @@ struct probe_args {
     int L, mode;
     float *x, *y1, *core, *rl, *hbuf;
     unsigned *bar;
+    unsigned long long *stamps; // NULL, or [L][NPH][blocks]: when each block finished each phase
 };
+#define NPH 6 // in_proj, step, out_proj, ffn_in, routing + gate/up, down
 
 __device__ __forceinline__ unsigned saddr(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mb_init(uint64_t *b) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(b)) : "memory"); }
@@ -86,8 +101,15 @@ __device__ __forceinline__ float wsum(float v) {
     return v;
 }
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+// x is in shared memory and read at every use: left to itself the compiler keeps a lane's 64 floats
+// of x in registers for both rows of a pair, and with the rows' 64 registers that spills.
+__device__ __forceinline__ float4 lds4(const float *p) {
+    float4 v;
+    asm volatile("ld.volatile.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(saddr(p)));
+    return v;
+}
 __device__ __forceinline__ float dot8(uint4 w, const float *x) {
-    float4 a = *(const float4 *)x, b = *(const float4 *)(x + 4);
+    float4 a = lds4(x), b = lds4(x + 4);
     return bf(w.x & 0xffff) * a.x + bf(w.x >> 16) * a.y + bf(w.y & 0xffff) * a.z + bf(w.y >> 16) * a.w + bf(w.z & 0xffff) * b.x +
            bf(w.z >> 16) * b.y + bf(w.w & 0xffff) * b.z + bf(w.w >> 16) * b.w;
 }
@@ -100,8 +122,13 @@ __device__ __forceinline__ float piece_dot(const uint4 *w, const float *xs, int 
 }
 
 // Every block has written what the next phase reads (thread 0: fence, count, spin).
-__device__ void grid_sync(const probe_args &a, unsigned &gen) {
+__device__ void grid_sync(const probe_args &a, unsigned &gen, int l, int ph) {
     __syncthreads();
+    if (a.stamps && threadIdx.x == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        a.stamps[((size_t)l * NPH + ph) * gridDim.x + blockIdx.x] = t;
+    }
     if (a.mode != 2 && threadIdx.x == 0) {
         gen += gridDim.x;
         __threadfence();
@@ -266,31 +293,23 @@ __device__ __noinline__ void route(const probe_args &a, int *ti, float *wk, floa
     __syncthreads();
 }
 
-// A down row's 9 parts of 512 columns: lane holds uint4 lane and lane + 32 of each. The first
-// DPRE chosen experts' parts are loaded before the barrier, the rest after it (all 9 held across
-// the barrier spill at 128 registers).
-#define DPRE 4
+// A down row's 9 parts of 512 columns (the chosen experts', then the shared expert's): lane holds
+// uint4 lane and lane + 32 of each.
 struct down_row {
-    uint4 w[DPRE][2];
-    __device__ const uint4 *part(const layer_w &L, const int *ti, int k, int i) const {
-        return (const uint4 *)(k < TOPK ? L.ed + ((size_t)ti[k] * HID + i) * FF : L.sd + (size_t)i * FF);
-    }
+    uint4 w[TOPK + 1][2];
     __device__ void load(const layer_w &L, const int *ti, int i) {
         int lane = threadIdx.x & 31;
 #pragma unroll
-        for (int k = 0; k < DPRE; k++) w[k][0] = __ldg(part(L, ti, k, i) + lane), w[k][1] = __ldg(part(L, ti, k, i) + lane + 32);
+        for (int k = 0; k <= TOPK; k++) {
+            const uint4 *p = (const uint4 *)(k < TOPK ? L.ed + ((size_t)ti[k] * HID + i) * FF : L.sd + (size_t)i * FF);
+            w[k][0] = __ldg(p + lane), w[k][1] = __ldg(p + lane + 32);
+        }
     }
-    __device__ float sum(const layer_w &L, const int *ti, int i, const float *hs, const float *wk) const {
+    __device__ float sum(const float *hs, const float *wk) const {
         int lane = threadIdx.x & 31;
-        uint4 r[TOPK + 1 - DPRE][2];
-#pragma unroll
-        for (int k = DPRE; k <= TOPK; k++) r[k - DPRE][0] = __ldg(part(L, ti, k, i) + lane), r[k - DPRE][1] = __ldg(part(L, ti, k, i) + lane + 32);
         float acc = 0.0f;
 #pragma unroll
-        for (int k = 0; k < DPRE; k++) acc += wk[k] * (dot8(w[k][0], hs + k * FF + lane * 8) + dot8(w[k][1], hs + k * FF + (lane + 32) * 8));
-#pragma unroll
-        for (int k = DPRE; k <= TOPK; k++)
-            acc += wk[k] * (dot8(r[k - DPRE][0], hs + k * FF + lane * 8) + dot8(r[k - DPRE][1], hs + k * FF + (lane + 32) * 8));
+        for (int k = 0; k <= TOPK; k++) acc += wk[k] * (dot8(w[k][0], hs + k * FF + lane * 8) + dot8(w[k][1], hs + k * FF + (lane + 32) * 8));
         return wsum(acc);
     }
 };
@@ -317,46 +336,68 @@ __global__ void __launch_bounds__(NW * 32, 1) k_probe(probe_args a) {
     __syncwarp();
     for (int l = 0; l < a.L; l++) {
         const layer_w &w = a.l[l];
-        step_task st;
-        st.load(a, w, gw); // earlier steps' state: before anything this step writes
+        step_task st[ST_PRE];
+#pragma unroll
+        for (int t = 0; t < ST_PRE; t++) st[t].load(a, w, gw + t * nwg); // earlier steps' state: before anything this step writes
         float inv = stage_x(a, xs, red);
         dense(a, r, l, 0, xs, inv, a.y1, 0, gw, nwg, lane);
-        grid_sync(a, gen); // y1 written
-        for (int task = gw; task < NV * DK; task += nwg) {
-            if (task != gw) st.load(a, w, task);
-            st.run(a, w);
+        grid_sync(a, gen, l, 0); // y1 written
+#pragma unroll
+        for (int t = 0; t < ST_PRE; t++)
+            if (st[t].ok) st[t].run(a, w);
+        for (int task = gw + ST_PRE * nwg; task < NV * DK; task += nwg) {
+            st[0].load(a, w, task);
+            st[0].run(a, w);
         }
-        grid_sync(a, gen); // core written
+        grid_sync(a, gen, l, 1); // core written
         for (int i = threadIdx.x; i < O_COLS; i += blockDim.x) xs[i] = __ldcg(a.core + i);
         __syncthreads();
         dense(a, r, l, 1, xs, 1.0f, a.x, 1, gw, nwg, lane);
-        grid_sync(a, gen); // x += out_proj
+        grid_sync(a, gen, l, 2); // x += out_proj
         inv = stage_x(a, xs, red);
         dense(a, r, l, 2, xs, inv, a.rl, 0, gw, nwg, lane);
-        grid_sync(a, gen); // router logits, shared gate/up written
+        grid_sync(a, gen, l, 3); // router logits, shared gate/up written
         route(a, ti, wk, xs + TOPK * FF);
 #pragma unroll 1
-        for (int row = gw; row < TOPK * FF; row += nwg) {
-            int k = row / FF, j = row % FF;
-            const uint4 *pg = (const uint4 *)(w.eg + ((size_t)ti[k] * FF + j) * HID), *pu = (const uint4 *)(w.eu + ((size_t)ti[k] * FF + j) * HID);
-            uint4 wg[8], wu[8];
+        for (int row0 = gw; row0 < TOPK * FF; row0 += GU_PAIRS * nwg) {
+            uint4 wg[GU_PAIRS][8], wu[GU_PAIRS][8];
 #pragma unroll
-            for (int v = 0; v < 8; v++) wg[v] = __ldg(pg + lane + 32 * v), wu[v] = __ldg(pu + lane + 32 * v);
-            float g = wsum(piece_dot(wg, xs, lane)) * inv, u = wsum(piece_dot(wu, xs, lane)) * inv;
-            if (lane == 0) a.hbuf[row] = silu(g) * u;
+            for (int p = 0; p < GU_PAIRS; p++) {
+                int row = row0 + p * nwg, k = row / FF, j = row % FF;
+                if (row >= TOPK * FF) break;
+                const uint4 *pg = (const uint4 *)(w.eg + ((size_t)ti[k] * FF + j) * HID), *pu = (const uint4 *)(w.eu + ((size_t)ti[k] * FF + j) * HID);
+#pragma unroll
+                for (int v = 0; v < 8; v++) wg[p][v] = __ldg(pg + lane + 32 * v), wu[p][v] = __ldg(pu + lane + 32 * v);
+            }
+#pragma unroll
+            for (int p = 0; p < GU_PAIRS; p++) {
+                int row = row0 + p * nwg;
+                if (row >= TOPK * FF) break;
+                float g = wsum(piece_dot(wg[p], xs, lane)) * inv, u = wsum(piece_dot(wu[p], xs, lane)) * inv;
+                if (lane == 0) a.hbuf[row] = silu(g) * u;
+            }
         }
-        down_row d;
-        if (gw < HID) d.load(w, ti, gw);
-        grid_sync(a, gen); // every gate/up row written
+        down_row d[DN_PRE];
+#pragma unroll
+        for (int t = 0; t < DN_PRE; t++)
+            if (gw + t * nwg < HID) d[t].load(w, ti, gw + t * nwg);
+        grid_sync(a, gen, l, 4); // every gate/up row written
 #pragma unroll 1
         for (int i = threadIdx.x; i < TOPK * FF; i += blockDim.x) xs[i] = __ldcg(a.hbuf + i);
         __syncthreads();
-        for (int i = gw; i < HID; i += nwg) {
-            if (i != gw) d.load(w, ti, i);
-            float s = d.sum(w, ti, i, xs, wk);
+#pragma unroll
+        for (int t = 0; t < DN_PRE; t++) {
+            int i = gw + t * nwg;
+            if (i >= HID) break;
+            float s = d[t].sum(xs, wk);
             if (lane == 0) a.x[i] = __ldcg(a.x + i) + s;
         }
-        grid_sync(a, gen); // x += the MoE's output
+        for (int i = gw + DN_PRE * nwg; i < HID; i += nwg) {
+            d[0].load(w, ti, i);
+            float s = d[0].sum(xs, wk);
+            if (lane == 0) a.x[i] = __ldcg(a.x + i) + s;
+        }
+        grid_sync(a, gen, l, 5); // x += the MoE's output
     }
 }
 
@@ -376,6 +417,41 @@ __global__ void k_fillf(float *p, size_t n, uint32_t seed, float scale) {
     }
 }
 
+// The bytes alone: 4 KB rows (row r of region r / per at base[r / per]) read by warps of 8 (two
+// blocks a SM), RPW rows in flight a warp (4 KB each), as the engine's one-row kernels read.
+#define ST_MAX_REG 64
+struct regions {
+    const uint16_t *base[ST_MAX_REG];
+};
+// chunked: block b reads rows [b n / blocks, (b + 1) n / blocks) (its warps interleaved), so a SM
+// touches one or two 2 MB pages of a region, not every page (a TLB question).
+template <int RPW>
+__global__ void __launch_bounds__(256, 2) k_stream(regions g, int per, int nrows, float *out, int chunked) {
+    int lane = threadIdx.x & 31, nwg = gridDim.x * 8, gw = (threadIdx.x / 32) * gridDim.x + blockIdx.x;
+    int r_lo = 0, r_hi = nrows;
+    if (chunked) {
+        r_lo = (int)((int64_t)nrows * blockIdx.x / gridDim.x), r_hi = (int)((int64_t)nrows * (blockIdx.x + 1) / gridDim.x);
+        nwg = 8, gw = r_lo + threadIdx.x / 32;
+    }
+    nrows = r_hi;
+    uint32_t acc = 0;
+    for (int r0 = gw; r0 < nrows; r0 += RPW * nwg) {
+        uint4 w[RPW][8];
+#pragma unroll
+        for (int p = 0; p < RPW; p++) {
+            int r = r0 + p * nwg;
+            const uint4 *src = (const uint4 *)(g.base[r / per] + (size_t)(r % per) * HID);
+#pragma unroll
+            for (int v = 0; v < 8; v++) w[p][v] = r < nrows ? __ldg(src + lane + 32 * v) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int p = 0; p < RPW; p++)
+#pragma unroll
+            for (int v = 0; v < 8; v++) acc ^= w[p][v].x ^ w[p][v].y ^ w[p][v].z ^ w[p][v].w;
+    }
+    if (acc == 0x12345678u) out[0] = 1.0f; // keeps the loads
+}
+
 #define CK(e)                                                                                                                              \
     do {                                                                                                                                   \
         cudaError_t err_ = (e);                                                                                                            \
@@ -391,6 +467,159 @@ static uint16_t *wmat(size_t n, uint32_t seed, float scale, size_t *total) {
     k_fill<<<1024, 256>>>(p, n, seed, scale);
     *total += n * 2;
     return p;
+}
+
+static double phase_mb(int ph) {
+    static const double b[NPH] = {(double)IN_ROWS * HID * 2, 2.0 * NV * DK * DK * 4, (double)HID * O_COLS * 2, (double)F_ROWS * HID * 2,
+                                  2.0 * TOPK * FF * HID * 2, (double)HID * (TOPK + 1) * FF * 2};
+    return b[ph] / 1e6;
+}
+
+// Per phase, from a stamped launch: the last block's end minus the previous phase's last end
+// (barrier waits fall in the phase after them), and the spread of the blocks' ends; layers 1..
+static void phase_report(const unsigned long long *st, int L, int G) {
+    static const char *name[NPH] = {"in_proj", "step", "out_proj", "ffn_in", "route+gate/up", "down"};
+    for (int ph = 0; ph < NPH; ph++) {
+        double dur = 0.0, spread = 0.0;
+        for (int l = 1; l < L; l++) {
+            const unsigned long long *e = st + ((size_t)l * NPH + ph) * G, *pe = e - G; // the phase before: [l][ph - 1] or [l - 1][NPH - 1]
+            unsigned long long mx = 0, mn = ~0ull, pmx = 0;
+            for (int b = 0; b < G; b++) mx = e[b] > mx ? e[b] : mx, mn = e[b] < mn ? e[b] : mn, pmx = pe[b] > pmx ? pe[b] : pmx;
+            dur += (double)(mx - pmx), spread += (double)(mx - mn);
+        }
+        dur /= 1e3 * (L - 1), spread /= 1e3 * (L - 1);
+        printf("   %-14s %6.2f us (blocks' ends over %5.2f us)  %5.1f MB: %5.0f GB/s\n", name[ph], dur, spread, phase_mb(ph), phase_mb(ph) * 1e3 / dur);
+    }
+}
+
+static int launch_probe(probe_args &a, int L, int G, size_t smem, const layer_w *lw, const float *state0, const float *x0, float *ms) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaMemcpy(a.x, x0, HID * 4, cudaMemcpyDeviceToDevice)); // every run from the same x and state: the same experts
+    for (int l = 0; l < L; l++) CK(cudaMemcpy(lw[l].state, state0 + (size_t)l * NV * DK * DK, (size_t)NV * DK * DK * 4, cudaMemcpyDeviceToDevice));
+    CK(cudaMemset(a.bar, 0, 4));
+    void *args[] = {&a};
+    CK(cudaEventRecord(e0));
+    CK(cudaLaunchCooperativeKernel((void *)k_probe, dim3(G), dim3(NW * 32), args, smem));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaGetLastError());
+    CK(cudaEventElapsedTime(ms, e0, e1));
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return 0;
+}
+
+// One mode: a first run kept for the comparison, iters timed runs, a stamped run for the phases.
+static int run_mode(probe_args a, int mode, int L, int iters, int G, size_t smem, const layer_w *lw, const float *state0, const float *x0, double lb,
+                    float *xr) {
+    a.mode = mode;
+    float ms, best = 1e30f, sum = 0.0f;
+    if (launch_probe(a, L, G, smem, lw, state0, x0, &ms)) return 1;
+    CK(cudaMemcpy(xr, a.x, HID * 4, cudaMemcpyDeviceToHost));
+    for (int it = 0; it < iters; it++) {
+        if (launch_probe(a, L, G, smem, lw, state0, x0, &ms)) return 1;
+        best = ms < best ? ms : best, sum += ms;
+    }
+    double us = 1e3 * sum / iters;
+    printf("mode %d (%s): %.1f us a launch (best %.1f), %.2f us a layer, %.0f GB/s = %.1f%% of 4.3 TB/s\n", mode,
+           mode == 0 ? "ring within a phase" : mode == 1 ? "ring across barriers" : "ring, no barriers", us, 1e3 * best, us / L, lb * L / us / 1e3,
+           lb * L / us / 1e3 / 43.0);
+    size_t n = (size_t)L * NPH * G;
+    CK(cudaMalloc(&a.stamps, n * 8));
+    if (launch_probe(a, L, G, smem, lw, state0, x0, &ms)) return 1;
+    unsigned long long *st = (unsigned long long *)malloc(n * 8);
+    CK(cudaMemcpy(st, a.stamps, n * 8, cudaMemcpyDeviceToHost));
+    printf("  stamped run %.1f us; per phase (layers 1..%d):\n", 1e3 * ms, L - 1);
+    phase_report(st, L, G);
+    free(st);
+    CK(cudaFree(a.stamps));
+    return 0;
+}
+
+// 33.5 MB of 4 KB rows (a layer's gate/up bytes) read contiguously, or as 16 experts' 2 MB
+// matrices of one layer (the real pattern), or 1 GB contiguously; a new place each launch (L2 is
+// 50 MB). RPW 1, 2, 4: 64, 128, 256 KB in flight a SM.
+template <int RPW>
+static int stream_one(const layer_w *lw, int L, int G, int pattern, float *out, float *us, int chunked) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    float tot = 0.0f;
+    int n = 12;
+    for (int it = 0; it < n; it++) {
+        const layer_w &w = lw[it % L];
+        regions g = {};
+        int per = TOPK * FF * 2, rows = per;
+        if (pattern == 0) g.base[0] = w.eg + (size_t)(it / L % 7) * per * HID;
+        if (pattern == 1)
+            for (int i = 0; i < 16; i++) g.base[i] = (i & 1 ? w.eu : w.eg) + (size_t)((i / 2 * 37 + it * 11) % NE) * FF * HID, per = FF;
+        if (pattern == 2) g.base[0] = w.eg, rows = per = NE * FF; // 512 MB
+        if (pattern == 4) // 64 experts' 2 MB gate or up matrices, 16 from each of 4 layers: 134 MB
+            for (int i = 0; i < ST_MAX_REG; i++) {
+                const layer_w &v = lw[(it * 4 + i / 16) % L];
+                g.base[i] = (i & 1 ? v.eu : v.eg) + (size_t)((i % 16 / 2 * 37 + it * 11) % NE) * FF * HID, per = FF, rows = ST_MAX_REG * FF;
+            }
+        if (pattern == 5) g.base[0] = w.ed, rows = per = ST_MAX_REG * FF; // 134 MB contiguous
+        CK(cudaEventRecord(e0));
+        if (pattern != 3) k_stream<RPW><<<2 * G, 256>>>(g, per, rows, out, chunked);
+        else k_stream<RPW><<<2 * G, 256>>>(g, per, 0, out, chunked); // nothing read: the launch and the events
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaGetLastError());
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (it) tot += ms;
+    }
+    *us = 1e3f * tot / (n - 1);
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return 0;
+}
+
+// 33.5 MB read where nothing was read before, then again after 512 MB elsewhere (out of L2 by
+// then): a second read faster than the first would be the address translation's (TLB) warmth.
+static int stream_revisit(const layer_w *lw, int L, int G, float *out) {
+    cudaEvent_t e[4];
+    for (int i = 0; i < 4; i++) CK(cudaEventCreate(&e[i]));
+    float first = 0.0f, again = 0.0f;
+    int n = L < 6 ? L : 6, per = TOPK * FF * 2;
+    for (int it = 0; it < n; it++) {
+        regions a = {}, b = {};
+        a.base[0] = lw[it].ed + (size_t)9 * per * HID, b.base[0] = lw[it].eu;
+        CK(cudaEventRecord(e[0]));
+        k_stream<2><<<2 * G, 256>>>(a, per, per, out, 0);
+        CK(cudaEventRecord(e[1]));
+        k_stream<2><<<2 * G, 256>>>(b, NE * FF, NE * FF, out, 0);
+        CK(cudaEventRecord(e[2]));
+        k_stream<2><<<2 * G, 256>>>(a, per, per, out, 0);
+        CK(cudaEventRecord(e[3]));
+        CK(cudaEventSynchronize(e[3]));
+        float m1, m3;
+        CK(cudaEventElapsedTime(&m1, e[0], e[1]));
+        CK(cudaEventElapsedTime(&m3, e[2], e[3]));
+        first += m1, again += m3;
+    }
+    printf("stream 33.5 MB: first read %.1f us, again after 512 MB elsewhere %.1f us\n", 1e3 * first / n, 1e3 * again / n);
+    for (int i = 0; i < 4; i++) CK(cudaEventDestroy(e[i]));
+    return 0;
+}
+
+static int stream_tests(const layer_w *lw, int L, int G, float *out) {
+    if (stream_revisit(lw, L, G, out)) return 1;
+    static const char *pname[6] = {"33.5 MB contiguous", "16 x 2 MB experts", "512 MB contiguous", "nothing (launch)", "64 x 2 MB experts", "134 MB contiguous"};
+    for (int chunked = 0; chunked < 2; chunked++)
+        for (int pattern = 0; pattern < 6; pattern++) {
+            float us[3];
+            if (stream_one<1>(lw, L, G, pattern, out, us, chunked) || stream_one<2>(lw, L, G, pattern, out, us + 1, chunked) ||
+                stream_one<4>(lw, L, G, pattern, out, us + 2, chunked))
+                return 1;
+            double mb = pattern == 2 ? 536.870912 : pattern == 3 ? 0.0 : pattern >= 4 ? 134.217728 : 33.554432;
+            printf("stream %-20s %s 64 KB/SM %.1f us (%.0f GB/s) | 128 KB/SM %.1f us (%.0f GB/s) | 256 KB/SM %.1f us (%.0f GB/s)\n", pname[pattern],
+                   chunked ? "chunked    " : "interleaved", us[0], mb * 1e3 / us[0], us[1], mb * 1e3 / us[1], us[2], mb * 1e3 / us[2]);
+        }
+    return 0;
 }
 
 int main(int argc, char **argv) {
@@ -458,38 +687,12 @@ int main(int argc, char **argv) {
     printf("step_probe: %s, %d SMs, %d layers (%.1f GB of weights), %d x %d threads, %zu B shared memory a block\n", prop.name, G, L, total / 1e9, G,
            NW * 32, smem);
     printf("bytes a layer %.1f MB: %.1f us at 4.3 TB/s; 650 tok/s leaves ~32.5 us a layer beside the lm_head\n", lb / 1e6, lb / 4.3e12 * 1e6);
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    float *xr[2];
+    float *xr[3];
     for (int mode = 0; mode < 3; mode++) {
-        a.mode = mode;
-        void *args[] = {&a};
-        float best = 1e30f, sum = 0.0f;
-        for (int it = -1; it < iters; it++) { // every run from the same x and state (the same experts); the first one kept
-            CK(cudaMemcpy(a.x, x0, HID * 4, cudaMemcpyDeviceToDevice));
-            for (int l = 0; l < L; l++)
-                CK(cudaMemcpy(lw[l].state, state0 + (size_t)l * NV * DK * DK, (size_t)NV * DK * DK * 4, cudaMemcpyDeviceToDevice));
-            CK(cudaMemsetAsync(a.bar, 0, 4));
-            CK(cudaEventRecord(e0));
-            CK(cudaLaunchCooperativeKernel((void *)k_probe, dim3(G), dim3(NW * 32), args, smem));
-            CK(cudaEventRecord(e1));
-            CK(cudaEventSynchronize(e1));
-            CK(cudaGetLastError());
-            if (it < 0 && mode < 2) {
-                xr[mode] = (float *)malloc(HID * 4);
-                CK(cudaMemcpy(xr[mode], a.x, HID * 4, cudaMemcpyDeviceToHost));
-                continue;
-            }
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (it >= 0) best = ms < best ? ms : best, sum += ms;
-        }
-        double us = 1e3 * sum / iters;
-        printf("mode %d (%s): %.1f us a launch (best %.1f), %.2f us a layer, %.0f GB/s = %.1f%% of 4.3 TB/s\n", mode,
-               mode == 0 ? "ring within a phase" : mode == 1 ? "ring across barriers" : "ring, no barriers", us, 1e3 * best, us / L, lb * L / us / 1e3,
-               lb * L / us / 1e3 / 43.0);
+        xr[mode] = (float *)malloc(HID * 4);
+        if (run_mode(a, mode, L, iters, G, smem, lw, state0, x0, lb, xr[mode])) return 1;
     }
+    if (stream_tests(lw, L, G, a.y1)) return 1;
     double ss = 0.0;
     int diff = 0, bad = 0;
     for (int i = 0; i < HID; i++) {
