@@ -864,15 +864,16 @@ static void switch_checks(void) {
     }
     unsetenv("QFLASH_CUDA_WIDE");
     /* the one-kernel MoE's other routings (1 route_fixed, 0 route_block, 2 route_pairs; route_sort,
-     * the sorting networks, is the default), and the expert table in shared memory (MOE_PF=2,
-     * with route_pairs and with route_sort): the same choice, order and weights */
+     * the sorting networks, is the default; route_pairs and route_sort read the expert table from
+     * shared memory by default), and the table read from memory (MOE_PF=0, with route_sort and
+     * with route_pairs): the same choice, order and weights */
     const char *routes[] = {"1", "0", "2"};
     for (int r = 0; r < 3; r++)
         if (restart_with("QFLASH_CUDA_ROUTE", routes[r])) routing_checks();
-    setenv("QFLASH_CUDA_MOE_PF", "2", 1);
+    unsetenv("QFLASH_CUDA_ROUTE");
+    if (restart_with("QFLASH_CUDA_MOE_PF", "0")) routing_checks();
     if (restart_with("QFLASH_CUDA_ROUTE", "2")) routing_checks();
     unsetenv("QFLASH_CUDA_ROUTE");
-    if (restart_with("QFLASH_CUDA_MOE_PF", "2")) routing_checks();
     unsetenv("QFLASH_CUDA_MOE_PF");
     att_checks();
     if (restart_with("QFLASH_CUDA_BULK", "0")) { /* one-row in_proj in the register kernel (the default before, and off sm_90) */

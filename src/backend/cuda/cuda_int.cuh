@@ -102,7 +102,7 @@ struct ctx {
     int comb;                     // the attention's combine loads every split at once (attn_combine_head PAR; QFLASH_CUDA_COMB=0: off)
     unsigned *att_cnt;            // per (row, head) counts of the one-kernel attention's finished splits (k_attn_dec ONE), zero between launches
     int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (default; QFLASH_CUDA_GDN_GN=0: off)
-    int moe_pf;                   // the one-kernel MoE's expert table in shared memory (QFLASH_CUDA_MOE_PF=2)
+    int moe_pf;                   // the one-kernel MoE's expert table in shared memory (default; QFLASH_CUDA_MOE_PF=0: off)
     int route;                    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs, 3 route_sort (the default; QFLASH_CUDA_ROUTE)
     int wide;                     // one-row gated norms of wide heads staged with every load at once (QFLASH_CUDA_WIDE=1, default off)
     int bulk;                     // kinds of one-row products fed by bulk copies into per-warp rings (QFLASH_CUDA_BULK=mask, sm_90; default 8: in_proj/qkv)

@@ -1439,11 +1439,11 @@ __device__ void grid_leave(unsigned *cnt) {
     if (threadIdx.x == 0 && atomicAdd(cnt + 1, 1u) == gridDim.x - 1) atomicExch(cnt, 0u), atomicExch(cnt + 1, 0u);
 }
 
-// QFLASH_CUDA_MOE_PF=2 (opt-in): the expert table (3 E pointers, constant per layer) copied to
-// shared memory before the wait, so the chosen experts' row addresses are shared-memory reads
-// after the routing, not a memory round trip. Measured once: 0.35% faster, within the spread
-// between calls, so not the default. (=1, every gate/up byte asked for at once through a cp.async
-// slot per warp, was slower and is gone: notes, session 9.)
+// The expert table (3 E pointers, constant per layer) copied to shared memory before the wait, so
+// the chosen experts' row addresses are shared-memory reads after the routing, not a memory round
+// trip (default since session 14: 1.7% of a whole step with route_sort; `QFLASH_CUDA_MOE_PF=0`
+// reads the table from memory). (=1, every gate/up byte asked for at once through a cp.async slot
+// per warp, was slower and is gone: notes, session 9.)
 __device__ __forceinline__ const void *const *moe_pf_table(const void *const *tab, int E, void *at) {
     const void **st = (const void **)at;
     for (int i = threadIdx.x; i < 3 * E; i += blockDim.x) st[i] = tab[i];
@@ -2174,8 +2174,8 @@ void qfc::dec_setup(ctx *c) {
     // 2945.2 us a step in one call, notes session 7), 3 route_sort (the default: 2766.1 -> 2675.8, session 11)
     const char *ro = getenv("QFLASH_CUDA_ROUTE");
     c->route = ro ? atoi(ro) : 3;
-    const char *pf = getenv("QFLASH_CUDA_MOE_PF"); // 2: the one-kernel MoE's expert table in shared memory (moe_pf_table)
-    c->moe_pf = pf && *pf == '2';
+    const char *pf = getenv("QFLASH_CUDA_MOE_PF"); // the one-kernel MoE's expert table in shared memory (moe_pf_table); 0: off
+    c->moe_pf = !(pf && *pf == '0');
     // the DeltaNet step a value head per block, with out_proj's gated norm (k_gdn_head; QFLASH_CUDA_GDN_GN=0: off): whole
     // model 2948.1 -> 2820.0 us a step in one call (notes, session 9)
     const char *a1 = getenv("QFLASH_CUDA_ATT1"), *ag = getenv("QFLASH_CUDA_ATT_GATE");
