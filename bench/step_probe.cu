@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/cuda/bulk.cuh"
+
 #define HID 2048
 #define NQK 16
 #define NV 32
@@ -72,23 +74,10 @@ struct probe_args {
 };
 #define NPH 6 // in_proj, step, out_proj, ffn_in, routing + gate/up, down
 
-__device__ __forceinline__ unsigned saddr(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mb_init(uint64_t *b) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(b)) : "memory"); }
-__device__ __forceinline__ void mb_wait(uint64_t *b, unsigned parity) {
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done)
-                     : "r"(saddr(b)), "r"(parity)
-                     : "memory");
-}
-// 4 KB from global into a slot, counted on its barrier.
+// 4 KB from global into a slot, counted on its barrier; the warp's reads of the slot come first.
 __device__ __forceinline__ void mb_load4k(void *dst, const void *src, uint64_t *b) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // the warp's reads of the slot come first
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(b)), "r"(4096u) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(saddr(dst)), "l"(src),
-                 "r"(4096u), "r"(saddr(b))
-                 : "memory");
+    fence_async_smem();
+    bulk_load(dst, src, 4096u, b);
 }
 __device__ __forceinline__ unsigned ld_acq(const unsigned *p) {
     unsigned v;
@@ -105,7 +94,7 @@ __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 // of x in registers for both rows of a pair, and with the rows' 64 registers that spills.
 __device__ __forceinline__ float4 lds4(const float *p) {
     float4 v;
-    asm volatile("ld.volatile.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(saddr(p)));
+    asm volatile("ld.volatile.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(smem_u32(p)));
     return v;
 }
 __device__ __forceinline__ float dot8(uint4 w, const float *x) {
@@ -187,7 +176,7 @@ __device__ void ring_seed(const probe_args &a, ring &r, int l, int ph, int gw, i
 // writes it, the warp reads it.
 __device__ void ring_get(const probe_args &a, ring &r, uint4 *w, int gw, int nwg, int lane) {
     unsigned u = r.used, s = u % NS;
-    mb_wait(r.bar + s, (u / NS) & 1);
+    mbar_wait(r.bar + s, (u / NS) & 1);
 #pragma unroll
     for (int v = 0; v < 8; v++) w[v] = r.slot[s * 256 + lane + 32 * v];
     __syncwarp();
@@ -326,8 +315,8 @@ __global__ void __launch_bounds__(NW * 32, 1) k_probe(probe_args a) {
     unsigned gen = 0;
     if (lane == 0) {
         r = {(uint4 *)(xs + XS_FLOATS) + warp * NS * 256, bars + warp * NS, 0, 0, {0, 0, 0, 0}, 0, -1, -1};
-        for (int s = 0; s < NS; s++) mb_init(r.bar + s);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int s = 0; s < NS; s++) mbar_init(r.bar + s);
+        mbar_init_fence();
         if (a.mode != 0) { // the ring runs ahead from the start
             r.more = cur_valid(a, r, gw, nwg);
             while (r.more && r.asked < NS) ring_ask(a, r, gw, nwg);

@@ -3,6 +3,7 @@
 // at batch 1 a 35B-A3B step is ~250 launches, and each launch boundary costs a few microseconds
 // of an otherwise bandwidth-bound step. tests/test_cuda.c checks every one against its chain.
 #include "backend/cuda/cuda_int.cuh"
+#include "backend/cuda/bulk.cuh"
 
 namespace {
 
@@ -535,50 +536,6 @@ __global__ void __launch_bounds__(256, 2) k_gemv_stream(const uint16_t *__restri
 #define BK_SLOTS 3     // 12 KB a warp, 96 KB a block of 8 warps: two blocks (or one and the next kernel's) fit an SM
 #define BK_UNITS 8     // 512-byte units (32 lanes x 16 bytes) per slot
 #define BK_BYTES (BK_UNITS * 512)
-
-__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t *b) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(b)) : "memory"); }
-// The barrier's phase now waits for `bytes` more (and this thread's arrival is counted).
-__device__ __forceinline__ void mbar_arrive_expect(uint64_t *b, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
-#endif
-}
-// The copy engine moves bytes (a multiple of 16) from global to shared memory; b counts them.
-__device__ __forceinline__ void bulk_copy(void *dst, const void *src, unsigned bytes, uint64_t *b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)), "l"(src),
-                 "r"(bytes), "r"(smem_u32(b))
-                 : "memory");
-#endif
-}
-// Barriers made by this thread are seen by the copy engine.
-__device__ __forceinline__ void mbar_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-// One slot: its barrier expects the bytes, then the copy engine moves them.
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *b) {
-    mbar_arrive_expect(b, bytes);
-    bulk_copy(dst, src, bytes, b);
-}
-__device__ __forceinline__ void mbar_wait(uint64_t *b, unsigned parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done)
-                     : "r"(smem_u32(b)), "r"(parity)
-                     : "memory");
-#endif
-}
-// The warp's reads of a slot are ordered before the copy engine's next writes into it.
-__device__ __forceinline__ void fence_async_smem() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
 
 // y[row] (= or +=) W[row] . pre(x) for one row of x: as k_gemv_stream, the warp's rows are one
 // contiguous run of units (lane l holds 8 columns of each); EPR (cols / 256) known at compile time
