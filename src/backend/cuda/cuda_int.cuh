@@ -19,6 +19,7 @@ extern "C" {
 #include "backend/cuda/ops_cuda.h"
 #include "base/dtype.h"
 #include "base/err.h"
+#include "base/timer.h"
 }
 
 
@@ -51,7 +52,7 @@ struct graph_state {
     cudaGraphExec_t ex;
     cudaGraphNode_t nodes[G_MAX_NODES];
     const void *funcs[G_MAX_NODES]; // NULL for a copy node
-    struct launch_rec { dim3 g, b; unsigned smem, len; size_t off; } rec[G_MAX_NODES]; // len 0: not kept
+    struct launch_rec { dim3 g, b; unsigned smem, len; size_t off; void *dst; const void *src; } rec[G_MAX_NODES]; // len 0: not kept; dst, src, off: a copy node's
     unsigned char *argbuf; // the recorded argument bytes, G_ARG_BYTES
     size_t arg_used;
     struct out { void *dst; size_t off, bytes; } outs[G_MAX_OUTS];
@@ -140,9 +141,10 @@ struct ctx {
     const void *carved[128]; // kernels already set to the largest shared-memory carveout
     int n_carved;
     // QFLASH_CUDA_STEPTIME=1: replayed steps timed (GPU between events; host from the step's
-    // begin to its launch; begin to results), means printed when the backend is freed
+    // begin to its launch; begin to results; the nodes whose parameters were set again, and the
+    // host time that took), means printed when the backend is freed
     struct tracing { int on, steps; trec *buf; } trace; // QFLASH_CUDA_TRACE=1: the 20th replayed step
-    struct steptime { int on; cudaEvent_t ev[2]; double t0, gpu_ms, host_us, wall_us; long n; } st;
+    struct steptime { int on; cudaEvent_t ev[2]; double t0, gpu_ms, host_us, wall_us, set_us; long n, sets; } st;
     int n_tabs;
 };
 
@@ -185,7 +187,9 @@ inline void g_set_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, 
                r->b.y == b.y && r->b.z == b.z && memcmp(s->argbuf + r->off, blob, len) == 0;
     if (!same) {
         cudaKernelNodeParams kp = {(void *)fn, g, b, smem, args, NULL};
+        double t0 = c->st.on ? qf_now() : 0.0;
         if (cudaGraphExecKernelNodeSetParams(s->ex, s->nodes[s->n], &kp) != cudaSuccess) s->broken = 1;
+        if (c->st.on) c->st.set_us += 1e6 * (qf_now() - t0), c->st.sets++;
         if (r->len == len && len) memcpy(s->argbuf + r->off, blob, len), r->g = g, r->b = b, r->smem = smem;
     }
     s->n++;
@@ -279,10 +283,16 @@ inline void g_copy(ctx *c, void *dst, const void *src, size_t n, cudaMemcpyKind 
         cudaGraphNode_t dep = s->n ? s->nodes[s->n - 1] : NULL;
         if (s->n >= G_MAX_NODES || cudaGraphAddMemcpyNode1D(&s->nodes[s->n], s->g, s->n ? &dep : NULL, s->n ? 1 : 0, dst, src, n, kind) != cudaSuccess)
             s->broken = 1;
-        else s->funcs[s->n++] = NULL;
+        else s->rec[s->n] = {}, s->rec[s->n].dst = dst, s->rec[s->n].src = src, s->rec[s->n].off = n, s->funcs[s->n++] = NULL;
     } else if (s->mode == G_REPLAY) {
-        if (s->n >= s->n_rec || s->funcs[s->n] != NULL || cudaGraphExecMemcpyNodeSetParams1D(s->ex, s->nodes[s->n], dst, src, n, kind) != cudaSuccess)
-            s->broken = 1;
+        graph_state::launch_rec *r = &s->rec[s->n];
+        if (s->n >= s->n_rec || s->funcs[s->n] != NULL) s->broken = 1;
+        else if (r->dst != dst || r->src != src || r->off != n) { // the same copy as recorded is left as it is
+            double t0 = c->st.on ? qf_now() : 0.0;
+            if (cudaGraphExecMemcpyNodeSetParams1D(s->ex, s->nodes[s->n], dst, src, n, kind) != cudaSuccess) s->broken = 1;
+            r->dst = dst, r->src = src, r->off = n;
+            if (c->st.on) c->st.set_us += 1e6 * (qf_now() - t0), c->st.sets++;
+        }
         s->n++;
     } else {
         cudaMemcpyAsync(dst, src, n, kind, 0);

@@ -945,8 +945,8 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
     }
     if (c->st.on) {
         long n = c->st.n ? c->st.n : 1;
-        fprintf(stderr, "qflash cuda: %ld replayed steps: GPU %.1f us, host before launch %.1f us, begin to results %.1f us (means)\n", c->st.n,
-                1e3 * c->st.gpu_ms / n, c->st.host_us / n, c->st.wall_us / n);
+        fprintf(stderr, "qflash cuda: %ld replayed steps: GPU %.1f us, host before launch %.1f us (%.1f nodes set again in %.1f us), begin to results %.1f us (means)\n",
+                c->st.n, 1e3 * c->st.gpu_ms / n, c->st.host_us / n, (double)c->st.sets / n, c->st.set_us / n, c->st.wall_us / n);
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
