@@ -32,6 +32,11 @@
 #include <string.h>
 
 #include "backend/cuda/bulk.cuh"
+#include "backend/cuda/cuda_int.cuh"
+
+using qfc::bf16f;
+using qfc::silu;
+using qfc::warp_sum;
 
 #define HID 2048
 #define NQK 16
@@ -84,12 +89,6 @@ __device__ __forceinline__ unsigned ld_acq(const unsigned *p) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-__device__ __forceinline__ float bf(uint32_t h) { return __uint_as_float(h << 16); }
-__device__ __forceinline__ float wsum(float v) {
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 // x is in shared memory and read at every use: left to itself the compiler keeps a lane's 64 floats
 // of x in registers for both rows of a pair, and with the rows' 64 registers that spills.
 __device__ __forceinline__ float4 lds4(const float *p) {
@@ -99,8 +98,8 @@ __device__ __forceinline__ float4 lds4(const float *p) {
 }
 __device__ __forceinline__ float dot8(uint4 w, const float *x) {
     float4 a = lds4(x), b = lds4(x + 4);
-    return bf(w.x & 0xffff) * a.x + bf(w.x >> 16) * a.y + bf(w.y & 0xffff) * a.z + bf(w.y >> 16) * a.w + bf(w.z & 0xffff) * b.x +
-           bf(w.z >> 16) * b.y + bf(w.w & 0xffff) * b.z + bf(w.w >> 16) * b.w;
+    return bf16f(w.x & 0xffff) * a.x + bf16f(w.x >> 16) * a.y + bf16f(w.y & 0xffff) * a.z + bf16f(w.y >> 16) * a.w + bf16f(w.z & 0xffff) * b.x +
+           bf16f(w.z >> 16) * b.y + bf16f(w.w & 0xffff) * b.z + bf16f(w.w >> 16) * b.w;
 }
 // A lane's part of a 2048-column piece: uint4 lane + 32 v holds columns 8 (lane + 32 v) ...
 __device__ __forceinline__ float piece_dot(const uint4 *w, const float *xs, int lane) {
@@ -198,7 +197,7 @@ __device__ void dense(const probe_args &a, ring &r, int l, int ph, const float *
             ring_get(a, r, w, gw, nwg, lane);
             s += piece_dot(w, xs + h * HID, lane);
         }
-        s = wsum(s);
+        s = warp_sum(s);
         if (lane == 0) out[row] = acc ? __ldcg(out + row) + s : s * scale;
     }
 }
@@ -210,7 +209,7 @@ __device__ float stage_x(const probe_args &a, float *xs, float *red) {
         float v = __ldcg(a.x + i);
         xs[i] = v, ss += v * v;
     }
-    ss = wsum(ss);
+    ss = warp_sum(ss);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = ss;
     __syncthreads();
     float t = 0.0f;
@@ -234,12 +233,12 @@ struct step_task {
         float4 q = __ldcg((const float4 *)(a.y1 + qh * DK) + lane), k = __ldcg((const float4 *)(a.y1 + NQK * DK + qh * DK) + lane);
         float v = __ldcg(a.y1 + 2 * NQK * DK + h * DK + j), z = __ldcg(a.y1 + 2 * NQK * DK + NV * DK + h * DK + j);
         float b = __ldcg(a.y1 + 2 * NQK * DK + 2 * NV * DK + h), ga = __ldcg(a.y1 + 2 * NQK * DK + 2 * NV * DK + NV + h);
-        float qn = rsqrtf(wsum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f), kn = rsqrtf(wsum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
+        float qn = rsqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f), kn = rsqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
         float decay = expf(-log1pf(expf(ga))), beta = 1.0f / (1.0f + expf(-b));
         s.x *= decay, s.y *= decay, s.z *= decay, s.w *= decay;
-        float ks = wsum(k.x * s.x + k.y * s.y + k.z * s.z + k.w * s.w) * kn, u = beta * (v - ks);
+        float ks = warp_sum(k.x * s.x + k.y * s.y + k.z * s.z + k.w * s.w) * kn, u = beta * (v - ks);
         s.x += k.x * kn * u, s.y += k.y * kn * u, s.z += k.z * kn * u, s.w += k.w * kn * u;
-        float o = wsum(q.x * s.x + q.y * s.y + q.z * s.z + q.w * s.w) * qn * rsqrtf((float)DK);
+        float o = warp_sum(q.x * s.x + q.y * s.y + q.z * s.z + q.w * s.w) * qn * rsqrtf((float)DK);
         ((float4 *)(w.state + ((size_t)h * DK + j) * DK))[lane] = s;
         if (lane == 0) a.core[h * DK + j] = o * silu(z);
     }
@@ -299,7 +298,7 @@ struct down_row {
         float acc = 0.0f;
 #pragma unroll
         for (int k = 0; k <= TOPK; k++) acc += wk[k] * (dot8(w[k][0], hs + k * FF + lane * 8) + dot8(w[k][1], hs + k * FF + (lane + 32) * 8));
-        return wsum(acc);
+        return warp_sum(acc);
     }
 };
 
@@ -362,7 +361,7 @@ __global__ void __launch_bounds__(NW * 32, 1) k_probe(probe_args a) {
             for (int p = 0; p < GU_PAIRS; p++) {
                 int row = row0 + p * nwg;
                 if (row >= TOPK * FF) break;
-                float g = wsum(piece_dot(wg[p], xs, lane)) * inv, u = wsum(piece_dot(wu[p], xs, lane)) * inv;
+                float g = warp_sum(piece_dot(wg[p], xs, lane)) * inv, u = warp_sum(piece_dot(wu[p], xs, lane)) * inv;
                 if (lane == 0) a.hbuf[row] = silu(g) * u;
             }
         }

@@ -52,7 +52,7 @@ struct graph_state {
     cudaGraphExec_t ex;
     cudaGraphNode_t nodes[G_MAX_NODES];
     const void *funcs[G_MAX_NODES]; // NULL for a copy node
-    struct launch_rec { dim3 g, b; unsigned smem, len; size_t off; void *dst; const void *src; } rec[G_MAX_NODES]; // len 0: not kept; dst, src, off: a copy node's
+    struct launch_rec { dim3 g, b; unsigned smem, len; size_t off; void *dst; const void *src; size_t bytes; } rec[G_MAX_NODES]; // len 0: not kept; dst, src, bytes: a copy node's
     unsigned char *argbuf; // the recorded argument bytes, G_ARG_BYTES
     size_t arg_used;
     struct out { void *dst; size_t off, bytes; } outs[G_MAX_OUTS];
@@ -156,6 +156,12 @@ inline void check(cudaError_t e, const char *what);
 // pdl: the kernel waits (griddepcontrol.wait) before it touches what earlier kernels wrote, so it
 // may be launched while the kernel before it is still finishing (programmatic dependent launch):
 // its blocks take their places and stream their first weights into L2 meanwhile.
+// A replayed node's parameters set again: counted, with the host time since t0, under QFLASH_CUDA_STEPTIME.
+inline double set_begin(const ctx *c) { return c->st.on ? qf_now() : 0.0; }
+inline void set_end(ctx *c, double t0) {
+    if (c->st.on) c->st.set_us += 1e6 * (qf_now() - t0), c->st.sets++;
+}
+
 inline void g_add_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, void **args, const void *blob, unsigned len, int pdl) {
     graph_state *s = &c->gs;
     if (s->n >= G_MAX_NODES) {
@@ -187,9 +193,9 @@ inline void g_set_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, 
                r->b.y == b.y && r->b.z == b.z && memcmp(s->argbuf + r->off, blob, len) == 0;
     if (!same) {
         cudaKernelNodeParams kp = {(void *)fn, g, b, smem, args, NULL};
-        double t0 = c->st.on ? qf_now() : 0.0;
+        double t0 = set_begin(c);
         if (cudaGraphExecKernelNodeSetParams(s->ex, s->nodes[s->n], &kp) != cudaSuccess) s->broken = 1;
-        if (c->st.on) c->st.set_us += 1e6 * (qf_now() - t0), c->st.sets++;
+        set_end(c, t0);
         if (r->len == len && len) memcpy(s->argbuf + r->off, blob, len), r->g = g, r->b = b, r->smem = smem;
     }
     s->n++;
@@ -283,15 +289,15 @@ inline void g_copy(ctx *c, void *dst, const void *src, size_t n, cudaMemcpyKind 
         cudaGraphNode_t dep = s->n ? s->nodes[s->n - 1] : NULL;
         if (s->n >= G_MAX_NODES || cudaGraphAddMemcpyNode1D(&s->nodes[s->n], s->g, s->n ? &dep : NULL, s->n ? 1 : 0, dst, src, n, kind) != cudaSuccess)
             s->broken = 1;
-        else s->rec[s->n] = {}, s->rec[s->n].dst = dst, s->rec[s->n].src = src, s->rec[s->n].off = n, s->funcs[s->n++] = NULL;
+        else s->rec[s->n] = {}, s->rec[s->n].dst = dst, s->rec[s->n].src = src, s->rec[s->n].bytes = n, s->funcs[s->n++] = NULL;
     } else if (s->mode == G_REPLAY) {
         graph_state::launch_rec *r = &s->rec[s->n];
         if (s->n >= s->n_rec || s->funcs[s->n] != NULL) s->broken = 1;
-        else if (r->dst != dst || r->src != src || r->off != n) { // the same copy as recorded is left as it is
-            double t0 = c->st.on ? qf_now() : 0.0;
+        else if (r->dst != dst || r->src != src || r->bytes != n) { // the same copy as recorded is left as it is
+            double t0 = set_begin(c);
             if (cudaGraphExecMemcpyNodeSetParams1D(s->ex, s->nodes[s->n], dst, src, n, kind) != cudaSuccess) s->broken = 1;
-            r->dst = dst, r->src = src, r->off = n;
-            if (c->st.on) c->st.set_us += 1e6 * (qf_now() - t0), c->st.sets++;
+            r->dst = dst, r->src = src, r->bytes = n;
+            set_end(c, t0);
         }
         s->n++;
     } else {
