@@ -84,9 +84,39 @@ void cli_progress(void *ud, int done, int total) {
 }
 
 const char *cli_device = "cpu";
+qf_cuda_opts cli_cuda;
+
+int cli_backend_init(void) {
+    qf_cuda_opts_default(&cli_cuda);
+    if (qf_cuda_opts_from_env(&cli_cuda) == QF_OK) return 0;
+    fprintf(stderr, "error: %s\n", qf_last_error());
+    return 2;
+}
+
+int cli_device_flag(cli_args *a, const char **device) {
+    if (cli_is(a, NULL, "--device")) {
+        *device = cli_value(a);
+    } else if (cli_is(a, NULL, "--precision")) {
+        const char *v = cli_value(a);
+        int p = v ? qf_cuda_precision_parse(v) : -1;
+        if (v && p < 0) fprintf(stderr, "error: --precision takes bf16x2 (the default), fp32 or bf16, not '%s'\n", v), a->bad = 1;
+        else if (v) cli_cuda.precision = p;
+    } else if (cli_is(a, NULL, "--cuda-opt")) {
+        const char *v = cli_value(a);
+        if (v && strcmp(v, "help") == 0) {
+            printf("CUDA backend options (--cuda-opt name=value, repeatable):\n");
+            qf_cuda_opts_print(stdout, NULL);
+            exit(0);
+        }
+        if (v && qf_cuda_opts_set(&cli_cuda, v) != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error()), a->bad = 1;
+    } else {
+        return 0;
+    }
+    return 1;
+}
 
 int cli_open_engine(qf_engine **e, const char *dir, int threads) {
-    qf_engine_opts o = {.n_threads = threads, .progress = cli_progress, .device = cli_device};
+    qf_engine_opts o = {.n_threads = threads, .progress = cli_progress, .device = cli_device, .cuda = &cli_cuda};
     int rc = qf_engine_open(e, dir, &o);
     if (rc != QF_OK) {
         fprintf(stderr, "\nerror: %s\n", qf_last_error());
@@ -95,5 +125,6 @@ int cli_open_engine(qf_engine **e, const char *dir, int threads) {
     fprintf(stderr, "loaded %s in %.2f s: %s, %d layers, vocab %d, ops %s, %d threads\n", dir, (*e)->load_seconds,
             (*e)->model->cfg.model_type, (*e)->model->cfg.n_layers, (*e)->model->cfg.vocab, (*e)->be.ops->name,
             qf_pool_size((*e)->pool));
+    if ((*e)->on_gpu) qf_cuda_opts_print(stderr, &cli_cuda);
     return QF_OK;
 }

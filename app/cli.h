@@ -27,8 +27,13 @@ int cli_prepare_sampling(const qf_engine *e, const qf_sampling *user, int seed_s
 #define CLI_SAMPLING_UNSET {-1, -1, -1, -1, -1, -9, -9, 0}
 
 void cli_progress(void *ud, int done, int total);
-/* --device cpu|cuda[:N], shared by the commands that run the model */
+/* --device cpu|cuda[:N], --precision and --cuda-opt, shared by the commands that run the model:
+ * returns 1 when argv[i] was one of them (--cuda-opt help prints the options and exits). */
 extern const char *cli_device;
+extern qf_cuda_opts cli_cuda;
+int cli_device_flag(cli_args *a, const char **device);
+/* The CUDA options' defaults and QFLASH_CUDA_OPTS (diagnosis); 2 when that is malformed. */
+int cli_backend_init(void);
 int cli_open_engine(qf_engine **e, const char *dir, int threads);
 
 int cmd_run(int argc, char **argv);

@@ -9,7 +9,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "backend/cuda/ops_cuda.h"
 #include "base/hashmap.h"
 #include "base/numeric.h"
 #include "base/timer.h"
@@ -329,7 +328,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         else if (cli_is(&a, NULL, "--prefill-chunk")) o->prefill_chunk = cli_int(&a, 1, 1 << 16);
         else if (cli_is(&a, NULL, "--runs")) o->runs = cli_int(&a, 1, 64);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
-        else if (cli_is(&a, NULL, "--device")) cli_device = cli_value(&a);
+        else if (cli_device_flag(&a, &cli_device)) continue;
         else if (cli_is(&a, NULL, "--bw")) o->bw = cli_num(&a, 0.001, 1e6);
         else if (cli_is(&a, NULL, "--json")) o->json = cli_value(&a);
         else if (cli_is(&a, NULL, "--plot")) o->plot = cli_value(&a);
@@ -439,8 +438,8 @@ int cmd_bench(int argc, char **argv) {
         snprintf(r.source, sizeof r.source, "%s%s", o.model ? o.model : "synthetic:", o.model ? "" : o.config ? o.config : o.synthetic);
         snprintf(r.model_type, sizeof r.model_type, "%s", c->model_type);
         snprintf(r.ops, sizeof r.ops, "%s", e->be.ops->name);
-        snprintf(r.device, sizeof r.device, "%s", e->on_gpu ? qf_cuda_device_name(&e->be) : "cpu");
-        if (e->on_gpu) qf_cuda_sync(&e->be), r.peak_device_bytes = (double)qf_cuda_peak_bytes(&e->be);
+        snprintf(r.device, sizeof r.device, "%s", qf_backend_device_name(&e->be));
+        if (e->on_gpu) qf_be_sync(&e->be), r.peak_device_bytes = (double)qf_backend_peak_bytes(&e->be);
         r.mem = tr.mem, r.n_mem = tr.n, r.peak_rss_bytes = peak_rss();
         fill_roofline(e->model, &r);
         bench_print(&r);

@@ -84,7 +84,7 @@ static int parse_chat(int argc, char **argv, chat_opts *o, qf_sampling *user) {
         else if (cli_is(&a, NULL, "--no-think")) o->think = 0;
         else if (cli_is(&a, NULL, "--system")) o->system = cli_value(&a);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
-        else if (cli_is(&a, NULL, "--device")) cli_device = cli_value(&a);
+        else if (cli_device_flag(&a, &cli_device)) continue;
         else if (cli_is(&a, "-c", "--ctx")) o->ctx = cli_int(&a, 64, 1 << 24);
         else if (cli_is(&a, "-n", "--n-predict")) o->n_predict = cli_int(&a, 1, 1 << 24);
         else if (!cli_sampling_flag(&a, user, &o->seed_set)) {

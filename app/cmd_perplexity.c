@@ -40,7 +40,7 @@ int cmd_perplexity(int argc, char **argv) {
         else if (cli_is(&a, NULL, "--window")) window = cli_int(&a, 2, 1 << 20);
         else if (cli_is(&a, NULL, "--windows")) windows = cli_int(&a, 1, 1 << 20);
         else if (cli_is(&a, "-t", "--threads")) threads = cli_int(&a, 1, 1024);
-        else if (cli_is(&a, NULL, "--device")) cli_device = cli_value(&a);
+        else if (cli_device_flag(&a, &cli_device)) continue;
         else {
             fprintf(stderr, "error: unknown option '%s' for perplexity\n", argv[a.i]);
             a.bad = 1;

@@ -29,7 +29,7 @@ static int parse_run(int argc, char **argv, run_opts *o, qf_sampling *user, int 
         else if (cli_is(&a, "-f", "--file")) o->prompt_file = cli_value(&a);
         else if (cli_is(&a, "-n", "--n-predict")) o->n_predict = cli_int(&a, 0, 1 << 24);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
-        else if (cli_is(&a, NULL, "--device")) cli_device = cli_value(&a);
+        else if (cli_device_flag(&a, &cli_device)) continue;
         else if (cli_is(&a, "-c", "--ctx")) o->ctx = cli_int(&a, 16, 1 << 24);
         else if (cli_sampling_flag(&a, user, &o->seed_set)) *set_mask = 1;
         else {

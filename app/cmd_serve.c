@@ -12,7 +12,8 @@ static void serve_usage(void) {
             "usage: qflash serve -m DIR [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--model-name NAME]\n"
             "                    [--max-batch 16] [--ctx 4096] [--kv-pages N | --kv-mem MIB] [--page-tokens 16]\n"
             "                    [--prefill-chunk 256] [--max-queue 256] [--max-body MIB] [--shutdown-timeout S]\n"
-            "                    [-t THREADS] [--device cpu|cuda[:N]] [--verbose]\n"
+            "                    [-t THREADS] [--device cpu|cuda[:N]] [--precision bf16x2|fp32|bf16] [--cuda-opt NAME=V]\n"
+            "                    [--verbose]\n"
             "Defaults from the environment: QFLASH_MODEL, QFLASH_HOST, QFLASH_PORT, QFLASH_API_KEY (flags win).\n");
 }
 
@@ -43,7 +44,7 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
         else if (cli_is(&a, NULL, "--max-body")) *body_mib = cli_num(&a, 0.001, 4096);
         else if (cli_is(&a, NULL, "--shutdown-timeout")) o->shutdown_timeout = cli_num(&a, 0, 86400);
         else if (cli_is(&a, "-t", "--threads")) o->engine.n_threads = cli_int(&a, 1, 1024);
-        else if (cli_is(&a, NULL, "--device")) o->engine.device = cli_value(&a);
+        else if (cli_device_flag(&a, &o->engine.device)) continue;
         else if (cli_is(&a, "-v", "--verbose")) o->verbose = o->sched.verbose = 1;
         else {
             fprintf(stderr, "error: unknown option '%s' for serve\n", argv[a.i]);
@@ -74,6 +75,8 @@ int cmd_serve(int argc, char **argv) {
     o.engine.progress = NULL;
     o.sched.kv_mib = kv_mib;
     o.load_delay_ms = atoi(env_or("QFLASH_TEST_LOAD_DELAY_MS", "0"));
+    o.engine.cuda = &cli_cuda;
+    if (o.verbose && o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0) qf_cuda_opts_print(stderr, &cli_cuda);
     int rc = qf_server_run(&o);
     if (rc != QF_OK) {
         fprintf(stderr, "error: %s\n", qf_last_error());

@@ -17,10 +17,16 @@ static void usage(void) {
             "  bench      (-m DIR | --synthetic qwen3.6-35b-a3b [--layers N]) [--prompt-len P] [--gen-len G]\n"
             "             [--concurrency 1,16] [--runs R] [--json FILE] [--plot FILE.svg]\n"
             "sampling flags: --temp --top-k --top-p --min-p --repeat-penalty --presence-penalty\n"
-            "                --frequency-penalty --seed (defaults from generation_config.json)\n");
+            "                --frequency-penalty --seed (defaults from generation_config.json)\n"
+            "device flags (run, chat, perplexity, serve, bench):\n"
+            "  --device cpu|cuda[:N]              where the model runs (default cpu)\n"
+            "  --precision bf16x2|fp32|bf16       GPU prompt-product numerics (default bf16x2)\n"
+            "  --cuda-opt NAME=VALUE              a CUDA backend option, repeatable; these, with defaults:\n");
+    qf_cuda_opts_print(stderr, NULL);
 }
 
 int main(int argc, char **argv) {
+    if (cli_backend_init() != 0) return 2;
     if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
         usage();
         return argc < 2 ? 2 : 0;

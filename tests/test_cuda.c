@@ -12,6 +12,7 @@
 #include "test_util.h"
 
 static qf_backend gpu, ref = {&qf_cpu_ops_ref, NULL, NULL};
+static qf_cuda_opts g_opts; /* the options the backend under test was made with */
 
 static void *up(const void *h, size_t bytes) {
     void *d = gpu.ops->alloc(&gpu, bytes);
@@ -132,10 +133,10 @@ static void test_conv_gdn(int T) {
     report("gdn state", s, cmp(dS, S, (size_t)nv * dk * dv), 1e-4);
     if (T == 256 || T == 600) { /* a prefill chunk's recurrence (the state keeps advancing: timing only) */
         int reps = 20;
-        qf_cuda_sync(&gpu);
+        qf_be_sync(&gpu);
         double t0 = qf_now();
         for (int i = 0; i < reps; i++) gpu.ops->gdn(&gpu, &b);
-        qf_cuda_sync(&gpu);
+        qf_be_sync(&gpu);
         fprintf(stderr, "  gdn %d tokens, 16/32 heads of 128: %.1f us per call\n", T, (qf_now() - t0) / reps * 1e6);
     }
     free(x), free(w), free(st), free(y), free(beta), free(g), free(S), free(o);
@@ -145,7 +146,7 @@ static void test_conv_gdn(int T) {
 
 /* Paged cache with scrambled pages; the new keys written by kv_store on both sides. */
 /* The attention op for T queries at pos0 with nh/nkv heads of hd against the CPU reference; from
- * 8 queries the tiled kernel takes it (attn_tile_cuda.cu) unless QFLASH_CUDA_ATT_TILE=0. bench:
+ * 8 queries the tiled kernel takes it (attn_tile_cuda.cu) unless option att_tile=0. bench:
  * the time per call (20 calls) and the rate in fp32 multiply-adds (q.k and p.v over the causal keys). */
 static void test_attention_shape(int T, int pos0, int nh, int nkv, int hd, int check, int bench) {
     int pt = 16, ctx = pos0 + T, np = (ctx + pt - 1) / pt + 3, qs = nh * 2 * hd;
@@ -167,15 +168,14 @@ static void test_attention_shape(int T, int pos0, int nh, int nkv, int hd, int c
     report("kv_store", s, cmp(dpool, pool, (size_t)np * stride), 1e-7);
     /* from 8 queries the tiles' products run on the tensor cores unless switched off: operands kept
      * to ~16 bits (bf16 hi + lo parts), the tolerance of the prompt's other such products */
-    const char *tile = getenv("QFLASH_CUDA_ATT_TILE"), *tc = getenv("QFLASH_CUDA_ATT_TC");
-    int parts = T >= 8 && hd % 16 == 0 && !(tile && *tile == '0') && !(tc && *tc == '0');
+    int parts = T >= 8 && hd % 16 == 0 && g_opts.att_tile && g_opts.att_tc;
     if (check) report("attention (paged)", s, cmp(dout, o, (size_t)T * nh * hd), parts ? 1e-4 : 1e-5);
     if (bench) {
         int reps = 20;
-        qf_cuda_sync(&gpu);
+        qf_be_sync(&gpu);
         double t0 = qf_now();
         for (int i = 0; i < reps; i++) gpu.ops->attention(&gpu, &b);
-        qf_cuda_sync(&gpu);
+        qf_be_sync(&gpu);
         double dt = (qf_now() - t0) / reps, fma = 2.0 * nh * hd * ((double)T * pos0 + (double)T * (T + 1) / 2);
         fprintf(stderr, "  attention %s: %.1f us per call, %.2f T fp32 FMA/s\n", s, dt * 1e6, fma / dt / 1e12);
     }
@@ -238,8 +238,8 @@ static void ref_experts(const qf_expert *ex, const int *ti, const float *w, int 
 }
 
 /* The device MoE op (N rows, E experts top-K, hidden H, expert width I) against routing + expert
- * MLPs done with the reference ops; from 96 rows (QFLASH_CUDA_MG_MIN) it groups the rows by expert
- * (moe_grouped) unless QFLASH_CUDA_MG=0. bench: the time per call (200 calls); check 0: timing alone (the reference
+ * MLPs done with the reference ops; from 96 rows (option mg_min) it groups the rows by expert
+ * (moe_grouped) unless option mg=0. bench: the time per call (200 calls); check 0: timing alone (the reference
  * takes ~20 ms a row at the real shape). */
 static void test_moe_shape(int N, int E, int K, int H, int I, int check, int bench) {
     test_experts ex = make_experts(E, I, H);
@@ -253,7 +253,7 @@ static void test_moe_shape(int N, int E, int K, int H, int I, int check, int ben
         ref_experts(host, ti, w, K, x + (size_t)r * H, I, H, gb, ub, hb, yb, want + (size_t)r * H);
     }
     float *drl = up_f(rl, (size_t)N * E), *dx = up_f(x, (size_t)N * H), *dout = gpu.ops->alloc(&gpu, (size_t)N * H * 4);
-    qf_moe_args a = {dev, E, K, N, H, I, drl, dx, dout};
+    qf_moe_args a = {dev, E, K, N, H, I, drl, dx, dout, NULL, NULL, 0};
     gpu.ops->moe(&gpu, &a);
     char s[80];
     snprintf(s, sizeof s, "%d rows, %d experts top-%d, %d/%d", N, E, K, H, I);
@@ -272,10 +272,10 @@ static void test_moe_shape(int N, int E, int K, int H, int I, int check, int ben
             for (int k = 0; k < K; k++) used += !seen[ti[k]], seen[ti[k]] = 1;
         }
         free(seen);
-        qf_cuda_sync(&gpu);
+        qf_be_sync(&gpu);
         double t0 = qf_now();
         for (int i = 0; i < reps; i++) gpu.ops->moe(&gpu, &a);
-        qf_cuda_sync(&gpu);
+        qf_be_sync(&gpu);
         double dt = (qf_now() - t0) / reps, bytes = (double)N * K * 3 * I * H * 2, once = (double)used * 3 * I * H * 2;
         fprintf(stderr, "  moe N=%d: %.1f us per call, %.0f GB/s of expert weights per row (%.0f%% of 4300 GB/s copy); %d experts used, "
                 "%.0f GB/s of their bytes read once (%.0f%%)\n", N, dt * 1e6, bytes / dt / 1e9, 100 * bytes / dt / 4.3e12, used,
@@ -409,7 +409,7 @@ static void check_same_product(const char *op, const char *s, int H, int cols, i
     gpu.ops->free(&gpu, (void *)w.data), gpu.ops->free(&gpu, y1), gpu.ops->free(&gpu, y2);
 }
 
-/* gdn_gn (the step with out_proj's gated norm applied to its output; QFLASH_CUDA_GDN_GN=1): the normed
+/* gdn_gn (the step with out_proj's gated norm applied to its output; option gdn_gn=1): the normed
  * output and state against the CPU, and out_proj's product from it (no pre) bit for bit against the
  * product with the gated pre from the plain step's output. */
 static void test_dec_gdn_gn(int nk, int nv, int dk, int dv) {
@@ -442,125 +442,7 @@ static void test_dec_gdn_gn(int nk, int nv, int dk, int dv) {
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
 }
 
-/* E > 0: the MoE block joins (E experts top-K, widths I and S; ffn_in then has E + 2S + 1 rows) and
- * runs after the three ops on the chain's side; bench: both sides timed, eager. */
-typedef struct tail_moe_shape {
-    int E, K, I, S, bench;
-} tail_moe_shape;
-
-/* One side of a tail check: the chain of ops (fused 0) or the gdn_tail op (fused 1). */
-typedef struct tail_io {
-    const qf_gdn_dec *g;
-    const qf_mat *wo, *wf;
-    const qf_pre *gn, *fn;
-    float *x, *rl;
-    const qf_moe_dec *mo;
-} tail_io;
-
-static int tail_run(const tail_io *t, int fused) {
-    if (fused) return gpu.ops->dec->gdn_tail ? gpu.ops->dec->gdn_tail(&gpu, t->g, t->wo, t->gn, t->x, t->wf, t->fn, t->rl, t->mo) : 0;
-    if (t->g->nv) gpu.ops->dec->gdn(&gpu, t->g);
-    gpu.ops->dec->matmul(&gpu, t->wo, t->g->out, 1, t->gn, NULL, 1, t->x);
-    gpu.ops->dec->matmul(&gpu, t->wf, t->x, 1, t->fn, NULL, 0, t->rl);
-    if (t->mo) gpu.ops->dec->moe(&gpu, t->mo);
-    return 0;
-}
-
-/* Both sides timed, eager (their states and x drift: only the time counts). */
-static void tail_bench(const tail_io io[2], const char *sh) {
-    for (int v = 0; v < 2; v++) {
-        int reps = 200;
-        qf_cuda_sync(&gpu);
-        double t0 = qf_now();
-        for (int i = 0; i < reps; i++) tail_run(&io[v], v);
-        qf_cuda_sync(&gpu);
-        fprintf(stderr, "  dec tail %s: %.1f us per call (%s)\n", sh, (qf_now() - t0) / reps * 1e6, v ? "one kernel" : "the ops apart");
-    }
-}
-
-/* gdn_tail (the step, out_proj and ffn_in as one kernel) against its three ops run on the same
- * backend from the same inputs: step output, state, residual and ffn_in's output. */
-static void test_dec_gdn_tail(int nk, int nv, int dk, int dv, int H, int fr, tail_moe_shape ms) {
-    int qk = nk * dk, cd = 2 * qk + nv * dv, stride = cd + nv * dv + 2 * nv, oc = nv * dv;
-    if (ms.E) fr = ms.E + 2 * ms.S + 1;
-    size_t ns = (size_t)nv * dk * dv;
-    float *mixed = qt_rnd((size_t)stride, 1.0f), *S = qt_rnd(ns, 0.1f), *x = qt_rnd((size_t)H, 2.0f), *gnw = qt_rnd((size_t)dv, 1.0f), *fnw = qt_rnd((size_t)H, 1.0f);
-    for (int h = 0; h < nv; h++) mixed[cd + oc + h] = 0.5f + 0.4f * qt_frand(), mixed[cd + oc + nv + h] = -0.3f + 0.25f * qt_frand();
-    void *hwo, *hwf, *hsd = NULL;
-    qf_mat wo = bf16_mat(H, oc, &hwo), wf = bf16_mat(fr, H, &hwf), sd = {0};
-    wo.data = up(hwo, (size_t)H * oc * 2), wf.data = up(hwf, (size_t)fr * H * 2);
-    test_experts ex = {0};
-    if (ms.E) ex = make_experts(ms.E, ms.I, H), sd = bf16_mat(H, ms.S, &hsd), sd.data = up(hsd, (size_t)H * ms.S * 2);
-    float *dm = up_f(mixed, (size_t)stride), *dgnw = up_f(gnw, (size_t)dv), *dfnw = up_f(fnw, (size_t)H), *d[2][4];
-    for (int v = 0; v < 2; v++) /* state, core, x, rl: one set for the chain, one for the kernel */
-        d[v][0] = up_f(S, ns), d[v][1] = gpu.ops->alloc(&gpu, (size_t)oc * 4), d[v][2] = up_f(x, (size_t)H), d[v][3] = gpu.ops->alloc(&gpu, (size_t)fr * 4);
-    qf_pre gn = {QF_PRE_GATED_NORM, dgnw, dm + cd, stride, dv, dv, 1e-6f}, fn = {QF_PRE_RMSNORM, dfnw, NULL, 0, 0, 0, 1e-6f};
-    qf_gdn_dec g[2];
-    qf_moe_dec mo[2];
-    for (int v = 0; v < 2; v++)
-        g[v] = (qf_gdn_dec){dm, stride, 1, nk, nv, dk, dv, {d[v][0]}, d[v][1]},
-        mo[v] = (qf_moe_dec){ex.dev, ms.E, ms.K, 1, H, ms.I, ms.S, dfnw, 1e-6f, d[v][3], fr, &sd, d[v][2]};
-    tail_io io[2];
-    for (int v = 0; v < 2; v++) io[v] = (tail_io){&g[v], &wo, &wf, &gn, &fn, d[v][2], d[v][3], ms.E ? &mo[v] : NULL};
-    tail_run(&io[0], 0);
-    int took = tail_run(&io[1], 1);
-    char sh[128];
-    snprintf(sh, sizeof sh, "%d/%d heads of %d/%d, hidden %d, ffn_in %d", nk, nv, dk, dv, H, fr);
-    if (ms.E) snprintf(sh + strlen(sh), sizeof sh - strlen(sh), ", moe %d top-%d %d/%d", ms.E, ms.K, ms.I, ms.S);
-    CHECK(took == (ms.E ? 2 : 1), "gdn_tail took %d of %s", took, sh);
-    const char *what[4] = {"dec tail state", "dec tail core", "dec tail x", "dec tail ffn_in"};
-    size_t len[4] = {ns, (size_t)oc, (size_t)H, (size_t)fr};
-    for (int i = 0; i < 4 && took; i++) {
-        float *want = down_f(d[0][i], len[i]);
-        report(what[i], sh, cmp(d[1][i], want, len[i]), 1e-5);
-        free(want);
-    }
-    if (ms.bench && took) tail_bench(io, sh);
-    for (int v = 0; v < 2; v++)
-        for (int i = 0; i < 4; i++) gpu.ops->free(&gpu, d[v][i]);
-    gpu.ops->free(&gpu, dm), gpu.ops->free(&gpu, dgnw), gpu.ops->free(&gpu, dfnw), gpu.ops->free(&gpu, (void *)wo.data), gpu.ops->free(&gpu, (void *)wf.data);
-    if (ms.E) free_experts(&ex), gpu.ops->free(&gpu, (void *)sd.data), free(hsd);
-    free(mixed), free(S), free(x), free(gnw), free(fnw), free(hwo), free(hwf);
-}
-
-/* An attention layer's tail (QFLASH_CUDA_TAIL=4): o_proj of the attention output with its sigmoid
- * gate (nh heads of hd), ffn_in and the MoE block, against the three ops. */
-static void test_dec_attn_tail(int nh, int hd, int H, tail_moe_shape ms) {
-    int oc = nh * hd, gs = 2 * oc, fr = ms.E + 2 * ms.S + 1;
-    float *core = qt_rnd((size_t)oc, 1.0f), *gate = qt_rnd((size_t)gs, 3.0f), *x = qt_rnd((size_t)H, 2.0f), *fnw = qt_rnd((size_t)H, 1.0f);
-    void *hwo, *hwf, *hsd;
-    qf_mat wo = bf16_mat(H, oc, &hwo), wf = bf16_mat(fr, H, &hwf), sd = bf16_mat(H, ms.S, &hsd);
-    wo.data = up(hwo, (size_t)H * oc * 2), wf.data = up(hwf, (size_t)fr * H * 2), sd.data = up(hsd, (size_t)H * ms.S * 2);
-    test_experts ex = make_experts(ms.E, ms.I, H);
-    float *dcore = up_f(core, (size_t)oc), *dgate = up_f(gate, (size_t)gs), *dfnw = up_f(fnw, (size_t)H), *d[2][2];
-    for (int v = 0; v < 2; v++) d[v][0] = up_f(x, (size_t)H), d[v][1] = gpu.ops->alloc(&gpu, (size_t)fr * 4); /* x, rl */
-    qf_pre gn = {QF_PRE_SIGMOID, NULL, dgate + hd, gs, 2 * hd, hd, 0.0f}, fn = {QF_PRE_RMSNORM, dfnw, NULL, 0, 0, 0, 1e-6f};
-    qf_gdn_dec none = {NULL, 0, 1, 0, 0, 0, 0, {0}, dcore};
-    qf_moe_dec mo[2];
-    for (int v = 0; v < 2; v++) mo[v] = (qf_moe_dec){ex.dev, ms.E, ms.K, 1, H, ms.I, ms.S, dfnw, 1e-6f, d[v][1], fr, &sd, d[v][0]};
-    tail_io io[2];
-    for (int v = 0; v < 2; v++) io[v] = (tail_io){&none, &wo, &wf, &gn, &fn, d[v][0], d[v][1], &mo[v]};
-    tail_run(&io[0], 0);
-    int took = tail_run(&io[1], 1);
-    char sh[128];
-    snprintf(sh, sizeof sh, "attention %d heads of %d, hidden %d, moe %d top-%d %d/%d", nh, hd, H, ms.E, ms.K, ms.I, ms.S);
-    CHECK(took == 2, "gdn_tail took %d of %s", took, sh);
-    const char *what[2] = {"dec tail x", "dec tail ffn_in"};
-    size_t len[2] = {(size_t)H, (size_t)fr};
-    for (int i = 0; i < 2 && took; i++) {
-        float *want = down_f(d[0][i], len[i]);
-        report(what[i], sh, cmp(d[1][i], want, len[i]), 1e-5);
-        free(want);
-    }
-    if (ms.bench && took) tail_bench(io, sh);
-    for (int v = 0; v < 2; v++) gpu.ops->free(&gpu, d[v][0]), gpu.ops->free(&gpu, d[v][1]);
-    gpu.ops->free(&gpu, dcore), gpu.ops->free(&gpu, dgate), gpu.ops->free(&gpu, dfnw);
-    gpu.ops->free(&gpu, (void *)wo.data), gpu.ops->free(&gpu, (void *)wf.data), gpu.ops->free(&gpu, (void *)sd.data);
-    free_experts(&ex);
-    free(core), free(gate), free(x), free(fnw), free(hwo), free(hwf), free(hsd);
-}
-
-/* attn_gate (QFLASH_CUDA_ATT_GATE=1) on the inputs of a (the kv pool holds the new keys already:
+/* attn_gate (option att_gate) on the inputs of a (the kv pool holds the new keys already:
  * they are written again, the same): the gated output against the CPU's (out times the sigmoid of
  * the gate), and o_proj's product from it (no pre) bit for bit against the product of the plain
  * output with the SIGMOID pre, as the layer ran before. Taken only where the backend takes it. */
@@ -650,17 +532,29 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench, in
     qf_mat dsd = sd;
     dsd.data = up(hsd, (size_t)H * S * 2);
     float *drl = up_f(rl, (size_t)n * rs), *dx = up_f(x, (size_t)n * H), *dnw = up_f(nw, H);
-    qf_moe_dec a = {dev, E, K, n, H, I, S, dnw, 1e-6f, drl, rs, &dsd, dx};
+    int32_t *dchosen = gpu.ops->alloc(&gpu, (size_t)n * K * sizeof(int32_t)), *chosen = malloc((size_t)n * K * sizeof(int32_t));
+    qf_moe_dec a = {dev, E, K, n, H, I, S, dnw, 1e-6f, drl, rs, &dsd, dx, NULL, dchosen};
     gpu.ops->dec->moe(&gpu, &a);
     char s[80];
     snprintf(s, sizeof s, "n=%d, %d experts top-%d, %d/%d, shared %d%s", n, E, K, H, I, S, ties ? ", tied logits" : "");
     report("dec moe", s, cmp(dx, want, (size_t)n * H), 1e-5);
+    /* the ids the kernels chose, as the expert store reads them: the reference's, in rank order */
+    gpu.ops->download(&gpu, chosen, dchosen, (size_t)n * K * sizeof(int32_t));
+    int bad_ids = 0;
+    for (int t = 0; t < n; t++) {
+        int ti[64];
+        float w[64];
+        qf_ref_route(rl + (size_t)t * rs, E, K, ti, w);
+        for (int k = 0; k < K; k++) bad_ids += chosen[t * K + k] != ti[k];
+    }
+    CHECK(bad_ids == 0, "dec moe %s: %d chosen expert ids differ from the reference routing", s, bad_ids);
+    gpu.ops->free(&gpu, dchosen), free(chosen);
     if (bench) { /* per row: K experts x 3 matrices + the shared down */
         int reps = 200;
-        qf_cuda_sync(&gpu);
+        qf_be_sync(&gpu);
         double t0 = qf_now();
         for (int i = 0; i < reps; i++) gpu.ops->dec->moe(&gpu, &a);
-        qf_cuda_sync(&gpu);
+        qf_be_sync(&gpu);
         double dt = (qf_now() - t0) / reps, bytes = (double)n * (K * 3.0 * I * H + (double)H * S) * 2;
         fprintf(stderr, "  dec moe n=%d: %.1f us per call, %.0f GB/s of expert weights (%.0f%% of 4300 GB/s copy)\n", n, dt * 1e6, bytes / dt / 1e9,
                 100 * bytes / dt / 4.3e12);
@@ -702,11 +596,11 @@ static void bench_dec_matmul(int64_t rows, int64_t cols, int n) {
     float *dy = gpu.ops->alloc(&gpu, (size_t)n * rows * 4);
     qf_pre pre = {QF_PRE_RMSNORM, dnw, NULL, 0, 0, 0, 1e-6f};
     gpu.ops->dec->matmul(&gpu, &w, dx, n, &pre, NULL, 0, dy);
-    qf_cuda_sync(&gpu);
+    qf_be_sync(&gpu);
     int reps = 50;
     double t0 = qf_now();
     for (int i = 0; i < reps; i++) gpu.ops->dec->matmul(&gpu, &w, dx, n, &pre, NULL, 0, dy);
-    qf_cuda_sync(&gpu);
+    qf_be_sync(&gpu);
     double dt = (qf_now() - t0) / reps, bytes = (double)rows * cols * 2;
     fprintf(stderr, "  dec matmul (rmsnorm) [%lld x %lld] n=%d: %.1f us, %.0f GB/s (%.0f%% of 4300 GB/s copy)\n", (long long)rows, (long long)cols, n,
             dt * 1e6, bytes / dt / 1e9, 100 * bytes / dt / 4.3e12);
@@ -722,11 +616,11 @@ static void bench_gemv(int64_t rows, int64_t cols, int n) {
     free(hw);
     float *x = qt_rnd((size_t)n * cols, 1.0f), *dx = up_f(x, (size_t)n * cols), *dy = gpu.ops->alloc(&gpu, (size_t)n * rows * 4);
     gpu.ops->matmul(&gpu, &w, dx, n, dy);
-    qf_cuda_sync(&gpu);
+    qf_be_sync(&gpu);
     int reps = 20;
     double t0 = qf_now();
     for (int i = 0; i < reps; i++) gpu.ops->matmul(&gpu, &w, dx, n, dy);
-    qf_cuda_sync(&gpu);
+    qf_be_sync(&gpu);
     double dt = (qf_now() - t0) / reps, bytes = (double)rows * cols * 2;
     fprintf(stderr, "  gemv bf16 [%lld x %lld] n=%d: %.1f us, %.0f GB/s (%.0f%% of 4300 GB/s copy)\n", (long long)rows, (long long)cols, n,
             dt * 1e6, bytes / dt / 1e9, 100 * bytes / dt / 4.3e12);
@@ -746,34 +640,23 @@ static void dec_row_checks(int n) {
     test_dec_argmax(n, 248320);
 }
 
-/* A backend made again with one switch set (the checks after it run on that backend). */
-static int restart_with(const char *name, const char *value) {
+/* A backend made again with one more option set (the checks after it run on that backend). */
+static int restart_with(const char *assignment) {
     qf_cuda_backend_free(&gpu);
-    setenv(name, value, 1);
-    int ok = qf_cuda_backend_init(&gpu, 0) == QF_OK;
-    CHECK(ok, "the CUDA backend did not start again with %s=%s: %s", name, value, qf_last_error());
-    if (ok) fprintf(stderr, "with %s=%s:\n", name, value);
+    int ok = qf_cuda_opts_set(&g_opts, assignment) == QF_OK && qf_cuda_backend_init(&gpu, 0, &g_opts) == QF_OK;
+    CHECK(ok, "the CUDA backend did not start again with %s: %s", assignment, qf_last_error());
+    if (ok) fprintf(stderr, "with %s:\n", assignment);
     return ok;
 }
 
-/* One-row steps have a second kernel set, the streamed one (QFLASH_CUDA_STREAM=1): the same
- * checks on a backend made with it. */
-static void streamed_checks(void) {
-    if (!restart_with("QFLASH_CUDA_STREAM", "1")) return;
-    dec_row_checks(1);
-    test_dec_matmul(QF_PRE_GATED_NORM, 128, 256, 32, 1, 1); /* small heads, one row */
-    /* a size asked for before, after a smaller one: the kernel's shared-memory opt-in must still
-     * cover it (it once followed the last new size and this launch failed) */
-    test_dec_matmul(QF_PRE_RMSNORM, 1281, 2048, 1, 1, 0);
-    bench_dec_matmul(12352, 2048, 1);
-    bench_dec_matmul(248320, 2048, 1);
-}
+/* One option back to its default (the backend is made again by the next restart_with). */
+static void set_opt(const char *assignment) { CHECK(qf_cuda_opts_set(&g_opts, assignment) == QF_OK, "%s", qf_last_error()); }
 
-/* One-row products fed by bulk copies (QFLASH_CUDA_BULK=15: every kind, sm_90): every one-row shape of a step
+/* One-row products fed by bulk copies (option bulk=15: every kind, sm_90): every one-row shape of a step
  * (in_proj with its epilogue, out_proj, o_proj, ffn_in, lm_head), a shape that is no whole row
  * per slot (512 and 4096 columns), rows fewer than the warps, and one block per SM. */
 static void bulk_checks(void) {
-    if (!restart_with("QFLASH_CUDA_BULK", "15")) return;
+    if (!restart_with("bulk=15")) return;
     dec_row_checks(1);
     test_dec_matmul(QF_PRE_RMSNORM, 2048, 512, 1, 1, 1);
     test_dec_matmul(QF_PRE_NONE, 100, 2048, 1, 1, 1);
@@ -781,13 +664,13 @@ static void bulk_checks(void) {
     test_dec_matmul(QF_PRE_RMSNORM, 248320 / 8, 2048, 1, 1, 0);
     bench_dec_matmul(12352, 2048, 1);
     bench_dec_matmul(248320, 2048, 1);
-    if (restart_with("QFLASH_CUDA_BULK_BLOCKS", "1")) {
+    if (restart_with("bulk_blocks=1")) {
         test_dec_gdn_proj(1);
         test_dec_matmul(QF_PRE_GATED_NORM, 2048, 4096, 128, 1, 1);
         bench_dec_matmul(12352, 2048, 1);
     }
-    unsetenv("QFLASH_CUDA_BULK_BLOCKS");
-    unsetenv("QFLASH_CUDA_BULK");
+    set_opt("bulk_blocks=2");
+    set_opt("bulk=8");
 }
 
 /* The one-row MoE at the shapes its routings must agree on: the real one (timed, tied logits and
@@ -803,7 +686,7 @@ static void routing_checks(void) {
     test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
 }
 
-/* The MoE op grouped by expert (on a backend whose QFLASH_CUDA_MG_MIN lets 16 rows take it):
+/* The MoE op grouped by expert (on a backend whose option mg_min lets 16 rows take it):
  * checked at 16 and 64 rows of the real shape, 300 rows of 16 experts (several passes an expert),
  * the MoE fixture's shape and the bundled model's (expert width 32: the cp.async form declines it,
  * the register form takes it); timed at 128 and 512 rows. */
@@ -836,109 +719,45 @@ static void dec_attention_checks(void) {
  * the gate applied by the combine kernel after the two-kernel attention (ATT1=0), neither
  * (ATT_GATE=0 too: o_proj applies it), and the one kernel with the plain combine (COMB=0). */
 static void att_checks(void) {
-    const char *sets[][2] = {{"QFLASH_CUDA_ATT1", "0"}, {"QFLASH_CUDA_ATT_GATE", "0"}, {"QFLASH_CUDA_COMB", "0"}};
+    const char *sets[] = {"att1=0", "att_gate=0", "comb=0"};
     for (int k = 0; k < 3; k++) {
-        if (k == 2) unsetenv("QFLASH_CUDA_ATT1"), unsetenv("QFLASH_CUDA_ATT_GATE"); /* the one kernel with the plain combine */
-        if (restart_with(sets[k][0], sets[k][1])) dec_attention_checks();
+        if (k == 2) set_opt("att1=1"), set_opt("att_gate=1"); /* the one kernel with the plain combine */
+        if (restart_with(sets[k])) dec_attention_checks();
     }
-    unsetenv("QFLASH_CUDA_ATT1"), unsetenv("QFLASH_CUDA_ATT_GATE"), unsetenv("QFLASH_CUDA_COMB");
+    set_opt("att1=1"), set_opt("att_gate=1"), set_opt("comb=1");
 }
 
-/* The one-row MoE as two kernels (QFLASH_CUDA_MOE1=0), one-row gated norms staged with every
- * load at once (QFLASH_CUDA_WIDE=1: out_proj's and o_proj's shapes, one row), the one-kernel
- * MoE's other routings and its expert table in shared memory (routing_checks), the decode
- * attention's other forms (att_checks), the register in_proj
- * (QFLASH_CUDA_BULK=0), the DeltaNet tail in one kernel (QFLASH_CUDA_TAIL=1, 2) and with the MoE
- * block joined (3; 4 attention layers' tails too; QFLASH_CUDA_TAIL_NW=16 and QFLASH_CUDA_TAIL_DSM=0
- * its other forms). */
+/* The one-row MoE as two kernels (moe1=0), the one-kernel MoE's other routing (route=2) and its
+ * expert table read from memory (moe_pf=0) with both routings (routing_checks), the decode
+ * attention's other forms (att_checks), and the register in_proj (bulk=0). */
 static void switch_checks(void) {
-    if (restart_with("QFLASH_CUDA_MOE1", "0")) {
+    if (restart_with("moe1=0")) {
         test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0);
         test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
     }
-    unsetenv("QFLASH_CUDA_MOE1");
-    if (restart_with("QFLASH_CUDA_WIDE", "1")) {
-        test_dec_matmul(QF_PRE_GATED_NORM, 2048, 4096, 128, 1, 1);
-        test_dec_matmul(QF_PRE_SIGMOID, 2048, 4096, 256, 1, 1);
-        test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 1, 1); /* not its shape: the general staging */
-    }
-    unsetenv("QFLASH_CUDA_WIDE");
+    set_opt("moe1=1");
     /* the one-kernel MoE's other routings (1 route_fixed, 0 route_block, 2 route_pairs; route_sort,
      * the sorting networks, is the default; route_pairs and route_sort read the expert table from
      * shared memory by default), and the table read from memory (MOE_PF=0, with route_sort and
      * with route_pairs): the same choice, order and weights */
-    const char *routes[] = {"1", "0", "2"};
-    for (int r = 0; r < 3; r++)
-        if (restart_with("QFLASH_CUDA_ROUTE", routes[r])) routing_checks();
-    unsetenv("QFLASH_CUDA_ROUTE");
-    if (restart_with("QFLASH_CUDA_MOE_PF", "0")) routing_checks();
-    if (restart_with("QFLASH_CUDA_ROUTE", "2")) routing_checks();
-    unsetenv("QFLASH_CUDA_ROUTE");
-    unsetenv("QFLASH_CUDA_MOE_PF");
+    if (restart_with("route=2")) routing_checks();
+    set_opt("route=3");
+    if (restart_with("moe_pf=0")) routing_checks();
+    if (restart_with("route=2")) routing_checks();
+    set_opt("route=3");
+    set_opt("moe_pf=1");
     att_checks();
-    if (restart_with("QFLASH_CUDA_BULK", "0")) { /* one-row in_proj in the register kernel (the default before, and off sm_90) */
+    if (restart_with("bulk=0")) { /* one-row in_proj in the register kernel (the default before, and off sm_90) */
         test_dec_gdn_proj(1);
         test_dec_matmul(QF_PRE_RMSNORM, 12352, 2048, 1, 1, 0);
     }
-    unsetenv("QFLASH_CUDA_BULK");
-    tail_moe_shape none = {0, 0, 0, 0, 0}, real = {256, 8, 512, 512, 0}, small = {16, 4, 64, 32, 0};
-    if (restart_with("QFLASH_CUDA_TAIL", "1")) { /* several launches in a row: its grid counts must come back to zero */
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none);
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none);
-        test_dec_gdn_tail(4, 8, 32, 32, 256, 100, none);
-        test_dec_gdn_tail(2, 4, 64, 64, 512, 300, none);
-        none.bench = 1;
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none);
-        none.bench = 0;
-    }
-    if (restart_with("QFLASH_CUDA_TAIL", "2")) { /* the same kernel reading its weights in place (a diagnosis) */
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none);
-        test_dec_gdn_tail(4, 8, 32, 32, 256, 100, none);
-    }
-    if (restart_with("QFLASH_CUDA_TAIL", "3")) { /* the MoE block joins: its two more counts back at zero after each launch */
-        real.bench = 1;
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
-        real.bench = 0;
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
-        test_dec_gdn_tail(4, 8, 32, 32, 256, 0, small);
-        test_dec_gdn_tail(4, 8, 32, 32, 256, 0, small);
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 1281, none); /* without a MoE: the tail alone */
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
-    }
-    for (int nw = 8; nw <= 16; nw += 8) { /* attention layers' tails too (and the DeltaNet ones as at 3); 16: the MoE part in registers */
-        setenv("QFLASH_CUDA_TAIL_NW", nw == 16 ? "16" : "8", 1);
-        if (!restart_with("QFLASH_CUDA_TAIL", "4")) break;
-        real.bench = 1;
-        test_dec_attn_tail(16, 256, 2048, real);
-        if (nw == 16) test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
-        real.bench = 0;
-        test_dec_attn_tail(16, 256, 2048, real);
-        test_dec_attn_tail(4, 64, 256, small);
-        tail_moe_shape m14 = {64, 4, 32, 192, 0}, tiny = {8, 2, 64, 64, 0}; /* the bundled model's and the MoE fixture's */
-        test_dec_gdn_tail(4, 8, 32, 32, 192, 0, m14);
-        test_dec_attn_tail(4, 64, 192, m14);
-        test_dec_gdn_tail(2, 4, 32, 32, 128, 0, tiny);
-        test_dec_attn_tail(4, 32, 128, tiny);
-        test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
-        test_dec_gdn_tail(4, 8, 32, 32, 256, 0, small);
-        test_dec_attn_tail(16, 256, 2048, real);
-    }
-    unsetenv("QFLASH_CUDA_TAIL_NW");
-    {
-        setenv("QFLASH_CUDA_TAIL_DSM", "0", 1);
-        if (restart_with("QFLASH_CUDA_TAIL", "4")) { /* every down row fetched after the count */
-            test_dec_gdn_tail(16, 32, 128, 128, 2048, 0, real);
-            test_dec_attn_tail(16, 256, 2048, real);
-        }
-        unsetenv("QFLASH_CUDA_TAIL_DSM");
-    }
-    unsetenv("QFLASH_CUDA_TAIL");
+    set_opt("bulk=8");
 }
 
 int main(int argc, char **argv) {
     qt_init(argc, argv);
-    setenv("QFLASH_CUDA_STREAM", "0", 1); /* the default kernels first; streamed_checks() the others */
-    if (!qf_cuda_available() || qf_cuda_backend_init(&gpu, 0) != QF_OK) {
+    qf_cuda_opts_default(&g_opts);
+    if (!qf_cuda_available() || qf_cuda_backend_init(&gpu, 0, &g_opts) != QF_OK) {
         fprintf(stderr, "test_cuda: skipped (%s)\n", qf_cuda_available() ? qf_last_error() : "no CUDA in this build");
         return 77;
     }
@@ -948,7 +767,7 @@ int main(int argc, char **argv) {
     test_matmul(4096, 2048, 8, 1e-5);
     test_matmul(2048, 4096, 1, 1e-5);
     test_matmul(248320 / 8, 2048, 2, 1e-5);
-    test_matmul(2048, 2048, 64, 1e-4); /* cuBLAS, activations as two bf16 parts (QFLASH_CUDA_FP32=1: GEMV, exact) */
+    test_matmul(2048, 2048, 64, 1e-4); /* cuBLAS, activations as two bf16 parts (precision fp32: GEMV, exact) */
     test_matmul(8192, 2048, 300, 1e-4);
     /* QFLASH_TEST_QUICK (a device call that wants a part): 1 the prompt ops alone, 2 the many-row MoE
      * alone, 3 the rest (the decode kernels) */
@@ -961,28 +780,28 @@ int main(int argc, char **argv) {
         test_conv_gdn(43);  /* one partial chunk of the chunked rule */
         test_conv_gdn(256); /* four whole chunks */
         test_conv_gdn(600); /* two launch pairs (8 chunks, then 2, the last partial) */
-        if (restart_with("QFLASH_CUDA_GDN_CHUNK_MIN", "1")) test_conv_gdn(1), test_conv_gdn(7); /* chunks of 1 and 7 tokens */
-        unsetenv("QFLASH_CUDA_GDN_CHUNK_MIN");
+        if (restart_with("gdn_chunk_min=1")) test_conv_gdn(1), test_conv_gdn(7); /* chunks of 1 and 7 tokens */
+        set_opt("gdn_chunk_min=32");
         /* the token-serial kernels (k_gdn_cols and its switches, k_gdn) */
-        if (restart_with("QFLASH_CUDA_GDN_CHUNK", "0")) test_conv_gdn(43), test_conv_gdn(256);
-        if (restart_with("QFLASH_CUDA_GDN_SEQ", "1")) test_conv_gdn(256); /* k_gdn, a block per head */
-        unsetenv("QFLASH_CUDA_GDN_SEQ");
-        const char *lpcs[] = {"1", "2", "8"}; /* k_gdn_cols with other lanes a column than the default 4 */
+        if (restart_with("gdn_chunk=0")) test_conv_gdn(43), test_conv_gdn(256);
+        if (restart_with("gdn_seq=1")) test_conv_gdn(256); /* k_gdn, a block per head */
+        set_opt("gdn_seq=0");
+        const char *lpcs[] = {"gdn_plpc=1", "gdn_plpc=2", "gdn_plpc=8"}; /* k_gdn_cols with other lanes a column than the default 4 */
         for (int i = 0; i < 3; i++)
-            if (restart_with("QFLASH_CUDA_GDN_PLPC", lpcs[i])) test_conv_gdn(43), test_conv_gdn(256);
-        unsetenv("QFLASH_CUDA_GDN_PLPC");
-        if (restart_with("QFLASH_CUDA_GDN_CP", "0")) test_conv_gdn(43), test_conv_gdn(256); /* inputs by plain loads, a round at a time */
-        unsetenv("QFLASH_CUDA_GDN_CP");
-        unsetenv("QFLASH_CUDA_GDN_CHUNK");
+            if (restart_with(lpcs[i])) test_conv_gdn(43), test_conv_gdn(256);
+        set_opt("gdn_plpc=4");
+        if (restart_with("gdn_cp=0")) test_conv_gdn(43), test_conv_gdn(256); /* inputs by plain loads, a round at a time */
+        set_opt("gdn_cp=1");
+        set_opt("gdn_chunk=1");
         test_attention(1, 700);
         test_attention(1, 8000);
         test_attention(9, 0);
         test_attention(40, 100);
         prefill_attention_checks();
-        if (restart_with("QFLASH_CUDA_ATT_TC", "0")) prefill_attention_checks(); /* the tiles' products as fp32 FMAs */
-        unsetenv("QFLASH_CUDA_ATT_TC");
-        if (restart_with("QFLASH_CUDA_ATT_TILE", "0")) prefill_attention_checks(); /* k_attn_part, a block per (token, head) */
-        unsetenv("QFLASH_CUDA_ATT_TILE");
+        if (restart_with("att_tc=0")) prefill_attention_checks(); /* the tiles' products as fp32 FMAs */
+        set_opt("att_tc=1");
+        if (restart_with("att_tile=0")) prefill_attention_checks(); /* k_attn_part, a block per (token, head) */
+        set_opt("att_tile=1");
     }
     if (part == 1) return qt_finish();
     if (part != 3) {
@@ -995,22 +814,22 @@ int main(int argc, char **argv) {
         test_moe_shape(2048, 256, 8, 2048, 512, 0, 1); /* a 2048-token chunk: passes of 64 slots */
         test_moe_shape(300, 16, 4, 256, 64, 1, 0);     /* ~75 rows an expert: two passes of 64 */
         test_moe_shape(256, 64, 8, 2048, 512, 1, 0);   /* ~32 an expert at the real widths: one pass of 64 */
-        if (restart_with("QFLASH_CUDA_MG_P64", "0")) { /* passes of 32 slots at every size */
+        if (restart_with("mg_p64=0")) { /* passes of 32 slots at every size */
             test_moe_shape(300, 16, 4, 256, 64, 1, 0);
             test_moe_shape(256, 64, 8, 2048, 512, 1, 0);
             test_moe_shape(2048, 256, 8, 2048, 512, 0, 1);
         }
-        unsetenv("QFLASH_CUDA_MG_P64");
-        if (restart_with("QFLASH_CUDA_MG_MIN", "16")) grouped_moe_checks(); /* grouped at fewer rows */
-        if (restart_with("QFLASH_CUDA_MG_CP", "0")) grouped_moe_checks(); /* the register-form products, MG_MIN still 16 */
-        unsetenv("QFLASH_CUDA_MG_CP");
-        unsetenv("QFLASH_CUDA_MG_MIN");
-        if (restart_with("QFLASH_CUDA_MG", "0")) { /* the GEMV path at many rows */
+        set_opt("mg_p64=1");
+        if (restart_with("mg_min=16")) grouped_moe_checks(); /* grouped at fewer rows */
+        if (restart_with("mg_cp=0")) grouped_moe_checks(); /* the register-form products, MG_MIN still 16 */
+        set_opt("mg_cp=1");
+        set_opt("mg_min=-1");
+        if (restart_with("mg=0")) { /* the GEMV path at many rows */
             test_moe_shape(300, 16, 4, 256, 64, 1, 0);
             test_moe_shape(128, 256, 8, 2048, 512, 0, 1);
             test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
         }
-        unsetenv("QFLASH_CUDA_MG");
+        set_opt("mg=1");
     }
     if (part == 2) return qt_finish();
     for (int n = 1; n <= QF_DEC_ROWS; n = n == 1 ? 8 : n + 8) dec_row_checks(n);
@@ -1032,7 +851,6 @@ int main(int argc, char **argv) {
     bench_gemv(248320, 2048, 4);
     switch_checks();
     bulk_checks();
-    streamed_checks();
     qf_cuda_backend_free(&gpu);
     return qt_finish();
 }

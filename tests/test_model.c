@@ -100,7 +100,10 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
     qf_pool *pool = qf_pool_create(qf_cpu_count());
     qf_backend be = {ops, pool, NULL};
     if (g_gpu) {
-        CHECK(qf_cuda_backend_init(&be, 0) == QF_OK && qf_model_to_device(m, &be, 0) == QF_OK, "%s", qf_last_error());
+        qf_cuda_opts o;
+        qf_cuda_opts_default(&o);
+        o.precision = g_lenient ? QF_PREC_BF16X2 : QF_PREC_FP32;
+        CHECK(qf_cuda_backend_init(&be, 0, &o) == QF_OK && qf_model_to_device(m, &be, 0) == QF_OK, "%s", qf_last_error());
         ops = be.ops;
     }
     if (compose) {
@@ -207,13 +210,13 @@ static void check_top1(const char *dir) {
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     const char *dev = getenv("QFLASH_TEST_DEVICE");
-    if (dev && strcmp(dev, "cuda") == 0) { /* the same references on the GPU (run by hand there) */
-        const char *fp32 = getenv("QFLASH_CUDA_FP32");
-        g_gpu = 1, g_lenient = !(fp32 && *fp32 == '1');
-        g_tol = g_lenient ? TOL_GPU_BF16 : TOL_LOGITS;
-        run_model("tests/data/qwen35moe-tiny", "logits", 4, NULL, 0, 0);
-        run_model("tests/data/qwen35-tiny", "logits", 4, NULL, 0, 0);
-        run_model("models/qwen36moe-code-14m", "logits_tail", 5, NULL, 0, 0);
+    if (dev && strcmp(dev, "cuda") == 0) { /* the same references on the GPU (run by hand there), in both precisions */
+        for (g_lenient = 1; g_lenient >= 0; g_lenient--) {
+            g_gpu = 1, g_tol = g_lenient ? TOL_GPU_BF16 : TOL_LOGITS;
+            run_model("tests/data/qwen35moe-tiny", "logits", 4, NULL, 0, 0);
+            run_model("tests/data/qwen35-tiny", "logits", 4, NULL, 0, 0);
+            run_model("models/qwen36moe-code-14m", "logits_tail", 5, NULL, 0, 0);
+        }
         return qt_finish();
     }
     const qf_ops *tables[2] = {&qf_cpu_ops_ref, qf_cpu_ops_best()};

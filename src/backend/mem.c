@@ -29,3 +29,5 @@ void qf_be_zero(qf_backend *be, void *p, size_t bytes) {
     if (be && be->ops->zero) be->ops->zero(be, p, bytes);
     else memset(p, 0, bytes);
 }
+
+int qf_be_sync(qf_backend *be) { return be && be->ops->sync ? be->ops->sync(be) : 0; }

@@ -72,13 +72,20 @@ typedef struct qf_expert {
 
 /* The routed experts of one MoE layer for N rows, routing included: softmax over the router
  * logits, top-k, renormalised weights, and out[r] = sum_k w_k * down_k(silu(gate_k x) * up_k x).
- * experts: the layer's E experts (a host array; the views point at the backend's memory). */
+ * experts: the layer's E experts (a host array; the views point at the backend's memory).
+ * table (may be NULL): the same pointers in the backend's memory, [gate[E] | up[E] | down[E]], as
+ * the expert store keeps them for kernels that route on the device. chosen (may be NULL): where
+ * the op writes the expert ids it chose for the first chosen_rows rows ([row][top_k], backend
+ * memory), for the store's statistics and eviction. */
 typedef struct qf_moe_args {
     const qf_expert *experts;
     int n_experts, top_k, N, hidden, ffn;
     const float *router_logits; /* [N][E] */
     const float *x;             /* [N][hidden] */
     float *out;                 /* [N][hidden], overwritten */
+    const void *const *table;
+    int32_t *chosen;
+    int chosen_rows;
 } qf_moe_args;
 
 typedef struct qf_backend qf_backend;
@@ -147,6 +154,8 @@ typedef struct qf_moe_dec {
     int rl_stride;
     const qf_mat *sh_down;
     float *x;
+    const void *const *table; /* as qf_moe_args' (may be NULL) */
+    int32_t *chosen;          /* as qf_moe_args' ([n][top_k]; may be NULL) */
 } qf_moe_dec;
 
 typedef struct qf_dec_ops {
@@ -158,12 +167,6 @@ typedef struct qf_dec_ops {
     void (*moe)(qf_backend *be, const qf_moe_dec *a);
     /* out[r] = the index of the largest of x[r][0..cols) (the lowest on ties), rows of cols floats */
     void (*argmax)(qf_backend *be, const float *x, int n, int cols, int32_t *out);
-    /* Optional (NULL, or 0 returned for what it does not take): gdn(g), then x += w_out . gn(g->out)
-     * (accumulate), then rl = ffn_in . fn(x): the three ops above in that order, as one. 1: done.
-     * moe (may be NULL; its x and rl those given): 2 when the moe op on them was done too.
-     * g->nv == 0: no step, g->out is w_out's input (an attention layer's; gn its sigmoid gate). */
-    int (*gdn_tail)(qf_backend *be, const qf_gdn_dec *g, const qf_mat *w_out, const qf_pre *gn, float *x, const qf_mat *ffn_in,
-                    const qf_pre *fn, float *rl, const qf_moe_dec *moe);
     /* Optional (NULL, or 0 returned when not taken): gdn(g), then g->out = gn(g->out) in place
      * (gn a GATED_NORM over heads of g->dv), as one: what w_out's product then reads without a pre. 1: done. */
     int (*gdn_gn)(qf_backend *be, const qf_gdn_dec *g, const qf_pre *gn);
@@ -219,9 +222,12 @@ typedef struct qf_ops {
     void (*download)(qf_backend *be, void *dst, const void *src, size_t bytes);
     void (*zero)(qf_backend *be, void *p, size_t bytes);
     /* Optional: brackets one forward step of a given shape (key) and row count, so a device can
-     * record it once and replay it (CUDA graphs). step_end returns an error if the step failed. */
+     * record it once and replay it (CUDA graphs). step_end returns an error if any op of the step
+     * failed (the step's results are then not to be used). */
     void (*step_begin)(qf_backend *be, uint64_t key, int rows);
     int (*step_end)(qf_backend *be);
+    /* Optional: waits for every queued op; returns the first failure since the last step ended. */
+    int (*sync)(qf_backend *be);
 } qf_ops;
 
 struct qf_backend {
@@ -236,6 +242,8 @@ void qf_be_free(qf_backend *be, void *p);
 void qf_be_upload(qf_backend *be, void *dst, const void *src, size_t bytes);
 void qf_be_download(qf_backend *be, void *dst, const void *src, size_t bytes);
 void qf_be_zero(qf_backend *be, void *p, size_t bytes);
+/* Waits for the backend's queued ops; QF_OK, or the failure of one of them. */
+int qf_be_sync(qf_backend *be);
 
 /* The reference routing of one row of E router logits: softmax over all E, the top K (ties to the
  * lower index), their weights renormalised to sum 1 (fp32). ti, tw: K entries, best first. Every

@@ -12,7 +12,8 @@ enum qf_status {
     QF_ENOMEM = -3,      /* allocation failed */
     QF_EFORMAT = -4,     /* corrupt or inconsistent file contents */
     QF_EUNSUPPORTED = -5, /* valid input we do not handle (e.g. another model_type) */
-    QF_EBUSY = -6         /* a bounded queue is full; try again later */
+    QF_EBUSY = -6,        /* a bounded queue is full; try again later */
+    QF_EDEVICE = -7       /* a device (GPU) operation failed */
 };
 
 /* Records the message for this thread and returns code, so callers write

@@ -1,10 +1,16 @@
-/* The expert store: how model code reaches routed-expert weights.
+/* The expert store: where every routed expert lives, and how model code reaches it.
  *
  * Contract: acquire() makes expert (layer, e) usable by the backend and fills views valid until
  * the matching release(). A store may block in acquire (a streaming store loads the expert), and
- * may use prefetch() hints (optional, NULL = none). The resident store below keeps every expert
- * in place (views into the mmap'd checkpoint); a streaming store replaces it without any change
- * to the model code. */
+ * may use prefetch() hints (optional, NULL = none). For backends that route on the device,
+ * table() gives a layer's whole table at once: host views of all E experts, the same pointers in
+ * the backend's memory, a device array where the kernels write the ids they chose, and a version
+ * that changes whenever any entry changes, so a table cached by version is never stale. A store
+ * that moves an expert updates both tables before the step that uses it and bumps the version.
+ *
+ * Stores: resident (every expert where the checkpoint put it: views into the mmap'd file) and
+ * device (store_device.c: every expert copied once into the backend's memory). A streaming store
+ * replaces them without any change to the model code. */
 #ifndef QF_EXPERTS_STORE_H
 #define QF_EXPERTS_STORE_H
 
@@ -16,6 +22,16 @@ typedef struct qf_expert_stats {
     uint64_t acquires, hits, misses, bytes_loaded;
 } qf_expert_stats;
 
+/* Rows of expert ids a layer's `chosen` array holds: one decode step's (QF_DEC_ROWS sequences). */
+#define QF_EXPERT_ID_ROWS QF_DEC_ROWS
+
+typedef struct qf_expert_table {
+    const qf_expert *experts; /* [E] host array of views (into backend memory) */
+    const void *const *dev;   /* [3][E] gate, up, down pointers in backend memory; NULL: none kept */
+    int32_t *chosen;          /* [QF_EXPERT_ID_ROWS][top_k] in backend memory; NULL: none kept */
+    uint64_t version;         /* changes whenever experts or dev change */
+} qf_expert_table;
+
 typedef struct qf_expert_store qf_expert_store;
 
 typedef struct qf_expert_store_ops {
@@ -23,8 +39,8 @@ typedef struct qf_expert_store_ops {
     void (*release)(qf_expert_store *s, int layer, int expert);
     void (*prefetch)(qf_expert_store *s, int layer, const int *experts, int n); /* optional */
     void (*destroy)(qf_expert_store *s);
-    /* All E experts of a layer at once, for backends that route on the device (optional). */
-    const qf_expert *(*table)(qf_expert_store *s, int layer);
+    /* The layer's table (above); an error when the store cannot make it usable (a failed load). */
+    int (*table)(qf_expert_store *s, int layer, qf_expert_table *out);
 } qf_expert_store_ops;
 
 struct qf_expert_store {
@@ -32,9 +48,15 @@ struct qf_expert_store {
     qf_expert_stats stats;
 };
 
-/* All experts resident: the views set here are returned as they are. NULL on allocation failure. */
+/* All experts where qf_es_resident_set put them (views returned as they are); no device table.
+ * NULL on allocation failure. */
 qf_expert_store *qf_es_resident_create(int n_layers, int n_experts);
 void qf_es_resident_set(qf_expert_store *s, int layer, int expert, const qf_expert *e);
+
+/* Every expert of src copied once into be's memory (libc memory for a backend without its own),
+ * each layer's experts in one allocation, with the device tables and chosen-id arrays (top_k ids a
+ * row). src is read through acquire/release and may be destroyed afterwards. */
+int qf_es_device_create(qf_expert_store **out, qf_expert_store *src, qf_backend *be, int n_layers, int n_experts, int top_k);
 
 static inline void qf_es_destroy(qf_expert_store *s) {
     if (s) s->ops->destroy(s);

@@ -7,6 +7,7 @@ typedef struct resident_store {
     qf_expert_store base;
     int n_layers, n_experts;
     qf_expert *experts; /* [n_layers][n_experts] */
+    uint64_t version;   /* bumped by every qf_es_resident_set */
 } resident_store;
 
 static int resident_acquire(qf_expert_store *s, int layer, int expert, qf_expert *out) {
@@ -31,9 +32,11 @@ static void resident_destroy(qf_expert_store *s) {
     free(r);
 }
 
-static const qf_expert *resident_table(qf_expert_store *s, int layer) {
+static int resident_table(qf_expert_store *s, int layer, qf_expert_table *out) {
     resident_store *r = (resident_store *)s;
-    return &r->experts[(int64_t)layer * r->n_experts];
+    if (layer < 0 || layer >= r->n_layers) return qf_fail(QF_EINVAL, "layer %d has no experts", layer);
+    *out = (qf_expert_table){&r->experts[(int64_t)layer * r->n_experts], NULL, NULL, r->version};
+    return QF_OK;
 }
 
 static const qf_expert_store_ops k_resident_ops = {
@@ -61,4 +64,5 @@ qf_expert_store *qf_es_resident_create(int n_layers, int n_experts) {
 void qf_es_resident_set(qf_expert_store *s, int layer, int expert, const qf_expert *e) {
     resident_store *r = (resident_store *)s;
     r->experts[(int64_t)layer * r->n_experts + expert] = *e;
+    r->version++;
 }

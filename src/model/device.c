@@ -1,6 +1,7 @@
-/* Moving a bound model to a device backend: each checkpoint tensor a weight view points into is
- * copied once, straight from the map, and the views are re-pointed at the copy. The small fp32
- * vectors made at bind time are copied one by one. */
+/* Moving a bound model to a device backend: each checkpoint tensor a dense weight view points into
+ * is copied once, straight from the map, and the views are re-pointed at the copy. The small fp32
+ * vectors made at bind time are copied one by one. The routed experts are the expert store's:
+ * a device-resident store takes them (src/experts/store_device.c). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,13 +117,18 @@ static void move_layer(mover *mv, int L) {
     move_vec(mv, &w->dt_bias, (size_t)c->lin_v_heads);
     move_vec(mv, &w->neg_A, (size_t)c->lin_v_heads);
     move_vec(mv, &w->gnorm, (size_t)c->lin_v_dim);
-    if (!m->experts) return;
-    const qf_expert *tab = m->experts->ops->table(m->experts, L);
-    for (int e = 0; e < c->n_experts && mv->rc == QF_OK; e++) {
-        qf_expert x = tab[e];
-        move_mat(mv, &x.gate), move_mat(mv, &x.up), move_mat(mv, &x.down);
-        qf_es_resident_set(m->experts, L, e, &x);
-    }
+}
+
+/* The routed experts go to a device-resident store (the resident one it replaces held views into
+ * the checkpoint). */
+static int move_experts(qf_model *m, qf_backend *be) {
+    if (!m->experts) return QF_OK;
+    qf_expert_store *d;
+    int rc = qf_es_device_create(&d, m->experts, be, m->cfg.n_layers, m->cfg.n_experts, m->cfg.n_experts_used);
+    if (rc != QF_OK) return rc;
+    qf_es_destroy(m->experts);
+    m->experts = d;
+    return QF_OK;
 }
 
 static int bf16_rows(const qf_mat *w) {
@@ -138,9 +144,10 @@ static int dec_fits(const qf_model *m) {
         return 0;
     for (int L = 0; L < c->n_layers; L++) {
         const qf_layer_w *w = &m->layers[L];
-        const qf_expert *x = m->experts->ops->table(m->experts, L);
+        qf_expert_table t;
+        if (m->experts->ops->table(m->experts, L, &t) != QF_OK) return 0;
         if (!bf16_rows(&w->in_proj) || !bf16_rows(&w->ffn_in) || !bf16_rows(w->kind == QF_LAYER_FULL ? &w->wo : &w->w_out) ||
-            !bf16_rows(&w->sh_down) || !x || !bf16_rows(&x[0].gate) || !bf16_rows(&x[0].down))
+            !bf16_rows(&w->sh_down) || !bf16_rows(&t.experts[0].gate) || !bf16_rows(&t.experts[0].down))
             return 0;
     }
     return 1;
@@ -162,6 +169,7 @@ int qf_model_to_device(qf_model *m, qf_backend *be, int drop_host) {
     move_vec(&mv, &m->final_norm, (size_t)m->cfg.hidden);
     move_vec(&mv, &m->inv_freq, (size_t)(m->cfg.rot_dim / 2));
     for (int L = 0; L < m->cfg.n_layers && mv.rc == QF_OK; L++) move_layer(&mv, L);
+    if (mv.rc == QF_OK) mv.rc = move_experts(m, be);
     for (int i = 0; drop_host && mv.rc == QF_OK && i < m->st.n_tensors; i++) {
         qf_st_tensor *t = &m->st.tensors[i];
         if (t->owned) free(t->owned), t->owned = NULL, t->data = NULL;

@@ -2,6 +2,7 @@
  * all sequences in the batch; convolution, the delta rule, RoPE and attention run per sequence
  * on its own state. All compute goes through the backend ops table. */
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "base/numeric.h"
@@ -155,7 +156,10 @@ static int moe(fwd *f, int L, const float *xn, float *out) {
     const float *fused = N == 1 && w->ffn_in.data ? WS(ws, rl) : NULL;
     OPS->matmul(be, fused ? &w->ffn_in : &w->router, xn, N, WS(ws, rl));
     if (OPS->moe) { /* a device routes and runs the experts itself */
-        qf_moe_args a = {m->experts->ops->table(m->experts, L), c->n_experts, c->n_experts_used, N, H, c->expert_ffn, WS(ws, rl), xn, out};
+        qf_expert_table t;
+        int rc = m->experts->ops->table(m->experts, L, &t);
+        if (rc != QF_OK) return rc;
+        qf_moe_args a = {t.experts, c->n_experts, c->n_experts_used, N, H, c->expert_ffn, WS(ws, rl), xn, out, t.dev, t.chosen, QF_EXPERT_ID_ROWS};
         OPS->moe(be, &a);
         return shared_expert(f, w, xn, fused, out);
     }
@@ -184,8 +188,7 @@ static int dec_usable(const fwd *f) {
     return 1;
 }
 
-/* Returns 2 when the device ran ffn_in and the MoE block mo too (its gdn_tail op without a step). */
-static int dec_full_attn(fwd *f, int L, const qf_pre *norm, const qf_pre *fn, const qf_moe_dec *mo) {
+static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
     const qf_config *c = &f->m->cfg;
     const qf_layer_w *w = &f->m->layers[L];
     qf_backend *be = f->be;
@@ -199,15 +202,10 @@ static int dec_full_attn(fwd *f, int L, const qf_pre *norm, const qf_pre *fn, co
     int gated = d->attn_gate && d->attn_gate(be, &a); /* core is gated already */
     if (!gated) d->attention(be, &a);
     qf_pre gate = {QF_PRE_SIGMOID, NULL, big + hd, stride, 2 * hd, hd, 0.0f};
-    qf_gdn_dec none = {NULL, 0, f->N, 0, 0, 0, 0, {0}, core};
-    if (!gated && d->gdn_tail && d->gdn_tail(be, &none, &w->wo, &gate, WS(f->ws, x), &w->ffn_in, fn, WS(f->ws, drl), mo) == 2) return 2;
     d->matmul(be, &w->wo, core, f->N, gated ? NULL : &gate, NULL, 1, WS(f->ws, x));
-    return 0;
 }
 
-/* Returns 1 when the device also ran ffn_in (its gdn_tail op: the step, out_proj and ffn_in as one),
- * 2 when it ran the MoE block mo too. */
-static int dec_linear_attn(fwd *f, int L, const qf_pre *norm, const qf_pre *fn, const qf_moe_dec *mo) {
+static void dec_linear_attn(fwd *f, int L, const qf_pre *norm) {
     const qf_config *c = &f->m->cfg;
     const qf_layer_w *w = &f->m->layers[L];
     qf_backend *be = f->be;
@@ -219,15 +217,12 @@ static int dec_linear_attn(fwd *f, int L, const qf_pre *norm, const qf_pre *fn, 
     for (int t = 0; t < f->N; t++) e.conv_state[t] = f->seqs[t].st->conv[L], g.S[t] = f->seqs[t].st->ssm[L];
     d->matmul(be, &w->in_proj, WS(f->ws, x), f->N, norm, &e, 0, big);
     qf_pre gn = {QF_PRE_GATED_NORM, w->gnorm, big + cd, stride, dv, dv, c->norm_eps};
-    int done = d->gdn_tail ? d->gdn_tail(be, &g, &w->w_out, &gn, WS(f->ws, x), &w->ffn_in, fn, WS(f->ws, drl), mo) : 0;
-    if (done) return done;
     int normed = d->gdn_gn && d->gdn_gn(be, &g, &gn); /* core is gn(core) already */
     if (!normed) d->gdn(be, &g);
     d->matmul(be, &w->w_out, core, f->N, normed ? NULL : &gn, NULL, 1, WS(f->ws, x));
-    return 0;
 }
 
-static void dec_layer(fwd *f, int L) {
+static int dec_layer(fwd *f, int L) {
     const qf_model *m = f->m;
     const qf_config *c = &m->cfg;
     const qf_layer_w *w = &m->layers[L];
@@ -235,13 +230,16 @@ static void dec_layer(fwd *f, int L) {
     qf_pre an = {QF_PRE_RMSNORM, w->attn_norm, NULL, 0, 0, 0, c->norm_eps}, fn = an;
     fn.w = w->ffn_norm;
     float *rl = WS(f->ws, drl);
-    qf_moe_dec mo = {m->experts->ops->table(m->experts, L), c->n_experts, c->n_experts_used, f->N, c->hidden, c->expert_ffn, c->shared_ffn,
-                     w->ffn_norm, c->norm_eps, rl, (int)w->ffn_in.rows, &w->sh_down, WS(f->ws, x)};
-    int done = 0; /* 1: ffn_in ran, 2: the MoE block too */
-    if (w->kind == QF_LAYER_FULL) done = dec_full_attn(f, L, &an, &fn, &mo);
-    else done = dec_linear_attn(f, L, &an, &fn, &mo);
-    if (!done) OPS->dec->matmul(be, &w->ffn_in, WS(f->ws, x), f->N, &fn, NULL, 0, rl);
-    if (done < 2) OPS->dec->moe(be, &mo);
+    qf_expert_table t;
+    int rc = m->experts->ops->table(m->experts, L, &t);
+    if (rc != QF_OK) return rc;
+    qf_moe_dec mo = {t.experts, c->n_experts, c->n_experts_used, f->N, c->hidden, c->expert_ffn, c->shared_ffn, w->ffn_norm, c->norm_eps, rl,
+                     (int)w->ffn_in.rows, &w->sh_down, WS(f->ws, x), t.dev, t.chosen};
+    if (w->kind == QF_LAYER_FULL) dec_full_attn(f, L, &an);
+    else dec_linear_attn(f, L, &an);
+    OPS->dec->matmul(be, &w->ffn_in, WS(f->ws, x), f->N, &fn, NULL, 0, rl);
+    OPS->dec->moe(be, &mo);
+    return QF_OK;
 }
 
 /* Final norm + lm_head over every row (one per sequence), then each sequence's logits or pick. */
@@ -346,6 +344,16 @@ static uint64_t step_key(const qf_seq_step *seqs, int n_seqs) {
     return h;
 }
 
+/* A step that failed part-way: the device's bracket is closed (its own error, if any, is not the
+ * first one) and rc returned. The sequences' states hold part of the step: their requests fail. */
+static int step_fail(qf_backend *be, int rc) {
+    if (!OPS->step_end) return rc;
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", qf_last_error());
+    OPS->step_end(be);
+    return qf_fail(rc, "%s", msg);
+}
+
 int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step *seqs, int n_seqs) {
     fwd f = {m, be, ws, seqs, n_seqs, 0};
     int rc = check_batch(m, ws, seqs, n_seqs, &f.N);
@@ -357,7 +365,8 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) OPS->embed(be, &m->embed, seqs[s].tokens, seqs[s].n, x + (size_t)r0 * H);
     if (ws->hook && !m->dev) ws->hook(ws->hook_ud, 0, x, f.N, H);
     if (dec_usable(&f)) {
-        for (int L = 0; L < c->n_layers; L++) dec_layer(&f, L);
+        for (int L = 0; L < c->n_layers && rc == QF_OK; L++) rc = dec_layer(&f, L);
+        if (rc != QF_OK) return step_fail(be, rc);
         for (int s = 0; s < n_seqs; s++) seqs[s].st->pos += seqs[s].n;
         dec_logits(&f);
         return OPS->step_end ? OPS->step_end(be) : QF_OK;
@@ -370,7 +379,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
         OPS->axpy(be, x, tmp, 1.0f, (int64_t)f.N * H);
         OPS->rmsnorm(be, x, H, w->ffn_norm, f.N, H, c->norm_eps, xn, H);
         if (c->arch == QF_ARCH_QWEN35_MOE) {
-            if ((rc = moe(&f, L, xn, tmp)) != QF_OK) return rc;
+            if ((rc = moe(&f, L, xn, tmp)) != QF_OK) return step_fail(be, rc);
         } else {
             swiglu_mlp(&f, &w->gate, &w->up, &w->down, xn, f.N, tmp);
         }

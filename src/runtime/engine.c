@@ -6,20 +6,16 @@
 #include <unistd.h>
 
 #include "base/timer.h"
-#include "backend/cuda/ops_cuda.h"
+#include "backend/backend.h"
 #include "base/utf8.h"
 
-/* "cuda[:N]": the CUDA backend, the weights copied to the GPU (generated ones dropped from host
- * memory once there). */
+/* The backend named by opts->device; on a device the weights are copied there (generated ones
+ * dropped from host memory once there). */
 static int use_device(qf_engine *e, const qf_engine_opts *opts) {
-    const char *d = opts->device;
-    if (!d || !*d || strcmp(d, "cpu") == 0) return QF_OK;
-    if (strncmp(d, "cuda", 4) != 0 || (d[4] && d[4] != ':')) return qf_fail(QF_EINVAL, "unknown device '%s' (cpu, cuda, cuda:N)", d);
-    int rc = qf_cuda_backend_init(&e->be, d[4] == ':' ? atoi(d + 5) : 0);
+    int rc = qf_backend_open(&e->be, opts->device, e->pool, opts->cuda);
     if (rc != QF_OK) return rc;
-    e->be.pool = e->pool;
-    e->on_gpu = 1;
-    return qf_model_to_device(e->model, &e->be, opts->synth != NULL);
+    e->on_gpu = qf_backend_is_device(&e->be);
+    return e->on_gpu ? qf_model_to_device(e->model, &e->be, opts->synth != NULL) : QF_OK;
 }
 
 int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts) {
@@ -34,7 +30,6 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
     if (rc == QF_OK && dir && access(tj, R_OK) == 0) rc = qf_tok_load(&e->tok, dir);
     if (rc == QF_OK) {
         e->pool = qf_pool_create(opts->n_threads > 0 ? opts->n_threads : qf_cpu_count());
-        e->be = (qf_backend){qf_cpu_ops_best(), e->pool, NULL};
         rc = use_device(e, opts);
     }
     if (rc == QF_OK) {
@@ -60,7 +55,7 @@ void qf_engine_close(qf_engine *e) {
     qf_workspace_free(e->ws);
     qf_model_free(e->model); /* device buffers go back before the device context does */
     e->model = NULL;
-    if (e->on_gpu) qf_cuda_backend_free(&e->be);
+    qf_backend_close(&e->be);
     qf_pool_destroy(e->pool);
     qf_tok_free(e->tok);
     qf_model_free(e->model);

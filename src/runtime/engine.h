@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend/backend.h"
 #include "model/model.h"
 #include "runtime/sampler.h"
 #include "tokenizer/tokenizer.h"
@@ -16,6 +17,7 @@ typedef struct qf_engine_opts {
     qf_diag *diag;
     const qf_synth_opts *synth; /* make a synthetic model instead of loading dir (no tokenizer) */
     const char *device;         /* "cpu" (default) or "cuda" / "cuda:N" */
+    const qf_cuda_opts *cuda;   /* the CUDA backend's options (NULL: defaults) */
     void (*progress)(void *ud, int done, int total);
     void *progress_ud;
 } qf_engine_opts;

@@ -110,6 +110,7 @@ static void c_moe(qf_backend *be, const qf_moe_dec *a) {
         float *x = a->x + (size_t)t * H;
         o->rmsnorm(be, x, H, a->norm_w, 1, H, a->eps, xn, H);
         qf_ref_route(l, E, a->top_k, ti, tw);
+        for (int k = 0; a->chosen && k < a->top_k; k++) a->chosen[t * a->top_k + k] = ti[k];
         memset(acc, 0, (size_t)H * sizeof(float));
         for (int k = 0; k < a->top_k; k++) {
             const qf_expert *ex = &a->experts[ti[k]];
@@ -131,7 +132,7 @@ static void c_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *o
     for (int t = 0; t < n; t++) out[t] = qf_argmax_f32(x + (size_t)t * cols, cols);
 }
 
-static const qf_dec_ops k_compose = {c_matmul, c_gdn, c_attention, c_moe, c_argmax, NULL, NULL, NULL};
+static const qf_dec_ops k_compose = {c_matmul, c_gdn, c_attention, c_moe, c_argmax, NULL, NULL};
 
 int qf_cpu_dec_compose_init(qf_backend *be, const qf_ops *base, size_t scratch_floats) {
     compose *c = calloc(1, sizeof *c);

@@ -7,16 +7,17 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <tuple>
 #include <utility>
-#include <vector>
 
 extern "C" {
 #include "backend/cuda/ops_cuda.h"
+#include "backend/cuda/cuda_opts.h"
 #include "base/dtype.h"
 #include "base/err.h"
 #include "base/timer.h"
@@ -63,17 +64,7 @@ struct graph_state {
     size_t pin_out_cap, pin_tok_cap;
 };
 
-// QFLASH_CUDA_TRACE=1: one replayed step's block events (decode_cuda.cu tr(); trace_cuda.cu).
-// TR_RL, TR_GU, TR_DN: the joined MoE's phases in the tail (router rows counted, gate/up rows done, past their count)
-enum { TR_START, TR_WAIT, TR_END, TR_LOGITS, TR_RANKED, TR_ROUTED, TR_PHASE1, TR_BARRIER, TR_RL, TR_GU, TR_DN, TR_EVENTS };
-struct trec {
-    unsigned long long t; // global timer, ns
-    unsigned short tag;   // the kernel's kind (the QFLASH_CUDA_SKIP bit)
-    unsigned char ev, sm;
-    unsigned block, grid;
-};
-
-// QFLASH_CUDA_PROFILE=1: every kernel timed with events (eager steps only), summed by kernel and
+// Option profile: every kernel timed with events (eager steps only), summed by kernel and
 // printed when the backend is freed.
 #define PROF_MAX 64
 #define PROF_RING 4096
@@ -90,42 +81,34 @@ struct ctx {
     int device, fp32, bf16_single;
     int sms, smem_optin, smem_sm; // multiprocessors; shared memory a block may opt in to, and per SM
     int pdl;                      // graphs chain the kernels that allow it programmatically (sm_90+)
-    int stream;                   // one-row decode products stream weights through a shared-memory ring (QFLASH_CUDA_STREAM)
-    int stream_blocks;            // their blocks per SM (QFLASH_CUDA_STREAM_BLOCKS, default 1)
-    int bps;                      // blocks per SM of the other one-row decode kernels (QFLASH_CUDA_BPS; 0: all that fit)
-    int gdn_lpc;                  // lanes per value column in the DeltaNet decode kernel (QFLASH_CUDA_GDN_LPC: 2, 4, 8)
-    int pw1;                      // one-row products of few weight rows take a warp per row (QFLASH_CUDA_PW1, default 1)
-    int early;                    // decode kernels issue their first weight loads before waiting (QFLASH_CUDA_EARLY, default 1)
-    int moe1;                     // one-row MoE blocks in one kernel, gate/up and down a grid count apart (QFLASH_CUDA_MOE1, default 1)
-    unsigned *moe_cnt;            // grid counts, zero between launches: [0..1] the one-kernel MoE's, [4..11] the DeltaNet tail's
-    int att1;                     // the decode attention in one kernel, keys loaded before its wait (QFLASH_CUDA_ATT1)
-    int att_gate;                 // the decode attention applies the output gate, o_proj none (QFLASH_CUDA_ATT_GATE)
-    int comb;                     // the attention's combine loads every split at once (attn_combine_head PAR; QFLASH_CUDA_COMB=0: off)
+    int gdn_lpc;                  // lanes per value column in the DeltaNet decode kernel (option gdn_lpc: 2, 4, 8)
+    int pw1;                      // one-row products of few weight rows take a warp per row (option pw1, default 1)
+    int early;                    // decode kernels issue their first weight loads before waiting (option early, default 1)
+    int moe1;                     // one-row MoE blocks in one kernel, gate/up and down a grid count apart (option moe1, default 1)
+    unsigned *moe_cnt;            // grid counts, zero between launches: [0..1] the one-kernel MoE's
+    int att1;                     // the decode attention in one kernel, keys loaded before its wait (option att1)
+    int att_gate;                 // the decode attention applies the output gate, o_proj none (option att_gate)
+    int comb;                     // the attention's combine loads every split at once (attn_combine_head PAR; option comb=0: off)
     unsigned *att_cnt;            // per (row, head) counts of the one-kernel attention's finished splits (k_attn_dec ONE), zero between launches
-    int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (default; QFLASH_CUDA_GDN_GN=0: off)
-    int moe_pf;                   // the one-kernel MoE's expert table in shared memory (default; QFLASH_CUDA_MOE_PF=0: off)
-    int route;                    // the one-kernel MoE's routing: 0 route_block, 1 route_fixed, 2 route_pairs, 3 route_sort (the default; QFLASH_CUDA_ROUTE)
-    int wide;                     // one-row gated norms of wide heads staged with every load at once (QFLASH_CUDA_WIDE=1, default off)
-    int bulk;                     // kinds of one-row products fed by bulk copies into per-warp rings (QFLASH_CUDA_BULK=mask, sm_90; default 8: in_proj/qkv)
-    int bulk_blocks;              // their blocks per SM (QFLASH_CUDA_BULK_BLOCKS: 1 or 2, default 2)
-    int tail;                     // a DeltaNet layer's step, out_proj and ffn_in in one kernel at one row (QFLASH_CUDA_TAIL=1; 2: weights read in place; sm_90)
-    int tail_dsm;                 // the joined MoE's second down rows bulk-copied before its count (QFLASH_CUDA_TAIL_DSM)
-    int tail_nw;                  // warps a block of the joined tail: 8 (bulk-copy ring) or 16 (registers; QFLASH_CUDA_TAIL_NW)
-    int mg, mg_min_rows;          // the many-row MoE grouped by expert (moe_grouped; QFLASH_CUDA_MG=0: off) from this many rows (QFLASH_CUDA_MG_MIN)
+    int gdn_gn;                   // the DeltaNet step a value head per block, with out_proj's gated norm (default; option gdn_gn=0: off)
+    int moe_pf;                   // the one-kernel MoE's expert table in shared memory (default; option moe_pf=0: off)
+    int route;                    // the one-kernel MoE's routing: 2 route_pairs, 3 route_sort (the default)
+    int bulk;                     // kinds of one-row products fed by bulk copies into per-warp rings (option bulk=mask, sm_90; default 8: in_proj/qkv)
+    int bulk_blocks;              // their blocks per SM (option bulk_blocks: 1 or 2, default 2)
+    int mg, mg_min_rows;          // the many-row MoE grouped by expert (moe_grouped; option mg=0: off) from this many rows (option mg_min)
     void *mg_buf;                 // its scratch
     size_t mg_cap;
-    int mg_cp, mg_cp_attr;        // moe_grouped's products fed by cp.async stages (k_mg_cp; QFLASH_CUDA_MG_CP=0: the register form)
-    int mg_p64;                   // k_mg_cp's passes of 64 slots when experts average more than 24 (QFLASH_CUDA_MG_P64=0: 32)
-    int att_tile, att_tile_attr;  // many-query attention as tiles of rows sharing a kv head (attn_tiled; QFLASH_CUDA_ATT_TILE=0: off)
-    int att_tc;                   // their products on the tensor cores, operands as bf16 hi + lo parts (QFLASH_CUDA_ATT_TC=0: fp32 FMAs)
-    int gdn_seq;                  // the many-token DeltaNet as a block per head (k_gdn; QFLASH_CUDA_GDN_SEQ=1), not k_gdn_cols
-    int gdn_plpc;                 // lanes a value column in k_gdn_cols (QFLASH_CUDA_GDN_PLPC: 1, 2, 4 (default), 8)
-    int gdn_cp;                   // k_gdn_cols stages its inputs by cp.async a round ahead (QFLASH_CUDA_GDN_CP=0: plain loads)
-    int gdn_chunk, gdn_chunk_min; // the many-token DeltaNet in chunks of 64 (gdn_chunked; QFLASH_CUDA_GDN_CHUNK=0: off) from this many tokens
+    int mg_cp, mg_cp_attr;        // moe_grouped's products fed by cp.async stages (k_mg_cp; option mg_cp=0: the register form)
+    int mg_p64;                   // k_mg_cp's passes of 64 slots when experts average more than 24 (option mg_p64=0: 32)
+    int att_tile, att_tile_attr;  // many-query attention as tiles of rows sharing a kv head (attn_tiled; option att_tile=0: off)
+    int att_tc;                   // their products on the tensor cores, operands as bf16 hi + lo parts (option att_tc=0: fp32 FMAs)
+    int gdn_seq;                  // the many-token DeltaNet as a block per head (k_gdn; option gdn_seq=1), not k_gdn_cols
+    int gdn_plpc;                 // lanes a value column in k_gdn_cols (option gdn_plpc: 1, 2, 4 (default), 8)
+    int gdn_cp;                   // k_gdn_cols stages its inputs by cp.async a round ahead (option gdn_cp=0: plain loads)
+    int gdn_chunk, gdn_chunk_min; // the many-token DeltaNet in chunks of 64 (gdn_chunked; option gdn_chunk=0: off) from this many tokens
     int gdnc_attr;                // its kernels' shared-memory opt-in is set
     void *gdnc;                   // its scratch
     size_t gdnc_cap;
-    int x_late;                   // the next MoE launch must stage x after its wait (the kernel before it wrote x)
     int cc_major;                 // the device's compute capability, major
     profile prof;
     graph_state gs;
@@ -140,23 +123,38 @@ struct ctx {
     int n_occ;
     const void *carved[128]; // kernels already set to the largest shared-memory carveout
     int n_carved;
-    // QFLASH_CUDA_STEPTIME=1: replayed steps timed (GPU between events; host from the step's
+    // option steptime=1: replayed steps timed (GPU between events; host from the step's
     // begin to its launch; begin to results; the nodes whose parameters were set again, and the
     // host time that took), means printed when the backend is freed
-    struct tracing { int on, steps; trec *buf; } trace; // QFLASH_CUDA_TRACE=1: the 20th replayed step
     struct steptime { int on; cudaEvent_t ev[2]; double t0, gpu_ms, host_us, wall_us, set_us; long n, sets; } st;
     int n_tabs;
+    // The first failure since the last step ended (a kernel that could not take its shape, a
+    // launch or copy that failed, scratch that could not grow): the step reports it and fails.
+    int err;
+    char err_msg[256];
 };
 
 inline ctx *C(qf_backend *be) { return (ctx *)be->dev; }
 
-inline void check(cudaError_t e, const char *what);
+// Records the step's first failure (printf-style message); later ones add nothing.
+__attribute__((format(printf, 2, 3))) inline void dev_fail(ctx *c, const char *fmt, ...) {
+    if (c->err) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err_msg, sizeof c->err_msg, fmt, ap);
+    va_end(ap);
+    c->err = 1;
+}
+
+inline void check(ctx *c, cudaError_t e, const char *what) {
+    if (e != cudaSuccess) dev_fail(c, "%s: %s", what, cudaGetErrorString(e));
+}
 
 // Adds a node after the last one (a chain: the step's kernels run in order).
 // pdl: the kernel waits (griddepcontrol.wait) before it touches what earlier kernels wrote, so it
 // may be launched while the kernel before it is still finishing (programmatic dependent launch):
 // its blocks take their places and stream their first weights into L2 meanwhile.
-// A replayed node's parameters set again: counted, with the host time since t0, under QFLASH_CUDA_STEPTIME.
+// A replayed node's parameters set again: counted, with the host time since t0, under option steptime.
 inline double set_begin(const ctx *c) { return c->st.on ? qf_now() : 0.0; }
 inline void set_end(ctx *c, double t0) {
     if (c->st.on) c->st.set_us += 1e6 * (qf_now() - t0), c->st.sets++;
@@ -249,7 +247,7 @@ inline void launch(ctx *c, const char *name, int pdl, void (*k)(P...), dim3 g, d
         std::apply([&](auto &...v) { ((memcpy(blob + len, &v, sizeof v), len += (unsigned)sizeof v), ...); }, vals);
         if (c->gs.mode == G_RECORD) g_add_kernel(c, (const void *)k, g, b, smem, args, blob, len, pdl);
         else g_set_kernel(c, (const void *)k, g, b, smem, args, blob, len);
-    } else if (!c->prof.on) check(cudaLaunchKernel((const void *)k, g, b, args, smem, 0), name);
+    } else if (!c->prof.on) check(c, cudaLaunchKernel((const void *)k, g, b, args, smem, 0), name);
     else {
         profile *p = &c->prof;
         if (p->n_pend == PROF_RING) prof_flush(c);
@@ -308,13 +306,6 @@ inline void g_copy(ctx *c, void *dst, const void *src, size_t n, cudaMemcpyKind 
 inline void note_peak(ctx *c) {
     size_t fr = 0, tot = 0;
     if (cudaMemGetInfo(&fr, &tot) == cudaSuccess && tot - fr > c->peak) c->peak = tot - fr;
-}
-
-inline void check(cudaError_t e, const char *what) {
-    if (e != cudaSuccess) {
-        // a failed kernel or copy leaves the model in an unknown state: say so loudly, once
-        fprintf(stderr, "qflash cuda: %s: %s\n", what, cudaGetErrorString(e));
-    }
 }
 
 // Grows a scratch buffer (only while sizes are still rising: the first steps of a run).
@@ -425,7 +416,7 @@ __device__ __forceinline__ void attn_key(const float *qr, const float *k, const 
 // times sigmoid(gate[d]) where gate is given (the attention layer's output gate, as o_proj's
 // SIGMOID pre would apply it). The block's threads stride the dims; every thread of the block
 // calls it. L2: the partials are read past L1 (in the one-kernel attention other blocks of the same
-// kernel wrote them). PAR (the default; QFLASH_CUDA_COMB=0: off, decode only): each split's M and L
+// kernel wrote them). PAR (the default; option comb=0: off, decode only): each split's M and L
 // are loaded once by the block, in one round, and a dim's partials 8 splits at a time, where the
 // plain loops paid a memory latency per split in each of three loops. Sums in the same order.
 #define COMB_MAX_SPLITS 64
@@ -496,30 +487,26 @@ __global__ void k_attn_combine(int splits, int hd, const float *part, float *out
 // How many key splits (and keys per split) for `rows` (query, head) pairs over up to max_keys keys.
 int attn_splits(int max_keys, int rows, int *chunk);
 
-// The device table of one MoE layer's expert pointers ([3][E]: gate, up, down), made on first use.
+// The device table of one MoE layer's expert pointers ([3][E]: gate, up, down) for callers that
+// pass none (the ops' tests): made on first use, made again when any pointer in it changed.
 const void **expert_table(ctx *c, const qf_expert *experts, int E);
 // The MoE op's experts for many rows grouped by expert, on the tensor cores (moe_group_cuda.cu),
 // given the routing (topi, topw: K per row), with the caller's y (N * K rows of H floats: each
 // slot's down product) as scratch; 0: not taken (too few rows, not bf16, a shape it is not built
-// for, or QFLASH_CUDA_FP32), the caller runs its GEMV path.
+// for, or option fp32), the caller runs its GEMV path.
 int moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw, float *y);
 
 // The attention op for a prompt's queries (8 or more) as tiles of query rows sharing a kv head
 // (attn_tile_cuda.cu), partials in part (room for part_splits splits a row) combined into a->out;
-// 0: not taken (few queries, a shape or alignment it is not built for, QFLASH_CUDA_ATT_TILE=0).
+// 0: not taken (few queries, a shape or alignment it is not built for, option att_tile=0).
 int attn_tiled(ctx *c, const qf_attn_args *a, float *part, int part_splits);
 
 // The gdn op in chunks of 64 tokens, the WY form of backend/cpu/gdn_chunked.c (gdn_chunk_cuda.cu);
 // 0: not taken (fewer tokens than c->gdn_chunk_min, a shape it is not built for, switched off).
 int gdn_chunked(ctx *c, const qf_gdn_args *a);
 
-extern const qf_dec_ops k_dec_ops;
+// Argmax partials and per-row counts (dec_gemv_cuda.cu), zeroed once.
 size_t argmax_scratch_bytes(void);
-void dec_setup(ctx *c); // the decode kernels' settings from the environment (after the device is chosen)
-#define TRACE_CAP (1u << 20)
-int trace_arm(ctx *c);            // the next kernels stamp into c->trace.buf (0: no buffer)
-unsigned trace_disarm(ctx *c);    // stamps taken
-void trace_report(std::vector<trec> &r, FILE *f);
 
 } // namespace qfc
 

@@ -1,6 +1,7 @@
 // The CUDA ops table. Every kernel mirrors the CPU reference op of the same name
 // (src/backend/cpu/ops_ref.c); tests/test_cuda.c compares them on random data of the real shapes.
 #include "backend/cuda/cuda_int.cuh"
+#include "backend/cuda/dec_int.cuh"
 #include "base/timer.h"
 
 namespace {
@@ -401,8 +402,7 @@ void gdn_cols_pick(ctx *c, const qf_gdn_args *a) {
 void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
     ctx *c = C(be);
     if (a->dk > 128) {
-        fprintf(stderr, "qflash cuda: linear-attention key dim %d > 128 is not supported\n", a->dk);
-        return;
+        return dev_fail(c, "linear-attention key dim %d > 128 is not supported", a->dk);
     }
     if (gdn_chunked(c, a)) return;
     if (c->gdn_seq) { // k_gdn: a block per head (QFLASH_CUDA_GDN_SEQ=1, the kernel before k_gdn_cols)
@@ -459,8 +459,7 @@ namespace {
 void cu_attention(qf_backend *be, const qf_attn_args *a) {
     ctx *c = C(be);
     if (a->hd > ATT_DPL * 32) {
-        fprintf(stderr, "qflash cuda: head_dim %d > %d is not supported\n", a->hd, ATT_DPL * 32);
-        return;
+        return dev_fail(c, "head_dim %d > %d is not supported", a->hd, ATT_DPL * 32);
     }
     int rows = a->T * a->nh, chunk, splits = attn_splits(a->pos0 + a->T, rows, &chunk);
     // sized for the most splits, so a recorded graph's scratch never moves as the context grows
@@ -696,18 +695,18 @@ namespace {
 
 void cu_moe(qf_backend *be, const qf_moe_args *a) {
     ctx *c = C(be);
-    const void **tab = expert_table(c, a->experts, a->n_experts);
+    const void **tab = a->table ? (const void **)a->table : expert_table(c, a->experts, a->n_experts);
     int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
     size_t head = ((size_t)N * K * (sizeof(int) + sizeof(float)) + 15) & ~(size_t)15; // hbuf 16-byte aligned for dot8
     size_t need = head + (size_t)N * K * (size_t)(I + H) * sizeof(float);
     char *s = (char *)scratch(c, &c->moe, &c->moe_cap, need);
     if (!tab || !s || K > 64) {
-        fprintf(stderr, "qflash cuda: moe: out of device memory (or top-k %d > 64)\n", K);
-        return;
+        return dev_fail(c, "moe: out of device memory (or top-k %d > 64)", K);
     }
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)N * K * sizeof(int)), *hbuf = (float *)(s + head), *ybuf = hbuf + (size_t)N * K * I;
     LAUNCH(c, k_route, N, 256, a->router_logits, E, K, topi, topw);
+    if (a->chosen) g_copy(c, a->chosen, topi, (size_t)(N < a->chosen_rows ? N : a->chosen_rows) * K * sizeof(int), cudaMemcpyDeviceToDevice);
     if (moe_grouped(c, a, tab, topi, topw, ybuf)) return;
     int dtype = a->experts[0].gate.dtype;
     LAUNCH(c, k_expert_gate_up, dim3(N * K, (I + 7) / 8), 256, tab, E, dtype, topi, K, a->x, H, I, hbuf);
@@ -732,14 +731,14 @@ void cu_free(qf_backend *be, void *p) {
 
 void cu_upload(qf_backend *be, void *dst, const void *src, size_t n) {
     ctx *c = C(be);
-    check(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "upload");
+    check(c, cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "upload");
 }
 
 void cu_download(qf_backend *be, void *dst, const void *src, size_t n) {
     ctx *c = C(be);
     graph_state *s = &c->gs;
     if (s->mode == G_EAGER) {
-        check(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "download");
+        check(c, cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "download");
         return;
     }
     // inside a graph step: into pinned staging, handed to dst once the graph has run
@@ -753,6 +752,16 @@ void cu_download(qf_backend *be, void *dst, const void *src, size_t n) {
 }
 
 double now_us(void) { return qf_now() * 1e6; }
+
+// The step's first failure as the caller's error (and the launch errors CUDA holds); cleared, so
+// the next step starts clean unless the device itself is lost (then it fails again).
+int take_error(ctx *c) {
+    check(c, cudaPeekAtLastError(), "kernel launch");
+    if (!c->err) return QF_OK;
+    c->err = 0;
+    cudaGetLastError();
+    return qf_fail(QF_EDEVICE, "CUDA device: %s", c->err_msg);
+}
 
 // The step's shape decides: graphs for up to QF_DEC_ROWS rows, the same key twice
 // in a row to record, then replays while it stays the same.
@@ -783,7 +792,7 @@ int cu_step_end(qf_backend *be) {
     graph_state *s = &c->gs;
     int mode = s->mode;
     s->mode = G_EAGER;
-    if (mode == G_EAGER) return QF_OK;
+    if (mode == G_EAGER) return take_error(c);
     if (!s->broken && mode == G_RECORD) {
         s->n_rec = s->n;
         if (cudaGraphInstantiate(&s->ex, s->g, 0) != cudaSuccess) s->ex = NULL, s->broken = 1;
@@ -792,31 +801,42 @@ int cu_step_end(qf_backend *be) {
     if (s->broken) { // never launched: this step's work is lost, so the step fails and graphs stop
         if (s->ex) cudaGraphExecDestroy(s->ex), s->ex = NULL;
         s->enabled = 0;
-        return qf_fail(QF_EUNSUPPORTED, "CUDA graph step diverged from its recording (graphs now off: QFLASH_CUDA_GRAPHS=0)");
+        c->err = 0;
+        return qf_fail(QF_EDEVICE, "CUDA graph step diverged from its recording (graphs are now off)");
     }
-    int timed = c->st.on && mode == G_REPLAY, traced = c->trace.on && mode == G_REPLAY && ++c->trace.steps == 20 && trace_arm(c);
+    if (c->err) { // a kernel of the step could not be recorded: the step is not run
+        if (s->ex) cudaGraphExecDestroy(s->ex), s->ex = NULL;
+        s->key = 0;
+        return take_error(c);
+    }
+    int timed = c->st.on && mode == G_REPLAY;
     double t_launch = timed ? now_us() : 0.0;
     if (timed) cudaEventRecord(c->st.ev[0], 0);
-    check(cudaGraphLaunch(s->ex, 0), "graph launch");
+    check(c, cudaGraphLaunch(s->ex, 0), "graph launch");
     if (timed) cudaEventRecord(c->st.ev[1], 0);
-    check(cudaStreamSynchronize(0), "graph step");
+    check(c, cudaStreamSynchronize(0), "graph step");
     for (int i = 0; i < s->n_outs; i++) memcpy(s->outs[i].dst, s->pin_out + s->outs[i].off, s->outs[i].bytes);
-    if (traced) {
-        std::vector<trec> r(trace_disarm(c));
-        if (!r.empty() && cudaMemcpy(r.data(), c->trace.buf, r.size() * sizeof(trec), cudaMemcpyDeviceToHost) == cudaSuccess) trace_report(r, stderr);
-    }
     if (timed) {
         float ms = 0.0f;
         cudaEventElapsedTime(&ms, c->st.ev[0], c->st.ev[1]);
         c->st.gpu_ms += ms, c->st.host_us += t_launch - c->st.t0, c->st.wall_us += now_us() - c->st.t0, c->st.n++;
     }
-    return QF_OK;
+    return take_error(c);
+}
+
+int cu_sync(qf_backend *be) {
+    ctx *c = C(be);
+    check(c, cudaDeviceSynchronize(), "synchronize");
+    note_peak(c);
+    return take_error(c);
 }
 
 void cu_zero(qf_backend *be, void *p, size_t n) {
     ctx *c = C(be);
     cudaMemsetAsync(p, 0, n, 0);
 }
+
+const qf_dec_ops k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_gn, dec_attn_gate};
 
 const qf_ops k_cuda_ops = {
     "cuda",
@@ -842,81 +862,57 @@ const qf_ops k_cuda_ops = {
     cu_zero,
     cu_step_begin,
     cu_step_end,
+    cu_sync,
 };
 
 } // namespace
 
 extern "C" int qf_cuda_available(void) { return 1; }
 
-extern "C" int qf_cuda_backend_init(qf_backend *be, int device) {
+// The options into the context, with what the device allows (programmatic launch and bulk
+// copies need sm_90).
+static void apply_opts(ctx *c, const qf_cuda_opts *o) {
+    c->fp32 = o->precision == QF_PREC_FP32, c->bf16_single = o->precision == QF_PREC_BF16;
+    c->pdl = c->cc_major >= 9 && o->pdl;
+    c->early = o->early, c->pw1 = o->pw1, c->moe1 = o->moe1, c->moe_pf = o->moe_pf, c->route = o->route;
+    c->gdn_lpc = o->gdn_lpc == 2 || o->gdn_lpc == 8 ? o->gdn_lpc : 4, c->gdn_gn = o->gdn_gn;
+    c->bulk = c->cc_major >= 9 ? o->bulk : 0, c->bulk_blocks = o->bulk_blocks;
+    c->att1 = o->att1, c->att_gate = o->att_gate, c->comb = o->comb;
+    c->mg = o->mg, c->mg_cp = o->mg_cp, c->mg_p64 = o->mg_p64;
+    // Below these rows the GEMV path is faster at the real shape (docs/performance.md).
+    c->mg_min_rows = o->mg_min >= 0 ? o->mg_min : c->mg_cp ? 96 : 192;
+    c->att_tile = o->att_tile, c->att_tc = o->att_tc;
+    c->gdn_seq = o->gdn_seq, c->gdn_cp = o->gdn_cp, c->gdn_chunk = o->gdn_chunk, c->gdn_chunk_min = o->gdn_chunk_min;
+    c->gdn_plpc = o->gdn_plpc == 1 || o->gdn_plpc == 2 || o->gdn_plpc == 8 ? o->gdn_plpc : 4;
+    c->prof.on = o->profile;
+    c->gs.enabled = o->graphs && !c->prof.on;
+    c->st.on = o->steptime && cudaEventCreate(&c->st.ev[0]) == cudaSuccess && cudaEventCreate(&c->st.ev[1]) == cudaSuccess;
+    for (int i = 0; c->prof.on && i < PROF_RING; i++) cudaEventCreate(&c->prof.ev[i][0]), cudaEventCreate(&c->prof.ev[i][1]);
+}
+
+extern "C" int qf_cuda_backend_init(qf_backend *be, int device, const qf_cuda_opts *opts) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0) return qf_fail(QF_EUNSUPPORTED, "no CUDA device: %s", e != cudaSuccess ? cudaGetErrorString(e) : "none found");
     if (device < 0 || device >= n) return qf_fail(QF_EINVAL, "CUDA device %d does not exist (%d found)", device, n);
-    cudaSetDevice(device);
+    if (cudaSetDevice(device) != cudaSuccess) return qf_fail(QF_EDEVICE, "CUDA device %d cannot be used", device);
+    qf_cuda_opts def;
+    qf_cuda_opts_default(&def);
     ctx *c = (ctx *)calloc(1, sizeof(ctx));
     if (!c) return qf_fail(QF_ENOMEM, "out of memory");
     c->device = device;
-    const char *fp = getenv("QFLASH_CUDA_FP32");
-    c->fp32 = fp && *fp == '1';
-    const char *b1 = getenv("QFLASH_CUDA_BF16"); /* one bf16 product per GEMM: faster prefill, ~1 logit of error */
-    c->bf16_single = b1 && *b1 == '1';
     cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
         snprintf(c->name, sizeof c->name, "%s", prop.name);
         c->cc_major = prop.major;
         c->sms = prop.multiProcessorCount, c->smem_optin = (int)prop.sharedMemPerBlockOptin, c->smem_sm = (int)prop.sharedMemPerMultiprocessor;
-        /* programmatic edges where kernels allow them (sm_90+; QFLASH_CUDA_PDL=0 turns them off):
-         * since the decode kernels issue their first loads before their wait, 8% faster (notes) */
-        const char *pdl = getenv("QFLASH_CUDA_PDL");
-        c->pdl = prop.major >= 9 && !(pdl && *pdl == '0');
-        /* the streamed one-row kernels (QFLASH_CUDA_STREAM=1) lost to the early loads of the others */
-        const char *st = getenv("QFLASH_CUDA_STREAM");
-        c->stream = prop.major >= 8 && st && *st == '1';
-        const char *sb = getenv("QFLASH_CUDA_STREAM_BLOCKS"); /* 2: twice the warps, no room beside them for the next kernel */
-        c->stream_blocks = sb && *sb == '2' ? 2 : 1;
     }
-    dec_setup(c);
     if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS) {
         free(c);
         return qf_fail(QF_EUNSUPPORTED, "cuBLAS did not start");
     }
     cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH);
-    const char *gr = getenv("QFLASH_CUDA_GRAPHS"), *pr = getenv("QFLASH_CUDA_PROFILE");
-    c->prof.on = pr && *pr == '1';
-    c->gs.enabled = !(gr && *gr == '0') && !c->prof.on;
-    const char *mg = getenv("QFLASH_CUDA_MG"), *mgn = getenv("QFLASH_CUDA_MG_MIN");
-    c->mg = !(mg && *mg == '0');
-    const char *mcp = getenv("QFLASH_CUDA_MG_CP");
-    c->mg_cp = !(mcp && *mcp == '0');
-    const char *mp64 = getenv("QFLASH_CUDA_MG_P64");
-    c->mg_p64 = !(mp64 && *mp64 == '0');
-    // Below these rows the GEMV path is faster at the real shape (session 12, cp.async form: 64 rows
-    // 698 against 539 us, 128: 789 against 948; session 11, register form: 128 rows 1437 against 949).
-    c->mg_min_rows = mgn ? atoi(mgn) : c->mg_cp ? 96 : 192;
-    const char *at = getenv("QFLASH_CUDA_ATT_TILE");
-    c->att_tile = !(at && *at == '0');
-    const char *atc = getenv("QFLASH_CUDA_ATT_TC");
-    c->att_tc = !(atc && *atc == '0');
-    const char *gq = getenv("QFLASH_CUDA_GDN_SEQ");
-    c->gdn_seq = gq && *gq == '1';
-    const char *gp = getenv("QFLASH_CUDA_GDN_PLPC");
-    c->gdn_plpc = gp ? atoi(gp) : 4;
-    if (c->gdn_plpc != 1 && c->gdn_plpc != 2 && c->gdn_plpc != 8) c->gdn_plpc = 4;
-    const char *gc = getenv("QFLASH_CUDA_GDN_CP");
-    c->gdn_cp = !(gc && *gc == '0');
-    const char *gch = getenv("QFLASH_CUDA_GDN_CHUNK"), *gcm = getenv("QFLASH_CUDA_GDN_CHUNK_MIN");
-    c->gdn_chunk = !(gch && *gch == '0');
-    c->gdn_chunk_min = gcm ? atoi(gcm) : 32;
-    const char *trc = getenv("QFLASH_CUDA_TRACE");
-    c->trace.on = trc && *trc == '1';
-#ifndef QF_CUDA_TRACE
-    if (c->trace.on) fprintf(stderr, "qflash cuda: QFLASH_CUDA_TRACE=1 needs a build with -DQFLASH_CUDA_TRACE=ON (the stamps are compiled out)\n");
-    c->trace.on = 0;
-#endif
-    const char *stt = getenv("QFLASH_CUDA_STEPTIME");
-    c->st.on = stt && *stt == '1' && cudaEventCreate(&c->st.ev[0]) == cudaSuccess && cudaEventCreate(&c->st.ev[1]) == cudaSuccess;
-    for (int i = 0; c->prof.on && i < PROF_RING; i++) cudaEventCreate(&c->prof.ev[i][0]), cudaEventCreate(&c->prof.ev[i][1]);
+    apply_opts(c, opts ? opts : &def);
     if (cudaMalloc(&c->moe_cnt, 64) != cudaSuccess || cudaMemset(c->moe_cnt, 0, 64) != cudaSuccess) c->moe_cnt = NULL;
     if (cudaMalloc(&c->att_cnt, ATT_MAX_HEADS * 4) != cudaSuccess || cudaMemset(c->att_cnt, 0, ATT_MAX_HEADS * 4) != cudaSuccess) c->att_cnt = NULL;
     if (cudaMalloc(&c->amax, argmax_scratch_bytes()) != cudaSuccess || cudaMemset(c->amax, 0, argmax_scratch_bytes()) != cudaSuccess) c->amax = NULL;
@@ -950,7 +946,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->mg_buf), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->att_cnt), cudaFree(c->trace.buf);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->mg_buf), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->att_cnt);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);
@@ -964,7 +960,4 @@ extern "C" size_t qf_cuda_peak_bytes(const qf_backend *be) { return be->dev ? ((
 
 extern "C" const char *qf_cuda_device_name(const qf_backend *be) { return be->dev ? ((ctx *)be->dev)->name : ""; }
 
-extern "C" void qf_cuda_sync(qf_backend *be) {
-    cudaDeviceSynchronize();
-    if (be->dev) note_peak(C(be));
-}
+

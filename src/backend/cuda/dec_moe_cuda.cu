@@ -1,0 +1,469 @@
+// The MoE block of one token per sequence: routing, the chosen experts, the shared expert and
+// the residual add.
+#include "backend/cuda/dec_int.cuh"
+
+namespace qfc {
+
+// ---- MoE: routing and gate/up in one kernel, down + shared expert + residual in another ----
+
+#define MOE_MAX_K 32 // route_block normalises the chosen weights in one warp
+#define MOE_MAX_E 512 // route_block keeps E / 256 logits per thread in registers
+
+// The block routes one row (every thread calls it; E <= MOE_MAX_E, K <= 32): a logit is chosen
+// when fewer than K logits rank above it (greater, or equal at a lower index: the CPU's order).
+// Only a warp's own top K of its 32 logits can be chosen, so each warp ranks its 32 by shuffles,
+// and the candidates (K per 32 logits) are ranked among themselves: a few hundred parallel
+// instructions where K rounds of a warp-wide argmax were a serial chain of ~6000 cycles. Then
+// the softmax weights over all E, renormalised over the chosen, into ti/tw in rank order.
+#define ROUTE_CAND (MOE_MAX_E / 32 * 32)
+
+// How many of the warp's 32 logits rank above this lane's v (greater, or equal at a lower lane).
+__device__ __forceinline__ int warp_rank(float v, int lane) {
+    int r = 0;
+#pragma unroll
+    for (int o = 0; o < 32; o++) {
+        float ov = __shfl_sync(0xffffffffu, v, o);
+        r += ov > v || (ov == v && o < lane);
+    }
+    return r;
+}
+
+// How many of the nc candidates (cv values, ci expert indices) rank above candidate (m, mi).
+__device__ __forceinline__ int cand_rank(const float *cv, const int *ci, int nc, float m, int mi) {
+    int r = 0;
+    for (int j = 0; j < nc; j++) r += cv[j] > m || (cv[j] == m && ci[j] < mi);
+    return r;
+}
+
+__device__ void route_block(const float *rl, int E, int K, int *ti, float *tw) {
+    __shared__ float cv[ROUTE_CAND], red[32];
+    __shared__ int ci[ROUTE_CAND], nc;
+    int tid = threadIdx.x, lane = tid & 31, nw = blockDim.x / 32;
+    if (tid == 0) nc = 0;
+    if (tid < K) ti[tid] = tid, tw[tid] = 0.0f; // NaN logits rank nothing: slots stay valid experts
+    __syncthreads();
+    float v[MOE_MAX_E / 256]; // this thread's logits (blocks of 256 threads)
+#pragma unroll
+    for (int u = 0; u < MOE_MAX_E / 256; u++) {
+        int base = (u * nw + tid / 32) * 32;
+        v[u] = base + lane < E ? rl[base + lane] : -INFINITY;
+        if (base >= E) continue; // whole warp alike
+        int r = warp_rank(v[u], lane);
+        if (r < K && base + lane < E) {
+            int at = atomicAdd(&nc, 1);
+            cv[at] = v[u], ci[at] = base + lane;
+        }
+    }
+    __syncthreads();
+    for (int c = tid; c < nc; c += blockDim.x) {
+        float m = cv[c];
+        int mi = ci[c], r = cand_rank(cv, ci, nc, m, mi);
+        if (r < K) ti[r] = mi, tw[r] = m;
+    }
+    __syncthreads();
+    float mx = tw[0], e = 0.0f;
+#pragma unroll
+    for (int u = 0; u < MOE_MAX_E / 256; u++)
+        if ((u * nw + tid / 32) * 32 + lane < E) e += expf(v[u] - mx);
+    float sum = block_sum(e, red);
+    if (tid < 32) {
+        float p = lane < K ? expf(tw[lane] - mx) / sum : 0.0f, ts = warp_sum(p);
+        if (lane < K) tw[lane] = p / ts;
+    }
+    __syncthreads();
+}
+
+// The chosen logits tw[0..K) (tw[0] the largest) become their weights exp(l - max) normalised over
+// the chosen: the full softmax's sum over E cancels in the renormalisation.
+__device__ __forceinline__ void chosen_weights(float *tw, int K) {
+    int tid = threadIdx.x, lane = tid & 31;
+    if (tid < 32) {
+        float p = lane < K ? expf(tw[lane] - tw[0]) : 0.0f, ts = warp_sum(p);
+        if (lane < K) tw[lane] = p / ts;
+    }
+    __syncthreads();
+}
+
+// route_block's choice by all pairs (the default for shapes route_sort does not take; option route=2): the logits go to
+// shared memory once, and each thread ranks its own against all E (16-byte broadcast reads, no
+// atomics, one barrier between), so the ranking is one pass of E compares per thread instead of
+// a warp rank, a shared count and a second rank over the candidates. Weights as chosen_weights.
+// L2: rl was written by other blocks of the same kernel (read past L1).
+template <bool L2 = false>
+__device__ void route_pairs(const float *rl, int E, int K, int *ti, float *tw) {
+    __shared__ __align__(16) float lv[MOE_MAX_E];
+    int tid = threadIdx.x, E4 = (E + 3) & ~3;
+    if (tid < K) ti[tid] = tid, tw[tid] = 0.0f; // NaN logits can leave ranks untaken: slots stay valid experts
+    for (int i = tid; i < E4; i += blockDim.x) lv[i] = i < E ? (L2 ? __ldcg(rl + i) : rl[i]) : -INFINITY; // padding ranks after every logit
+    __syncthreads();
+    for (int i = tid; i < E; i += blockDim.x) {
+        float v = lv[i];
+        int r = 0;
+#pragma unroll 4
+        for (int j = 0; j < E4; j += 4) {
+            float4 o = *(const float4 *)(lv + j);
+            r += (o.x > v || (o.x == v && j < i)) + (o.y > v || (o.y == v && j + 1 < i)) + (o.z > v || (o.z == v && j + 2 < i)) +
+                 (o.w > v || (o.w == v && j + 3 < i));
+        }
+        if (r < K) ti[r] = i, tw[r] = v;
+    }
+    __syncthreads();
+    chosen_weights(tw, K);
+}
+
+// (v, i) before (w, j) in the routing order: greater, or equal at a lower index (the CPU's).
+__device__ __forceinline__ bool route_before(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
+
+// One compare-exchange of a bitonic sort into route order: the element at position pos (register
+// v, i) against the one at pos ^ j (the same register of lane ^ j), in a run of k sorted
+// descending where pos & k is 0.
+__device__ __forceinline__ void bitonic_step(float &v, int &i, int pos, int k, int j) {
+    float w = __shfl_xor_sync(0xffffffffu, v, j);
+    int q = __shfl_xor_sync(0xffffffffu, i, j);
+    bool first = ((pos & k) == 0) == ((pos & j) == 0); // this position keeps the one that comes first
+    if (route_before(w, q, v, i) == first) v = w, i = q;
+}
+
+// route=3 (the default where E <= 256, K <= 8; whole model 2766.1 -> 2675.8 us a step,
+// same digest, notes session 11): route_pairs' choice by sorting networks. Each of 8 warps sorts its 32 logits by
+// shuffles (15 steps) and keeps its first 8; warp 0 sorts those 64 (2 a lane, 21 steps) and takes
+// the first K. The trace put route_pairs' ranking at 3-5 us a layer: 256 compares per thread in
+// all 16 warps of an SM at once, issue-bound; this is ~40 shuffle steps in 8 warps, then one warp.
+__device__ void route_sort(const float *rl, int E, int K, int *ti, float *tw) {
+    __shared__ float cv[64];
+    __shared__ int ci[64];
+    int tid = threadIdx.x, lane = tid & 31, w = tid / 32;
+    if (w < 8) {
+        int i = w * 32 + lane;
+        float v = i < E ? rl[i] : -INFINITY; // lanes past E: -inf at indices past E, after every logit
+        for (int k = 2; k <= 32; k <<= 1)
+            for (int j = k >> 1; j > 0; j >>= 1) bitonic_step(v, i, lane, k, j);
+        if (lane < 8) cv[w * 8 + lane] = v, ci[w * 8 + lane] = i; // the warp's first 8 in order
+    }
+    __syncthreads();
+    if (w == 0) {
+        float v0 = cv[lane], v1 = cv[lane + 32];
+        int i0 = ci[lane], i1 = ci[lane + 32];
+        for (int k = 2; k <= 64; k <<= 1)
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                if (j == 32) { // positions lane and lane + 32, both in this lane (k = 64: one run, descending)
+                    if (route_before(v1, i1, v0, i0)) {
+                        float tv = v0;
+                        int t = i0;
+                        v0 = v1, i0 = i1, v1 = tv, i1 = t;
+                    }
+                } else bitonic_step(v0, i0, lane, k, j), bitonic_step(v1, i1, lane + 32, k, j);
+            }
+        if (lane < K) ti[lane] = i0 < E ? i0 : 0, tw[lane] = v0;
+    }
+    __syncthreads();
+    chosen_weights(tw, K);
+}
+
+// x * norm weight into xs; returns x's 1/rms, which scales the finished sums (the barriers of the
+// sum publish xs).
+__device__ float stage_normed(const qf_moe_dec &a, const float *x, float *xs, float *red) {
+    int H = a.hidden, tid = threadIdx.x;
+    float ss = 0.0f;
+#pragma unroll 4
+    for (int i = tid; i < H / 4; i += blockDim.x) {
+        float4 v = ((const float4 *)x)[i], w = ((const float4 *)a.norm_w)[i];
+        ((float4 *)xs)[i] = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    return 1.0f / sqrtf(block_sum(ss, red) / (float)H + a.eps);
+}
+
+// The block routes row t (router logits rl, into ti/tw), then stages x * norm weight into xs;
+// returns x's 1/rms, which scales the finished sums.
+__device__ float route_and_stage(const qf_moe_dec &a, const float *x, const float *rl, int *ti, float *tw, float *xs, float *red) {
+    route_block(rl, a.n_experts, a.top_k, ti, tw);
+    return stage_normed(a, x, xs, red);
+}
+
+// silu(gate row j . xs) * (up row j . xs) of expert e, each sum scaled by inv. Lane l holds
+// columns 8 (l + 32 u) of a row: HL (H / 256, rounded up) 16-byte loads per row, at most 8 of the
+// gate row and 8 of the up row in flight a round, with no index arithmetic per load.
+template <int HL>
+__device__ __forceinline__ float gu_row(const void *const *tab, int E, int e, int j, int H, const float *xs, float inv, int lane) {
+    constexpr int HC = HL < 8 ? HL : 8;
+    int h8 = H / 8;
+    const uint4 *G = (const uint4 *)((const uint16_t *)tab[e] + (int64_t)j * H), *Up = (const uint4 *)((const uint16_t *)tab[E + e] + (int64_t)j * H);
+    float g = 0.0f, u = 0.0f;
+#pragma unroll
+    for (int c0 = 0; c0 < HL; c0 += HC) {
+        uint4 wg[HC], wu[HC];
+#pragma unroll
+        for (int q = 0; q < HC; q++) {
+            int c = lane + 32 * (c0 + q);
+            if (c < h8) wg[q] = __ldcs(G + c), wu[q] = __ldcs(Up + c);
+        }
+#pragma unroll
+        for (int q = 0; q < HC; q++) {
+            int c = lane + 32 * (c0 + q);
+            if (c < h8) g += dot8s(wg[q], xs + c * 8, lane), u += dot8s(wu[q], xs + c * 8, lane);
+        }
+    }
+    g = warp_sum(g) * inv, u = warp_sum(u) * inv;
+    return silu(g) * u;
+}
+
+// One output row i of the MoE down step, in registers: part q is expert slot q's down row (q = K:
+// the shared expert's), PL 16-byte loads per lane; G parts are loaded at once (one memory latency
+// for the whole row at I = 512). dp[q]: part q's matrix; wk[q] its weight; hs + q * I its input.
+template <int PL>
+struct dn_row {
+    static constexpr int G = 18 / PL < 1 ? 1 : 18 / PL; // parts a round: 18 loads per lane in flight
+    uint4 w[G][PL];
+    __device__ __forceinline__ void load(const uint16_t *const *dp, int K, int I, int S, int i, int q0) {
+        int lane = threadIdx.x & 31, P = K + 1;
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            int q = q0 + g, cols = q < K ? I : S;
+            const uint4 *src = (const uint4 *)(dp[q < P ? q : 0] + (int64_t)i * cols);
+#pragma unroll
+            for (int u = 0; u < PL; u++)
+                if (q < P && lane + 32 * u < cols / 8) w[g][u] = __ldcs(src + lane + 32 * u);
+        }
+    }
+    // The row's sum over every part (every lane gets it); have: the first round is loaded.
+    __device__ __forceinline__ float sum(const uint16_t *const *dp, const float *wk, const float *hs, int K, int I, int S, int i, int have) {
+        int lane = threadIdx.x & 31, P = K + 1;
+        float acc = 0.0f;
+        for (int q0 = 0; q0 < P; q0 += G) {
+            if (!have) load(dp, K, I, S, i, q0);
+            have = 0;
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                int q = q0 + g, cols = q < K ? I : S;
+                float d = 0.0f;
+#pragma unroll
+                for (int u = 0; u < PL; u++)
+                    if (q < P && lane + 32 * u < cols / 8) d += dot8s(w[g][u], hs + q * I + (lane + 32 * u) * 8, lane);
+                if (q < P) acc += wk[q] * d;
+            }
+        }
+        return warp_sum(acc);
+    }
+};
+
+// Block (slot k, column y, row t): routes row t itself (cheaper than a launch between), stages
+// x * norm weight, then its warps walk the expert's ffn rows y*8 + warp, stepping by the grid.
+// Blocks of column 0 write slot k's expert and weight (the down kernel reads them when early is off).
+// early: x (the kernel two back wrote it) is staged before the wait; only the routing waits.
+template <int HL>
+__global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw, int early) {
+    extern __shared__ float4 dyn[];
+    __shared__ float red[32], tw[MOE_MAX_K];
+    __shared__ int ti[MOE_MAX_K];
+    int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, tid = threadIdx.x, t = blockIdx.z, k = blockIdx.x;
+    float *xs = (float *)dyn, inv;
+    const float *x = a.x + (int64_t)t * H, *rl = a.rl + (int64_t)t * a.rl_stride;
+    if (early) {
+        inv = stage_normed(a, x, xs, red);
+        pdl_wait();
+        pdl_launch();
+        route_block(rl, E, K, ti, tw);
+    } else {
+        pdl_wait();
+        pdl_launch();
+        inv = route_and_stage(a, x, rl, ti, tw, xs, red);
+    }
+    int e = ti[k], lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32;
+    if (blockIdx.y == 0 && tid == 0) topi[t * K + k] = e, topw[t * K + k] = tw[k];
+    if (blockIdx.y == 0 && tid == 0 && a.chosen) a.chosen[t * K + k] = e; // for the expert store
+    for (; j < I; j += gridDim.y * (blockDim.x / 32)) {
+        float h = gu_row<HL>(tab, E, e, j, H, xs, inv, lane);
+        if (lane == 0) hbuf[((int64_t)t * K + k) * I + j] = h;
+    }
+}
+
+// The shared expert's input silu(sh_g) * sh_u (from the router product's row rl) into hsh.
+__device__ __forceinline__ void shared_in(const qf_moe_dec &a, const float *rl, float *hsh) {
+    int E = a.n_experts, S = a.sh_ffn;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < S; j += blockDim.x) hsh[j] = silu(rl[E + j]) * rl[E + S + j];
+}
+
+// Part K of a down row: the shared expert, weighted by its sigmoid gate.
+__device__ __forceinline__ void shared_slot(const qf_moe_dec &a, const float *rl, const uint16_t *sh_down, float *wk, const uint16_t **dp) {
+    if (threadIdx.x == 0) wk[a.top_k] = sigmoid(rl[a.n_experts + 2 * a.sh_ffn]), dp[a.top_k] = sh_down;
+}
+
+// Block (a warp per output row, stepping by the grid; row t): x[t][i] += sum_k w_k down_k[i] . h_k
+// + sigmoid(shared logit) * sh_down[i] . silu(sh_g) * sh_u, a dn_row each. early: the routing is
+// redone here from the router logits (two kernels back, so before the wait) and the warp's first
+// loads and the shared expert's input go out before it; else the routing comes from gate/up
+// (topi, topw).
+template <int PL>
+__global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi,
+                                                     const float *topw, int early) {
+    extern __shared__ float4 dyn[];
+    __shared__ float wk[MOE_MAX_K + 1];
+    __shared__ int ti[MOE_MAX_K];
+    __shared__ const uint16_t *dp[MOE_MAX_K + 1];
+    int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, t = blockIdx.y;
+    int i = blockIdx.x * (blockDim.x / 32) + tid / 32;
+    float *hs = (float *)dyn; // part q's input at hs + q * I
+    const float *rl = a.rl + (int64_t)t * a.rl_stride;
+    dn_row<PL> w;
+    int have = 0;
+    if (early) {
+        route_block(rl, E, K, ti, wk);
+        if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
+        shared_slot(a, rl, sh_down, wk, dp);
+        __syncthreads();
+        if (i < H) w.load(dp, K, I, S, i, 0), have = 1;
+        shared_in(a, rl, hs + K * I);
+        pdl_wait();
+        pdl_launch();
+    } else {
+        pdl_wait();
+        pdl_launch();
+        if (tid < K) wk[tid] = topw[t * K + tid], dp[tid] = (const uint16_t *)tab[2 * E + topi[t * K + tid]];
+        shared_slot(a, rl, sh_down, wk, dp);
+        shared_in(a, rl, hs + K * I);
+    }
+#pragma unroll 8
+    for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = ((const float4 *)(hbuf + (int64_t)t * K * I))[j];
+    __syncthreads();
+    for (; i < H; i += gridDim.x * (blockDim.x / 32), have = 0) {
+        float acc = w.sum(dp, wk, hs, K, I, S, i, have);
+        if ((tid & 31) == 0) a.x[(int64_t)t * H + i] += acc;
+    }
+}
+
+// A grid-wide count (one thread per block), read with acquire semantics.
+__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Block-wide wait until every block of the grid has arrived at cnt[0] (the grid must be resident
+// at once). The last block past it resets both counts for the next launch.
+__device__ void grid_arrive_wait(unsigned *cnt) {
+    __threadfence(); // this thread's writes before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicAdd(cnt, 1u);
+        long long t0 = clock64();
+        while (ld_acquire(cnt) < gridDim.x)
+            if (clock64() - t0 > (1ll << 34)) __trap(); // ~8 s: the grid is not resident at once, a bug
+        __threadfence();
+    }
+    __syncthreads();
+}
+__device__ void grid_leave(unsigned *cnt) {
+    if (threadIdx.x == 0 && atomicAdd(cnt + 1, 1u) == gridDim.x - 1) atomicExch(cnt, 0u), atomicExch(cnt + 1, 0u);
+}
+
+// The expert table (3 E pointers, constant per layer) copied to shared memory before the wait, so
+// the chosen experts' row addresses are shared-memory reads after the routing, not a memory round
+// trip (default since session 14: 1.7% of a whole step with route_sort; `QFLASH_CUDA_MOE_PF=0`
+// reads the table from memory). (=1, every gate/up byte asked for at once through a cp.async slot
+// per warp, was slower and is gone: notes, session 9.)
+__device__ __forceinline__ const void *const *moe_pf_table(const void *const *tab, int E, void *at) {
+    const void **st = (const void **)at;
+    for (int i = threadIdx.x; i < 3 * E; i += blockDim.x) st[i] = tab[i];
+    return st; // published by the barriers of x's staging and of the routing
+}
+
+// The whole MoE block of one row in one kernel (QFLASH_CUDA_MOE1, default on): every block stages
+// x * norm weight and routes; the grid's warps compute the chosen experts' gate/up rows; then each
+// warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
+// not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
+// other: the grid is never larger than what the SMs hold at once.
+template <int HL, int PL, int ROUTE, bool TB = false> // ROUTE 2: route_pairs, 3: route_sort (the default); TB: moe_pf_table
+__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt) {
+    extern __shared__ float4 dyn[];
+    __shared__ float red[32], wk[MOE_MAX_K + 1];
+    __shared__ int ti[MOE_MAX_K];
+    __shared__ const uint16_t *dp[MOE_MAX_K + 1];
+    int E = a.n_experts, K = a.top_k, H = a.hidden, I = a.ffn, S = a.sh_ffn, tid = threadIdx.x, lane = tid & 31;
+    int gw = blockIdx.x * (blockDim.x / 32) + tid / 32, nw = gridDim.x * (blockDim.x / 32);
+    float *xs = (float *)dyn, *hs = xs + H; // x * norm weight; the down parts' inputs (part q at hs + q * I)
+    if constexpr (TB) tab = moe_pf_table(tab, E, hs + K * I + S);
+    float inv = stage_normed(a, a.x, xs, red); // x: written two kernels back
+    pdl_wait();
+    pdl_launch();
+    if constexpr (ROUTE == 3) route_sort(a.rl, E, K, ti, wk);
+    else route_pairs(a.rl, E, K, ti, wk);
+    if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
+    if (blockIdx.x == 0 && tid < K && a.chosen) a.chosen[tid] = ti[tid]; // for the expert store
+    shared_slot(a, a.rl, sh_down, wk, dp);
+    __syncthreads();
+    for (int r = gw; r < K * I; r += nw) {
+        int k = r / I;
+        float h = gu_row<HL>(tab, E, ti[k], r - k * I, H, xs, inv, lane);
+        if (lane == 0) hbuf[r] = h;
+    }
+    dn_row<PL> w;
+    int i = gw, have = i < H;
+    if (have) w.load(dp, K, I, S, i, 0);
+    shared_in(a, a.rl, hs + K * I);
+    grid_arrive_wait(cnt);
+#pragma unroll 8
+    for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)hbuf + j); // L2: other SMs wrote it
+    __syncthreads();
+    grid_leave(cnt);
+    for (; i < H; i += nw, have = 0) {
+        float acc = w.sum(dp, wk, hs, K, I, S, i, have);
+        if (lane == 0) a.x[i] += acc;
+    }
+}
+
+// One row: k_moe_one for the shapes it is built for (0: not, use the two kernels). One wave: the
+// blocks wait for each other, so the grid is what the SMs hold of it at once.
+static int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
+    int H = a->hidden, I = a->ffn, S = a->sh_ffn;
+    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *);
+    int mc = I > S ? I : S;
+    int f = c->route == 3 && (a->n_experts > 256 || a->top_k > 8) ? 2 : c->route; // route_sort's shapes, else route_pairs
+    int tb = c->moe_pf && H <= 2048 && mc <= 512;
+    fn k = tb                        ? (H <= 256 && mc <= 256 ? (f == 3 ? k_moe_one<1, 1, 3, true> : k_moe_one<1, 1, 2, true>)
+                                                              : (f == 3 ? k_moe_one<8, 2, 3, true> : k_moe_one<8, 2, 2, true>))
+           : H <= 256 && mc <= 256  ? (f == 3 ? k_moe_one<1, 1, 3> : k_moe_one<1, 1, 2>)
+           : H <= 2048 && mc <= 512 ? (f == 3 ? k_moe_one<8, 2, 3> : k_moe_one<8, 2, 2>)
+           : H <= 4096 && mc <= 512 ? k_moe_one<16, 2, 2>
+                                    : NULL;
+    if (!k) return 0;
+    size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float) + (tb ? (size_t)3 * a->n_experts * sizeof(void *) : 0);
+    int grid = resident(c, (const void *)k, 256, smem) * (c->sms > 0 ? c->sms : 1);
+    launch(c, "k_moe_one", 1, k, dim3((unsigned)grid), dim3(256), (unsigned)smem, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, c->moe_cnt);
+    return 1;
+}
+
+void dec_moe(qf_backend *be, const qf_moe_dec *a) {
+    ctx *c = C(be);
+    const void **tab = a->table ? (const void **)a->table : expert_table(c, a->experts, a->n_experts);
+    int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
+    size_t head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
+    char *s = (char *)scratch(c, &c->moe, &c->moe_cap, head + (size_t)n * K * I * sizeof(float));
+    if (!tab || !s) return dev_fail(c, "fused moe: out of device memory");
+    if (K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || a->experts[0].gate.dtype != QF_DT_BF16 || H % 8 || I % 8 || a->sh_ffn % 8)
+        return dev_fail(c, "fused moe: top-k %d > %d, %d experts > %d, or weights not bf16 in rows of 8", K, MOE_MAX_K, E, MOE_MAX_E);
+    int *topi = (int *)s;
+    float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
+    if (n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf)) return;
+    size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
+    // one wave of blocks, each looping over rows, so routing and staging are paid once per block
+    // lanes hold 8 (l + 32 u) columns: HL loads per lane for a gate/up row, PL for a down part
+    int HL = H <= 256 ? 1 : H <= 512 ? 2 : H <= 1024 ? 4 : H <= 2048 ? 8 : 16, mc = I > a->sh_ffn ? I : a->sh_ffn;
+    int PL = mc <= 256 ? 1 : mc <= 512 ? 2 : mc <= 1024 ? 4 : 8;
+    if (H > 4096 || mc > 2048) return dev_fail(c, "fused moe: hidden %d > 4096 or expert width %d > 2048 is not supported", H, mc);
+    typedef void (*gu_fn)(const void *const *, qf_moe_dec, float *, int *, float *, int);
+    typedef void (*dn_fn)(const void *const *, qf_moe_dec, const uint16_t *, const float *, const int *, const float *, int);
+    gu_fn gu = HL == 1 ? k_moe_gu<1> : HL == 2 ? k_moe_gu<2> : HL == 4 ? k_moe_gu<4> : HL == 8 ? k_moe_gu<8> : k_moe_gu<16>;
+    dn_fn dn = PL == 1 ? k_moe_down<1> : PL == 2 ? k_moe_down<2> : PL == 4 ? k_moe_down<4> : k_moe_down<8>;
+    int sms = c->sms > 0 ? c->sms : 1, gu_res = resident(c, (const void *)gu, 256, sm_gu) * sms;
+    int dn_res = resident(c, (const void *)dn, 256, sm_dn) * sms;
+    int gy = gu_res / (K * n), dx = dn_res / n;
+    gy = gy < 1 ? 1 : gy > (I + 7) / 8 ? (I + 7) / 8 : gy;
+    dx = dx < 1 ? 1 : dx > (H + 7) / 8 ? (H + 7) / 8 : dx;
+    launch(c, "k_moe_gu", 1, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, c->early);
+    launch(c, "k_moe_down", 1, dn, dim3(dx, n), dim3(256), (unsigned)sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, (const float *)hbuf,
+           (const int *)topi, (const float *)topw, c->early);
+}
+
+} // namespace qfc
