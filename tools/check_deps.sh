@@ -1,6 +1,8 @@
 #!/bin/sh
 # Includes point one way: base <- format <- {tokenizer, backend} <- {model, experts} <- runtime
-# <- server <- app. Lists every #include "dir/..." in src/ that a folder may not use; exit 1 if any.
+# <- server <- app. Lists every #include "dir/..." in src/ and app/ (C, headers, CUDA) that a
+# folder may not use; a backend's own folder (backend/cuda/...) is reached from src/backend alone,
+# everything above it opens backends through backend/backend.h. Exit 1 if any.
 cd "$(dirname "$0")/.." || exit 2
 allowed() {
     case "$1" in
@@ -12,15 +14,22 @@ allowed() {
     model) echo "base format backend experts model" ;;
     runtime) echo "base format tokenizer backend experts model runtime" ;;
     server) echo "base format tokenizer backend experts model runtime server" ;;
+    app) echo "base format tokenizer backend experts model runtime server" ;;
     esac
 }
 bad=0
-for f in $(find src -name '*.[ch]' -o -name '*.inc'); do
+for f in $(find src app \( -name '*.[ch]' -o -name '*.inc' -o -name '*.cu' -o -name '*.cuh' \) | sort); do
     layer=$(echo "$f" | cut -d/ -f2)
-    for inc in $(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([a-z_]*\)\/.*"/\1/p' "$f"); do
+    [ "${f%%/*}" = app ] && layer=app
+    for inc in $(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([a-z_]*\/[a-z_]*\).*"/\1/p' "$f"); do
+        dir=${inc%%/*}
         case " $(allowed "$layer") " in
-        *" $inc "*) ;;
-        *) echo "check_deps: $f includes $inc/ (a $layer file may use: $(allowed "$layer"))"; bad=1 ;;
+        *" $dir "*) ;;
+        *) echo "check_deps: $f includes $dir/ (a $layer file may use: $(allowed "$layer"))"; bad=1 ;;
+        esac
+        case "$inc" in
+        backend/cuda | backend/cpu)
+            case "$f" in src/backend/*) ;; *) echo "check_deps: $f includes $inc/ (above src/backend, use backend/backend.h)"; bad=1 ;; esac ;;
         esac
     done
 done

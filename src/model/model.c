@@ -30,7 +30,7 @@ int qf_model_load(qf_model **out, const char *dir, const qf_load_opts *opts) {
     int rc = qf_config_load(&m->cfg, dir);
     if (rc == QF_OK) rc = qf_model_check_limits(&m->cfg);
     if (rc == QF_OK) rc = qf_st_open_dir(&m->st, dir, opts ? opts->diag : NULL);
-    if (rc == QF_OK) rc = qf_model_bind(m, opts, 0);
+    if (rc == QF_OK) rc = qf_model_bind(m, opts, NULL);
     if (rc == QF_OK) rc = qf_model_finish(m);
     if (rc != QF_OK) {
         qf_model_free(m); /* cleanup never touches the error message */

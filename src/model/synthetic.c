@@ -143,7 +143,7 @@ int qf_model_synthetic(qf_model **out, const qf_synth_opts *so, const qf_load_op
     }
     if (rc == QF_OK) {
         m->synth_pool = qf_pool_create(qf_cpu_count()); /* NULL: filled on this thread */
-        rc = qf_model_bind(m, opts, 1);
+        rc = qf_model_bind(m, opts, qf_synth_tensor);
         qf_pool_destroy(m->synth_pool);
         m->synth_pool = NULL;
     }

@@ -16,7 +16,7 @@ typedef struct binder {
     const char *prefix; /* "model.language_model." or "model." */
     qf_diag *diag;
     int rc;
-    int synth;       /* synthetic model: a tensor that is not there is generated */
+    qf_make_tensor_fn make; /* synthetic model: a tensor that is not there is made by it (NULL: never) */
     char first[512]; /* the first problem, which is what a caller without a diag sink sees */
 } binder;
 
@@ -30,7 +30,7 @@ static void problem(binder *b, int code) {
 
 static const qf_st_tensor *need(binder *b, const char *name, int ndim, const int64_t *shape) {
     const qf_st_tensor *t = qf_st_find(&b->m->st, name);
-    if (!t && b->synth && !(t = qf_synth_tensor(b->m, name, ndim, shape))) {
+    if (!t && b->make && !(t = b->make(b->m, name, ndim, shape))) {
         problem(b, QF_ENOMEM);
         return NULL;
     }
@@ -160,7 +160,7 @@ static void bind_experts(binder *b, int L) {
     const qf_config *c = &b->m->cfg;
     char n[256];
     int64_t E = c->n_experts, I = c->expert_ffn, H = c->hidden;
-    if (qf_st_find(&b->m->st, lname(b, L, "mlp.experts.gate_up_proj", n, sizeof n)) || b->synth) {
+    if (qf_st_find(&b->m->st, lname(b, L, "mlp.experts.gate_up_proj", n, sizeof n)) || b->make) {
         int64_t gu_shape[3] = {E, 2 * I, H}, d_shape[3] = {E, H, I};
         const qf_st_tensor *gu = need(b, n, 3, gu_shape);
         const qf_st_tensor *dn = need(b, lname(b, L, "mlp.experts.down_proj", n, sizeof n), 3, d_shape);
@@ -216,13 +216,13 @@ static void bind_globals(binder *b) {
     m->embed = bind_mat(b, n, c->vocab, c->hidden);
     snprintf(n, sizeof n, "%snorm.weight", b->prefix);
     m->final_norm = bind_vec1(b, n, c->hidden, VEC_PLUS1);
-    if (qf_st_find(&m->st, "lm_head.weight") || !c->tie_embeddings || b->synth) m->lm_head = bind_mat(b, "lm_head.weight", c->vocab, c->hidden);
+    if (qf_st_find(&m->st, "lm_head.weight") || !c->tie_embeddings || b->make) m->lm_head = bind_mat(b, "lm_head.weight", c->vocab, c->hidden);
     else m->lm_head = m->embed;
 }
 
-int qf_model_bind(qf_model *m, const qf_load_opts *opts, int synth) {
-    binder b = {m, NULL, opts ? opts->diag : NULL, QF_OK, synth, ""};
-    if (synth) b.prefix = "model.language_model.";
+int qf_model_bind(qf_model *m, const qf_load_opts *opts, qf_make_tensor_fn make) {
+    binder b = {m, NULL, opts ? opts->diag : NULL, QF_OK, make, ""};
+    if (make) b.prefix = "model.language_model.";
     else if (qf_st_find(&m->st, "model.language_model.embed_tokens.weight")) b.prefix = "model.language_model.";
     else if (qf_st_find(&m->st, "model.embed_tokens.weight")) b.prefix = "model.";
     else {

@@ -17,36 +17,6 @@
 #include "base/utf8.h"
 #include "server/srv_int.h"
 
-void srv_count(srv *s, int code) {
-    int i = code < 300 ? 0 : code == 401 ? 2 : code == 404 ? 3 : code == 405 || code == 413 ? 4 : code < 500 ? 1 : 5;
-    s->http_requests[i]++;
-}
-
-void srv_send_json(struct evhttp_request *req, int code, json_t *body) {
-    char *text = json_dumps(body, JSON_COMPACT);
-    json_decref(body);
-    struct evbuffer *b = evbuffer_new();
-    if (text && b) {
-        evbuffer_add(b, text, strlen(text));
-        evbuffer_add(b, "\n", 1);
-    }
-    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
-    evhttp_send_reply(req, code, code == 200 ? "OK" : "Error", b);
-    if (b) evbuffer_free(b);
-    free(text);
-}
-
-void srv_send_error(struct evhttp_request *req, int code, const char *type, const char *fmt, ...) {
-    char msg[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    msg[qf_utf8_valid_prefix(msg, strlen(msg))] = 0; /* a cut-off quote of the input must not break the JSON */
-    json_t *err = json_pack("{s:{s:s,s:s,s:i}}", "error", "message", msg, "type", type, "code", code);
-    srv_send_json(req, code, err);
-}
-
 /* ---- loading ---- */
 
 static void *load_main(void *arg) {

@@ -134,7 +134,7 @@ __device__ void at_write(const qf_attn_args &a, const at_geom &g, int t0, int R,
     }
 }
 
-// ---- the same tile on the tensor cores (QFLASH_CUDA_ATT_TC, the default; sm_80+) ----
+// ---- the same tile on the tensor cores (option att_tc, the default; sm_80+) ----
 // Both products as bf16 mma.sync m16n8k16 with fp32 sums, each fp32 operand split into bf16 hi +
 // lo parts and three products taken (hi.hi + hi.lo + lo.hi; lo.lo is below fp32's rounding of the
 // sum): ~16 bits of each operand kept, as the prompt's other products (cu_matmul, the grouped

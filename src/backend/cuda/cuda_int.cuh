@@ -493,7 +493,7 @@ const void **expert_table(ctx *c, const qf_expert *experts, int E);
 // The MoE op's experts for many rows grouped by expert, on the tensor cores (moe_group_cuda.cu),
 // given the routing (topi, topw: K per row), with the caller's y (N * K rows of H floats: each
 // slot's down product) as scratch; 0: not taken (too few rows, not bf16, a shape it is not built
-// for, or option fp32), the caller runs its GEMV path.
+// for, or --precision fp32), the caller runs its GEMV path.
 int moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw, float *y);
 
 // The attention op for a prompt's queries (8 or more) as tiles of query rows sharing a kv head

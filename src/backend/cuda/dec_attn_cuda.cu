@@ -53,7 +53,7 @@ __device__ __forceinline__ void attn_keys(const qf_attn_dec &a, const qf_kv_view
 // Block (row t * nh + head h, split): as k_attn_part, with the query's norm and RoPE done here;
 // the split that holds the new position prepares the new key and value itself (and the first
 // head of each kv group stores them), so no block reads a key another block is writing.
-// KP > 0 (QFLASH_CUDA_ATT1, the default): each warp loads its first KP keys and values before its
+// KP > 0 (option att1, the default): each warp loads its first KP keys and values before its
 // wait (written by earlier steps: every kernel two launches back has ended), so those keys cost no
 // memory latency after it. ONE: the last block of a head's splits to finish (a count per head, back
 // at zero after it) combines the partials itself, so no combine kernel and its boundary follow;

@@ -75,9 +75,9 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
 }
 
 // The step with a whole value head per block (dv / (32 / LPC) warps: 16 at dv 128, LPC 4) that
-// also applies out_proj's gated norm to the head's output (the default; QFLASH_CUDA_GDN_GN=0: off):
+// also applies out_proj's gated norm to the head's output (the default; option gdn_gn=0: off):
 // out_proj then stages its input with one load per element, where its gated staging walked 4 heads
-// per warp one memory latency each (whole model 2948.1 -> 2820.0 us a step, notes session 9). The
+// per warp one memory latency each (whole model 2948.1 -> 2820.0 us a step, docs/performance.md). The
 // norm repeats stage_heads' sums in its order (a warp over the head, lane + 32 u), so the
 // product's input is bit for bit what it was. gg: out_proj's GATED_NORM (norm weight w over dv, the
 // gate of row t, head h at g + t * g_stride + h * g_hstride).
@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(512) k_gdn_head(qf_gdn_dec a, dpre gg) {
     for (int d = threadIdx.x; d < dv; d += blockDim.x) a.out[((int64_t)t * a.nv + h) * dv + d] = silu(gv[d]) * (on[d] * inv * gg.w[d]);
 }
 
-// Lanes per value column of the DeltaNet step (QFLASH_CUDA_GDN_LPC): more lanes, more warps and
+// Lanes per value column of the DeltaNet step (option gdn_lpc): more lanes, more warps and
 // shorter chains per warp; key dims up to 64 take 2.
 static int gdn_lanes(const ctx *c, int dk) { return dk <= 64 ? 2 : c->gdn_lpc == 2 || c->gdn_lpc == 8 ? c->gdn_lpc : 4; }
 

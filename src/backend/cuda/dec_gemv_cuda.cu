@@ -92,7 +92,7 @@ __device__ __forceinline__ void warp_share(int n, int *lo, int *hi) {
     *lo = (int)(n * gw / tw), *hi = (int)(n * (gw + 1) / tw);
 }
 
-// ---- one-row products fed by bulk copies (sm_90: cp.async.bulk; QFLASH_CUDA_BULK, default in_proj/qkv) ----
+// ---- one-row products fed by bulk copies (sm_90: cp.async.bulk; option bulk, default in_proj/qkv) ----
 // The register kernels above lose their time in rounds: a warp's next loads go out only after
 // its last ones were used, so each of its ~3 rounds pays a full memory latency. Here each warp
 // owns a ring of BK_SLOTS slots of 4 KB in shared memory that a single lane fills with one bulk
@@ -207,7 +207,7 @@ static void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, cons
     size_t smem = (size_t)n * (size_t)w->cols * sizeof(float);
     int threads = 256, sms = c->sms > 0 ? c->sms : 1;
     // one row, few weight rows (out_proj, o_proj, the router): a warp per row, a whole row of up to
-    // 4096 columns in flight per warp, so the SMs hold twice the warps (QFLASH_CUDA_PW1=0: off)
+    // 4096 columns in flight per warp, so the SMs hold twice the warps (option pw1=0: off)
     int one = NT == 1 && c->pw1 && w->cols <= 32 * 16 * 8 && (w->rows + 8 * PW - 1) / (8 * PW) < 2 * sms;
     void (*k)(const uint16_t *, int, int, const float *, int, dpre, depi, int, float *, int) = k_gemv_pre<NT, PW>;
     if constexpr (NT == 1)

@@ -125,7 +125,7 @@ __device__ __forceinline__ void bitonic_step(float &v, int &i, int pos, int k, i
 }
 
 // route=3 (the default where E <= 256, K <= 8; whole model 2766.1 -> 2675.8 us a step,
-// same digest, notes session 11): route_pairs' choice by sorting networks. Each of 8 warps sorts its 32 logits by
+// same digest, docs/performance.md): route_pairs' choice by sorting networks. Each of 8 warps sorts its 32 logits by
 // shuffles (15 steps) and keeps its first 8; warp 0 sorts those 64 (2 a lane, 21 steps) and takes
 // the first K. The trace put route_pairs' ranking at 3-5 us a layer: 256 compares per thread in
 // all 16 warps of an SM at once, issue-bound; this is ~40 shuffle steps in 8 warps, then one warp.
@@ -360,16 +360,16 @@ __device__ void grid_leave(unsigned *cnt) {
 
 // The expert table (3 E pointers, constant per layer) copied to shared memory before the wait, so
 // the chosen experts' row addresses are shared-memory reads after the routing, not a memory round
-// trip (default since session 14: 1.7% of a whole step with route_sort; `QFLASH_CUDA_MOE_PF=0`
+// trip (the default: 1.7% of a whole step with route_sort; `option moe_pf=0`
 // reads the table from memory). (=1, every gate/up byte asked for at once through a cp.async slot
-// per warp, was slower and is gone: notes, session 9.)
+// per warp, was slower and is gone: docs/performance.md.)
 __device__ __forceinline__ const void *const *moe_pf_table(const void *const *tab, int E, void *at) {
     const void **st = (const void **)at;
     for (int i = threadIdx.x; i < 3 * E; i += blockDim.x) st[i] = tab[i];
     return st; // published by the barriers of x's staging and of the routing
 }
 
-// The whole MoE block of one row in one kernel (QFLASH_CUDA_MOE1, default on): every block stages
+// The whole MoE block of one row in one kernel (option moe1, default on): every block stages
 // x * norm weight and routes; the grid's warps compute the chosen experts' gate/up rows; then each
 // warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each

@@ -3,7 +3,7 @@
 // MG_TOK) by tensor-core products, where
 // the GEMV path (ops_cuda.cu) reads a chosen expert's 6 MB once per row that chose it. Weights are
 // bf16 as stored; each activation is split into two bf16 parts (hi + lo, ~16 bits kept, as
-// cu_matmul does) with fp32 accumulation; QFLASH_CUDA_BF16=1 keeps one part, QFLASH_CUDA_FP32=1
+// cu_matmul does) with fp32 accumulation; --precision bf16 keeps one part, --precision fp32
 // keeps the GEMV path (fp32 activations).
 #include <mma.h>
 
@@ -224,7 +224,7 @@ __device__ __forceinline__ void mc_steps(const __nv_bfloat16 *sw, const __nv_bfl
 // coalesced bytes a copy, through a ring of stages of MC_KC columns, all but one in flight while
 // the warps' tensor-core steps read the one that landed; one block barrier a stage. TL 4 (passes
 // of 64 slots, for prompts whose experts average more than 24) reads each weight once per 64 slots
-// where TL 2 reads it once per 32. (The default; QFLASH_CUDA_MG_CP=0 gives the register form back.
+// where TL 2 reads it once per 32. (The default; option mg_cp=0 gives the register form back.
 // Session 12 at 512 rows of the real shape: 839 us against 1939, 45% of the copy bandwidth for the
 // bytes read once against 19%.) K: the summed width (H or I), R: the matrices' rows (I or H), also
 // the output's pitch.
@@ -328,7 +328,7 @@ int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *
             cudaFuncSetAttribute(k_mg_cp<1, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(1, 4));
             c->mg_cp_attr = 1;
         }
-        // passes of 64 slots once the experts average more than 24 (QFLASH_CUDA_MG_P64=0: 32 always)
+        // passes of 64 slots once the experts average more than 24 (option mg_p64=0: 32 always)
         if (c->mg_p64 && NK > 24 * E) mc_launch<4>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
         else mc_launch<2>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
     } else {

@@ -285,9 +285,9 @@ __global__ void k_gdn(qf_gdn_args a) {
 // barrier). The inputs of GDN_TC tokens reach shared memory in one round of cp.async copies, the
 // next round's issued before the current one is used (CP; where rows are not 16-byte aligned,
 // plain loads a round at a time), then 4 lanes a token scale them; k_gdn paid several memory
-// latencies per token (12 us a token at the real shape). LPC 4 (the default; QFLASH_CUDA_GDN_PLPC)
-// gives 4x the warps of one lane a column and a quarter of each dependent chain of sums (session
-// 11's form was one lane a column, 1 warp an SM: one of its 4 schedulers busy). The column sums are
+// latencies per token (12 us a token at the real shape). LPC 4 (the default; option gdn_plpc)
+// gives 4x the warps of one lane a column and a quarter of each dependent chain of sums (one lane a
+// column left 1 warp an SM: one of its 4 schedulers busy). The column sums are
 // LPC partial sums, added by shuffles.
 template <int DK, int LPC>
 struct gdn_stage {
@@ -405,7 +405,7 @@ void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
         return dev_fail(c, "linear-attention key dim %d > 128 is not supported", a->dk);
     }
     if (gdn_chunked(c, a)) return;
-    if (c->gdn_seq) { // k_gdn: a block per head (QFLASH_CUDA_GDN_SEQ=1, the kernel before k_gdn_cols)
+    if (c->gdn_seq) { // k_gdn: a block per head (option gdn_seq=1, the kernel before k_gdn_cols)
         int threads = ((a->dv + 31) / 32) * 32;
         if (a->dk <= 32) LAUNCH(c, k_gdn<32>, a->nv, threads, *a);
         else if (a->dk <= 64) LAUNCH(c, k_gdn<64>, a->nv, threads, *a);
@@ -544,7 +544,7 @@ void cu_sigmoid_scale_add(qf_backend *be, float *y, const float *x, const float 
     if ((int64_t)n * d > 0) LAUNCH(c, k_sig_scale_add, blocks((int64_t)n * d, 256), 256, y, x, g, n, d);
 }
 
-// ---- MoE: routing, then one GEMV per (row, chosen expert); from QFLASH_CUDA_MG_MIN rows grouped by expert (moe_group_cuda.cu) ----
+// ---- MoE: routing, then one GEMV per (row, chosen expert); from option mg_min rows grouped by expert (moe_group_cuda.cu) ----
 
 // A block per row: softmax over E, k rounds of argmax (ties to the lower index, as the CPU), renormalise.
 __global__ void k_route(const float *logits, int E, int K, int *topi, float *topw) {

@@ -1,0 +1,221 @@
+/* The expert store's contract, with two fake stores wrapped around a model's own:
+ * - a moving store: between steps every expert moves to another buffer (the old one is filled
+ *   with NaNs) and the tables' version changes; the logits must stay bit for bit those of the
+ *   store that never moves, through the host path (acquire/release) and the fused decode path
+ *   (table(), composed from plain ops on the CPU), and the chosen-id arrays must be written;
+ * - a failing store: once armed, acquire and table fail; the step returns the store's message,
+ *   the scheduler fails that request with it, and a request after the failure is served. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/dtype.h"
+#include "base/err.h"
+#include "runtime/sched.h"
+#include "test_util.h"
+
+#define MODEL "tests/data/qwen35moe-tiny"
+#define STEPS 12
+
+typedef struct fake_store {
+    qf_expert_store base;
+    qf_expert_store *inner; /* the model's store, owned */
+    int n_layers, n_experts, top_k;
+    int moving, cur;        /* moving: two copies of every expert, cur the live one */
+    char *mem[2];
+    size_t per_expert;
+    qf_expert *views[2];    /* [2][n_layers * n_experts] */
+    const void **dev[2];    /* [2][n_layers][3 * n_experts] */
+    int32_t *chosen;        /* [n_layers][QF_EXPERT_ID_ROWS * top_k] */
+    uint64_t version;
+    int fail;               /* armed: acquire and table fail */
+} fake_store;
+
+static size_t mat_bytes(const qf_mat *w) { return (size_t)(w->rows * w->cols) * qf_dtype_size(w->dtype); }
+
+static int fake_acquire(qf_expert_store *s, int L, int e, qf_expert *out) {
+    fake_store *f = (fake_store *)s;
+    if (f->fail) return qf_fail(QF_EIO, "expert %d of layer %d: injected read failure", e, L);
+    if (!f->moving) return f->inner->ops->acquire(f->inner, L, e, out);
+    *out = f->views[f->cur][L * f->n_experts + e];
+    return QF_OK;
+}
+
+static void fake_release(qf_expert_store *s, int L, int e) {
+    fake_store *f = (fake_store *)s;
+    if (!f->moving) f->inner->ops->release(f->inner, L, e);
+}
+
+static int fake_table(qf_expert_store *s, int L, qf_expert_table *out) {
+    fake_store *f = (fake_store *)s;
+    if (f->fail) return qf_fail(QF_EIO, "layer %d's experts: injected read failure", L);
+    if (!f->moving) return f->inner->ops->table(f->inner, L, out);
+    size_t E = (size_t)f->n_experts;
+    *out = (qf_expert_table){&f->views[f->cur][L * E], f->dev[f->cur] + (size_t)L * 3 * E, f->chosen + (size_t)L * QF_EXPERT_ID_ROWS * f->top_k,
+                             f->version};
+    return QF_OK;
+}
+
+static void fake_destroy(qf_expert_store *s) {
+    fake_store *f = (fake_store *)s;
+    qf_es_destroy(f->inner);
+    for (int i = 0; i < 2; i++) free(f->mem[i]), free(f->views[i]), free(f->dev[i]);
+    free(f->chosen);
+    free(f);
+}
+
+static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table};
+
+/* Copy c of every expert filled from the inner store, its views and device tables made. */
+static void fill_copy(fake_store *f, int c) {
+    for (int L = 0; L < f->n_layers; L++)
+        for (int e = 0; e < f->n_experts; e++) {
+            qf_expert x;
+            f->inner->ops->acquire(f->inner, L, e, &x);
+            char *at = f->mem[c] + ((size_t)L * f->n_experts + e) * f->per_expert;
+            qf_mat *m[3] = {&x.gate, &x.up, &x.down};
+            for (int i = 0; i < 3; i++) {
+                memcpy(at, m[i]->data, mat_bytes(m[i]));
+                m[i]->data = at;
+                at += mat_bytes(m[i]);
+            }
+            f->inner->ops->release(f->inner, L, e);
+            f->views[c][L * f->n_experts + e] = x;
+            const void **d = f->dev[c] + (size_t)L * 3 * f->n_experts;
+            d[e] = x.gate.data, d[f->n_experts + e] = x.up.data, d[2 * f->n_experts + e] = x.down.data;
+        }
+}
+
+/* Every expert to the other copy; the one left is poisoned (all-ones bytes: NaN in bf16 and fp32). */
+static void move_all(fake_store *f) {
+    fill_copy(f, f->cur ^ 1);
+    memset(f->mem[f->cur], 0xff, (size_t)f->n_layers * f->n_experts * f->per_expert);
+    f->cur ^= 1;
+    f->version++;
+}
+
+static fake_store *wrap(qf_model *m, int moving) {
+    const qf_config *c = &m->cfg;
+    fake_store *f = calloc(1, sizeof *f);
+    f->base.ops = &k_fake_ops;
+    f->inner = m->experts;
+    f->n_layers = c->n_layers, f->n_experts = c->n_experts, f->top_k = c->n_experts_used;
+    f->version = 1;
+    m->experts = &f->base;
+    if (!moving) return f;
+    qf_expert x;
+    f->inner->ops->acquire(f->inner, 0, 0, &x);
+    f->per_expert = mat_bytes(&x.gate) + mat_bytes(&x.up) + mat_bytes(&x.down);
+    size_t n = (size_t)f->n_layers * f->n_experts;
+    for (int i = 0; i < 2; i++) {
+        f->mem[i] = malloc(n * f->per_expert);
+        f->views[i] = calloc(n, sizeof(qf_expert));
+        f->dev[i] = calloc(3 * n, sizeof(void *));
+    }
+    f->chosen = malloc((size_t)f->n_layers * QF_EXPERT_ID_ROWS * f->top_k * sizeof(int32_t));
+    memset(f->chosen, 0xff, (size_t)f->n_layers * QF_EXPERT_ID_ROWS * f->top_k * sizeof(int32_t));
+    f->moving = 1;
+    fill_copy(f, 0);
+    return f;
+}
+
+/* A prompt, then STEPS greedy decode steps: every step's logits into out [STEPS + 1][V]. With a
+ * moving store the experts move before every step. compose: the fused decode ops as plain-op
+ * chains (the path of a device backend, on the CPU). */
+static void run(int moving, int compose, float *out) {
+    qf_model *m;
+    int rc = qf_model_load(&m, qt_path(MODEL), NULL);
+    CHECK(rc == QF_OK, "%s", qf_last_error());
+    if (rc) return;
+    qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
+    if (compose) {
+        CHECK(qf_cpu_dec_compose_init(&be, qf_cpu_ops_best(), (size_t)4 << 20) == QF_OK && qf_model_to_device(m, &be, 0) == QF_OK, "%s",
+              qf_last_error());
+        CHECK(m->dec_ok, "the composed decode ops do not take " MODEL);
+    }
+    fake_store *f = moving ? wrap(m, 1) : NULL;
+    int V = m->cfg.vocab;
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    qf_state *st = qf_state_create(m, 64);
+    int32_t prompt[5] = {11, 400, 23, 7, 91};
+    CHECK(qf_forward_seq(m, &be, ws, st, prompt, 5, QF_LOGITS_LAST, out) == QF_OK, "%s", qf_last_error());
+    for (int s = 1; s <= STEPS; s++) {
+        if (f) move_all(f);
+        int32_t tok = qt_argmax(out + (size_t)(s - 1) * V, V);
+        CHECK(qf_forward_seq(m, &be, ws, st, &tok, 1, QF_LOGITS_LAST, out + (size_t)s * V) == QF_OK, "%s", qf_last_error());
+    }
+    if (f && compose) { /* the decode steps wrote the ids they chose: top_k distinct experts a layer */
+        int bad = 0;
+        for (int L = 0; L < m->cfg.n_layers; L++)
+            for (int k = 0; k < f->top_k; k++) {
+                int32_t id = f->chosen[(size_t)L * QF_EXPERT_ID_ROWS * f->top_k + k];
+                bad += id < 0 || id >= f->n_experts;
+                for (int j = 0; j < k; j++) bad += f->chosen[(size_t)L * QF_EXPERT_ID_ROWS * f->top_k + j] == id;
+            }
+        CHECK(bad == 0, "%d chosen expert ids missing, out of range or repeated", bad);
+    }
+    qf_state_free(st);
+    qf_workspace_free(ws);
+    qf_model_free(m);
+    if (compose) qf_cpu_dec_compose_free(&be);
+}
+
+static void test_moving_store(int compose) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(MODEL), NULL) != QF_OK) return;
+    size_t n = (size_t)(STEPS + 1) * m->cfg.vocab;
+    qf_model_free(m);
+    float *ref = calloc(n, sizeof(float)), *got = calloc(n, sizeof(float));
+    run(0, compose, ref);
+    run(1, compose, got);
+    CHECK(memcmp(ref, got, n * sizeof(float)) == 0, "%s path: logits with experts moving between steps differ by up to %g",
+          compose ? "fused decode" : "host", qt_max_abs_diff(ref, got, (int64_t)n));
+    int finite = 1;
+    for (size_t i = 0; i < n; i++) finite &= isfinite(got[i]) != 0;
+    CHECK(finite, "non-finite logits: a stale expert pointer was read");
+    free(ref), free(got);
+}
+
+/* The failing store under the scheduler: a request that hits the failure ends with the store's
+ * message; disarmed, the next request runs to its length. */
+static void test_failing_store(void) {
+    qf_engine *e;
+    qf_engine_opts eo = {.n_threads = 1, .max_batch = 64};
+    int rc = qf_engine_open(&e, qt_path(MODEL), &eo);
+    CHECK(rc == QF_OK, "%s", qf_last_error());
+    if (rc) return;
+    fake_store *f = wrap(e->model, 0);
+    qf_sched *s;
+    qf_sched_opts so = {.max_batch = 2, .ctx = 64, .page_tokens = 16, .prefill_chunk = 16, .max_queue = 4};
+    CHECK(qf_sched_create(&s, e, &so) == QF_OK, "%s", qf_last_error());
+    int32_t prompt[4] = {5, 6, 7, 8};
+    for (int round = 0; round < 2; round++) {
+        f->fail = round == 0;
+        qf_req_params p = {.prompt = prompt, .n_prompt = 4, .max_tokens = 6, .sampling = qf_sampling_default(), .logprobs = -1, .ignore_eos = 1};
+        p.sampling.temperature = 0;
+        qf_req *r;
+        CHECK(qf_sched_submit(s, &p, &r) == QF_OK, "%s", qf_last_error());
+        qf_req_status st = {0};
+        for (int i = 0; i < 2000 && st.finish == QF_FINISH_NONE; i++) {
+            qf_req_poll(r, NULL, &st);
+            if (st.finish == QF_FINISH_NONE) usleep(5000);
+        }
+        if (round == 0)
+            CHECK(st.finish == QF_FINISH_ERROR && strstr(st.error, "injected read failure"), "failing store: finish %d, error '%s'", st.finish,
+                  st.error);
+        else CHECK(st.finish == QF_FINISH_LENGTH && st.gen_tokens == 6, "after the failure: finish %d, %d tokens, error '%s'", st.finish,
+                   st.gen_tokens, st.error);
+        qf_req_release(r);
+    }
+    qf_sched_destroy(s);
+    qf_engine_close(e);
+}
+
+int main(int argc, char **argv) {
+    qt_init(argc, argv);
+    test_moving_store(0);
+    test_moving_store(1);
+    test_failing_store();
+    return qt_finish();
+}

@@ -1,0 +1,45 @@
+#!/bin/bash
+# GPU checks in one device call (the H200 machine), binaries built here and carried in the
+# ignored gpu/ (a device call carries at most 64 MiB):
+#   cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DQFLASH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
+#   cmake --build build-cuda -j --target qflash-cli test_cuda test_model test_experts
+#   mkdir -p gpu && cp build-cuda/qflash build-cuda/tests/test_{cuda,model,experts} gpu/ && strip gpu/qflash gpu/test_*
+#   (cd gpu && tar cf - qflash test_cuda test_model test_experts | xz -9e -T0 > bins.txz && rm qflash test_*)
+# A reference build (another commit) may travel as gpu/old/bins.txz holding its qflash: every
+# bench then runs it beside the new one, alternating, so both are measured in the same minutes.
+#   bash tools/gpu-check.sh tests     the GPU tests (test_cuda, test_model in both precisions, test_experts)
+#   bash tools/gpu-check.sh slice8    batch 1 on 8 full-size layers, new and old twice each
+#   bash tools/gpu-check.sh whole     batch 1 on the whole synthetic Qwen3.6-35B-A3B, new and old twice each
+#   bash tools/gpu-check.sh streams   16 and 64 streams, and an 8K prompt (new only)
+# Results land in $OUT.
+set -u
+OUT=${OUT:-/tmp/qflash-check}
+mkdir -p "$OUT"
+[ -f gpu/bins.txz ] && [ ! -x gpu/qflash ] && tar xJf gpu/bins.txz -C gpu
+[ -f gpu/old/bins.txz ] && [ ! -x gpu/old/qflash ] && tar xJf gpu/old/bins.txz -C gpu/old
+exec > >(tee -a "$OUT/log-$1.txt") 2>&1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+B="bench --synthetic qwen3.6-35b-a3b --device cuda --bw 4300"
+show='^ +[0-9]+ +[0-9]+ +[0-9]+ \||rror|replayed|load:|peak|decoded ids'
+new() { echo "== new | $*"; timeout 150 gpu/qflash $B --cuda-opt steptime=1 "$@" 2>&1 | grep -E "$show"; }
+old() { [ -x gpu/old/qflash ] || return 0; echo "== old | $*"; QFLASH_CUDA_STEPTIME=1 timeout 150 gpu/old/qflash $B "$@" 2>&1 | grep -E "$show"; }
+case "$1" in
+tests)
+    timeout 330 gpu/test_cuda . >"$OUT/test_cuda.log" 2>&1; echo "test_cuda rc=$?"
+    grep -E "FAIL|checks|rror|^with" "$OUT/test_cuda.log" | head -60
+    QFLASH_TEST_DEVICE=cuda timeout 120 gpu/test_model . 2>&1 | grep -E "FAIL|checks|largest|rror"
+    timeout 60 gpu/test_experts . 2>&1 | tail -3
+    ;;
+slice8)
+    S="--prompt-len 128 --layers 8 --gen-len 64 --concurrency 1 --runs 1"
+    for i in 1 2; do new $S; old $S; done
+    ;;
+whole)
+    W="--prompt-len 128 --gen-len 64 --concurrency 1 --runs 2"
+    new $W --json "$OUT/c1-new.json"; old $W; new $W; old $W
+    ;;
+streams)
+    new --prompt-len 128 --gen-len 64 --concurrency 16,64 --runs 1 --json "$OUT/c16-64.json"
+    new --prompt-len 8192 --gen-len 4 --concurrency 1 --runs 1 --json "$OUT/8k.json"
+    ;;
+esac
