@@ -371,7 +371,8 @@ static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
     int max_c = 1;
     for (int i = 0; i < o->n_conc; i++) max_c = o->conc[i] > max_c ? o->conc[i] : max_c;
     qf_synth_opts so = {o->synthetic, o->config, o->layers, 0};
-    qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > o->prefill_chunk ? max_c : o->prefill_chunk, .synth = o->model ? NULL : &so, .device = cli_device};
+    qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > o->prefill_chunk ? max_c : o->prefill_chunk, .synth = o->model ? NULL : &so, .device = cli_device,
+                         .cuda = &cli_cuda};
     double t0 = qf_now();
     int rc = qf_engine_open(e, o->model, &eo);
     *load_s = qf_now() - t0;
@@ -416,6 +417,7 @@ int cmd_bench(int argc, char **argv) {
         atomic_store(&tr.phase, "bandwidth probe");
         r.bw_measured = o.bw <= 0;
         if (e->on_gpu && o.bw <= 0) fprintf(stderr, "bench: the bandwidth probe measures host memory; give --bw for the GPU's roofline\n");
+        if (e->on_gpu) qf_cuda_opts_print(stderr, &cli_cuda);
         r.bw_gbs = o.bw > 0 ? o.bw : probe_bw(e->pool, &r.copy_gbs);
         r.cfgs = calloc((size_t)o.n_conc, sizeof *r.cfgs);
         if (!r.cfgs) rc = QF_ENOMEM;

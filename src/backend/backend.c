@@ -20,7 +20,7 @@ int qf_backend_open(qf_backend *be, const char *name, qf_pool *pool, const qf_cu
     return QF_OK;
 }
 
-int qf_backend_is_device(const qf_backend *be) { return be->ops->alloc != NULL; }
+int qf_backend_is_device(const qf_backend *be) { return be->ops && be->ops->alloc != NULL; }
 
 void qf_backend_close(qf_backend *be) {
     if (qf_backend_is_device(be)) qf_cuda_backend_free(be);
