@@ -754,6 +754,24 @@ static void switch_checks(void) {
     set_opt("bulk=8");
 }
 
+/* A kernel that cannot take its input fails the step, with a message, once: through sync and
+ * through a step's bracket (eager here: a new step key), and the next step is clean. */
+static void test_device_errors(void) {
+    float *dx = gpu.ops->alloc(&gpu, 64 * sizeof(float)), *dy = gpu.ops->alloc(&gpu, 64 * sizeof(float));
+    qf_mat f32 = {QF_DT_F32, dx, 8, 8}; /* the fused products take bf16 rows only */
+    gpu.ops->dec->matmul(&gpu, &f32, dx, 1, NULL, NULL, 0, dy);
+    int rc = qf_be_sync(&gpu);
+    CHECK(rc == QF_EDEVICE && strstr(qf_last_error(), "fused product"), "sync after a refused product: %d, '%s'", rc, qf_last_error());
+    CHECK(qf_be_sync(&gpu) == QF_OK, "a failure is reported once");
+    gpu.ops->step_begin(&gpu, 0x5eed, 1);
+    gpu.ops->dec->matmul(&gpu, &f32, dx, 1, NULL, NULL, 0, dy);
+    rc = gpu.ops->step_end(&gpu);
+    CHECK(rc == QF_EDEVICE && strstr(qf_last_error(), "fused product"), "step with a refused product: %d, '%s'", rc, qf_last_error());
+    gpu.ops->step_begin(&gpu, 0x5eee, 1);
+    CHECK(gpu.ops->step_end(&gpu) == QF_OK, "the step after a failed one: %s", qf_last_error());
+    gpu.ops->free(&gpu, dx), gpu.ops->free(&gpu, dy);
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     qf_cuda_opts_default(&g_opts);
@@ -762,6 +780,7 @@ int main(int argc, char **argv) {
         return 77;
     }
     fprintf(stderr, "test_cuda on %s\n", qf_cuda_device_name(&gpu));
+    test_device_errors();
     test_matmul(2048, 2048, 1, 1e-5);
     test_matmul(512, 2048, 3, 1e-5);
     test_matmul(4096, 2048, 8, 1e-5);

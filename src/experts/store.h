@@ -48,10 +48,10 @@ struct qf_expert_store {
     qf_expert_stats stats;
 };
 
-/* All experts where qf_es_resident_set put them (views returned as they are); no device table.
- * NULL on allocation failure. */
-qf_expert_store *qf_es_resident_create(int n_layers, int n_experts);
-void qf_es_resident_set(qf_expert_store *s, int layer, int expert, const qf_expert *e);
+/* Every expert where its views point (into the mapped checkpoint); no device table. Takes
+ * ownership of experts ([n_layers][n_experts], malloc'd; freed even on failure). NULL when out of
+ * memory. */
+qf_expert_store *qf_es_resident_create(int n_layers, int n_experts, qf_expert *experts);
 
 /* Every expert of src copied once into be's memory (libc memory for a backend without its own),
  * each layer's experts in one allocation, with the device tables and chosen-id arrays (top_k ids a

@@ -7,7 +7,7 @@ typedef struct resident_store {
     qf_expert_store base;
     int n_layers, n_experts;
     qf_expert *experts; /* [n_layers][n_experts] */
-    uint64_t version;   /* bumped by every qf_es_resident_set */
+    uint64_t version;   /* never changes: nothing moves */
 } resident_store;
 
 static int resident_acquire(qf_expert_store *s, int layer, int expert, qf_expert *out) {
@@ -47,22 +47,16 @@ static const qf_expert_store_ops k_resident_ops = {
     .table = resident_table,
 };
 
-qf_expert_store *qf_es_resident_create(int n_layers, int n_experts) {
+qf_expert_store *qf_es_resident_create(int n_layers, int n_experts, qf_expert *experts) {
     resident_store *r = calloc(1, sizeof *r);
-    if (!r) return NULL;
-    r->experts = calloc((size_t)n_layers * (size_t)n_experts, sizeof *r->experts);
-    if (!r->experts) {
-        free(r);
+    if (!r) {
+        free(experts);
         return NULL;
     }
     r->base.ops = &k_resident_ops;
     r->n_layers = n_layers;
     r->n_experts = n_experts;
+    r->experts = experts;
+    r->version = 1;
     return &r->base;
-}
-
-void qf_es_resident_set(qf_expert_store *s, int layer, int expert, const qf_expert *e) {
-    resident_store *r = (resident_store *)s;
-    r->experts[(int64_t)layer * r->n_experts + expert] = *e;
-    r->version++;
 }

@@ -17,6 +17,7 @@ typedef struct binder {
     qf_diag *diag;
     int rc;
     qf_make_tensor_fn make; /* synthetic model: a tensor that is not there is made by it (NULL: never) */
+    qf_expert *experts;     /* [n_layers][n_experts] views, handed to the expert store at the end */
     char first[512]; /* the first problem, which is what a caller without a diag sink sees */
 } binder;
 
@@ -171,7 +172,7 @@ static void bind_experts(binder *b, int L) {
             x.gate = mat_from(b, gu, I, H, (size_t)(e * 2 * I * H) * es_gu);
             x.up = mat_from(b, gu, I, H, (size_t)((e * 2 + 1) * I * H) * es_gu);
             x.down = mat_from(b, dn, H, I, (size_t)(e * H * I) * es_dn);
-            qf_es_resident_set(b->m->experts, L, (int)e, &x);
+            b->experts[(int64_t)L * E + e] = x;
         }
         return;
     }
@@ -184,7 +185,7 @@ static void bind_experts(binder *b, int L) {
         x.up = bind_mat(b, lname(b, L, s, n, sizeof n), I, H);
         snprintf(s, sizeof s, "mlp.experts.%lld.down_proj.weight", (long long)e);
         x.down = bind_mat(b, lname(b, L, s, n, sizeof n), H, I);
-        qf_es_resident_set(b->m->experts, L, (int)e, &x);
+        b->experts[(int64_t)L * E + e] = x;
     }
 }
 
@@ -221,7 +222,7 @@ static void bind_globals(binder *b) {
 }
 
 int qf_model_bind(qf_model *m, const qf_load_opts *opts, qf_make_tensor_fn make) {
-    binder b = {m, NULL, opts ? opts->diag : NULL, QF_OK, make, ""};
+    binder b = {m, NULL, opts ? opts->diag : NULL, QF_OK, make, NULL, ""};
     if (make) b.prefix = "model.language_model.";
     else if (qf_st_find(&m->st, "model.language_model.embed_tokens.weight")) b.prefix = "model.language_model.";
     else if (qf_st_find(&m->st, "model.embed_tokens.weight")) b.prefix = "model.";
@@ -232,7 +233,7 @@ int qf_model_bind(qf_model *m, const qf_load_opts *opts, qf_make_tensor_fn make)
     const qf_config *c = &m->cfg;
     m->layers = calloc((size_t)c->n_layers, sizeof *m->layers);
     if (qf_model_own(m, m->layers) != QF_OK) return QF_ENOMEM;
-    if (c->arch == QF_ARCH_QWEN35_MOE && !(m->experts = qf_es_resident_create(c->n_layers, c->n_experts)))
+    if (c->arch == QF_ARCH_QWEN35_MOE && !(b.experts = calloc((size_t)c->n_layers * (size_t)c->n_experts, sizeof *b.experts)))
         return qf_fail(QF_ENOMEM, "out of memory (expert table)");
     bind_globals(&b);
     for (int L = 0; L < c->n_layers; L++) {
@@ -246,6 +247,11 @@ int qf_model_bind(qf_model *m, const qf_load_opts *opts, qf_make_tensor_fn make)
         bind_mlp(&b, w, L);
         if (opts && opts->progress) opts->progress(opts->progress_ud, L + 1, c->n_layers);
     }
-    if (b.rc != QF_OK) qf_fail(b.rc, "%s", b.first);
+    if (b.rc == QF_OK && b.experts && !(m->experts = qf_es_resident_create(c->n_layers, c->n_experts, b.experts)))
+        b.rc = qf_fail(QF_ENOMEM, "out of memory (expert store)");
+    else if (b.rc != QF_OK) {
+        free(b.experts);
+        qf_fail(b.rc, "%s", b.first);
+    }
     return b.rc;
 }

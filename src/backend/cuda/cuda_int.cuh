@@ -505,6 +505,17 @@ int attn_tiled(ctx *c, const qf_attn_args *a, float *part, int part_splits);
 // 0: not taken (fewer tokens than c->gdn_chunk_min, a shape it is not built for, switched off).
 int gdn_chunked(ctx *c, const qf_gdn_args *a);
 
+// The ops table (ops_cuda.cu) and its memory and step functions (ctx_cuda.cu).
+extern const qf_ops k_cuda_ops;
+void *cu_alloc(qf_backend *be, size_t bytes);
+void cu_free(qf_backend *be, void *p);
+void cu_upload(qf_backend *be, void *dst, const void *src, size_t n);
+void cu_download(qf_backend *be, void *dst, const void *src, size_t n);
+void cu_zero(qf_backend *be, void *p, size_t n);
+void cu_step_begin(qf_backend *be, uint64_t key, int rows);
+int cu_step_end(qf_backend *be);
+int cu_sync(qf_backend *be);
+
 // Argmax partials and per-row counts (dec_gemv_cuda.cu), zeroed once.
 size_t argmax_scratch_bytes(void);
 
