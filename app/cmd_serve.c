@@ -74,7 +74,6 @@ int cmd_serve(int argc, char **argv) {
     o.engine.max_batch = o.sched.max_batch + o.sched.prefill_chunk; /* rows of one step */
     o.engine.progress = NULL;
     o.sched.kv_mib = kv_mib;
-    o.load_delay_ms = atoi(env_or("QFLASH_TEST_LOAD_DELAY_MS", "0"));
     o.engine.cuda = &cli_cuda;
     if (o.verbose && o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0) qf_cuda_opts_print(stderr, &cli_cuda);
     int rc = qf_server_run(&o);

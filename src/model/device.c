@@ -170,6 +170,7 @@ int qf_model_to_device(qf_model *m, qf_backend *be, int drop_host) {
     move_vec(&mv, &m->inv_freq, (size_t)(m->cfg.rot_dim / 2));
     for (int L = 0; L < m->cfg.n_layers && mv.rc == QF_OK; L++) move_layer(&mv, L);
     if (mv.rc == QF_OK) mv.rc = move_experts(m, be);
+    if (mv.rc == QF_OK) mv.rc = qf_be_sync(be); /* a copy that failed on the device fails the load */
     for (int i = 0; drop_host && mv.rc == QF_OK && i < m->st.n_tensors; i++) {
         qf_st_tensor *t = &m->st.tensors[i];
         if (t->owned) free(t->owned), t->owned = NULL, t->data = NULL;

@@ -22,7 +22,6 @@
 static void *load_main(void *arg) {
     srv *s = arg;
     const qf_server_opts *o = s->o;
-    if (o->load_delay_ms > 0) usleep((useconds_t)o->load_delay_ms * 1000u); /* tests see the loading state */
     int rc = qf_engine_open(&s->e, o->model_dir, &o->engine);
     if (rc == QF_OK && !s->e->tok) rc = qf_fail(QF_EINVAL, "%s has no tokenizer.json; the server needs one", o->model_dir);
     if (rc == QF_OK && qf_tok_chat_template(s->e->tok)) {

@@ -18,7 +18,6 @@ typedef struct qf_server_opts {
     size_t max_body;          /* bytes */
     double shutdown_timeout;  /* seconds to let in-flight requests finish on SIGTERM */
     int verbose;
-    int load_delay_ms;        /* test hook: hold /health at 503 this long before loading */
     qf_engine_opts engine;
     qf_sched_opts sched;
     void (*ready)(void *ud, int port); /* optional: called once the model is loaded */

@@ -13,8 +13,8 @@ MODEL = os.environ.get("QFLASH_TEST_MODEL", os.path.join(ROOT, "models", "qwen36
 
 
 class Server:
-    def __init__(self, *args, env=None, wait_ready=True):
-        self.args = [BIN, "serve", "-m", MODEL, "--port", "0", "-t", "2", "--verbose", *args]
+    def __init__(self, *args, env=None, wait_ready=True, model=MODEL):
+        self.args = [BIN, "serve", "-m", model, "--port", "0", "-t", "2", "--verbose", *args]
         self.log = []
         self.port = None
         self.ready = threading.Event()

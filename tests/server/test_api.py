@@ -2,12 +2,13 @@
 import concurrent.futures
 import http.client
 import json
+import os
 import signal
 
 import openai
 import pytest
 
-from qfserver import Server, run_cli, wait_for
+from qfserver import MODEL, Server, run_cli, wait_for
 
 PROMPTS = ["def fib(n):", "import numpy as np\n", "class Stack:\n", "# sort a list\n", "for i in range(10):",
            "def read_file(path):", "import os\nimport sys\n", "x = [", "def main():\n    ", "while True:",
@@ -200,11 +201,21 @@ def test_api_key():
             openai.OpenAI(base_url=s.url + "/v1", api_key="bad", max_retries=0).models.list()
 
 
-def test_health_503_while_loading():
-    with Server(env={"QFLASH_TEST_LOAD_DELAY_MS": "1500"}, wait_ready=False) as s:
+def test_health_503_while_loading(tmp_path):
+    """The load is held at its first read: the model's config.json is a named pipe the test fills
+    once it has seen the loading state."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(MODEL):
+        if name != "config.json":
+            os.symlink(os.path.join(MODEL, name), model / name)
+    os.mkfifo(model / "config.json")
+    with Server(wait_ready=False, model=str(model)) as s:
         status, headers, body = post(s, "/health", None, method="GET", raw=b"")
         assert status == 503 and json.loads(body)["error"]["message"] == "Loading model" and "Retry-After" in headers
         assert post(s, "/v1/completions", {"prompt": "x"})[0] == 503
+        with open(model / "config.json", "w") as pipe, open(os.path.join(MODEL, "config.json")) as cfg:
+            pipe.write(cfg.read())
         assert s.ready.wait(30)
         assert post(s, "/health", None, method="GET", raw=b"")[0] == 200
 
