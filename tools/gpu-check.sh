@@ -10,7 +10,7 @@
 #   bash tools/gpu-check.sh tests     the GPU tests (test_cuda, test_model in both precisions, test_experts)
 #   bash tools/gpu-check.sh slice8    batch 1 on 8 full-size layers, new and old twice each
 #   bash tools/gpu-check.sh whole     batch 1 on the whole synthetic Qwen3.6-35B-A3B, new and old twice each
-#   bash tools/gpu-check.sh streams   16 and 64 streams, and an 8K prompt (new only)
+#   bash tools/gpu-check.sh streams   batch 1, 16 and 64 streams, and an 8K prompt (new only)
 # Results land in $OUT.
 set -u
 OUT=${OUT:-/tmp/qflash-check}
@@ -39,6 +39,7 @@ whole)
     new $W --json "$OUT/c1-new.json"; old $W; new $W; old $W
     ;;
 streams)
+    new --prompt-len 128 --gen-len 64 --concurrency 1 --runs 2
     new --prompt-len 128 --gen-len 64 --concurrency 16,64 --runs 1 --json "$OUT/c16-64.json"
     new --prompt-len 8192 --gen-len 4 --concurrency 1 --runs 1 --json "$OUT/8k.json"
     ;;
