@@ -765,10 +765,10 @@ static void test_device_errors(void) {
     CHECK(qf_be_sync(&gpu) == QF_OK, "a failure is reported once");
     gpu.ops->step_begin(&gpu, 0x5eed, 1);
     gpu.ops->dec->matmul(&gpu, &f32, dx, 1, NULL, NULL, 0, dy);
-    rc = gpu.ops->step_end(&gpu);
+    rc = gpu.ops->step_end(&gpu, 0);
     CHECK(rc == QF_EDEVICE && strstr(qf_last_error(), "fused product"), "step with a refused product: %d, '%s'", rc, qf_last_error());
     gpu.ops->step_begin(&gpu, 0x5eee, 1);
-    CHECK(gpu.ops->step_end(&gpu) == QF_OK, "the step after a failed one: %s", qf_last_error());
+    CHECK(gpu.ops->step_end(&gpu, 0) == QF_OK, "the step after a failed one: %s", qf_last_error());
     gpu.ops->free(&gpu, dx), gpu.ops->free(&gpu, dy);
 }
 

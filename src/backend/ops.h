@@ -223,9 +223,10 @@ typedef struct qf_ops {
     void (*zero)(qf_backend *be, void *p, size_t bytes);
     /* Optional: brackets one forward step of a given shape (key) and row count, so a device can
      * record it once and replay it (CUDA graphs). step_end returns an error if any op of the step
-     * failed (the step's results are then not to be used). */
+     * failed (the step's results are then not to be used); abandon: the caller failed the step
+     * part-way, so whatever the device holds back of it is dropped, not run. */
     void (*step_begin)(qf_backend *be, uint64_t key, int rows);
-    int (*step_end)(qf_backend *be);
+    int (*step_end)(qf_backend *be, int abandon);
     /* Optional: waits for every queued op; returns the first failure since the last step ended. */
     int (*sync)(qf_backend *be);
 } qf_ops;

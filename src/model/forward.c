@@ -344,13 +344,14 @@ static uint64_t step_key(const qf_seq_step *seqs, int n_seqs) {
     return h;
 }
 
-/* A step that failed part-way: the device's bracket is closed (its own error, if any, is not the
- * first one) and rc returned. The sequences' states hold part of the step: their requests fail. */
+/* A step that failed part-way: the device's bracket is closed with the step abandoned (a device
+ * error it held is not the first one) and rc returned. The sequences' states hold part of the
+ * step: their requests fail. */
 static int step_fail(qf_backend *be, int rc) {
     if (!OPS->step_end) return rc;
     char msg[512];
     snprintf(msg, sizeof msg, "%s", qf_last_error());
-    OPS->step_end(be);
+    OPS->step_end(be, 1);
     return qf_fail(rc, "%s", msg);
 }
 
@@ -369,7 +370,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
         if (rc != QF_OK) return step_fail(be, rc);
         for (int s = 0; s < n_seqs; s++) seqs[s].st->pos += seqs[s].n;
         dec_logits(&f);
-        return OPS->step_end ? OPS->step_end(be) : QF_OK;
+        return OPS->step_end ? OPS->step_end(be, 0) : QF_OK;
     }
     for (int L = 0; L < c->n_layers; L++) {
         const qf_layer_w *w = &m->layers[L];
@@ -392,7 +393,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     }
     for (int s = 0; s < n_seqs; s++) seqs[s].st->pos += seqs[s].n;
     logits(&f);
-    return OPS->step_end ? OPS->step_end(be) : QF_OK;
+    return OPS->step_end ? OPS->step_end(be, 0) : QF_OK;
 }
 
 int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, const int32_t *tokens, int n,

@@ -78,12 +78,16 @@ void cu_step_begin(qf_backend *be, uint64_t key, int rows) {
     s->last_key = key;
 }
 
-int cu_step_end(qf_backend *be) {
+int cu_step_end(qf_backend *be, int abandon) {
     ctx *c = C(be);
     graph_state *s = &c->gs;
     int mode = s->mode;
     s->mode = G_EAGER;
     if (mode == G_EAGER) return take_error(c);
+    if (abandon) { // the caller failed the step part-way: nothing of it runs, a partial recording is not kept
+        if (mode == G_RECORD) s->key = 0;
+        return take_error(c);
+    }
     if (!s->broken && mode == G_RECORD) {
         s->n_rec = s->n;
         if (cudaGraphInstantiate(&s->ex, s->g, 0) != cudaSuccess) s->ex = NULL, s->broken = 1;

@@ -513,7 +513,7 @@ void cu_upload(qf_backend *be, void *dst, const void *src, size_t n);
 void cu_download(qf_backend *be, void *dst, const void *src, size_t n);
 void cu_zero(qf_backend *be, void *p, size_t n);
 void cu_step_begin(qf_backend *be, uint64_t key, int rows);
-int cu_step_end(qf_backend *be);
+int cu_step_end(qf_backend *be, int abandon);
 int cu_sync(qf_backend *be);
 
 // Argmax partials and per-row counts (dec_gemv_cuda.cu), zeroed once.
