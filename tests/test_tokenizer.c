@@ -5,6 +5,7 @@
 #include <string.h>
 #include <utf8proc.h>
 
+#include "base/timer.h"
 #include "base/utf8.h"
 #include "test_util.h"
 #include "tokenizer/tokenizer.h"
@@ -140,6 +141,62 @@ static void check_errors_and_stream(const qf_tokenizer *t) {
     CHECK(qf_tok_lookup(t, "<|im_end|>") == 4002 && qf_tok_is_special(t, 4002), "special token lookup");
 }
 
+/* reps repeats of unit as one string (heap; the caller frees). */
+static char *repeat(const char *unit, int reps, size_t *len) {
+    size_t u = strlen(unit);
+    char *s = malloc(u * (size_t)reps + 1);
+    for (int i = 0; i < reps; i++) memcpy(s + u * (size_t)i, unit, u);
+    s[u * (size_t)reps] = 0;
+    *len = u * (size_t)reps;
+    return s;
+}
+
+static int same_ids(const qf_tokenizer *t, const char *s, size_t len) {
+    int32_t *a = NULL, *b = NULL;
+    int na = 0, nb = 0;
+    int ok = qf_tok_encode(t, s, len, &a, &na) == QF_OK && qf_tok_encode_plain(t, s, len, &b, &nb) == QF_OK && na == nb &&
+             memcmp(a, b, (size_t)na * sizeof *a) == 0;
+    free(a), free(b);
+    return ok;
+}
+
+/* The heap merges against the plain loop: the generated strings, and long runs of one character
+ * (the pieces whose merging was quadratic); then the heap's time for 10x longer runs, printed. */
+static const char *const k_units[] = {"\xf0\x9f\x99\x82", " ", "\n", "\xe4\xb8\xad", "ab", "\t ", "0"};
+#define N_UNITS (sizeof k_units / sizeof *k_units)
+
+static void check_merges(const qf_tokenizer *t) {
+    char buf[2048];
+    int bad = 0;
+    for (int i = 0; i < 300; i++) {
+        size_t len = gen_text(buf, sizeof buf);
+        bad += !same_ids(t, buf, len);
+    }
+    CHECK(bad == 0, "%d of 300 generated strings: heap merges differ from the plain loop", bad);
+    int reps[] = {1, 2, 3, 7, 64, 65, 300, 1000};
+    for (size_t u = 0; u < N_UNITS; u++)
+        for (size_t r = 0; r < sizeof reps / sizeof *reps; r++) {
+            size_t len;
+            char *s = repeat(k_units[u], reps[r], &len);
+            CHECK(same_ids(t, s, len), "%d repeats of unit %zu: heap merges differ from the plain loop", reps[r], u);
+            free(s);
+        }
+    for (size_t u = 0; u < N_UNITS; u++) {
+        double dt[2];
+        for (int k = 0; k < 2; k++) {
+            size_t len;
+            char *s = repeat(k_units[u], k ? 100000 : 10000, &len);
+            int32_t *ids = NULL;
+            int n = 0;
+            double t0 = qf_now();
+            CHECK(qf_tok_encode(t, s, len, &ids, &n) == QF_OK, "%s", qf_last_error());
+            dt[k] = qf_now() - t0;
+            free(ids), free(s);
+        }
+        fprintf(stderr, "encode of unit %zu repeated: 10000x %.2f ms, 100000x %.2f ms (x%.1f)\n", u, dt[0] * 1e3, dt[1] * 1e3, dt[1] / (dt[0] > 0 ? dt[0] : 1e-9));
+    }
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     qf_tokenizer *t;
@@ -149,6 +206,7 @@ int main(int argc, char **argv) {
     CHECK(qf_tok_vocab_size(t) == 4007, "vocab %d", qf_tok_vocab_size(t));
     check_cases(t);
     check_roundtrip(t);
+    check_merges(t);
     check_errors_and_stream(t);
     qf_tok_free(t);
     return qt_finish();

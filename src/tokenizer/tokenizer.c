@@ -355,9 +355,13 @@ static int push_id(idbuf *b, int32_t id) {
     return QF_OK;
 }
 
-/* BPE over one pre-token: start from byte tokens, repeatedly merge the lowest-ranked adjacent
- * pair (leftmost on ties), which is the order HF's merge queue produces. */
-static int bpe_piece(const qf_tokenizer *t, const unsigned char *s, size_t len, idbuf *out) {
+/* The merge rank of symbols a, b (-1: no merge). */
+static int rank_of(const qf_tokenizer *t, int32_t a, int32_t b) { return qf_u64map_get(&t->merges, (uint64_t)a << 32 | (uint32_t)b); }
+
+/* BPE over one pre-token, the plain way (the reference bpe_piece is tested against): start from
+ * byte tokens, repeatedly merge the lowest-ranked adjacent pair, leftmost on ties (the order HF's
+ * merge queue produces). Quadratic in the piece's length. */
+static int bpe_piece_plain(const qf_tokenizer *t, const unsigned char *s, size_t len, idbuf *out) {
     int first = out->n;
     for (size_t i = 0; i < len; i++)
         if (push_id(out, t->byte_id[s[i]]) != QF_OK) return QF_ENOMEM;
@@ -366,7 +370,7 @@ static int bpe_piece(const qf_tokenizer *t, const unsigned char *s, size_t len, 
     for (;;) {
         int best = INT_MAX, at = -1;
         for (int i = 0; i + 1 < n; i++) {
-            int r = qf_u64map_get(&t->merges, (uint64_t)sym[i] << 32 | (uint32_t)sym[i + 1]);
+            int r = rank_of(t, sym[i], sym[i + 1]);
             if (r >= 0 && r < best) best = r, at = i;
         }
         if (at < 0) break;
@@ -378,8 +382,73 @@ static int bpe_piece(const qf_tokenizer *t, const unsigned char *s, size_t len, 
     return QF_OK;
 }
 
+/* A candidate merge: symbols at positions i and j (j the next live one when it was made), rank r.
+ * Ordered by rank, then position: the plain loop's choice. */
+typedef struct cand {
+    int r, i, j;
+} cand;
+
+static int cand_less(cand a, cand b) { return a.r < b.r || (a.r == b.r && a.i < b.i); }
+
+static void heap_push(cand *h, int *n, cand c) {
+    int k = (*n)++;
+    for (; k > 0 && cand_less(c, h[(k - 1) / 2]); k = (k - 1) / 2) h[k] = h[(k - 1) / 2];
+    h[k] = c;
+}
+
+static cand heap_pop(cand *h, int *n) {
+    cand top = h[0], last = h[--*n];
+    int k = 0;
+    for (;;) {
+        int c = 2 * k + 1;
+        if (c >= *n) break;
+        if (c + 1 < *n && cand_less(h[c + 1], h[c])) c++;
+        if (!cand_less(h[c], last)) break;
+        h[k] = h[c], k = c;
+    }
+    if (*n) h[k] = last;
+    return top;
+}
+
+/* The same merges in O(n log n): the symbols as a linked list, candidate pairs in a heap; a popped
+ * candidate whose symbols have changed since it was pushed is dropped. Each merge pushes at most
+ * two candidates, so the heap holds fewer than 3n. */
+static int bpe_piece(const qf_tokenizer *t, const unsigned char *s, size_t len, idbuf *out) {
+    if (len < 2) return len ? push_id(out, t->byte_id[s[0]]) : QF_OK;
+    if (len > INT_MAX / 4) return qf_fail(QF_EINVAL, "a piece of %zu bytes is too long to tokenize", len);
+    enum { SMALL = 64 }; /* most pieces: their arrays on the stack */
+    int32_t id_s[SMALL];
+    int next_s[SMALL], prev_s[SMALL];
+    cand h_s[3 * SMALL];
+    int n = (int)len, nh = 0, small = n <= SMALL;
+    int32_t *id = small ? id_s : malloc((size_t)n * sizeof *id);
+    int *next = small ? next_s : malloc((size_t)n * sizeof *next), *prev = small ? prev_s : malloc((size_t)n * sizeof *prev);
+    cand *h = small ? h_s : malloc((size_t)3 * n * sizeof *h);
+    int rc = id && next && prev && h ? QF_OK : qf_fail(QF_ENOMEM, "out of memory tokenizing a piece of %zu bytes", len);
+    for (int i = 0; rc == QF_OK && i < n; i++) {
+        id[i] = t->byte_id[s[i]], next[i] = i + 1 < n ? i + 1 : -1, prev[i] = i - 1;
+        int r = i ? rank_of(t, id[i - 1], id[i]) : -1;
+        if (r >= 0) heap_push(h, &nh, (cand){r, i - 1, i});
+    }
+    while (rc == QF_OK && nh) {
+        cand c = heap_pop(h, &nh);
+        if (id[c.i] < 0 || next[c.i] != c.j || rank_of(t, id[c.i], id[c.j]) != c.r) continue; /* stale */
+        id[c.i] = t->merge_result[c.r], id[c.j] = -1;
+        next[c.i] = next[c.j];
+        if (next[c.i] >= 0) prev[next[c.i]] = c.i;
+        int r;
+        if (prev[c.i] >= 0 && (r = rank_of(t, id[prev[c.i]], id[c.i])) >= 0) heap_push(h, &nh, (cand){r, prev[c.i], c.i});
+        if (next[c.i] >= 0 && (r = rank_of(t, id[c.i], id[next[c.i]])) >= 0) heap_push(h, &nh, (cand){r, c.i, next[c.i]});
+    }
+    for (int i = 0; rc == QF_OK && i >= 0; i = next[i]) rc = push_id(out, id[i]);
+    if (!small) free(id), free(next), free(prev), free(h);
+    return rc;
+}
+
 /* NFC, then the Split regex (matches and the gaps between them are both pieces), then BPE. */
-static int encode_text(const qf_tokenizer *t, const char *text, size_t len, idbuf *out) {
+typedef int (*bpe_fn)(const qf_tokenizer *t, const unsigned char *s, size_t len, idbuf *out);
+
+static int encode_text(const qf_tokenizer *t, const char *text, size_t len, bpe_fn bpe, idbuf *out) {
     if (!len) return QF_OK;
     utf8proc_uint8_t *norm = NULL;
     const char *s = text;
@@ -400,11 +469,11 @@ static int encode_text(const qf_tokenizer *t, const char *text, size_t len, idbu
             rc = qf_fail(QF_EINVAL, "pre-tokenizer regex failed (%d) at byte %zu", m, off);
             break;
         }
-        if (ms > off) rc = bpe_piece(t, (const unsigned char *)s + off, ms - off, out);
-        if (rc == QF_OK && me > ms) rc = bpe_piece(t, (const unsigned char *)s + ms, me - ms, out);
+        if (ms > off) rc = bpe(t, (const unsigned char *)s + off, ms - off, out);
+        if (rc == QF_OK && me > ms) rc = bpe(t, (const unsigned char *)s + ms, me - ms, out);
         if (me == ms && m >= 0) { /* empty match: the next character joins the following gap */
             int l = qf_utf8_seq_len((const unsigned char *)s + me, len - me);
-            rc = bpe_piece(t, (const unsigned char *)s + me, (size_t)(l ? l : 1), out);
+            rc = bpe(t, (const unsigned char *)s + me, (size_t)(l ? l : 1), out);
             me += (size_t)(l ? l : 1);
         }
         off = me;
@@ -422,7 +491,7 @@ static const added_tok *added_at(const qf_tokenizer *t, const char *s, size_t le
 
 static int is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
-int qf_tok_encode(const qf_tokenizer *t, const char *text, size_t len, int32_t **ids, int *n_ids) {
+static int encode(const qf_tokenizer *t, const char *text, size_t len, bpe_fn bpe, int32_t **ids, int *n_ids) {
     *ids = NULL;
     *n_ids = 0;
     size_t bad = qf_utf8_valid_prefix(text, len);
@@ -439,14 +508,14 @@ int qf_tok_encode(const qf_tokenizer *t, const char *text, size_t len, int32_t *
         size_t seg_end = i;
         if (a->lstrip)
             while (seg_end > seg && is_ws(text[seg_end - 1])) seg_end--;
-        rc = encode_text(t, text + seg, seg_end - seg, &out);
+        rc = encode_text(t, text + seg, seg_end - seg, bpe, &out);
         if (rc == QF_OK) rc = push_id(&out, a->id);
         i += a->len;
         if (a->rstrip)
             while (i < len && is_ws(text[i])) i++;
         seg = i;
     }
-    if (rc == QF_OK) rc = encode_text(t, text + seg, len - seg, &out);
+    if (rc == QF_OK) rc = encode_text(t, text + seg, len - seg, bpe, &out);
     if (rc != QF_OK) {
         free(out.v);
         return rc;
@@ -454,6 +523,14 @@ int qf_tok_encode(const qf_tokenizer *t, const char *text, size_t len, int32_t *
     *ids = out.v ? out.v : malloc(sizeof(int32_t));
     *n_ids = out.n;
     return *ids ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
+}
+
+int qf_tok_encode(const qf_tokenizer *t, const char *text, size_t len, int32_t **ids, int *n_ids) {
+    return encode(t, text, len, bpe_piece, ids, n_ids);
+}
+
+int qf_tok_encode_plain(const qf_tokenizer *t, const char *text, size_t len, int32_t **ids, int *n_ids) {
+    return encode(t, text, len, bpe_piece_plain, ids, n_ids);
 }
 
 /* ---- decoding and lookups ---- */

@@ -17,6 +17,8 @@ void qf_tok_free(qf_tokenizer *t);
 /* Encodes UTF-8 text (special tokens written in the text are recognised). *ids is a heap array
  * the caller frees. Invalid UTF-8 is an error naming the byte offset. */
 int qf_tok_encode(const qf_tokenizer *t, const char *text, size_t len, int32_t **ids, int *n_ids);
+/* The same with the plain, quadratic merge loop: the reference qf_tok_encode is tested against. */
+int qf_tok_encode_plain(const qf_tokenizer *t, const char *text, size_t len, int32_t **ids, int *n_ids);
 
 /* The bytes a token stands for (added tokens: their text). NULL for an id with no token. */
 const char *qf_tok_piece(const qf_tokenizer *t, int32_t id, size_t *len);
