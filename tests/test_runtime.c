@@ -116,7 +116,7 @@ static void test_cli_run(const qf_tokenizer *t) {
         snprintf(name, sizeof name, "p%zu.input_ids", i);
         int64_t n;
         const int32_t *ids = qt_ref_i32(&ref, name, &n);
-        CHECK(qf_tok_decode(t, ids, (int)n, 0, &text) == QF_OK, "%s", qf_last_error());
+        CHECK(qf_tok_decode(t, ids, (int)n, 0, &text, NULL) == QF_OK, "%s", qf_last_error());
         int32_t *re;
         int nre;
         qf_tok_encode(t, text, strlen(text), &re, &nre);

@@ -288,7 +288,7 @@ void api_tokenize(srv *s, struct evhttp_request *req, json_t *b) {
 
 void api_detokenize(srv *s, struct evhttp_request *req, json_t *b) {
     json_t *t = json_object_get(b, "tokens");
-    int V = s->e->model->cfg.vocab;
+    int V = qf_tok_vocab_size(s->e->tok); /* the model's rows past the tokenizer's ids have no text */
     if (!json_is_array(t) || json_array_size(t) > (size_t)1 << 24) {
         srv_count(s, 400);
         bad(req, "'tokens' must be a list of token ids");
@@ -307,14 +307,18 @@ void api_detokenize(srv *s, struct evhttp_request *req, json_t *b) {
         ids[i] = (int32_t)json_integer_value(v);
     }
     char *text = NULL;
-    if (!ids || qf_tok_decode(s->e->tok, ids, (int)n, 0, &text) != QF_OK) {
+    size_t len = 0;
+    int rc = ids ? qf_tok_decode(s->e->tok, ids, (int)n, 0, &text, &len) : QF_ENOMEM;
+    if (rc != QF_OK) {
         free(ids);
-        srv_count(s, 500);
-        srv_send_error(req, 500, "server_error", "cannot decode: %s", ids ? qf_last_error() : "out of memory");
+        int code = rc == QF_EINVAL ? 400 : 500;
+        srv_count(s, code);
+        if (code == 400) bad(req, "'tokens': %s", qf_last_error());
+        else srv_send_error(req, 500, "server_error", "cannot decode: out of memory");
         return;
     }
-    srv_count(s, 200);
-    srv_send_json(req, 200, json_pack("{s:s,s:s}", "prompt", text, "content", text));
+    srv_count(s, 200); /* text may hold NUL bytes (the byte token 0): sized strings */
+    srv_send_json(req, 200, json_pack("{s:s%,s:s%}", "prompt", text, len, "content", text, len));
     free(ids);
     free(text);
 }

@@ -541,7 +541,7 @@ const char *qf_tok_piece(const qf_tokenizer *t, int32_t id, size_t *len) {
     return t->blob + t->dec_off[id];
 }
 
-int qf_tok_decode(const qf_tokenizer *t, const int32_t *ids, int n, int skip_special, char **out) {
+int qf_tok_decode(const qf_tokenizer *t, const int32_t *ids, int n, int skip_special, char **out, size_t *out_len) {
     size_t cap = 64;
     for (int i = 0; i < n; i++) cap += ids[i] >= 0 && ids[i] < t->n_vocab && t->dec_len[ids[i]] > 0 ? (size_t)t->dec_len[ids[i]] * 3 : 0;
     char *buf = malloc(cap);
@@ -561,6 +561,7 @@ int qf_tok_decode(const qf_tokenizer *t, const int32_t *ids, int n, int skip_spe
     o += qf_utf8_stream_flush(&us, buf + o, cap - o);
     buf[o] = 0;
     *out = buf;
+    if (out_len) *out_len = o;
     return QF_OK;
 }
 

@@ -23,8 +23,9 @@ int qf_tok_encode_plain(const qf_tokenizer *t, const char *text, size_t len, int
 /* The bytes a token stands for (added tokens: their text). NULL for an id with no token. */
 const char *qf_tok_piece(const qf_tokenizer *t, int32_t id, size_t *len);
 /* Decodes ids to a heap NUL-terminated string (invalid UTF-8 -> U+FFFD); skip_special drops
- * special added tokens. */
-int qf_tok_decode(const qf_tokenizer *t, const int32_t *ids, int n, int skip_special, char **out);
+ * special added tokens. out_len (may be NULL): its length, NUL bytes inside it counted (the byte
+ * token 0 decodes to one). QF_EINVAL naming an id that has no token. */
+int qf_tok_decode(const qf_tokenizer *t, const int32_t *ids, int n, int skip_special, char **out, size_t *out_len);
 
 int qf_tok_vocab_size(const qf_tokenizer *t); /* highest id + 1 */
 size_t qf_tok_max_piece_len(const qf_tokenizer *t); /* longest qf_tok_piece, in bytes */

@@ -87,6 +87,18 @@ def test_seed_reproducible(client):
     assert any(x != a for x in c)
 
 
+def test_detokenize_edges(server):
+    """Ids past the tokenizer (the model's padding rows) are a 400 naming the range; the byte
+    token 0 decodes to a NUL character, not to an empty string."""
+    with open(os.path.join(MODEL, "tokenizer.json")) as f:
+        tok = json.load(f)
+    size = len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))
+    status, _, body = post(server, "/detokenize", {"tokens": [size + 3]})
+    assert status == 400 and "tokens" in json.loads(body)["error"]["message"]
+    status, _, body = post(server, "/detokenize", {"tokens": [tok["model"]["vocab"]["\u0100"]]})
+    assert status == 200 and json.loads(body)["prompt"] == "\x00"
+
+
 def test_enable_thinking_false(client, server):
     msgs = [{"role": "user", "content": "def fib(n):"}]
     on = json.loads(post(server, "/tokenize", {"messages": msgs})[2])["count"]
