@@ -10,7 +10,7 @@
 #include "base/utf8.h"
 #include "server/srv_int.h"
 
-static const char *finish_name(int f) { return f == QF_FINISH_LENGTH ? "length" : "stop"; }
+static const char *finish_name(int f) { return f == QF_FINISH_LENGTH ? "length" : f == QF_FINISH_CANCELLED ? "abort" : "stop"; }
 
 /* A JSON string from bytes that may not be valid UTF-8 (a token's piece): bad bytes become U+FFFD. */
 static json_t *jstr_lossy(const char *p, size_t n) {
@@ -270,8 +270,8 @@ static void call_pump(call *c) {
     json_decref(d.lp);
     if (st.finish == QF_FINISH_NONE) return;
     detach(c);
-    if (st.finish == QF_FINISH_CANCELLED) { /* server shutdown: end what was sent */
-        if (c->stream) evhttp_send_reply_end(c->http);
+    if (st.finish == QF_FINISH_CANCELLED) { /* server shutdown: a stream ends with finish_reason "abort" and [DONE] */
+        if (c->stream) stream_end(c, &st);
         else srv_send_error(c->http, 503, "unavailable_error", "the request was cancelled (server shutting down)");
     } else if (c->stream) {
         stream_end(c, &st);

@@ -24,6 +24,7 @@ static void *load_main(void *arg) {
     const qf_server_opts *o = s->o;
     int rc = qf_engine_open(&s->e, o->model_dir, &o->engine);
     if (rc == QF_OK && !s->e->tok) rc = qf_fail(QF_EINVAL, "%s has no tokenizer.json; the server needs one", o->model_dir);
+    if (rc == QF_OK) s->max_piece = qf_tok_max_piece_len(s->e->tok);
     if (rc == QF_OK && qf_tok_chat_template(s->e->tok)) {
         rc = qf_chat_tmpl_parse(&s->tmpl, qf_tok_chat_template(s->e->tok));
         s->has_tmpl = rc == QF_OK;
@@ -148,22 +149,15 @@ static const route ROUTES[] = {
     {"/index.html", EVHTTP_REQ_GET, 0, 0, R_WEBUI},
 };
 
+/* The body is parsed here (bounded by --max-body); the rest of the work goes to the workers. */
 static void dispatch_body(srv *s, struct evhttp_request *req, int id) {
     json_t *body = read_body(req);
     if (!body) {
         srv_count(s, 400);
         return;
     }
-    gen_req g;
-    memset(&g, 0, sizeof g);
-    int kind = id == R_CHAT ? CALL_CHAT : id == R_COMPL ? CALL_COMPLETION : CALL_GENERATE;
-    if (id == R_TOKENIZE) api_tokenize(s, req, body);
-    else if (id == R_DETOKENIZE) api_detokenize(s, req, body);
-    else if ((id == R_CHAT ? api_parse_chat(s, req, body, &g) : api_parse_completion(s, req, body, &g, id == R_GENERATE)) == 0)
-        call_start(s, req, &g, kind);
-    else srv_count(s, 400);
-    gen_req_clear(&g);
-    json_decref(body);
+    int what = id == R_CHAT ? PREP_CHAT : id == R_COMPL ? PREP_COMPLETION : id == R_GENERATE ? PREP_GENERATE : id == R_TOKENIZE ? PREP_TOKENIZE : PREP_DETOKENIZE;
+    prep_submit(s, req, body, what);
 }
 
 static void handle(struct evhttp_request *req, void *arg) {
@@ -236,6 +230,8 @@ static int start(srv *s) {
     s->sigint = evsignal_new(s->base, SIGINT, on_signal, s);
     s->sigterm = evsignal_new(s->base, SIGTERM, on_signal, s);
     if (!s->wake || !s->loaded || !s->drain_timer || !s->sigint || !s->sigterm) return qf_fail(QF_ENOMEM, "out of memory");
+    int rc = prep_create(s, 2);
+    if (rc != QF_OK) return rc;
     event_add(s->sigint, NULL);
     event_add(s->sigterm, NULL);
     return QF_OK;
@@ -244,6 +240,7 @@ static int start(srv *s) {
 static void stop(srv *s) {
     if (s->sched) qf_sched_destroy(s->sched); /* cancels what is left; no notify can fire after this */
     s->sched = NULL;
+    prep_destroy(s);                          /* requests still being prepared are dropped */
     calls_pump(s);                            /* ends the replies of those cancelled calls */
     if (s->http) evhttp_free(s->http);        /* closes connections; close callbacks free calls */
     qf_engine_close(s->e);

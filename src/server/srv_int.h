@@ -15,6 +15,7 @@
 enum call_kind { CALL_CHAT, CALL_COMPLETION, CALL_GENERATE };
 
 typedef struct srv srv;
+typedef struct prep prep;
 
 /* One generation request in flight, from submit to the last byte sent (or the client leaving). */
 typedef struct call {
@@ -51,26 +52,44 @@ struct srv {
     int n_calls;
     uint64_t http_requests[6]; /* 2xx 4xx(400) 401 404 413/405 5xx: see server.c */
     int exit_rc;
+    size_t max_piece;          /* bytes of the tokenizer's longest token */
+    prep *prep;                /* the preparation workers (prep.c) */
 };
 
-/* server.c */
+/* reply.c */
 void srv_send_json(struct evhttp_request *req, int code, json_t *body); /* steals body */
 void srv_send_error(struct evhttp_request *req, int code, const char *type, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void srv_count(srv *s, int code);
 
-/* api.c: request bodies to scheduler parameters. Each returns 0, or sends a 400 and returns -1. */
+/* api.c: request bodies to scheduler parameters, on the preparation workers. The answer: code 0
+ * (parsed, go on), 200 with body (tokenize), or an error code with its message. */
+typedef struct api_out {
+    int code;
+    json_t *body;
+    char msg[768];
+} api_out;
 typedef struct gen_req {
     qf_req_params p;
     int32_t *prompt;            /* heap */
     int stream, include_usage, logprobs_on, top_logprobs, think_prompt;
+    int tokenize_only;          /* /tokenize: no limit from the context */
 } gen_req;
-int api_parse_chat(srv *s, struct evhttp_request *req, json_t *body, gen_req *g);
-int api_parse_completion(srv *s, struct evhttp_request *req, json_t *body, gen_req *g, int native);
+/* Each returns 0, or -1 with ao->code 400 and the message naming the field. */
+int api_parse_chat(srv *s, api_out *ao, json_t *body, gen_req *g);
+int api_parse_completion(srv *s, api_out *ao, json_t *body, gen_req *g, int native);
 void gen_req_clear(gen_req *g);
 /* POST /tokenize and /detokenize */
-void api_tokenize(srv *s, struct evhttp_request *req, json_t *body);
-void api_detokenize(srv *s, struct evhttp_request *req, json_t *body);
+void api_tokenize(srv *s, api_out *ao, json_t *body);
+void api_detokenize(srv *s, api_out *ao, json_t *body);
+
+/* prep.c: a request's body is parsed, rendered and tokenized on one of a few worker threads, so
+ * no request's preprocessing holds the event loop; the loop is woken to answer or start the call.
+ * route: the server.c route id, kind: the call kind for generation routes. */
+enum { PREP_CHAT, PREP_COMPLETION, PREP_GENERATE, PREP_TOKENIZE, PREP_DETOKENIZE };
+int prep_create(srv *s, int n_workers);
+void prep_submit(srv *s, struct evhttp_request *req, json_t *body, int what); /* steals body */
+void prep_destroy(srv *s); /* joins the workers; queued requests are dropped with their connections */
 
 /* call.c */
 void call_start(srv *s, struct evhttp_request *req, gen_req *g, int kind);

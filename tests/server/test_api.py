@@ -281,3 +281,26 @@ def test_verbose_scheduler_log(server):
     log = "".join(server.log)
     assert "[FLASH-SCHEDULER] step " in log and " decode + " in log and " prefill sequences" in log
     assert "KV pages allocated" in log and "pages freed" in log
+
+
+def test_sigterm_timeout_aborts_streams_and_refuses_new():
+    """Past --shutdown-timeout a stream still running ends with finish_reason "abort" and [DONE];
+    a request on a kept-alive connection after the signal gets 503 with Retry-After."""
+    s = Server("--shutdown-timeout", "1")
+    idle = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+    idle.request("GET", "/health")
+    assert idle.getresponse().read() and True
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "def f():", "max_tokens": 100000, "stream": True, "ignore_eos": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    resp.readline()
+    s.proc.send_signal(signal.SIGTERM)
+    assert wait_for(lambda: any("no new requests" in line for line in s.log))
+    idle.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}), {"Content-Type": "application/json"})
+    late = idle.getresponse()
+    assert late.status == 503 and late.getheader("Retry-After") and json.loads(late.read())["error"]["type"] == "unavailable_error"
+    body = resp.read().decode()
+    assert '"finish_reason":"abort"' in body and body.rstrip().endswith("data: [DONE]")
+    assert s.proc.wait(30) == 0
+    s.reader.join(5)

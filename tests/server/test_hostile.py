@@ -1,7 +1,9 @@
 """Malformed and hostile requests: each gets a 4xx with a JSON error (or libevent's own 4xx for
 broken HTTP), and the server answers correctly afterwards."""
+import concurrent.futures
 import json
 import socket
+import time
 
 import pytest
 
@@ -141,3 +143,35 @@ def test_still_correct_afterwards(server):
     m = server.metrics()
     assert m["qflash:num_requests_running"] == 0 and m["qflash:kv_cache_pages_used"] == 0
     assert server.proc.poll() is None
+
+
+def timed_get(port, path):
+    t0 = time.monotonic()
+    reply = raw_request(port, b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+    return status_of(reply), time.monotonic() - t0
+
+
+def test_health_while_huge_tokenize(server):
+    """Tokenizing runs off the event loop: /health answers within 100 ms while four requests
+    tokenize 100,000 emoji each (the time they took is printed)."""
+    body = json.dumps({"prompt": "\U0001F642" * 100000}, ensure_ascii=False).encode()
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        jobs = [ex.submit(post_bytes, server.port, "/tokenize", body) for _ in range(4)]
+        waits = []
+        while not all(j.done() for j in jobs) or not waits:
+            code, dt = timed_get(server.port, "/health")
+            assert code == 200
+            waits.append(dt)
+        replies = [j.result() for j in jobs]
+    took = time.monotonic() - t0
+    print("4 x /tokenize of 100,000 emoji: %.2f s; /health answered %d times, slowest %.1f ms" % (took, len(waits), 1e3 * max(waits)))
+    assert all(status_of(r) == 200 and json.loads(r.partition(b"\r\n\r\n")[2])["count"] > 0 for r in replies)
+    assert max(waits) < 0.1
+
+
+def test_prompt_over_context_refused_unread(server):
+    """A text prompt whose bytes cannot fit the context is refused before it is tokenized."""
+    reply = post_bytes(server.port, COMPL, json.dumps(compl(prompt="a " * 400000)).encode())
+    assert status_of(reply) == 400
+    assert "bytes" in json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["message"]

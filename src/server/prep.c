@@ -1,0 +1,172 @@
+/* Preparation workers: the part of a request that grows with its body (rendering the chat
+ * template, tokenizing) runs here, off the event loop, so /health and every other client are
+ * answered while a large prompt is being tokenized. Jobs go in a FIFO; a finished job goes to a
+ * done list and the loop is woken (an event made active from this thread, which libevent allows
+ * with its pthreads support). Only the loop touches the evhttp request. */
+#include <event2/http.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/srv_int.h"
+
+typedef struct job {
+    struct evhttp_request *req;
+    json_t *body;
+    int what;
+    atomic_int gone; /* the client left while the job waited or ran */
+    api_out out;
+    gen_req g;
+    struct job *next;
+} job;
+
+struct prep {
+    srv *s;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    job *head, *tail, *done;
+    int stop, n_threads;
+    pthread_t threads[8];
+    struct event *finished;
+};
+
+static void run_job(srv *s, job *j) {
+    j->out.code = 0;
+    switch (j->what) {
+    case PREP_CHAT: api_parse_chat(s, &j->out, j->body, &j->g); break;
+    case PREP_COMPLETION: api_parse_completion(s, &j->out, j->body, &j->g, 0); break;
+    case PREP_GENERATE: api_parse_completion(s, &j->out, j->body, &j->g, 1); break;
+    case PREP_TOKENIZE: api_tokenize(s, &j->out, j->body); break;
+    default: api_detokenize(s, &j->out, j->body); break;
+    }
+}
+
+static void *worker(void *arg) {
+    prep *p = arg;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->head && !p->stop) pthread_cond_wait(&p->cv, &p->mu);
+        if (p->stop) break;
+        job *j = p->head;
+        p->head = j->next;
+        if (!p->head) p->tail = NULL;
+        pthread_mutex_unlock(&p->mu);
+        if (!atomic_load(&j->gone)) run_job(p->s, j);
+        pthread_mutex_lock(&p->mu);
+        j->next = p->done;
+        p->done = j;
+        event_active(p->finished, EV_READ, 0);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/* The client left: libevent detached the request (it is ours to free) and the job, wherever it is,
+ * ends without a reply. */
+static void on_gone(struct evhttp_connection *evcon, void *arg) {
+    (void)evcon;
+    job *j = arg;
+    if (!evhttp_request_get_connection(j->req)) evhttp_request_free(j->req);
+    atomic_store(&j->gone, 1);
+}
+
+static void job_free(job *j) {
+    json_decref(j->body);
+    json_decref(j->out.body);
+    gen_req_clear(&j->g);
+    free(j);
+}
+
+static const int k_call_kind[] = {CALL_CHAT, CALL_COMPLETION, CALL_GENERATE};
+
+/* On the loop: the finished job's answer, or the call it starts. */
+static void answer(srv *s, job *j) {
+    struct evhttp_connection *evcon = evhttp_request_get_connection(j->req);
+    if (evcon) evhttp_connection_set_closecb(evcon, NULL, NULL);
+    if (j->out.code == 0 && j->what <= PREP_GENERATE && s->draining) { /* the signal came while it was prepared */
+        srv_count(s, 503);
+        evhttp_add_header(evhttp_request_get_output_headers(j->req), "Retry-After", "5");
+        srv_send_error(j->req, 503, "unavailable_error", "the server is shutting down");
+    } else if (j->out.code == 0 && j->what <= PREP_GENERATE) {
+        call_start(s, j->req, &j->g, k_call_kind[j->what]);
+    } else if (j->out.code == 200) {
+        srv_count(s, 200);
+        srv_send_json(j->req, 200, j->out.body);
+        j->out.body = NULL;
+    } else {
+        srv_count(s, j->out.code);
+        srv_send_error(j->req, j->out.code, j->out.code == 400 ? "invalid_request_error" : "server_error", "%s", j->out.msg);
+    }
+}
+
+static void on_finished(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    prep *p = arg;
+    pthread_mutex_lock(&p->mu);
+    job *list = p->done;
+    p->done = NULL;
+    pthread_mutex_unlock(&p->mu);
+    while (list) {
+        job *j = list;
+        list = j->next;
+        if (!atomic_load(&j->gone)) answer(p->s, j);
+        job_free(j);
+    }
+}
+
+int prep_create(srv *s, int n_workers) {
+    prep *p = calloc(1, sizeof *p);
+    if (!p) return qf_fail(QF_ENOMEM, "out of memory");
+    p->s = s;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    s->prep = p;
+    p->finished = event_new(s->base, -1, EV_PERSIST, on_finished, p);
+    if (!p->finished) return qf_fail(QF_ENOMEM, "out of memory");
+    for (; p->n_threads < n_workers && p->n_threads < (int)(sizeof p->threads / sizeof *p->threads); p->n_threads++)
+        if (pthread_create(&p->threads[p->n_threads], NULL, worker, p) != 0) return qf_fail(QF_ENOMEM, "cannot start a preparation thread");
+    return QF_OK;
+}
+
+void prep_submit(srv *s, struct evhttp_request *req, json_t *body, int what) {
+    job *j = calloc(1, sizeof *j);
+    if (!j) {
+        json_decref(body);
+        srv_count(s, 500);
+        srv_send_error(req, 500, "server_error", "out of memory");
+        return;
+    }
+    j->req = req, j->body = body, j->what = what;
+    evhttp_connection_set_closecb(evhttp_request_get_connection(req), on_gone, j);
+    prep *p = s->prep;
+    pthread_mutex_lock(&p->mu);
+    if (p->tail) p->tail->next = j;
+    else p->head = j;
+    p->tail = j;
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+void prep_destroy(srv *s) {
+    prep *p = s->prep;
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->n_threads; i++) pthread_join(p->threads[i], NULL);
+    job *lists[2] = {p->head, p->done};
+    for (int k = 0; k < 2; k++)
+        for (job *j = lists[k], *next; j; j = next) {
+            next = j->next;
+            struct evhttp_connection *evcon = atomic_load(&j->gone) ? NULL : evhttp_request_get_connection(j->req);
+            if (evcon) evhttp_connection_set_closecb(evcon, NULL, NULL);
+            job_free(j);
+        }
+    if (p->finished) event_free(p->finished);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p);
+    s->prep = NULL;
+}
