@@ -3,6 +3,7 @@
  * answered while a large prompt is being tokenized. Jobs go in a FIFO; a finished job goes to a
  * done list and the loop is woken (an event made active from this thread, which libevent allows
  * with its pthreads support). Only the loop touches the evhttp request. */
+#include <event2/buffer.h>
 #include <event2/http.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -13,6 +14,7 @@
 
 typedef struct job {
     struct evhttp_request *req;
+    struct evbuffer *raw; /* the request body as it came */
     json_t *body;
     int what;
     atomic_int gone; /* the client left while the job waited or ran */
@@ -31,14 +33,33 @@ struct prep {
     struct event *finished;
 };
 
+/* The body as a JSON object, or a 400 naming what is wrong with it. */
+static int parse_body(job *j) {
+    size_t n = evbuffer_get_length(j->raw);
+    const char *p = (const char *)evbuffer_pullup(j->raw, -1);
+    json_error_t je;
+    j->body = json_loadb(p ? p : "", n, JSON_REJECT_DUPLICATES, &je);
+    if (!j->body)
+        snprintf(j->out.msg, sizeof j->out.msg, "the body is not valid JSON: %s (line %d, column %d)", je.text, je.line, je.column);
+    else if (!json_is_object(j->body)) snprintf(j->out.msg, sizeof j->out.msg, "the body must be a JSON object");
+    else return 0;
+    j->out.code = 400;
+    return -1;
+}
+
 static void run_job(srv *s, job *j) {
     j->out.code = 0;
+    if (parse_body(j)) return;
     switch (j->what) {
     case PREP_CHAT: api_parse_chat(s, &j->out, j->body, &j->g); break;
     case PREP_COMPLETION: api_parse_completion(s, &j->out, j->body, &j->g, 0); break;
     case PREP_GENERATE: api_parse_completion(s, &j->out, j->body, &j->g, 1); break;
     case PREP_TOKENIZE: api_tokenize(s, &j->out, j->body); break;
     default: api_detokenize(s, &j->out, j->body); break;
+    }
+    if (j->out.code == 200) { /* large replies (a long prompt's ids) are serialized here, not on the loop */
+        j->out.text = json_dumps(j->out.body, JSON_COMPACT);
+        j->out.text_len = j->out.text ? strlen(j->out.text) : 0;
     }
 }
 
@@ -72,6 +93,8 @@ static void on_gone(struct evhttp_connection *evcon, void *arg) {
 }
 
 static void job_free(job *j) {
+    if (j->raw) evbuffer_free(j->raw);
+    free(j->out.text);
     json_decref(j->body);
     json_decref(j->out.body);
     gen_req_clear(&j->g);
@@ -90,10 +113,9 @@ static void answer(srv *s, job *j) {
         srv_send_error(j->req, 503, "unavailable_error", "the server is shutting down");
     } else if (j->out.code == 0 && j->what <= PREP_GENERATE) {
         call_start(s, j->req, &j->g, k_call_kind[j->what]);
-    } else if (j->out.code == 200) {
+    } else if (j->out.code == 200 && j->out.text) {
         srv_count(s, 200);
-        srv_send_json(j->req, 200, j->out.body);
-        j->out.body = NULL;
+        srv_send_text(j->req, 200, j->out.text, j->out.text_len);
     } else {
         srv_count(s, j->out.code);
         srv_send_error(j->req, j->out.code, j->out.code == 400 ? "invalid_request_error" : "server_error", "%s", j->out.msg);
@@ -129,15 +151,16 @@ int prep_create(srv *s, int n_workers) {
     return QF_OK;
 }
 
-void prep_submit(srv *s, struct evhttp_request *req, json_t *body, int what) {
+void prep_submit(srv *s, struct evhttp_request *req, int what) {
     job *j = calloc(1, sizeof *j);
+    if (j && !(j->raw = evbuffer_new())) free(j), j = NULL;
     if (!j) {
-        json_decref(body);
         srv_count(s, 500);
         srv_send_error(req, 500, "server_error", "out of memory");
         return;
     }
-    j->req = req, j->body = body, j->what = what;
+    evbuffer_add_buffer(j->raw, evhttp_request_get_input_buffer(req));
+    j->req = req, j->what = what;
     evhttp_connection_set_closecb(evhttp_request_get_connection(req), on_gone, j);
     prep *p = s->prep;
     pthread_mutex_lock(&p->mu);

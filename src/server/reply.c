@@ -15,17 +15,21 @@ void srv_count(srv *s, int code) {
     s->http_requests[i]++;
 }
 
-void srv_send_json(struct evhttp_request *req, int code, json_t *body) {
-    char *text = json_dumps(body, JSON_COMPACT);
-    json_decref(body);
+void srv_send_text(struct evhttp_request *req, int code, const char *text, size_t len) {
     struct evbuffer *b = evbuffer_new();
     if (text && b) {
-        evbuffer_add(b, text, strlen(text));
+        evbuffer_add(b, text, len);
         evbuffer_add(b, "\n", 1);
     }
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
     evhttp_send_reply(req, code, code == 200 ? "OK" : "Error", b);
     if (b) evbuffer_free(b);
+}
+
+void srv_send_json(struct evhttp_request *req, int code, json_t *body) {
+    char *text = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    srv_send_text(req, code, text, text ? strlen(text) : 0);
     free(text);
 }
 

@@ -88,8 +88,7 @@ static void on_signal(evutil_socket_t sig, short what, void *arg) {
     s->draining = 1;
     s->drain_deadline = qf_now() + s->o->shutdown_timeout;
     fprintf(stderr, "qflash serve: signal %d: no new requests; waiting up to %.0f s for %d in flight\n", (int)sig, s->o->shutdown_timeout, s->n_calls);
-    if (s->sock) evhttp_del_accept_socket(s->http, s->sock);
-    s->sock = NULL;
+    front_stop_accepting(s);
     struct timeval tv = {0, 100000};
     event_add(s->drain_timer, &tv);
     if (s->n_calls == 0) exit_soon(s);
@@ -109,24 +108,6 @@ static int authorized(srv *s, struct evhttp_request *req) {
 }
 
 /* Parses the body as a JSON object, or answers 400 and returns NULL. */
-static json_t *read_body(struct evhttp_request *req) {
-    struct evbuffer *b = evhttp_request_get_input_buffer(req);
-    size_t n = evbuffer_get_length(b);
-    const char *p = (const char *)evbuffer_pullup(b, -1);
-    json_error_t je;
-    json_t *j = json_loadb(p ? p : "", n, JSON_REJECT_DUPLICATES, &je);
-    if (!j) {
-        srv_send_error(req, 400, "invalid_request_error", "the body is not valid JSON: %s (line %d, column %d)", je.text, je.line, je.column);
-        return NULL;
-    }
-    if (!json_is_object(j)) {
-        json_decref(j);
-        srv_send_error(req, 400, "invalid_request_error", "the body must be a JSON object");
-        return NULL;
-    }
-    return j;
-}
-
 typedef struct route {
     const char *path;
     int method; /* EVHTTP_REQ_* */
@@ -149,15 +130,10 @@ static const route ROUTES[] = {
     {"/index.html", EVHTTP_REQ_GET, 0, 0, R_WEBUI},
 };
 
-/* The body is parsed here (bounded by --max-body); the rest of the work goes to the workers. */
+/* The body goes to the preparation workers as it came (they parse it). */
 static void dispatch_body(srv *s, struct evhttp_request *req, int id) {
-    json_t *body = read_body(req);
-    if (!body) {
-        srv_count(s, 400);
-        return;
-    }
     int what = id == R_CHAT ? PREP_CHAT : id == R_COMPL ? PREP_COMPLETION : id == R_GENERATE ? PREP_GENERATE : id == R_TOKENIZE ? PREP_TOKENIZE : PREP_DETOKENIZE;
-    prep_submit(s, req, body, what);
+    prep_submit(s, req, what);
 }
 
 static void handle(struct evhttp_request *req, void *arg) {
@@ -166,6 +142,17 @@ static void handle(struct evhttp_request *req, void *arg) {
     const char *uri = evhttp_request_get_uri(req);
     size_t n = strcspn(uri, "?#");
     snprintf(path, sizeof path, "%.*s", (int)(n < sizeof path ? n : sizeof path - 1), uri);
+    const char *refused = evhttp_find_header(evhttp_request_get_input_headers(req), FRONT_STATUS);
+    if (refused && strcmp(path, FRONT_PATH) == 0) { /* a request the front would not pass on */
+        int code = atoi(refused);
+        code = code >= 400 && code < 600 ? code : 400;
+        const char *why = evhttp_find_header(evhttp_request_get_input_headers(req), FRONT_REASON);
+        srv_count(s, code);
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+        if (code == 503) evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", "1");
+        srv_send_error(req, code, code == 503 ? "unavailable_error" : "invalid_request_error", "%s", why ? why : "malformed request");
+        return;
+    }
     const route *rt = NULL;
     for (size_t i = 0; i < sizeof ROUTES / sizeof *ROUTES; i++)
         if (strcmp(ROUTES[i].path, path) == 0) rt = &ROUTES[i];
@@ -215,22 +202,17 @@ static int start(srv *s) {
     evhttp_set_max_headers_size(s->http, 64 * 1024);
     evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD | EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
                                             EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
-    evhttp_set_timeout(s->http, 3600 * 24); /* idle keep-alive; never cuts a long stream (writes reset it) */
+    evhttp_set_timeout(s->http, 3600 * 24); /* on the internal socket: the deadlines are the front's (front.c) */
     evhttp_set_gencb(s->http, handle, s);
-    s->sock = evhttp_bind_socket_with_handle(s->http, o->host, (ev_uint16_t)o->port);
-    if (!s->sock) return qf_fail(QF_EIO, "cannot listen on %s:%d: %s", o->host, o->port, strerror(errno));
-    struct sockaddr_storage ss;
-    socklen_t sl = sizeof ss;
-    s->port = o->port;
-    if (getsockname(evhttp_bound_socket_get_fd(s->sock), (struct sockaddr *)&ss, &sl) == 0)
-        s->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port : ((struct sockaddr_in *)&ss)->sin_port);
+    int rc = front_start(s);
+    if (rc != QF_OK) return rc;
     s->wake = event_new(s->base, -1, EV_PERSIST, on_wake, s);
     s->loaded = event_new(s->base, -1, 0, on_loaded, s);
     s->drain_timer = event_new(s->base, -1, EV_PERSIST, on_drain_timer, s);
     s->sigint = evsignal_new(s->base, SIGINT, on_signal, s);
     s->sigterm = evsignal_new(s->base, SIGTERM, on_signal, s);
     if (!s->wake || !s->loaded || !s->drain_timer || !s->sigint || !s->sigterm) return qf_fail(QF_ENOMEM, "out of memory");
-    int rc = prep_create(s, 2);
+    rc = prep_create(s, 2);
     if (rc != QF_OK) return rc;
     event_add(s->sigint, NULL);
     event_add(s->sigterm, NULL);
@@ -242,9 +224,10 @@ static void stop(srv *s) {
     s->sched = NULL;
     prep_destroy(s);                          /* requests still being prepared are dropped */
     calls_pump(s);                            /* ends the replies of those cancelled calls */
+    front_free(s);                            /* closes the clients' connections */
     if (s->http) evhttp_free(s->http);        /* closes connections; close callbacks free calls */
     qf_engine_close(s->e);
-    struct event *evs[] = {s->wake, s->loaded, s->drain_timer, s->sigint, s->sigterm};
+    struct event *evs[] = {s->wake, s->loaded, s->drain_timer, s->sigint, s->sigterm, s->accept_pause};
     for (size_t i = 0; i < sizeof evs / sizeof *evs; i++)
         if (evs[i]) event_free(evs[i]);
     if (s->base) event_base_free(s->base);

@@ -16,6 +16,7 @@ typedef struct qf_server_opts {
     const char *model_name;   /* id in /v1/models; default: the directory's name */
     const char *api_key;      /* NULL: no auth */
     size_t max_body;          /* bytes */
+    int max_conns;            /* open connections; beyond them the longest-idle one closes, or 503 */
     double shutdown_timeout;  /* seconds to let in-flight requests finish on SIGTERM */
     int verbose;
     qf_engine_opts engine;

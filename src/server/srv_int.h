@@ -4,6 +4,8 @@
 #define QF_SERVER_SRV_INT_H
 
 #include <event2/event.h>
+#include <event2/listener.h>
+#include <sys/socket.h>
 #include <event2/http.h>
 #include <jansson.h>
 #include <stdatomic.h>
@@ -54,10 +56,28 @@ struct srv {
     int exit_rc;
     size_t max_piece;          /* bytes of the tokenizer's longest token */
     prep *prep;                /* the preparation workers (prep.c) */
+    struct conn *conns;        /* every client connection (front.c) */
+    int n_conns;
+    struct evconnlistener *listener; /* the public socket; evhttp serves s->sock, a local one */
+    struct sockaddr_storage backend_addr;
+    socklen_t backend_len;
+    struct event *accept_pause;
+    double accept_logged;
 };
+
+/* front.c: the strict front of every connection (framing, half-close, deadlines, the cap). A
+ * request it refuses reaches the handler as a POST to FRONT_PATH with the status and reason in
+ * these headers; the handler answers it as a JSON error and the connection closes. */
+#define FRONT_PATH "/.qflash-front"
+#define FRONT_STATUS "X-Qflash-Status"
+#define FRONT_REASON "X-Qflash-Reason"
+int front_start(srv *s);           /* binds the public and the internal sockets */
+void front_stop_accepting(srv *s); /* the public socket closes (shutdown) */
+void front_free(srv *s);           /* every client connection closes */
 
 /* reply.c */
 void srv_send_json(struct evhttp_request *req, int code, json_t *body); /* steals body */
+void srv_send_text(struct evhttp_request *req, int code, const char *json, size_t len); /* a serialized JSON body */
 void srv_send_error(struct evhttp_request *req, int code, const char *type, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void srv_count(srv *s, int code);
@@ -68,6 +88,8 @@ typedef struct api_out {
     int code;
     json_t *body;
     char msg[768];
+    char *text; /* body serialized by the worker */
+    size_t text_len;
 } api_out;
 typedef struct gen_req {
     qf_req_params p;
@@ -88,7 +110,7 @@ void api_detokenize(srv *s, api_out *ao, json_t *body);
  * route: the server.c route id, kind: the call kind for generation routes. */
 enum { PREP_CHAT, PREP_COMPLETION, PREP_GENERATE, PREP_TOKENIZE, PREP_DETOKENIZE };
 int prep_create(srv *s, int n_workers);
-void prep_submit(srv *s, struct evhttp_request *req, json_t *body, int what); /* steals body */
+void prep_submit(srv *s, struct evhttp_request *req, int what); /* takes the request's body */
 void prep_destroy(srv *s); /* joins the workers; queued requests are dropped with their connections */
 
 /* call.c */
