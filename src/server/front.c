@@ -239,6 +239,14 @@ static void chunk_line(conn *c, struct evbuffer *dst, const char *line, size_t n
     c->rstate = size ? R_CHUNK_DATA : R_TRAILER;
 }
 
+/* A line ended by LF alone in what has come so far (which would never end the head). */
+static int bare_lf(struct evbuffer *src, size_t have) {
+    const char *p = (const char *)evbuffer_pullup(src, (ev_ssize_t)have);
+    for (const char *q = p ? memchr(p, '\n', have) : NULL; q; q = memchr(q + 1, '\n', have - (size_t)(q + 1 - p)))
+        if (q == p || q[-1] != '\r') return 1;
+    return 0;
+}
+
 /* One step of the request state machine; 0 when it needs more bytes. */
 static int request_step(conn *c, struct evbuffer *src, struct evbuffer *dst) {
     size_t have = evbuffer_get_length(src);
@@ -266,6 +274,7 @@ static int request_step(conn *c, struct evbuffer *src, struct evbuffer *dst) {
     struct evbuffer_ptr at = evbuffer_search(src, head ? "\r\n\r\n" : "\r\n", head ? 4 : 2, NULL);
     if (at.pos < 0) {
         if (have > (head ? HEAD_MAX : 4096)) refuse(c, dst, head ? 431 : 400, head ? "the request head is larger than 64 KiB" : "a chunk line is too long");
+        else if (bare_lf(src, have)) refuse(c, dst, 400, "a line not ended by CRLF");
         return c->rstate == R_DISCARD;
     }
     if (head && at.pos == 0) return evbuffer_drain(src, 2), 1; /* an empty line before a request is ignored (RFC 9112 2.2) */
@@ -455,7 +464,8 @@ static void client_write(struct bufferevent *bev, void *arg) {
  * (an EOF inside a request, a reset, a failed write) ends the connection. */
 static void client_event(struct bufferevent *bev, short what, void *arg) {
     conn *c = arg;
-    if ((what & BEV_EVENT_EOF) && (what & BEV_EVENT_READING) && c->rstate == R_HEAD && !c->head_start) {
+    int between = (c->rstate == R_HEAD && !c->head_start) || c->rstate == R_DISCARD; /* no request half-sent */
+    if ((what & BEV_EVENT_EOF) && (what & BEV_EVENT_READING) && between) {
         c->half_closed = 1;
         bufferevent_disable(bev, EV_READ);
         if (!finished(c)) return rearm(c);

@@ -13,14 +13,15 @@ MODEL = os.environ.get("QFLASH_TEST_MODEL", os.path.join(ROOT, "models", "qwen36
 
 
 class Server:
-    def __init__(self, *args, env=None, wait_ready=True, model=MODEL):
+    def __init__(self, *args, env=None, wait_ready=True, model=MODEL, preexec_fn=None):
         self.args = [BIN, "serve", "-m", model, "--port", "0", "-t", "2", "--verbose", *args]
         self.log = []
         self.port = None
         self.ready = threading.Event()
         self.bound = threading.Event()
         full_env = dict(os.environ, **(env or {}))
-        self.proc = subprocess.Popen(self.args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=full_env, text=True, errors="replace")
+        self.proc = subprocess.Popen(self.args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=full_env, text=True, errors="replace",
+                                     preexec_fn=preexec_fn)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         if not self.bound.wait(30):

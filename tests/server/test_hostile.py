@@ -2,6 +2,7 @@
 broken HTTP), and the server answers correctly afterwards."""
 import concurrent.futures
 import json
+import os
 import socket
 import time
 
@@ -175,3 +176,113 @@ def test_prompt_over_context_refused_unread(server):
     reply = post_bytes(server.port, COMPL, json.dumps(compl(prompt="a " * 400000)).encode())
     assert status_of(reply) == 400
     assert "bytes" in json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["message"]
+
+
+# Framing two readers could disagree on (request smuggling behind a proxy), each a JSON 400 that
+# names the problem; the connection closes after it.
+SMUGGLING = [
+    (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 13\r\nContent-Length: 30\r\n\r\n" + b'{"prompt":"a"}', "Content-Length"),
+    (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: +14\r\n\r\n" + b'{"prompt":"a"}', "Content-Length"),
+    (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 14\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "Transfer-Encoding"),
+    (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding : chunked\r\n\r\n0\r\n\r\n", "header name"),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: a\r\n folded\r\n\r\n", "folding"),
+    (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0x1e\r\n" + b"a" * 30 + b"\r\n0\r\n\r\n", "chunk size"),
+    (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", "Transfer-Encoding"),
+    (b"POST /tokenize HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "HTTP/1.0"),
+    (b"GET /health HTTP/1.1\nHost: x\n\n", "CRLF"),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Ctl: a\x01b\r\n\r\n", "control character"),
+    (b"GET  /health HTTP/1.1\r\nHost: x\r\n\r\n", "request line"),
+]
+
+
+@pytest.mark.parametrize("data,word", SMUGGLING, ids=[str(i) for i in range(len(SMUGGLING))])
+def test_strict_framing(server, data, word):
+    reply = raw_request(server.port, data)
+    assert status_of(reply) == 400, reply[:300]
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert b"Connection: close" in head
+    err = json.loads(payload)["error"]
+    assert err["code"] == 400 and word.lower() in err["message"].lower()
+
+
+def test_chunked_bodies_accepted(server):
+    """Valid chunked bodies, with chunk extensions and a trailer, reach the endpoint whole."""
+    body = b'{"prompt": "def fib(n):"}'
+    chunks = b"5;name=value\r\n" + body[:5] + b"\r\n" + b"%x\r\n" % (len(body) - 5) + body[5:] + b"\r\n0\r\nX-Trailer: 1\r\n\r\n"
+    reply = raw_request(server.port, b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + chunks)
+    assert status_of(reply) == 200
+    plain = post_bytes(server.port, "/tokenize", body)
+    assert json.loads(reply.partition(b"\r\n\r\n")[2]) == json.loads(plain.partition(b"\r\n\r\n")[2])
+
+
+def test_half_closed_client_keeps_its_stream(server):
+    """A client that shuts its sending side after the request still gets the whole stream."""
+    body = json.dumps({"prompt": "def fib(n):", "max_tokens": 40, "stream": True, "ignore_eos": True}).encode()
+    reply = post_bytes(server.port, COMPL, body)  # raw_request shuts down SHUT_WR after sending
+    assert status_of(reply) == 200
+    events = [line for line in reply.partition(b"\r\n\r\n")[2].split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]" and b'"finish_reason":"length"' in b"".join(events)
+
+
+def cpu_seconds(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_slowloris_and_idle_flood():
+    """200 connections sending a header byte a second, and twice the connection cap of idle ones:
+    other clients are still served, and the server does not spin."""
+    with Server("--max-conns", "64") as s:
+        slow = []
+        for _ in range(200):
+            c = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+            c.sendall(b"GET /health HTTP/1.1\r\n")
+            slow.append(c)
+        idle = [socket.create_connection(("127.0.0.1", s.port), timeout=10) for _ in range(128)]
+        cpu0 = cpu_seconds(s.proc.pid)
+        for second in range(3):
+            for c in slow:
+                try:
+                    c.sendall(b"X")
+                except OSError:
+                    pass  # closed to make room
+            reply = post_bytes(s.port, COMPL, json.dumps({"prompt": "def fib(n):", "max_tokens": 4, "temperature": 0}).encode())
+            assert status_of(reply) == 200
+            assert status_of(raw_request(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")) == 200
+            time.sleep(1)
+        busy = cpu_seconds(s.proc.pid) - cpu0
+        for c in slow + idle:
+            c.close()
+        print("slowloris + idle flood: server CPU %.2f s over ~3 s" % busy)
+        assert busy < 1.5
+
+
+def test_out_of_descriptors_pauses_accepting():
+    """With its descriptors exhausted the server pauses accepting (one log line a second at most,
+    no spin) and serves again once connections close."""
+    import resource
+
+    def low_fds():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    s = Server("--max-conns", "1000", preexec_fn=low_fds)
+    try:
+        held = []
+        for _ in range(80):
+            try:
+                held.append(socket.create_connection(("127.0.0.1", s.port), timeout=2))
+            except OSError:
+                break
+        cpu0 = cpu_seconds(s.proc.pid)
+        time.sleep(2)
+        busy = cpu_seconds(s.proc.pid) - cpu0
+        for c in held:
+            c.close()
+        time.sleep(0.5)
+        assert status_of(raw_request(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")) == 200
+        lines = [line for line in s.log if "accept:" in line]
+        print("out of descriptors: %d log lines, CPU %.2f s over 2 s" % (len(lines), busy))
+        assert 1 <= len(lines) <= 6 and busy < 0.5
+    finally:
+        s.stop()
