@@ -11,7 +11,8 @@ static void serve_usage(void) {
     fprintf(stderr,
             "usage: qflash serve -m DIR [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--model-name NAME]\n"
             "                    [--max-batch 16] [--ctx 4096] [--kv-pages N | --kv-mem MIB] [--page-tokens 16]\n"
-            "                    [--prefill-chunk 256] [--max-queue 256] [--max-body MIB] [--max-conns 512] [--shutdown-timeout S]\n"
+            "                    [--prefill-chunk 256] [--max-queue 256] [--max-body MIB] [--shutdown-timeout S]\n"
+            "                    [--max-conns 512] [--header-timeout 60] [--body-timeout 120] [--idle-timeout 75]\n"
             "                    [-t THREADS] [--device cpu|cuda[:N]] [--precision bf16x2|fp32|bf16] [--cuda-opt NAME=V]\n"
             "                    [--verbose]\n"
             "Defaults from the environment: QFLASH_MODEL, QFLASH_HOST, QFLASH_PORT, QFLASH_API_KEY (flags win).\n");
@@ -43,6 +44,9 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
         else if (cli_is(&a, NULL, "--max-queue")) o->sched.max_queue = cli_int(&a, 0, 1 << 20);
         else if (cli_is(&a, NULL, "--max-body")) *body_mib = cli_num(&a, 0.001, 4096);
         else if (cli_is(&a, NULL, "--max-conns")) o->max_conns = cli_int(&a, 1, 1 << 20);
+        else if (cli_is(&a, NULL, "--header-timeout")) o->header_timeout = cli_num(&a, 0.1, 86400);
+        else if (cli_is(&a, NULL, "--body-timeout")) o->body_timeout = cli_num(&a, 0.1, 86400);
+        else if (cli_is(&a, NULL, "--idle-timeout")) o->idle_timeout = cli_num(&a, 0.1, 86400);
         else if (cli_is(&a, NULL, "--shutdown-timeout")) o->shutdown_timeout = cli_num(&a, 0, 86400);
         else if (cli_is(&a, "-t", "--threads")) o->engine.n_threads = cli_int(&a, 1, 1024);
         else if (cli_device_flag(&a, &o->engine.device)) continue;
@@ -68,6 +72,7 @@ int cmd_serve(int argc, char **argv) {
     o.model_dir = env_or("QFLASH_MODEL", NULL);
     o.shutdown_timeout = 30;
     o.max_conns = 512;
+    o.header_timeout = 60, o.body_timeout = 120, o.idle_timeout = 75; /* nginx's, and a body deadline */
     o.sched = (qf_sched_opts){.max_batch = 16, .ctx = 4096, .page_tokens = 16, .prefill_chunk = 256, .max_queue = 256, .log = stderr};
     double kv_mib = 0, body_mib = 8;
     int prc = parse_serve(argc, argv, &o, &kv_mib, &body_mib);

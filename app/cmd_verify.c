@@ -7,13 +7,36 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "format/sha256.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
 
 static void print_problem(void *ud, const char *line) {
     (void)ud;
     printf("problem: %s\n", line);
+}
+
+/* What run and serve need beside the weights: a tokenizer within the model's vocabulary, and a
+ * chat template (when there is one) that renders a conversation. */
+static void check_tokenizer(const char *dir, int vocab, qf_diag *d) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    qf_tokenizer *t = NULL;
+    if (access(path, R_OK) != 0) return qf_diag_report((qf_fail(QF_EIO, "%s is missing (run, chat and serve need it)", path), d));
+    if (qf_tok_load(&t, dir) != QF_OK) return qf_diag_report(d);
+    if (vocab > 0 && qf_tok_vocab_size(t) > vocab)
+        qf_diag_report((qf_fail(QF_EFORMAT, "%s: the tokenizer has %d tokens, more than the model's vocab_size %d", path, qf_tok_vocab_size(t), vocab), d));
+    const char *tmpl = qf_tok_chat_template(t);
+    qf_chat_tmpl ct;
+    char *text = NULL;
+    qf_chat_msg msgs[3] = {{"system", "You are helpful.", NULL}, {"user", "Hi", NULL}, {"assistant", "Hello", NULL}};
+    if (tmpl && (qf_chat_tmpl_parse(&ct, tmpl) != QF_OK || qf_chat_render(&ct, msgs, 3, 1, 1, &text) != QF_OK))
+        qf_diag_report((qf_fail(QF_EFORMAT, "the chat template cannot be used: %s", qf_last_error()), d));
+    free(text);
+    qf_tok_free(t);
 }
 
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
@@ -82,6 +105,7 @@ int cmd_verify(int argc, char **argv) {
     int rc = qf_model_load(&m, dir, &lo);
     if (rc != QF_OK && d.count == 0) qf_diag_report(&d); /* config-level failures come back as one error */
     int n_tensors = m ? m->st.n_tensors : 0, n_files = m ? m->st.n_files : 0;
+    check_tokenizer(dir, m ? m->cfg.vocab : 0, &d);
     qf_model_free(m);
     if (hash || manifest) hash_files(dir, manifest, &d);
     if (d.count) printf("FAILED: %d problem(s) in %s\n", d.count, dir);

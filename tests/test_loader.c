@@ -11,6 +11,7 @@
 #include "base/mapfile.h"
 #include "format/sha256.h"
 #include "model/model.h"
+#include "runtime/engine.h"
 #include "test_util.h"
 
 static const char *qflash_bin;
@@ -88,6 +89,7 @@ static void write_subset(const char *dir, const char *file, int (*keep)(const ch
     free(data);
 }
 
+static int keep_all(const char *n) { return n != NULL; }
 static int is_layer3(const char *n) { return strstr(n, "layers.3.") != NULL; }
 static int not_layer3(const char *n) { return !is_layer3(n); }
 
@@ -245,9 +247,89 @@ static void case_manifest(void) {
     CHECK(strstr(out, "model.safetensors: sha256") && strstr(out, "does not match the manifest"), "%s", out);
     CHECK(!strstr(out, "config.json: sha256"), "config.json reported:\n%s", out);
     CHECK(strstr(out, "missing tensor"), "%s", out);
-    snprintf(args, sizeof args, "'%s'", qt_path("tests/data/qwen35moe-tiny"));
-    CHECK(run_verify(args, out, sizeof out) == 0, "fixture fails verify:\n%s", out);
+    snprintf(args, sizeof args, "'%s'", qt_path("models/qwen36moe-code-14m"));
+    CHECK(run_verify(args, out, sizeof out) == 0, "the bundled model fails verify:\n%s", out);
     CHECK(strstr(out, "OK: ") && strstr(out, "sha256 "), "%s", out);
+    /* the random fixture has weights but no tokenizer: it loads, yet run and serve could not use it */
+    snprintf(args, sizeof args, "--no-hash '%s'", qt_path("tests/data/qwen35moe-tiny"));
+    CHECK(run_verify(args, out, sizeof out) == 1 && strstr(out, "tokenizer.json is missing"), "%s", out);
+}
+
+/* A fixture copy whose config.json (cfg 1) or generation_config.json (cfg 0) has key set to the
+ * JSON value text; the load and verify must both fail naming want. */
+static void bad_value(const char *name, int cfg, const char *key, const char *value, const char *want) {
+    char dir[600], path[700], *text;
+    snprintf(dir, sizeof dir, "%s", make_dir(name));
+    write_subset(dir, "model.safetensors", keep_all, NULL);
+    snprintf(path, sizeof path, "%s/%s", dir, cfg ? "config.json" : "generation_config.json");
+    if (qf_read_file(path, &text, NULL)) exit(2);
+    json_t *j = json_loads(text, 0, NULL), *v = json_loads(value, JSON_DECODE_ANY, NULL);
+    json_t *obj = json_object_get(j, "text_config") ? json_object_get(j, "text_config") : j;
+    if (!strncmp(key, "rope_", 5) || !strncmp(key, "partial_", 8)) /* where the loader reads them first */
+        obj = json_object_get(obj, "rope_parameters") ? json_object_get(obj, "rope_parameters") : obj;
+    json_object_set_new(obj, key, v);
+    char *out = json_dumps(j, 0);
+    write_text(path, out);
+    free(out), free(text), json_decref(j);
+    expect_failure(dir, want);
+}
+
+/* Values that load cleanly but break later (or never make sense) are refused at load, naming the
+ * file and the field. */
+static void case_config_values(void) {
+    bad_value("rope_theta", 1, "rope_theta", "-1", "rope_theta");
+    bad_value("eps", 1, "rms_norm_eps", "0", "rms_norm_eps");
+    bad_value("max_pos", 1, "max_position_embeddings", "0", "max_position_embeddings");
+    bad_value("partial", 1, "partial_rotary_factor", "2", "partial_rotary_factor");
+    bad_value("eos_cfg", 1, "eos_token_id", "\"</s>\"", "eos_token_id");
+    bad_value("gen_temp", 0, "temperature", "5", "generation_config.json: field \"temperature\"");
+    bad_value("gen_top_p", 0, "top_p", "0", "generation_config.json: field \"top_p\"");
+    bad_value("gen_top_k", 0, "top_k", "2.5", "generation_config.json: field \"top_k\"");
+    bad_value("gen_eos", 0, "eos_token_id", "[1, \"x\"]", "generation_config.json: field \"eos_token_id\"");
+    const char *d = make_dir("gen_malformed");
+    char path[700];
+    write_subset(d, "model.safetensors", keep_all, NULL);
+    snprintf(path, sizeof path, "%s/generation_config.json", d);
+    write_text(path, "{\"temperature\": 0.7,");
+    expect_failure(d, "generation_config.json");
+}
+
+/* The bundled model with a chat template that is not ChatML: verify says it cannot be used. */
+static void case_bad_template(void) {
+    char dir[600], src[4096], dst[700];
+    snprintf(dir, sizeof dir, "%s/bad_template", tmp_root);
+    mkdir(dir, 0755);
+    const char *files[] = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"};
+    for (int i = 0; i < 4; i++) {
+        char rel[700];
+        snprintf(rel, sizeof rel, "models/qwen36moe-code-14m/%s", files[i]);
+        if (!realpath(qt_path(rel), src)) exit(2);
+        snprintf(dst, sizeof dst, "%s/%s", dir, files[i]);
+        CHECK(symlink(src, dst) == 0, "symlink %s", dst);
+    }
+    snprintf(dst, sizeof dst, "%s/tokenizer_config.json", dir);
+    write_text(dst, "{\"chat_template\": \"{% for m in messages %}[{{ m.role }}] {{ m.content }}\\n{% endfor %}\"}");
+    char args[800], out[8192];
+    snprintf(args, sizeof args, "--no-hash '%s'", dir);
+    CHECK(run_verify(args, out, sizeof out) == 1 && strstr(out, "chat template cannot be used"), "%s", out);
+}
+
+/* A tokenizer with more ids than the model has rows: verify says so, and the engine refuses it. */
+static void case_tokenizer_too_big(void) {
+    const char *d = make_dir("tok_big");
+    char path[700], *text;
+    write_subset(d, "model.safetensors", keep_all, NULL);
+    if (qf_read_file(qt_path("models/qwen36moe-code-14m/tokenizer.json"), &text, NULL)) exit(2);
+    snprintf(path, sizeof path, "%s/tokenizer.json", d);
+    write_text(path, text);
+    free(text);
+    char args[800], out[8192];
+    snprintf(args, sizeof args, "--no-hash '%s'", d);
+    CHECK(run_verify(args, out, sizeof out) == 1 && strstr(out, "more than the model's vocab_size 2048"), "%s", out);
+    qf_engine *e = NULL;
+    qf_engine_opts eo = {.n_threads = 1};
+    CHECK(qf_engine_open(&e, d, &eo) != QF_OK && strstr(qf_last_error(), "vocab_size 2048"), "engine: %s", e ? "opened" : qf_last_error());
+    qf_engine_close(e);
 }
 
 int main(int argc, char **argv) {
@@ -268,6 +350,9 @@ int main(int argc, char **argv) {
     case_unsupported_type();
     case_sharded();
     case_manifest();
+    case_config_values();
+    case_tokenizer_too_big();
+    case_bad_template();
     json_decref(orig_hdr);
     qf_mapfile_close(&orig);
     char cmd[400];

@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "base/err.h"
 
@@ -37,6 +38,12 @@ static double get_num(reader *r, json_t *obj, const char *key, double def) {
     return json_number_value(v);
 }
 
+/* A number that must lie in [lo, hi] (lo_open: (lo, hi]). */
+static void check_range(reader *r, const char *key, double v, double lo, double hi, int lo_open) {
+    if (r->rc == QF_OK && (!(lo_open ? v > lo : v >= lo) || !(v <= hi)))
+        r->rc = qf_fail(QF_EFORMAT, "%s: field \"%s\" is %g; it must be %s %g and at most %g", r->path, key, v, lo_open ? "above" : "at least", lo, hi);
+}
+
 static int read_layer_types(reader *r, qf_config *c) {
     json_t *lt = json_object_get(r->obj, "layer_types");
     if (lt && json_is_array(lt)) {
@@ -63,6 +70,8 @@ static void read_rope(reader *r, qf_config *c) {
     if (!json_is_object(rp)) rp = r->obj;
     c->rope_theta = get_num(r, rp, "rope_theta", get_num(r, r->obj, "rope_theta", 10000000.0));
     double partial = get_num(r, rp, "partial_rotary_factor", get_num(r, r->obj, "partial_rotary_factor", 1.0));
+    check_range(r, "rope_theta", c->rope_theta, 0, 1e12, 1);
+    check_range(r, "partial_rotary_factor", partial, 0, 1, 1);
     c->rot_dim = (int)lround(c->head_dim * partial);
     if (c->rot_dim % 2 || c->rot_dim > c->head_dim || c->rot_dim <= 0)
         if (r->rc == QF_OK) r->rc = qf_fail(QF_EFORMAT, "%s: partial_rotary_factor %g gives an unusable rotary dim %d", r->path, partial, c->rot_dim);
@@ -82,6 +91,8 @@ static int read_text_config(reader *r, qf_config *c) {
     c->conv_kernel = get_int(r, "linear_conv_kernel_dim", 4, 0);
     c->max_pos = get_int(r, "max_position_embeddings", 32768, 0);
     c->norm_eps = (float)get_num(r, r->obj, "rms_norm_eps", 1e-6);
+    check_range(r, "max_position_embeddings", c->max_pos, 0, 1 << 30, 1);
+    check_range(r, "rms_norm_eps", c->norm_eps, 0, 0.1, 1);
     if (c->arch == QF_ARCH_QWEN35_MOE) {
         c->n_experts = get_int(r, "num_experts", 0, 1);
         c->n_experts_used = get_int(r, "num_experts_per_tok", 0, 1);
@@ -103,34 +114,48 @@ static int read_text_config(reader *r, qf_config *c) {
     return read_layer_types(r, c);
 }
 
-static void add_eos(qf_config *c, json_t *v) {
-    if (json_is_integer(v)) {
+/* eos_token_id: an id or a list of ids (absent or null: none). */
+static int add_eos(qf_config *c, json_t *v, const char *path) {
+    if (!v || json_is_null(v)) return QF_OK;
+    if (json_is_integer(v) && json_integer_value(v) >= 0 && json_integer_value(v) < (1 << 30)) {
         int id = (int)json_integer_value(v);
         for (int i = 0; i < c->n_eos; i++)
-            if (c->eos_ids[i] == id) return;
+            if (c->eos_ids[i] == id) return QF_OK;
         if (c->n_eos < QF_MAX_EOS) c->eos_ids[c->n_eos++] = id;
-    } else if (json_is_array(v)) {
-        for (size_t i = 0; i < json_array_size(v); i++) add_eos(c, json_array_get(v, i));
+        return QF_OK;
     }
+    if (json_is_array(v)) {
+        for (size_t i = 0; i < json_array_size(v); i++)
+            if (json_is_array(json_array_get(v, i)) || add_eos(c, json_array_get(v, i), path) != QF_OK)
+                return qf_fail(QF_EFORMAT, "%s: field \"eos_token_id\" must be a token id or a list of token ids", path);
+        return QF_OK;
+    }
+    return qf_fail(QF_EFORMAT, "%s: field \"eos_token_id\" must be a token id or a list of token ids", path);
 }
 
+/* Optional; when present it must parse, and its sampling defaults must be ones a request could
+ * set (the server's ranges), or every request that leaves them out would be refused. */
 static int read_generation_config(qf_config *c, const char *dir) {
     char path[4096];
     snprintf(path, sizeof path, "%s/generation_config.json", dir);
+    if (access(path, F_OK) != 0) return QF_OK;
     json_error_t jerr;
     json_t *g = json_load_file(path, 0, &jerr);
-    if (!g) return QF_OK; /* optional */
+    if (!g) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", path, jerr.text, jerr.line);
     if (!json_is_object(g)) {
         json_decref(g);
         return qf_fail(QF_EFORMAT, "%s: not a JSON object", path);
     }
     json_t *eos = json_object_get(g, "eos_token_id");
     if (eos) c->n_eos = 0; /* generation_config governs stopping */
-    add_eos(c, eos);
-    reader r = {path, g, QF_OK};
+    reader r = {path, g, add_eos(c, eos, path)};
     c->gen_temperature = (float)get_num(&r, g, "temperature", c->gen_temperature);
     c->gen_top_p = (float)get_num(&r, g, "top_p", c->gen_top_p);
+    check_range(&r, "temperature", c->gen_temperature, 0, 2, 0);
+    check_range(&r, "top_p", c->gen_top_p, 0, 1, 1);
     json_t *tk = json_object_get(g, "top_k");
+    if (tk && !json_is_null(tk) && !(json_is_integer(tk) && json_integer_value(tk) >= -1 && json_integer_value(tk) < (1 << 30)) && r.rc == QF_OK)
+        r.rc = qf_fail(QF_EFORMAT, "%s: field \"top_k\" must be an integer, -1 or more", path);
     if (json_is_integer(tk)) c->gen_top_k = (int)json_integer_value(tk);
     json_decref(g);
     return r.rc;
@@ -157,8 +182,8 @@ static int from_root(qf_config *c, json_t *root, const char *path) {
         json_t *tie = json_object_get(root, "tie_word_embeddings");
         if (!tie) tie = json_object_get(obj, "tie_word_embeddings");
         c->tie_embeddings = json_is_true(tie);
-        add_eos(c, json_object_get(obj, "eos_token_id"));
-        if (!c->n_eos) add_eos(c, json_object_get(root, "eos_token_id"));
+        if (rc == QF_OK) rc = add_eos(c, json_object_get(obj, "eos_token_id"), path);
+        if (rc == QF_OK && !c->n_eos) rc = add_eos(c, json_object_get(root, "eos_token_id"), path);
     }
     return rc;
 }

@@ -28,6 +28,8 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
     char tj[4096];
     snprintf(tj, sizeof tj, "%s/tokenizer.json", dir ? dir : "");
     if (rc == QF_OK && dir && access(tj, R_OK) == 0) rc = qf_tok_load(&e->tok, dir);
+    if (rc == QF_OK && e->tok && qf_tok_vocab_size(e->tok) > e->model->cfg.vocab)
+        rc = qf_fail(QF_EFORMAT, "%s: the tokenizer has %d tokens, more than the model's vocab_size %d", tj, qf_tok_vocab_size(e->tok), e->model->cfg.vocab);
     if (rc == QF_OK) {
         e->pool = qf_pool_create(opts->n_threads > 0 ? opts->n_threads : qf_cpu_count());
         rc = use_device(e, opts);

@@ -12,8 +12,8 @@
  *
  * Responses are followed (heads, Content-Length and chunked bodies) to know when every request
  * has been answered, which gives: half-closed clients (an EOF after a whole request) keep their
- * reply and the connection closes once it is written; deadlines to send a head (60 s) and a body
- * (120 s after its head), an idle keep-alive deadline (75 s), and none while a reply is owed; a
+ * reply and the connection closes once it is written; deadlines to send a head and a body, an
+ * idle keep-alive deadline (server.h), and none while a reply is owed; a
  * cap on connections, the longest-idle connection giving way to a new one, 503 when none can;
  * accept errors (out of descriptors) pause the listener instead of spinning. A client's socket to
  * evhttp is opened only once it has sent a whole, valid request head, and closed with it. */
@@ -36,9 +36,6 @@
 #include "server/srv_int.h"
 
 #define HEAD_MAX (64 * 1024)
-#define HEADER_SECONDS 60.0
-#define BODY_SECONDS 120.0
-#define IDLE_SECONDS 75.0
 #define OVER_CAP_SECONDS 2.0
 #define PIPE_MAX 64 /* requests answered in order, HEAD or not */
 
@@ -384,9 +381,9 @@ static void conn_close(conn *c) {
 static void rearm(conn *c) {
     double due = 0;
     if (c->over_cap) due = c->opened + OVER_CAP_SECONDS;
-    else if (c->rstate == R_HEAD && c->head_start) due = c->head_start + HEADER_SECONDS;
-    else if (c->rstate != R_HEAD && c->rstate != R_DISCARD) due = c->body_start + BODY_SECONDS;
-    else if (!owed(c) && !c->half_closed) due = c->activity + IDLE_SECONDS;
+    else if (c->rstate == R_HEAD && c->head_start) due = c->head_start + c->s->o->header_timeout;
+    else if (c->rstate != R_HEAD && c->rstate != R_DISCARD) due = c->body_start + c->s->o->body_timeout;
+    else if (!owed(c) && !c->half_closed) due = c->activity + c->s->o->idle_timeout;
     if (!due) {
         event_del(c->timer);
         return;

@@ -17,6 +17,9 @@ typedef struct qf_server_opts {
     const char *api_key;      /* NULL: no auth */
     size_t max_body;          /* bytes */
     int max_conns;            /* open connections; beyond them the longest-idle one closes, or 503 */
+    double header_timeout;    /* seconds from a request's first byte to the end of its head */
+    double body_timeout;      /* seconds from the end of a head to the end of its body */
+    double idle_timeout;      /* seconds a kept-alive connection may wait for its next request */
     double shutdown_timeout;  /* seconds to let in-flight requests finish on SIGTERM */
     int verbose;
     qf_engine_opts engine;

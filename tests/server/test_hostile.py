@@ -286,3 +286,22 @@ def test_out_of_descriptors_pauses_accepting():
         assert 1 <= len(lines) <= 6 and busy < 0.5
     finally:
         s.stop()
+
+
+def test_deadlines():
+    """A head not finished in --header-timeout, a body not finished in --body-timeout and a kept-alive
+    connection idle past --idle-timeout are closed; a reply that takes longer than all of them is not."""
+    with Server("--header-timeout", "1", "--body-timeout", "1", "--idle-timeout", "1") as s:
+        head = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        head.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        body = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        body.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        idle = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status_of(idle.recv(65536)) == 200
+        long_reply = post_bytes(s.port, COMPL, json.dumps({"prompt": "def fib(n):", "max_tokens": 300, "ignore_eos": True}).encode())
+        time.sleep(2.5)
+        for c in (head, body, idle):
+            assert c.recv(65536) == b""  # closed by the server
+            c.close()
+        assert status_of(long_reply) == 200
