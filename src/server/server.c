@@ -7,6 +7,7 @@
 #include <event2/thread.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -192,8 +193,25 @@ static void handle(struct evhttp_request *req, void *arg) {
 
 /* ---- setup ---- */
 
+/* A connection in use holds three descriptors (the client's, and both ends of its local socket to
+ * evhttp): the soft limit is raised to the hard one, and a cap the limit cannot hold is said. */
+static void raise_fd_limit(const qf_server_opts *o) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+    if (rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+        getrlimit(RLIMIT_NOFILE, &rl);
+    }
+    rlim_t need = (rlim_t)o->max_conns * 3 + 64;
+    if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < need)
+        fprintf(stderr, "qflash serve: --max-conns %d may need %llu file descriptors; the limit is %llu (beyond it new connections wait)\n",
+                o->max_conns, (unsigned long long)need, (unsigned long long)rl.rlim_cur);
+}
+
 static int start(srv *s) {
     const qf_server_opts *o = s->o;
+    raise_fd_limit(o);
     if (evthread_use_pthreads() != 0) return qf_fail(QF_ENOMEM, "libevent has no pthreads support");
     s->base = event_base_new();
     s->http = s->base ? evhttp_new(s->base) : NULL;
