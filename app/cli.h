@@ -43,5 +43,6 @@ int cmd_perplexity(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_route_replay(int argc, char **argv);
+int cmd_route_record(int argc, char **argv);
 
 #endif

@@ -18,6 +18,7 @@ static void usage(void) {
             "             [--concurrency 1,16] [--runs R] [--json FILE] [--plot FILE.svg]\n"
             "  route-replay TRACE.safetensors [--slots 8,16,64] [--half-life 64]\n"
             "             expert-cache policies replayed over a recorded routing trace (hit rates)\n"
+            "  route-record -m DIR -f TEXT -o TRACE.safetensors [-n TOKENS]  a model's routing on a text\n"
             "sampling flags: --temp --top-k --top-p --min-p --repeat-penalty --presence-penalty\n"
             "                --frequency-penalty --seed (defaults from generation_config.json)\n"
             "device flags (run, chat, perplexity, serve, bench):\n"
@@ -41,6 +42,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "serve")) return cmd_serve(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "route-replay")) return cmd_route_replay(argc - 1, argv + 1);
+    if (!strcmp(cmd, "route-record")) return cmd_route_record(argc - 1, argv + 1);
     fprintf(stderr, "error: unknown command '%s'\n", cmd);
     usage();
     return 2;

@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <sys/wait.h>
 
 #include "runtime/engine.h"
@@ -165,6 +166,28 @@ static void test_cli_perplexity(void) {
     fprintf(stderr, "perplexity %.4f (reference %.4f)\n", ppl, want);
 }
 
+/* route-record on the bundled model's held-out text, then route-replay of the trace: hit rates in
+ * range, Belady's optimum at or above every policy, and with a slot for every expert no policy
+ * differs (only first uses miss). */
+static void test_cli_route(void) {
+    char trace[256], cmd[4096], out[8192];
+    snprintf(trace, sizeof trace, "/tmp/qflash-route-%d.safetensors", (int)getpid());
+    snprintf(cmd, sizeof cmd, "'%s' route-record -m '%s' -f '%s/heldout.txt' -n 512 -o '%s' 2>&1", qflash_bin, model_dir, model_dir, trace);
+    int rc = qt_run_capture(cmd, out, sizeof out);
+    CHECK(rc == 0 && strstr(out, "8 layers x 512 tokens x top-4 of 64 experts"), "route-record: [%s]", out);
+    snprintf(cmd, sizeof cmd, "'%s' route-replay '%s' --slots 16,64 2>&1", qflash_bin, trace);
+    rc = qt_run_capture(cmd, out, sizeof out);
+    double lru, dlfu, adm, min, r64[4];
+    const char *row = strstr(out, "\n    16");
+    CHECK(rc == 0 && row && sscanf(row, " 16 %*f%% %lf%% %lf%% %lf%% %lf%%", &lru, &dlfu, &adm, &min) == 4, "route-replay: [%s]", out);
+    if (row) CHECK(lru > 0 && lru < 100 && min >= lru && min >= dlfu && min >= adm, "16 slots: lru %g dlfu %g admit %g min %g", lru, dlfu, adm, min);
+    row = strstr(out, "\n    64");
+    CHECK(row && sscanf(row, " 64 %*f%% %lf%% %lf%% %lf%% %lf%%", &r64[0], &r64[1], &r64[2], &r64[3]) == 4 && r64[0] > 90 && r64[0] == r64[1] &&
+              r64[1] == r64[2] && r64[2] == r64[3],
+          "every expert held: [%s]", out);
+    remove(trace);
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     qflash_bin = argc > 2 ? argv[2] : "build/qflash";
@@ -180,6 +203,7 @@ int main(int argc, char **argv) {
     test_cli_run(t);
     test_cli_chat();
     test_cli_perplexity();
+    test_cli_route();
     qf_tok_free(t);
     json_decref(ref_json);
     return qt_finish();

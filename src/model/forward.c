@@ -101,7 +101,7 @@ static void swiglu_mlp(fwd *f, const qf_mat *g, const qf_mat *u, const qf_mat *d
 }
 
 /* Softmax over all experts, top-k, renormalise (fp32); then rows are grouped by expert. */
-static void route(fwd *f, const float *logits) {
+static void route(fwd *f, int L, const float *logits) {
     const qf_config *c = &f->m->cfg;
     qf_workspace *ws = f->ws;
     int E = c->n_experts, K = c->n_experts_used;
@@ -111,6 +111,7 @@ static void route(fwd *f, const float *logits) {
         qf_ref_route(logits + (size_t)r * E, E, K, ws->topi + r * K, topw + r * K);
         for (int k = 0; k < K; k++) ws->counts[ws->topi[r * K + k] + 1]++;
     }
+    if (ws->route_hook) ws->route_hook(ws->route_ud, L, ws->topi, f->N, K);
     for (int e = 0; e < E; e++) ws->counts[e + 1] += ws->counts[e];
     /* counts[e] now is the end of group e-1; use it as the fill cursor of group e, then shift back */
     for (int r = 0; r < f->N; r++)
@@ -163,7 +164,7 @@ static int moe(fwd *f, int L, const float *xn, float *out) {
         OPS->moe(be, &a);
         return shared_expert(f, w, xn, fused, out);
     }
-    route(f, WS(ws, rl));
+    route(f, L, WS(ws, rl));
     memset(out, 0, (size_t)N * H * sizeof(float));
     for (int e = 0; e < c->n_experts; e++) {
         int g0 = ws->counts[e], cnt = ws->counts[e + 1] - g0;

@@ -126,3 +126,8 @@ void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud) {
     ws->hook = fn;
     ws->hook_ud = ud;
 }
+
+void qf_workspace_set_route_hook(qf_workspace *ws, qf_route_hook fn, void *ud) {
+    ws->route_hook = fn;
+    ws->route_ud = ud;
+}

@@ -142,6 +142,10 @@ int qf_workspace_rows(const qf_workspace *ws);
  * after each layer (1..n_layers-1) and after the final norm (n_layers), as HF's hidden_states. */
 typedef void (*qf_hidden_hook)(void *ud, int index, const float *h, int rows, int hidden);
 void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud);
+/* Study hook (routing traces): called on the host path with each MoE layer's chosen experts,
+ * ids [rows][top_k] best first. A device that routes itself does not call it. */
+typedef void (*qf_route_hook)(void *ud, int layer, const int *ids, int rows, int top_k);
+void qf_workspace_set_route_hook(qf_workspace *ws, qf_route_hook fn, void *ud);
 
 /* TOP1: only the greedy pick of the last token's logits (the first index of the largest), into
  * *top1: where the backend can pick on the device, the logits never travel to the host. */

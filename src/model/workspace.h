@@ -22,6 +22,8 @@ struct qf_workspace {
     int *lrow_src; /* (rows) rows whose logits are wanted */
     qf_hidden_hook hook;
     void *hook_ud;
+    qf_route_hook route_hook;
+    void *route_ud;
 };
 
 #define WS(ws, name) ((ws)->f + (ws)->name##_off)
