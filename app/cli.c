@@ -85,6 +85,16 @@ void cli_progress(void *ud, int done, int total) {
 
 const char *cli_device = "cpu";
 qf_cuda_opts cli_cuda;
+size_t cli_expert_cache;
+
+/* "22G", "512M", "64K", or a plain number of GiB ("0.5"); 0 when it is none of these. */
+static size_t parse_size(const char *s) {
+    char *end;
+    double v = strtod(s, &end);
+    double unit = *end == 0 ? 1073741824.0 : 0;
+    if (end[0] && !end[1]) unit = end[0] == 'G' || end[0] == 'g' ? 1073741824.0 : end[0] == 'M' || end[0] == 'm' ? 1048576.0 : end[0] == 'K' || end[0] == 'k' ? 1024.0 : 0;
+    return end != s && v > 0 && unit > 0 && v * unit < 1e18 ? (size_t)(v * unit) : 0;
+}
 
 int cli_backend_init(void) {
     qf_cuda_opts_default(&cli_cuda);
@@ -101,6 +111,9 @@ int cli_device_flag(cli_args *a, const char **device) {
         int p = v ? qf_cuda_precision_parse(v) : -1;
         if (v && p < 0) fprintf(stderr, "error: --precision takes bf16x2 (the default), fp32 or bf16, not '%s'\n", v), a->bad = 1;
         else if (v) cli_cuda.precision = p;
+    } else if (cli_is(a, NULL, "--expert-cache")) {
+        const char *v = cli_value(a);
+        if (v && !(cli_expert_cache = parse_size(v))) fprintf(stderr, "error: --expert-cache takes a size like 512M, 22G or 0.5 (GiB), not '%s'\n", v), a->bad = 1;
     } else if (cli_is(a, NULL, "--cuda-opt")) {
         const char *v = cli_value(a);
         if (v && strcmp(v, "help") == 0) {
@@ -115,8 +128,16 @@ int cli_device_flag(cli_args *a, const char **device) {
     return 1;
 }
 
+void cli_print_expert_cache(const qf_engine *e) {
+    const qf_expert_store *s = e->model->experts;
+    const qf_config *c = &e->model->cfg;
+    if (s && s->stats.slots)
+        fprintf(stderr, "expert cache: %d of %d experts a layer (%.1f%% resident) and a scratch slot, %.1f MiB of RAM; the rest read from the checkpoint as needed\n",
+                s->stats.slots, c->n_experts, 100.0 * s->stats.slots / c->n_experts, (double)s->stats.pool_bytes / 1048576.0);
+}
+
 int cli_open_engine(qf_engine **e, const char *dir, int threads) {
-    qf_engine_opts o = {.n_threads = threads, .progress = cli_progress, .device = cli_device, .cuda = &cli_cuda};
+    qf_engine_opts o = {.n_threads = threads, .progress = cli_progress, .device = cli_device, .cuda = &cli_cuda, .expert_cache = cli_expert_cache};
     int rc = qf_engine_open(e, dir, &o);
     if (rc != QF_OK) {
         fprintf(stderr, "\nerror: %s\n", qf_last_error());
@@ -126,5 +147,6 @@ int cli_open_engine(qf_engine **e, const char *dir, int threads) {
             (*e)->model->cfg.model_type, (*e)->model->cfg.n_layers, (*e)->model->cfg.vocab, (*e)->be.ops->name,
             qf_pool_size((*e)->pool));
     if ((*e)->on_gpu) qf_cuda_opts_print(stderr, &cli_cuda);
+    cli_print_expert_cache(*e);
     return QF_OK;
 }

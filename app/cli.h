@@ -31,6 +31,8 @@ void cli_progress(void *ud, int done, int total);
  * returns 1 when argv[i] was one of them (--cuda-opt help prints the options and exits). */
 extern const char *cli_device;
 extern qf_cuda_opts cli_cuda;
+extern size_t cli_expert_cache; /* --expert-cache (bytes; 0: none) */
+void cli_print_expert_cache(const qf_engine *e);
 int cli_device_flag(cli_args *a, const char **device);
 /* The CUDA options' defaults and QFLASH_CUDA_OPTS (diagnosis); 2 when that is malformed. */
 int cli_backend_init(void);

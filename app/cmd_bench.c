@@ -372,7 +372,7 @@ static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
     for (int i = 0; i < o->n_conc; i++) max_c = o->conc[i] > max_c ? o->conc[i] : max_c;
     qf_synth_opts so = {o->synthetic, o->config, o->layers, 0};
     qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > o->prefill_chunk ? max_c : o->prefill_chunk, .synth = o->model ? NULL : &so, .device = cli_device,
-                         .cuda = &cli_cuda};
+                         .cuda = &cli_cuda, .expert_cache = cli_expert_cache};
     double t0 = qf_now();
     int rc = qf_engine_open(e, o->model, &eo);
     *load_s = qf_now() - t0;

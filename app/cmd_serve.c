@@ -82,6 +82,7 @@ int cmd_serve(int argc, char **argv) {
     o.engine.progress = NULL;
     o.sched.kv_mib = kv_mib;
     o.engine.cuda = &cli_cuda;
+    o.engine.expert_cache = cli_expert_cache;
     if (o.verbose && o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0) qf_cuda_opts_print(stderr, &cli_cuda);
     int rc = qf_server_run(&o);
     if (rc != QF_OK) {

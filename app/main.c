@@ -24,6 +24,9 @@ static void usage(void) {
             "device flags (run, chat, perplexity, serve, bench):\n"
             "  --device cpu|cuda[:N]              where the model runs (default cpu)\n"
             "  --precision bf16x2|fp32|bf16       GPU prompt-product numerics (default bf16x2)\n"
+            "  --expert-cache SIZE                routed experts through a RAM pool of SIZE (512M, 22G; CPU)\n"
+            "                                     read as needed from the checkpoint (else config_flash.json's\n"
+            "                                     streaming_buffer_size, else all resident)\n"
             "  --cuda-opt NAME=VALUE              a CUDA backend option, repeatable; these, with defaults:\n");
     qf_cuda_opts_print(stderr, NULL);
 }

@@ -67,7 +67,7 @@ static void fake_destroy(qf_expert_store *s) {
     free(f);
 }
 
-static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table};
+static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL};
 
 /* Copy c of every expert filled from the inner store, its views and device tables made. */
 static void fill_copy(fake_store *f, int c) {
@@ -264,6 +264,95 @@ static void test_gpu_abandoned_steps(void) {
     free(ref), free(got);
 }
 
+/* The model at dir with its experts behind a RAM cache of budget bytes (0: resident): a prompt and
+ * STEPS greedy steps, each step's logits into out; the cache's hits and misses into st. */
+static int run_cached(const char *dir, size_t budget, float *out, qf_expert_stats *st) {
+    qf_model *m;
+    int rc = qf_model_load(&m, qt_path(dir), NULL);
+    CHECK(rc == QF_OK, "%s", qf_last_error());
+    if (rc) return rc;
+    qf_expert_store *s;
+    if (budget && (rc = qf_es_stream_create(&s, m->experts, m->cfg.n_layers, m->cfg.n_experts, m->cfg.n_experts_used, budget)) == QF_OK) m->experts = s;
+    qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
+    int V = m->cfg.vocab;
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    qf_state *state = qf_state_create(m, 64);
+    int32_t prompt[5] = {11, 400, 23, 7, 91};
+    if (rc == QF_OK) rc = qf_forward_seq(m, &be, ws, state, prompt, 5, QF_LOGITS_LAST, out);
+    for (int i = 1; rc == QF_OK && i <= STEPS; i++) {
+        int32_t tok = qt_argmax(out + (size_t)(i - 1) * V, V);
+        rc = qf_forward_seq(m, &be, ws, state, &tok, 1, QF_LOGITS_LAST, out + (size_t)i * V);
+    }
+    if (st) *st = m->experts->stats;
+    qf_state_free(state);
+    qf_workspace_free(ws);
+    qf_model_free(m);
+    return rc;
+}
+
+/* The RAM expert cache at its minimum and at larger sizes gives the logits of the resident experts
+ * bit for bit; a budget under the minimum is refused naming it. */
+static void test_expert_cache(const char *dir) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
+    qf_expert x;
+    m->experts->ops->acquire(m->experts, 0, 0, &x);
+    size_t per = (size_t)(x.gate.rows * x.gate.cols + x.up.rows * x.up.cols + x.down.rows * x.down.cols) * qf_dtype_size(x.gate.dtype);
+    int L = m->cfg.n_layers, E = m->cfg.n_experts, K = m->cfg.n_experts_used, V = m->cfg.vocab;
+    qf_model_free(m);
+    size_t n = (size_t)(STEPS + 1) * V;
+    float *ref = calloc(n, sizeof(float)), *got = calloc(n, sizeof(float));
+    CHECK(run_cached(dir, 0, ref, NULL) == QF_OK, "%s", qf_last_error());
+    int slots[] = {K, K + 1, E / 4, E / 2, E};
+    for (int i = 0; i < 5; i++) {
+        qf_expert_stats st;
+        size_t budget = (size_t)(slots[i] + 1) * per * (size_t)L;
+        memset(got, 0, n * sizeof(float));
+        int rc = run_cached(dir, budget, got, &st);
+        CHECK(rc == QF_OK && st.slots == (slots[i] < E ? slots[i] : E), "%s: %d slots: %s", dir, slots[i], qf_last_error());
+        CHECK(memcmp(ref, got, n * sizeof(float)) == 0, "%s: logits with %d cached experts a layer differ by up to %g", dir, slots[i],
+              qt_max_abs_diff(ref, got, (int64_t)n));
+        fprintf(stderr, "%s: expert cache of %d of %d a layer: %llu hits, %llu misses\n", dir, st.slots, E, (unsigned long long)st.hits,
+                (unsigned long long)st.misses);
+    }
+    CHECK(run_cached(dir, (size_t)K * per * (size_t)L, got, NULL) == QF_EINVAL && strstr(qf_last_error(), "are needed"), "%s: a budget under the minimum: %s",
+          dir, qf_last_error());
+    free(ref), free(got);
+}
+
+/* config_flash.json's streaming_buffer_size (MB) gives the engine its expert cache; the flag wins;
+ * a value that is not a size fails the load naming the file. */
+static void test_flash_config(void) {
+    char dir[] = "/tmp/qflash-flash-XXXXXX", src[4096], dst[4200], rel[256];
+    if (!mkdtemp(dir)) return;
+    const char *files[] = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"};
+    for (int i = 0; i < 5; i++) {
+        snprintf(rel, sizeof rel, "models/qwen36moe-code-14m/%s", files[i]);
+        snprintf(dst, sizeof dst, "%s/%s", dir, files[i]);
+        CHECK(realpath(qt_path(rel), src) && symlink(src, dst) == 0, "link %s", dst);
+    }
+    snprintf(dst, sizeof dst, "%s/config_flash.json", dir);
+    const char *bodies[] = {"{\"streaming_buffer_size\": 3}", "{\"streaming_buffer_size\": \"big\"}"};
+    for (int b = 0; b < 2; b++) {
+        FILE *f = fopen(dst, "w");
+        if (!f) break;
+        fputs(bodies[b], f);
+        fclose(f);
+        for (int flag = 0; flag < 2; flag++) {
+            qf_engine *e = NULL;
+            qf_engine_opts eo = {.n_threads = 1, .expert_cache = flag ? (size_t)8 << 20 : 0};
+            int rc = qf_engine_open(&e, dir, &eo);
+            if (b == 0 || flag) CHECK(rc == QF_OK && e->model->experts->stats.slots == (flag ? 27 : 9), "config_flash %d, flag %d: %s, slots %d", b, flag,
+                                      rc ? qf_last_error() : "", rc ? -1 : e->model->experts->stats.slots);
+            else CHECK(rc == QF_EFORMAT && strstr(qf_last_error(), "config_flash.json"), "a bad config_flash.json: %s", qf_last_error());
+            qf_engine_close(e);
+        }
+    }
+    for (int i = 0; i < 5; i++) snprintf(dst, sizeof dst, "%s/%s", dir, files[i]), unlink(dst);
+    snprintf(dst, sizeof dst, "%s/config_flash.json", dir), unlink(dst);
+    rmdir(dir);
+}
+
 /* Hits of a policy over a trace of n tokens of k experts each (one layer). */
 static uint64_t replay_hits(int policy, const int *ids, int n, int k, int E, int slots) {
     qf_slot_cache c;
@@ -331,6 +420,9 @@ static void test_cache_policies(void) {
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     test_cache_policies();
+    test_expert_cache("tests/data/qwen35moe-tiny");
+    test_expert_cache("models/qwen36moe-code-14m");
+    test_flash_config();
     test_moving_store(0);
     test_moving_store(1);
     test_failing_store();

@@ -14,12 +14,15 @@
 #ifndef QF_EXPERTS_STORE_H
 #define QF_EXPERTS_STORE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "backend/ops.h"
 
 typedef struct qf_expert_stats {
     uint64_t acquires, hits, misses, bytes_loaded;
+    int slots;         /* a cache's slots per layer (0: every expert resident) */
+    size_t pool_bytes; /* its memory */
 } qf_expert_stats;
 
 /* Rows of expert ids a layer's `chosen` array holds: one decode step's (QF_DEC_ROWS sequences). */
@@ -41,6 +44,8 @@ typedef struct qf_expert_store_ops {
     void (*destroy)(qf_expert_store *s);
     /* The layer's table (above); an error when the store cannot make it usable (a failed load). */
     int (*table)(qf_expert_store *s, int layer, qf_expert_table *out);
+    /* Optional: a forward step begins (ages the cache's counts). */
+    void (*step)(qf_expert_store *s);
 } qf_expert_store_ops;
 
 struct qf_expert_store {
@@ -57,6 +62,14 @@ qf_expert_store *qf_es_resident_create(int n_layers, int n_experts, qf_expert *e
  * each layer's experts in one allocation, with the device tables and chosen-id arrays (top_k ids a
  * row). src is read through acquire/release and may be destroyed afterwards. */
 int qf_es_device_create(qf_expert_store **out, qf_expert_store *src, qf_backend *be, int n_layers, int n_experts, int top_k);
+
+/* A RAM expert cache of budget bytes in front of src (store_stream.c): each layer gets the slots
+ * its share holds, one of them a scratch slot; the policy is decayed frequency with admission.
+ * QF_EINVAL naming the minimum when budget holds fewer than top_k slots a layer besides the
+ * scratch one. Takes src on success. */
+int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, int n_layers, int n_experts, int top_k, size_t budget);
+/* Slots a layer gets from budget (scratch slot excluded). */
+int qf_es_stream_slots(size_t budget, size_t per_expert, int n_layers);
 
 static inline void qf_es_destroy(qf_expert_store *s) {
     if (s) s->ops->destroy(s);

@@ -200,6 +200,23 @@ int qf_config_load(qf_config *c, const char *dir) {
     return rc;
 }
 
+int qf_flash_config_load(const char *dir, size_t *bytes) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config_flash.json", dir);
+    *bytes = 0;
+    if (access(path, F_OK) != 0) return QF_OK;
+    json_error_t jerr;
+    json_t *j = json_load_file(path, 0, &jerr);
+    if (!j) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", path, jerr.text, jerr.line);
+    json_t *v = json_object_get(j, "streaming_buffer_size");
+    int rc = QF_OK;
+    if (v && !json_is_null(v) && !(json_is_number(v) && json_number_value(v) > 0 && json_number_value(v) < 1e9))
+        rc = qf_fail(QF_EFORMAT, "%s: field \"streaming_buffer_size\" must be a size in MB above 0", path);
+    else if (v && !json_is_null(v)) *bytes = (size_t)(json_number_value(v) * 1048576.0);
+    json_decref(j);
+    return rc;
+}
+
 int qf_config_parse(qf_config *c, const char *text, size_t len, const char *label) {
     json_error_t jerr;
     json_t *root = json_loadb(text, len, 0, &jerr);

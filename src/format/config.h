@@ -34,6 +34,9 @@ typedef struct qf_config {
 /* Reads dir/config.json and, when present, dir/generation_config.json. Errors name the file and
  * the field; another model_type is QF_EUNSUPPORTED naming it. */
 int qf_config_load(qf_config *cfg, const char *dir);
+/* dir/config_flash.json's streaming_buffer_size (MB) in bytes into *bytes (0: the file or the
+ * field is absent); an error naming the file when it does not parse or the value is not a size. */
+int qf_flash_config_load(const char *dir, size_t *bytes);
 /* The same from config.json text (no generation_config); label names it in errors. */
 int qf_config_parse(qf_config *cfg, const char *text, size_t len, const char *label);
 

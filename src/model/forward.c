@@ -363,6 +363,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     const qf_config *c = &m->cfg;
     int H = c->hidden;
     float *x = WS(ws, x), *xn = WS(ws, xn), *tmp = WS(ws, tmp);
+    if (m->experts && m->experts->ops->step) m->experts->ops->step(m->experts);
     if (OPS->step_begin) OPS->step_begin(be, step_key(seqs, n_seqs), f.N);
     for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) OPS->embed(be, &m->embed, seqs[s].tokens, seqs[s].n, x + (size_t)r0 * H);
     if (ws->hook && !m->dev) ws->hook(ws->hook_ud, 0, x, f.N, H);

@@ -9,6 +9,20 @@
 #include "backend/backend.h"
 #include "base/utf8.h"
 
+/* With an expert cache (the flag, else config_flash.json's streaming_buffer_size) the routed experts
+ * are read from the checkpoint into a fixed RAM pool as they are needed. */
+static int use_expert_cache(qf_engine *e, const char *dir, const qf_engine_opts *opts) {
+    size_t bytes = opts->expert_cache;
+    int rc = bytes || !dir ? QF_OK : qf_flash_config_load(dir, &bytes);
+    if (rc != QF_OK || !bytes || !e->model->experts) return rc;
+    if (e->on_gpu) return qf_fail(QF_EUNSUPPORTED, "an expert cache with --device cuda is not built yet: give the GPU every expert, or run on the CPU");
+    const qf_config *c = &e->model->cfg;
+    qf_expert_store *s;
+    rc = qf_es_stream_create(&s, e->model->experts, c->n_layers, c->n_experts, c->n_experts_used, bytes);
+    if (rc == QF_OK) e->model->experts = s;
+    return rc;
+}
+
 /* The backend named by opts->device; on a device the weights are copied there (generated ones
  * dropped from host memory once there). */
 static int use_device(qf_engine *e, const qf_engine_opts *opts) {
@@ -33,6 +47,7 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
     if (rc == QF_OK) {
         e->pool = qf_pool_create(opts->n_threads > 0 ? opts->n_threads : qf_cpu_count());
         rc = use_device(e, opts);
+        if (rc == QF_OK) rc = use_expert_cache(e, dir, opts);
     }
     if (rc == QF_OK) {
         e->ws = qf_workspace_create(e->model, opts->max_batch > 0 ? opts->max_batch : 512);

@@ -18,6 +18,7 @@ typedef struct qf_engine_opts {
     const qf_synth_opts *synth; /* make a synthetic model instead of loading dir (no tokenizer) */
     const char *device;         /* "cpu" (default) or "cuda" / "cuda:N" */
     const qf_cuda_opts *cuda;   /* the CUDA backend's options (NULL: defaults) */
+    size_t expert_cache;        /* bytes of the routed experts' cache; 0: config_flash.json's, else all resident */
     void (*progress)(void *ud, int done, int total);
     void *progress_ud;
 } qf_engine_opts;
