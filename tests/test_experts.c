@@ -272,7 +272,7 @@ static int run_cached(const char *dir, size_t budget, float *out, qf_expert_stat
     CHECK(rc == QF_OK, "%s", qf_last_error());
     if (rc) return rc;
     qf_expert_store *s;
-    if (budget && (rc = qf_es_stream_create(&s, m->experts, m->cfg.n_layers, m->cfg.n_experts, m->cfg.n_experts_used, budget)) == QF_OK) m->experts = s;
+    if (budget && (rc = qf_es_stream_create(&s, m->experts, &m->st, m->cfg.n_layers, m->cfg.n_experts, m->cfg.n_experts_used, budget)) == QF_OK) m->experts = s;
     qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
     int V = m->cfg.vocab;
     qf_workspace *ws = qf_workspace_create(m, 64);

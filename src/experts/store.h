@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "backend/ops.h"
+#include "format/safetensors.h"
 
 typedef struct qf_expert_stats {
     uint64_t acquires, hits, misses, bytes_loaded;
@@ -63,11 +64,12 @@ qf_expert_store *qf_es_resident_create(int n_layers, int n_experts, qf_expert *e
  * row). src is read through acquire/release and may be destroyed afterwards. */
 int qf_es_device_create(qf_expert_store **out, qf_expert_store *src, qf_backend *be, int n_layers, int n_experts, int top_k);
 
-/* A RAM expert cache of budget bytes in front of src (store_stream.c): each layer gets the slots
+/* A RAM expert cache of budget bytes in front of src (store_stream.c), reading misses from file's
+ * files (NULL: copying from where the views point): each layer gets the slots
  * its share holds, one of them a scratch slot; the policy is decayed frequency with admission.
  * QF_EINVAL naming the minimum when budget holds fewer than top_k slots a layer besides the
  * scratch one. Takes src on success. */
-int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, int n_layers, int n_experts, int top_k, size_t budget);
+int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, const qf_st_set *file, int n_layers, int n_experts, int top_k, size_t budget);
 /* Slots a layer gets from budget (scratch slot excluded). */
 int qf_es_stream_slots(size_t budget, size_t per_expert, int n_layers);
 

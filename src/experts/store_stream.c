@@ -1,18 +1,17 @@
 /* A fixed RAM pool of expert slots in front of the checkpoint (the CPU's expert cache): each
- * layer owns slots_per_layer slots plus one scratch slot; an expert that misses is copied from the
- * mapped checkpoint into the slot the policy frees (cache_policy.c), or into the scratch slot when
- * the policy does not admit it, and the checkpoint pages it came from are dropped again, so the
- * process holds the pool, not the experts it has read. The pool is allocated once. */
+ * layer owns slots_per_layer slots plus one scratch slot; an expert that misses is read from the
+ * checkpoint file (pread, not through the mapping, so its pages never enter this process) into the
+ * slot the policy frees (cache_policy.c), or into the scratch slot when the policy does not admit
+ * it. The process holds the pool, not the experts it has read; the pool is allocated once. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include "base/dtype.h"
 #include "base/err.h"
 #include "experts/cache_policy.h"
 #include "experts/store.h"
+#include "format/safetensors.h"
 
 typedef struct stream_layer {
     qf_slot_cache cache;
@@ -23,6 +22,7 @@ typedef struct stream_layer {
 typedef struct stream_store {
     qf_expert_store base;
     qf_expert_store *src; /* where the experts are (views into the mapped checkpoint); owned */
+    const qf_st_set *file; /* the checkpoint the views map: misses are read from it (NULL: copied) */
     int n_layers, n_experts, slots;
     size_t per_expert;
     stream_layer *layers;
@@ -30,13 +30,6 @@ typedef struct stream_store {
 } stream_store;
 
 static size_t mat_bytes(const qf_mat *w) { return (size_t)(w->rows * w->cols) * qf_dtype_size(w->dtype); }
-
-/* The checkpoint pages under [p, p + n) leave this process (they stay in the page cache). */
-static void drop_pages(const void *p, size_t n) {
-    long pg = sysconf(_SC_PAGESIZE);
-    uintptr_t a = (uintptr_t)p & ~(uintptr_t)(pg - 1), b = ((uintptr_t)p + n + (uintptr_t)pg - 1) & ~(uintptr_t)(pg - 1);
-    madvise((void *)a, b - a, MADV_DONTNEED);
-}
 
 /* Expert e of layer L copied into slot s. */
 static int load(stream_store *s, int L, int e, int slot) {
@@ -46,14 +39,14 @@ static int load(stream_store *s, int L, int e, int slot) {
     stream_layer *l = &s->layers[L];
     char *at = l->slots + (size_t)slot * s->per_expert;
     qf_mat *m[3] = {&x.gate, &x.up, &x.down};
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 3 && rc == QF_OK; i++) {
         size_t n = mat_bytes(m[i]);
-        memcpy(at, m[i]->data, n);
-        drop_pages(m[i]->data, n);
+        rc = qf_st_read(s->file, m[i]->data, at, n);
         m[i]->data = at;
         at += n;
     }
     s->src->ops->release(s->src, L, e);
+    if (rc != QF_OK) return rc;
     l->views[slot] = x;
     s->base.stats.misses++;
     s->base.stats.bytes_loaded += s->per_expert;
@@ -120,7 +113,7 @@ int qf_es_stream_slots(size_t budget, size_t per_expert, int n_layers) {
     return per_layer > 1 ? (int)(per_layer - 1) : 0; /* one of each layer's share is its scratch slot */
 }
 
-int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, int n_layers, int n_experts, int top_k, size_t budget) {
+int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, const qf_st_set *file, int n_layers, int n_experts, int top_k, size_t budget) {
     *out = NULL;
     qf_expert x;
     int rc = src->ops->acquire(src, 0, 0, &x);
@@ -135,6 +128,7 @@ int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, int n_layer
     stream_store *s = calloc(1, sizeof *s);
     if (!s) return qf_fail(QF_ENOMEM, "out of memory");
     s->base.ops = &k_stream_ops;
+    s->file = file;
     s->n_layers = n_layers, s->n_experts = n_experts, s->slots = slots, s->per_expert = per;
     s->layers = calloc((size_t)n_layers, sizeof *s->layers);
     s->pool = malloc((size_t)(slots + 1) * per * (size_t)n_layers);

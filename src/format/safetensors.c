@@ -306,3 +306,20 @@ void qf_st_close(qf_st_set *set) {
     qf_strmap_free(&set->by_name);
     memset(set, 0, sizeof *set);
 }
+
+int qf_st_read(const qf_st_set *set, const void *p, void *dst, size_t n) {
+    const unsigned char *q = p;
+    for (int i = 0; set && i < set->n_files; i++) {
+        const qf_mapfile *m = &set->files[i].map;
+        if (q < m->data || q + n > m->data + m->size || m->fd < 0) continue;
+        size_t done = 0;
+        while (done < n) {
+            ssize_t r = pread(m->fd, (char *)dst + done, n - done, (off_t)(q - m->data) + (off_t)done);
+            if (r <= 0) return qf_fail(QF_EIO, "%s: cannot read %zu bytes at %zu", set->files[i].path, n, (size_t)(q - m->data));
+            done += (size_t)r;
+        }
+        return QF_OK;
+    }
+    memcpy(dst, p, n);
+    return QF_OK;
+}

@@ -55,6 +55,9 @@ int qf_st_open(qf_st_set *set, const char *path);
 int qf_st_add_memory(qf_st_set *set, const char *name, int dtype, int ndim, const int64_t *shape, void *data);
 
 const qf_st_tensor *qf_st_find(const qf_st_set *set, const char *name);
+/* n bytes at p (inside a tensor of the set) into dst: read from the file when p lies in a mapped
+ * file, so its pages are not brought into this process; copied when p is memory. */
+int qf_st_read(const qf_st_set *set, const void *p, void *dst, size_t n);
 void qf_st_close(qf_st_set *set);
 
 #endif

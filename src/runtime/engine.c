@@ -18,7 +18,7 @@ static int use_expert_cache(qf_engine *e, const char *dir, const qf_engine_opts 
     if (e->on_gpu) return qf_fail(QF_EUNSUPPORTED, "an expert cache with --device cuda is not built yet: give the GPU every expert, or run on the CPU");
     const qf_config *c = &e->model->cfg;
     qf_expert_store *s;
-    rc = qf_es_stream_create(&s, e->model->experts, c->n_layers, c->n_experts, c->n_experts_used, bytes);
+    rc = qf_es_stream_create(&s, e->model->experts, &e->model->st, c->n_layers, c->n_experts, c->n_experts_used, bytes);
     if (rc == QF_OK) e->model->experts = s;
     return rc;
 }
