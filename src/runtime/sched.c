@@ -502,6 +502,8 @@ static void publish_stats(qf_sched *s) {
     s->stats.running = running;
     s->stats.kv_pages_total = qf_kv_pool_pages(s->kv);
     s->stats.kv_pages_used = s->stats.kv_pages_total - qf_kv_pool_free_pages(s->kv);
+    const qf_expert_store *es = s->e->model->experts; /* counted on this thread, published under the lock */
+    if (es) s->stats.expert_hits = es->stats.hits, s->stats.expert_misses = es->stats.misses, s->stats.expert_bytes_loaded = es->stats.bytes_loaded;
     pthread_mutex_unlock(&s->mu);
 }
 

@@ -44,6 +44,9 @@ void ep_metrics(srv *s, struct evhttp_request *req) {
     metric(b, "qflash:num_requests_waiting", "gauge", "Requests in the queue.", st.waiting);
     metric(b, "qflash:kv_cache_pages_used", "gauge", "KV cache pages in use.", st.kv_pages_used);
     metric(b, "qflash:kv_cache_pages_total", "gauge", "KV cache pages in the pool.", st.kv_pages_total);
+    metric(b, "qflash:expert_cache_hits_total", "counter", "Routed experts found in the expert cache (all resident: every use).", (double)st.expert_hits);
+    metric(b, "qflash:expert_cache_misses_total", "counter", "Routed experts loaded into the expert cache.", (double)st.expert_misses);
+    metric(b, "qflash:expert_cache_bytes_loaded_total", "counter", "Bytes of routed experts loaded.", (double)st.expert_bytes_loaded);
     histogram(b, "qflash:time_to_first_token_seconds", "Time from request to its first generated token.", st.ttft_hist,
               qf_sched_ttft_buckets, st.ttft_n, st.ttft_sum);
     histogram(b, "qflash:inter_token_latency_seconds", "Time between consecutive generated tokens of a request.", st.itl_hist,

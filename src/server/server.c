@@ -48,6 +48,10 @@ static void on_loaded(evutil_socket_t fd, short what, void *arg) {
         return;
     }
     atomic_store(&s->ready, 1);
+    const qf_expert_stats *es = s->e->model->experts ? &s->e->model->experts->stats : NULL;
+    if (es && es->slots)
+        fprintf(stderr, "qflash serve: expert cache: %d of %d experts a layer and a scratch slot, %.1f MiB\n", es->slots, s->e->model->cfg.n_experts,
+                (double)es->pool_bytes / 1048576.0);
     fprintf(stderr, "qflash serve: model loaded in %.2f s; listening on http://%s:%d\n", s->e->load_seconds, s->o->host, s->port);
     if (s->o->ready) s->o->ready(s->o->ready_ud, s->port);
 }

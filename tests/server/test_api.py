@@ -304,3 +304,15 @@ def test_sigterm_timeout_aborts_streams_and_refuses_new():
     assert '"finish_reason":"abort"' in body and body.rstrip().endswith("data: [DONE]")
     assert s.proc.wait(30) == 0
     s.reader.join(5)
+
+
+def test_expert_cache_serves_the_same():
+    """--expert-cache: the same greedy completion as all experts resident, and the cache's loads
+    counted in /metrics."""
+    with Server("--expert-cache", "1.5M") as s:
+        r = post(s, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 24, "temperature": 0})
+        assert r[0] == 200 and json.loads(r[2])["choices"][0]["text"] == run_cli("def fib(n):", 24)
+        m = s.metrics()
+        assert m["qflash:expert_cache_misses_total"] > 0 and m["qflash:expert_cache_hits_total"] > 0
+        assert m["qflash:expert_cache_bytes_loaded_total"] >= m["qflash:expert_cache_misses_total"] * 36864
+        assert any("expert cache: 4 of 64 experts a layer" in line for line in s.log)
