@@ -20,6 +20,10 @@ typedef struct bench_cfg {
     double run_prefill_ms[64], run_ttft_ms[64], run_decode_s[64], run_itl_sum_ms[64]; /* each run, in order */
     int experts_estimated; /* experts_per_step from uniform routing, not counted */
     double experts_per_step, bytes_per_step, bytes_per_token, roofline_tok_s, roofline_pct;
+    int expert_cache;           /* the experts go through a cache: the two below are counted */
+    double expert_hit_rate;     /* decode steps' expert uses found in the cache */
+    double streamed_per_token;  /* bytes of experts loaded per decoded token */
+    double streaming_loads;     /* experts loaded in the decode steps of every run */
     uint64_t ids_digest; /* FNV-1a of the last run's decoded ids, every stream every step: equal across
                           * builds and settings whose kernels sum in the same order (an exactness check
                           * at shapes with no reference) */

@@ -23,7 +23,8 @@ void bench_print(const bench_result *r) {
                r->load_s, r->bw_gbs, r->copy_gbs, r->peak_rss_bytes / 1048576.0);
     else
         printf("load: %.2f s   bandwidth: %.1f GB/s (--bw)   peak RSS: %.0f MiB\n", r->load_s, r->bw_gbs, r->peak_rss_bytes / 1048576.0);
-    printf("streaming loads: 0, expert cache hit rate: 0, inactive-block ratio: 0 (not active: no streaming store or sparsity yet)\n\n");
+    if (r->n_cfgs && r->cfgs[0].expert_cache) printf("expert cache: loads and hit rate per configuration below; inactive-block ratio: 0 (no sparsity yet)\n\n");
+    else printf("streaming loads: 0, expert cache hit rate: 0, inactive-block ratio: 0 (not active: no expert cache or sparsity)\n\n");
     printf("%5s %6s %5s | %10s %10s %9s | %8s %8s %8s | %10s %10s | %9s %9s %7s\n", "conc", "prompt", "gen", "prefill ms",
            "prefill/s", "TTFT ms", "ITL mean", "p50", "p99", "tok/s/strm", "tok/s all", "MB/token", "roofline", "% roof");
     for (int i = 0; i < r->n_cfgs; i++) {
@@ -35,6 +36,9 @@ void bench_print(const bench_result *r) {
         printf("%5s spread: prefill %.1f..%.1f ms, decode %.1f..%.1f tok/s total; %.1f experts per step%s\n", "", c->prefill_ms.min,
                c->prefill_ms.max, c->decode_tok_s_total.min, c->decode_tok_s_total.max, c->experts_per_step,
                c->experts_estimated ? " (estimated: uniform routing)" : "");
+        if (c->expert_cache)
+            printf("%5s expert cache: %.0f loads, %.1f%% of decode steps' expert uses hit, %.3f MB of experts loaded per token\n", "", c->streaming_loads,
+                   100.0 * c->expert_hit_rate, c->streamed_per_token / 1e6);
         printf("%5s decoded ids: %016llx (FNV-1a of the last run's ids)\n", "", (unsigned long long)c->ids_digest);
     }
 }
@@ -66,10 +70,12 @@ static json_t *jcfg(const bench_cfg *c) {
         json_array_append_new(runs, json_pack("{s:f,s:f,s:f,s:f}", "prefill_ms", c->run_prefill_ms[r], "ttft_ms", c->run_ttft_ms[r],
                                               "decode_seconds", c->run_decode_s[r], "itl_sum_ms", c->run_itl_sum_ms[r]));
     json_object_set_new(j, "run_details", runs);
-    json_object_set_new(j, "streaming_loads", json_integer(0));
-    json_object_set_new(j, "expert_cache_hit_rate", json_real(0));
+    json_object_set_new(j, "streaming_loads", json_integer((json_int_t)c->streaming_loads));
+    json_object_set_new(j, "expert_cache_hit_rate", json_real(c->expert_hit_rate));
+    json_object_set_new(j, "streamed_bytes_per_token", json_real(c->streamed_per_token));
     json_object_set_new(j, "inactive_block_ratio", json_real(0));
-    json_object_set_new(j, "not_active", json_pack("[s,s,s]", "streaming_loads", "expert_cache_hit_rate", "inactive_block_ratio"));
+    json_object_set_new(j, "not_active", c->expert_cache ? json_pack("[s]", "inactive_block_ratio")
+                                                         : json_pack("[s,s,s]", "streaming_loads", "expert_cache_hit_rate", "inactive_block_ratio"));
     return j;
 }
 

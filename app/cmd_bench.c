@@ -189,7 +189,7 @@ typedef struct run_ctx {
 } run_ctx;
 
 typedef struct run_out {
-    double prefill_s, ttft_s, decode_s, experts;
+    double prefill_s, ttft_s, decode_s, experts, hits, misses, loaded;
     uint64_t ids; /* FNV-1a of the decoded ids */
 } run_out;
 
@@ -209,7 +209,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
     for (int s = 0; s < x->C; s++) x->next[s] = qf_argmax_f32(x->logits + (size_t)s * V, V);
     o->ttft_s = qf_now() - t0;
     o->ids = qf_fnv1a(QF_FNV_BASIS, x->next, (size_t)x->C * sizeof *x->next);
-    uint64_t acq0 = e->model->experts ? e->model->experts->stats.acquires : 0;
+    qf_expert_stats es0 = e->model->experts ? e->model->experts->stats : (qf_expert_stats){0};
     double d0 = qf_now();
     for (int i = 0; i < x->G - 1; i++) {
         double s0 = qf_now();
@@ -221,8 +221,9 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
         o->ids = qf_fnv1a(o->ids, x->next, (size_t)x->C * sizeof *x->next);
     }
     o->decode_s = qf_now() - d0;
-    uint64_t acq = e->model->experts ? e->model->experts->stats.acquires - acq0 : 0;
-    o->experts = x->G > 1 ? (double)acq / (x->G - 1) : 0;
+    qf_expert_stats es1 = e->model->experts ? e->model->experts->stats : (qf_expert_stats){0};
+    o->experts = x->G > 1 ? (double)(es1.acquires - es0.acquires) / (x->G - 1) : 0;
+    o->hits = (double)(es1.hits - es0.hits), o->misses = (double)(es1.misses - es0.misses), o->loaded = (double)(es1.bytes_loaded - es0.bytes_loaded);
     return QF_OK;
 }
 
@@ -254,9 +255,12 @@ static void summarize(bench_cfg *c, run_out *ro, int R) {
     c->decode_s = stat_of(v[3], R), c->decode_tok_s_total = stat_of(v[4], R);
     c->decode_tok_s_stream = (bench_stat){c->decode_tok_s_total.median / c->concurrency, c->decode_tok_s_total.min / c->concurrency,
                                           c->decode_tok_s_total.max / c->concurrency};
-    double sum = 0, ex = 0;
+    double sum = 0, ex = 0, hits = 0, uses = 0, loaded = 0;
     for (int i = 0; i < c->n_itl; i++) sum += c->itl_ms[i];
-    for (int r = 0; r < R; r++) ex += ro[r].experts / R;
+    for (int r = 0; r < R; r++) ex += ro[r].experts / R, hits += ro[r].hits, uses += ro[r].hits + ro[r].misses, loaded += ro[r].loaded;
+    c->expert_hit_rate = uses > 0 ? hits / uses : 0;
+    c->streaming_loads = uses - hits;
+    c->streamed_per_token = c->decode_steps > 0 ? loaded / ((double)R * c->concurrency * c->decode_steps) : 0;
     double *sorted = malloc((size_t)(c->n_itl ? c->n_itl : 1) * sizeof *sorted);
     if (sorted && c->n_itl) {
         memcpy(sorted, c->itl_ms, (size_t)c->n_itl * sizeof *sorted);
@@ -386,6 +390,8 @@ static void fill_roofline(const qf_model *m, bench_result *r) {
     r->weight_bytes = mb.total;
     for (int i = 0; i < r->n_cfgs; i++) {
         bench_cfg *c = &r->cfgs[i];
+        c->expert_cache = m->experts && m->experts->stats.slots > 0;
+        if (!c->expert_cache) c->expert_hit_rate = 0, c->streaming_loads = 0, c->streamed_per_token = 0; /* all resident: nothing streams */
         if (c->experts_per_step == 0 && cf->n_experts > 0) {
             /* a device routes without the store's counters: expected distinct experts under
              * uniform routing (exact for one stream: top-k in every layer) */
