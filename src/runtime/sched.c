@@ -511,6 +511,8 @@ static void publish_stats(qf_sched *s) {
 static int run_step(qf_sched *s) {
     int n_decode, rows, n = plan_step(s, &n_decode, &rows);
     if (n == 0) return 0;
+    const qf_expert_store *es = s->e->model->experts;
+    qf_expert_stats es0 = es ? es->stats : (qf_expert_stats){0};
     for (int j = 0; j < n; j++) s->slots[s->step_slot[j]].pages_before = s->steps[j].st->n_pages;
     int rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->steps, n);
     pthread_mutex_lock(&s->mu);
@@ -519,6 +521,11 @@ static int run_step(qf_sched *s) {
     pthread_mutex_unlock(&s->mu);
     LOG(s, "step %llu: %d decode + %d prefill sequences, %d rows, KV pages %d/%d in use\n", (unsigned long long)step_no, n_decode,
         n - n_decode, rows, qf_kv_pool_pages(s->kv) - qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
+    if (es && es->stats.slots) {
+        uint64_t hits = es->stats.hits - es0.hits, misses = es->stats.misses - es0.misses;
+        LOG(s, "step %llu: expert cache %llu loaded (%.2f MB), %llu hits (%.0f%%)\n", (unsigned long long)step_no, (unsigned long long)misses,
+            (double)(es->stats.bytes_loaded - es0.bytes_loaded) / 1e6, (unsigned long long)hits, hits + misses ? 100.0 * (double)hits / (double)(hits + misses) : 0.0);
+    }
     const char *err = rc == QF_OK ? NULL : qf_last_error();
     for (int j = 0; j < n; j++) {
         slot *sl = &s->slots[s->step_slot[j]];

@@ -278,6 +278,7 @@ def test_sigterm_finishes_in_flight():
 def test_verbose_scheduler_log(server):
     """--verbose: batch composition per step, pages allocated and freed."""
     post(server, "/v1/completions", {"prompt": "def fib(n):", "max_tokens": 20, "temperature": 0})
+    wait_for(lambda: "pages freed" in "".join(server.log))  # stderr is read by another thread
     log = "".join(server.log)
     assert "[FLASH-SCHEDULER] step " in log and " decode + " in log and " prefill sequences" in log
     assert "KV pages allocated" in log and "pages freed" in log
@@ -316,3 +317,4 @@ def test_expert_cache_serves_the_same():
         assert m["qflash:expert_cache_misses_total"] > 0 and m["qflash:expert_cache_hits_total"] > 0
         assert m["qflash:expert_cache_bytes_loaded_total"] >= m["qflash:expert_cache_misses_total"] * 36864
         assert any("expert cache: 4 of 64 experts a layer" in line for line in s.log)
+        assert any("[FLASH-SCHEDULER] step" in line and "expert cache" in line and "loaded (" in line for line in s.log)
