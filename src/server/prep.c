@@ -9,6 +9,9 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "server/srv_int.h"
 
@@ -65,6 +68,9 @@ static void run_job(srv *s, job *j) {
 
 static void *worker(void *arg) {
     prep *p = arg;
+    /* below the event loop and the scheduler: on a machine with few cores a long tokenization
+     * must not take the loop's turn (Linux gives threads their own nice value) */
+    (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10); /* lowering one's own priority needs no privilege */
     pthread_mutex_lock(&p->mu);
     for (;;) {
         while (!p->head && !p->stop) pthread_cond_wait(&p->cv, &p->mu);
