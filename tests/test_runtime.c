@@ -185,6 +185,15 @@ static void test_cli_route(void) {
     CHECK(row && sscanf(row, " 64 %*f%% %lf%% %lf%% %lf%% %lf%%", &r64[0], &r64[1], &r64[2], &r64[3]) == 4 && r64[0] > 90 && r64[0] == r64[1] &&
               r64[1] == r64[2] && r64[2] == r64[3],
           "every expert held: [%s]", out);
+    /* the trace carries the next layer's router guesses: prefetching them raises the demand hits */
+    snprintf(cmd, sizeof cmd, "'%s' route-replay '%s' --slots 16 --prefetch 4 2>&1", qflash_bin, trace);
+    rc = qt_run_capture(cmd, out, sizeof out);
+    double rec = 0, pf_lru = 0;
+    const char *with = strstr(out, "(recall of the routed experts ");
+    row = with ? strstr(with, "\n    16") : NULL;
+    CHECK(rc == 0 && with && sscanf(with, "(recall of the routed experts %lf%%", &rec) == 1 && rec > 30 && rec <= 100, "prefetch: [%s]", out);
+    CHECK(row && sscanf(row, " 16 %*f%% %lf%%", &pf_lru) == 1 && pf_lru > lru, "prefetching did not raise LRU's hits (%g against %g): [%s]", pf_lru, lru,
+          out);
     remove(trace);
 }
 

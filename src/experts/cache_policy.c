@@ -32,6 +32,7 @@ int qf_slot_cache_init(qf_slot_cache *c, int policy, int n_experts, int n_slots,
         return qf_fail(QF_ENOMEM, "out of memory");
     }
     for (int e = 0; e < n_experts; e++) c->slot_of[e] = -1;
+    for (int s = 0; s < c->n_slots; s++) c->expert_in[s] = -1;
     return QF_OK;
 }
 
@@ -93,3 +94,14 @@ int qf_slot_cache_insert(qf_slot_cache *c, int expert, int *evicted, const uint6
 }
 
 void qf_slot_cache_tick(qf_slot_cache *c) { c->now++; }
+
+int qf_slot_cache_prefetch(qf_slot_cache *c, int expert, const uint64_t *next_use) {
+    if (c->slot_of[expert] >= 0) return 0;
+    int s = c->used < c->n_slots ? c->used++ : victim(c, next_use);
+    if (s < 0) return 0;
+    if (s < c->used && c->expert_in[s] >= 0 && c->slot_of[c->expert_in[s]] == s && c->expert_in[s] != expert) c->slot_of[c->expert_in[s]] = -1;
+    c->expert_in[s] = expert;
+    c->slot_of[expert] = s;
+    c->last[s] = c->now;
+    return 1;
+}

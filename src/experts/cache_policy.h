@@ -40,5 +40,8 @@ int qf_slot_cache_find(qf_slot_cache *c, int expert);
 /* next_use (MIN only, else NULL): for each expert, the tick it is next used (UINT64_MAX: never). */
 int qf_slot_cache_insert(qf_slot_cache *c, int expert, int *evicted, const uint64_t *next_use);
 void qf_slot_cache_tick(qf_slot_cache *c);
+/* A prefetch: the expert is loaded ahead of its use unless held, into the victim's slot whatever
+ * the admission rule (not a use, not a hit or miss). 1 when it was loaded. */
+int qf_slot_cache_prefetch(qf_slot_cache *c, int expert, const uint64_t *next_use);
 
 #endif

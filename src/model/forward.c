@@ -111,7 +111,7 @@ static void route(fwd *f, int L, const float *logits) {
         qf_ref_route(logits + (size_t)r * E, E, K, ws->topi + r * K, topw + r * K);
         for (int k = 0; k < K; k++) ws->counts[ws->topi[r * K + k] + 1]++;
     }
-    if (ws->route_hook) ws->route_hook(ws->route_ud, L, ws->topi, f->N, K);
+    if (ws->route_hook) ws->route_hook(ws->route_ud, L, ws->topi, f->N, K, WS(ws, x), c->hidden);
     for (int e = 0; e < E; e++) ws->counts[e + 1] += ws->counts[e];
     /* counts[e] now is the end of group e-1; use it as the fill cursor of group e, then shift back */
     for (int r = 0; r < f->N; r++)

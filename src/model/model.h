@@ -143,8 +143,9 @@ int qf_workspace_rows(const qf_workspace *ws);
 typedef void (*qf_hidden_hook)(void *ud, int index, const float *h, int rows, int hidden);
 void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud);
 /* Study hook (routing traces): called on the host path with each MoE layer's chosen experts,
- * ids [rows][top_k] best first. A device that routes itself does not call it. */
-typedef void (*qf_route_hook)(void *ud, int layer, const int *ids, int rows, int top_k);
+ * ids [rows][top_k] best first, and the residual x [rows][hidden] that entered the layer's MoE
+ * block. A device that routes itself does not call it. */
+typedef void (*qf_route_hook)(void *ud, int layer, const int *ids, int rows, int top_k, const float *x, int hidden);
 void qf_workspace_set_route_hook(qf_workspace *ws, qf_route_hook fn, void *ud);
 
 /* TOP1: only the greedy pick of the last token's logits (the first index of the largest), into
