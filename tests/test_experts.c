@@ -348,6 +348,10 @@ static void test_flash_config(void) {
             qf_engine_close(e);
         }
     }
+    qf_engine *e = NULL;
+    qf_engine_opts big = {.n_threads = 1, .expert_cache = (size_t)1 << 50}; /* a PiB */
+    CHECK(qf_engine_open(&e, dir, &big) == QF_EINVAL && strstr(qf_last_error(), "of RAM"), "a cache larger than the RAM: %s", qf_last_error());
+    qf_engine_close(e);
     for (int i = 0; i < 5; i++) snprintf(dst, sizeof dst, "%s/%s", dir, files[i]), unlink(dst);
     snprintf(dst, sizeof dst, "%s/config_flash.json", dir), unlink(dst);
     rmdir(dir);

@@ -16,6 +16,9 @@ static int use_expert_cache(qf_engine *e, const char *dir, const qf_engine_opts 
     int rc = bytes || !dir ? QF_OK : qf_flash_config_load(dir, &bytes);
     if (rc != QF_OK || !bytes || !e->model->experts) return rc;
     if (e->on_gpu) return qf_fail(QF_EUNSUPPORTED, "an expert cache with --device cuda is not built yet: give the GPU every expert, or run on the CPU");
+    double ram = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+    if (ram > 0 && (double)bytes > ram)
+        return qf_fail(QF_EINVAL, "an expert cache of %.1f GiB is more than this machine's %.1f GiB of RAM", (double)bytes / 1073741824.0, ram / 1073741824.0);
     const qf_config *c = &e->model->cfg;
     qf_expert_store *s;
     rc = qf_es_stream_create(&s, e->model->experts, &e->model->st, c->n_layers, c->n_experts, c->n_experts_used, bytes);
