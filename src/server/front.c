@@ -17,20 +17,20 @@
  * cap on connections, the longest-idle connection giving way to a new one, 503 when none can;
  * accept errors (out of descriptors) pause the listener instead of spinning. A client's socket to
  * evhttp is opened only once it has sent a whole, valid request head, and closed with it. */
-#include <event2/buffer.h>
 #include <errno.h>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <unistd.h>
+#include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/listener.h>
+#include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include "base/timer.h"
 #include "server/srv_int.h"
@@ -50,15 +50,14 @@ typedef struct conn {
     /* requests */
     int rstate;
     uint64_t left, body_len;
-    struct evbuffer *held;  /* a chunked request's head, then its body */
-    char *head_text;
+    struct evbuffer *held;  /* a chunked request's body, decoded, until its last chunk */
+    char *head_text;        /* that request's head, held with it */
     size_t head_len;
     int n_in, half_closed, backend_gone, over_cap;
     unsigned char is_head[PIPE_MAX];
     /* responses */
     int wstate, n_out;
     uint64_t wleft;
-    struct evbuffer *whead;
     char wline[64];
     int wline_len;
     struct conn *prev, *next;
