@@ -133,19 +133,30 @@ static int add_eos(qf_config *c, json_t *v, const char *path) {
     return qf_fail(QF_EFORMAT, "%s: field \"eos_token_id\" must be a token id or a list of token ids", path);
 }
 
+/* An optional file of the model directory as a JSON object into *out (NULL when it is absent);
+ * present, it must parse. */
+static int load_optional(const char *path, json_t **out) {
+    *out = NULL;
+    if (access(path, F_OK) != 0) return QF_OK;
+    json_error_t jerr;
+    json_t *j = json_load_file(path, 0, &jerr);
+    if (!j) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", path, jerr.text, jerr.line);
+    if (!json_is_object(j)) {
+        json_decref(j);
+        return qf_fail(QF_EFORMAT, "%s: not a JSON object", path);
+    }
+    *out = j;
+    return QF_OK;
+}
+
 /* Optional; when present it must parse, and its sampling defaults must be ones a request could
  * set (the server's ranges), or every request that leaves them out would be refused. */
 static int read_generation_config(qf_config *c, const char *dir) {
     char path[4096];
     snprintf(path, sizeof path, "%s/generation_config.json", dir);
-    if (access(path, F_OK) != 0) return QF_OK;
-    json_error_t jerr;
-    json_t *g = json_load_file(path, 0, &jerr);
-    if (!g) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", path, jerr.text, jerr.line);
-    if (!json_is_object(g)) {
-        json_decref(g);
-        return qf_fail(QF_EFORMAT, "%s: not a JSON object", path);
-    }
+    json_t *g;
+    int rc = load_optional(path, &g);
+    if (rc != QF_OK || !g) return rc;
     json_t *eos = json_object_get(g, "eos_token_id");
     if (eos) c->n_eos = 0; /* generation_config governs stopping */
     reader r = {path, g, add_eos(c, eos, path)};
@@ -204,17 +215,16 @@ int qf_flash_config_load(const char *dir, size_t *bytes) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config_flash.json", dir);
     *bytes = 0;
-    if (access(path, F_OK) != 0) return QF_OK;
-    json_error_t jerr;
-    json_t *j = json_load_file(path, 0, &jerr);
-    if (!j) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", path, jerr.text, jerr.line);
-    json_t *v = json_object_get(j, "streaming_buffer_size");
-    int rc = QF_OK;
-    if (v && !json_is_null(v) && !(json_is_number(v) && json_number_value(v) > 0 && json_number_value(v) < 1e9))
-        rc = qf_fail(QF_EFORMAT, "%s: field \"streaming_buffer_size\" must be a size in MB above 0", path);
-    else if (v && !json_is_null(v)) *bytes = (size_t)(json_number_value(v) * 1048576.0);
+    json_t *j;
+    int rc = load_optional(path, &j);
+    if (rc != QF_OK || !j) return rc;
+    reader r = {path, j, QF_OK};
+    double mb = get_num(&r, j, "streaming_buffer_size", 0);
+    if (json_object_get(j, "streaming_buffer_size") && !json_is_null(json_object_get(j, "streaming_buffer_size")))
+        check_range(&r, "streaming_buffer_size", mb, 0, nextafter(1e9, 0), 1); /* below a petabyte */
+    if (r.rc == QF_OK) *bytes = (size_t)(mb * 1048576.0);
     json_decref(j);
-    return rc;
+    return r.rc;
 }
 
 int qf_config_parse(qf_config *c, const char *text, size_t len, const char *label) {
