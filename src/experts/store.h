@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "backend/ops.h"
+#include "base/err.h"
 #include "format/safetensors.h"
 
 typedef struct qf_expert_stats {
@@ -72,6 +73,16 @@ int qf_es_device_create(qf_expert_store **out, qf_expert_store *src, qf_backend 
 int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, const qf_st_set *file, int n_layers, int n_experts, int top_k, size_t budget);
 /* Slots a layer gets from budget (scratch slot excluded). */
 int qf_es_stream_slots(size_t budget, size_t per_expert, int n_layers);
+
+/* For the stores: QF_OK when the ids name one of n_layers x n_experts, else QF_EINVAL saying so. */
+static inline int qf_es_check_expert(int layer, int expert, int n_layers, int n_experts) {
+    if (layer < 0 || layer >= n_layers || expert < 0 || expert >= n_experts)
+        return qf_fail(QF_EINVAL, "expert %d of layer %d does not exist", expert, layer);
+    return QF_OK;
+}
+static inline int qf_es_check_layer(int layer, int n_layers) {
+    return layer >= 0 && layer < n_layers ? QF_OK : qf_fail(QF_EINVAL, "layer %d has no experts", layer);
+}
 
 static inline void qf_es_destroy(qf_expert_store *s) {
     if (s) s->ops->destroy(s);

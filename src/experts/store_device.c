@@ -28,8 +28,8 @@ static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
 static int device_acquire(qf_expert_store *s, int layer, int expert, qf_expert *out) {
     device_store *d = (device_store *)s;
-    if (layer < 0 || layer >= d->n_layers || expert < 0 || expert >= d->n_experts)
-        return qf_fail(QF_EINVAL, "expert %d of layer %d does not exist", expert, layer);
+    int rc = qf_es_check_expert(layer, expert, d->n_layers, d->n_experts);
+    if (rc != QF_OK) return rc;
     *out = d->layers[layer].views[expert];
     s->stats.acquires++;
     s->stats.hits++;
@@ -40,7 +40,8 @@ static void device_release(qf_expert_store *s, int layer, int expert) { (void)s,
 
 static int device_table(qf_expert_store *s, int layer, qf_expert_table *out) {
     device_store *d = (device_store *)s;
-    if (layer < 0 || layer >= d->n_layers) return qf_fail(QF_EINVAL, "layer %d has no experts", layer);
+    int rc = qf_es_check_layer(layer, d->n_layers);
+    if (rc != QF_OK) return rc;
     dev_layer *l = &d->layers[layer];
     *out = (qf_expert_table){l->views, l->tab, l->chosen, 1};
     return QF_OK;

@@ -12,8 +12,8 @@ typedef struct resident_store {
 
 static int resident_acquire(qf_expert_store *s, int layer, int expert, qf_expert *out) {
     resident_store *r = (resident_store *)s;
-    if (layer < 0 || layer >= r->n_layers || expert < 0 || expert >= r->n_experts)
-        return qf_fail(QF_EINVAL, "expert %d of layer %d does not exist", expert, layer);
+    int rc = qf_es_check_expert(layer, expert, r->n_layers, r->n_experts);
+    if (rc != QF_OK) return rc;
     *out = r->experts[(int64_t)layer * r->n_experts + expert];
     s->stats.acquires++;
     s->stats.hits++;
@@ -34,7 +34,8 @@ static void resident_destroy(qf_expert_store *s) {
 
 static int resident_table(qf_expert_store *s, int layer, qf_expert_table *out) {
     resident_store *r = (resident_store *)s;
-    if (layer < 0 || layer >= r->n_layers) return qf_fail(QF_EINVAL, "layer %d has no experts", layer);
+    int rc = qf_es_check_layer(layer, r->n_layers);
+    if (rc != QF_OK) return rc;
     *out = (qf_expert_table){&r->experts[(int64_t)layer * r->n_experts], NULL, NULL, r->version};
     return QF_OK;
 }

@@ -55,7 +55,8 @@ static int load(stream_store *s, int L, int e, int slot) {
 
 static int stream_acquire(qf_expert_store *st, int L, int e, qf_expert *out) {
     stream_store *s = (stream_store *)st;
-    if (L < 0 || L >= s->n_layers || e < 0 || e >= s->n_experts) return qf_fail(QF_EINVAL, "expert %d of layer %d does not exist", e, L);
+    int rc = qf_es_check_expert(L, e, s->n_layers, s->n_experts);
+    if (rc != QF_OK) return rc;
     stream_layer *l = &s->layers[L];
     st->stats.acquires++;
     int slot = qf_slot_cache_find(&l->cache, e);
@@ -65,7 +66,7 @@ static int stream_acquire(qf_expert_store *st, int L, int e, qf_expert *out) {
         int evicted;
         slot = qf_slot_cache_insert(&l->cache, e, &evicted, NULL);
         if (slot < 0) slot = s->slots; /* not admitted: the scratch slot, for this use only */
-        int rc = load(s, L, e, slot);
+        rc = load(s, L, e, slot);
         if (rc != QF_OK) {
             if (slot < s->slots) l->cache.slot_of[e] = -1, l->cache.expert_in[slot] = -1;
             return rc;
