@@ -487,9 +487,10 @@ __global__ void k_attn_combine(int splits, int hd, const float *part, float *out
 // How many key splits (and keys per split) for `rows` (query, head) pairs over up to max_keys keys.
 int attn_splits(int max_keys, int rows, int *chunk);
 
-// The device table of one MoE layer's expert pointers ([3][E]: gate, up, down) for callers that
-// pass none (the ops' tests): made on first use, made again when any pointer in it changed.
-const void **expert_table(ctx *c, const qf_expert *experts, int E);
+// The device table of one MoE layer's expert pointers ([3][E]: gate, up, down): the expert store's
+// (given), or for callers that pass none (the ops' tests) one made on first use, made again when
+// any pointer in it changed.
+const void **expert_table(ctx *c, const void *const *given, const qf_expert *experts, int E);
 // The MoE op's experts for many rows grouped by expert, on the tensor cores (moe_group_cuda.cu),
 // given the routing (topi, topw: K per row), with the caller's y (N * K rows of H floats: each
 // slot's down product) as scratch; 0: not taken (too few rows, not bf16, a shape it is not built

@@ -436,7 +436,7 @@ static int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
 
 void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     ctx *c = C(be);
-    const void **tab = a->table ? (const void **)a->table : expert_table(c, a->experts, a->n_experts);
+    const void **tab = expert_table(c, a->table, a->experts, a->n_experts);
     int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
     size_t head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
     char *s = (char *)scratch(c, &c->moe, &c->moe_cap, head + (size_t)n * K * I * sizeof(float));

@@ -670,7 +670,8 @@ __global__ void k_expert_sum(const float *ybuf, const float *topw, int K, int N,
 
 } // namespace
 
-const void **qfc::expert_table(ctx *c, const qf_expert *experts, int E) {
+const void **qfc::expert_table(ctx *c, const void *const *given, const qf_expert *experts, int E) {
+    if (given) return (const void **)given;
     expert_tab *t = NULL;
     for (int i = 0; i < c->n_tabs && !t; i++)
         if (c->tabs[i].host == experts) t = &c->tabs[i];
@@ -695,7 +696,7 @@ namespace {
 
 void cu_moe(qf_backend *be, const qf_moe_args *a) {
     ctx *c = C(be);
-    const void **tab = a->table ? (const void **)a->table : expert_table(c, a->experts, a->n_experts);
+    const void **tab = expert_table(c, a->table, a->experts, a->n_experts);
     int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
     size_t head = ((size_t)N * K * (sizeof(int) + sizeof(float)) + 15) & ~(size_t)15; // hbuf 16-byte aligned for dot8
     size_t need = head + (size_t)N * K * (size_t)(I + H) * sizeof(float);
