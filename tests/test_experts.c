@@ -122,8 +122,25 @@ static fake_store *wrap(qf_model *m, int moving) {
     return f;
 }
 
-/* A prompt, then STEPS greedy decode steps: every step's logits into out [STEPS + 1][V]. With a
- * moving store the experts move before every step. compose: the fused decode ops as plain-op
+/* A five-token prompt, then STEPS greedy steps: every step's logits into out [STEPS + 1][vocab].
+ * f (may be NULL): a moving store whose experts move before every step. The first failure's code. */
+static int greedy_steps(qf_model *m, qf_backend *be, fake_store *f, float *out) {
+    int V = m->cfg.vocab;
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    qf_state *st = qf_state_create(m, 64);
+    int32_t prompt[5] = {11, 400, 23, 7, 91};
+    int rc = ws && st ? qf_forward_seq(m, be, ws, st, prompt, 5, QF_LOGITS_LAST, out) : QF_ENOMEM;
+    for (int s = 1; rc == QF_OK && s <= STEPS; s++) {
+        if (f) move_all(f);
+        int32_t tok = qt_argmax(out + (size_t)(s - 1) * V, V);
+        rc = qf_forward_seq(m, be, ws, st, &tok, 1, QF_LOGITS_LAST, out + (size_t)s * V);
+    }
+    qf_state_free(st);
+    qf_workspace_free(ws);
+    return rc;
+}
+
+/* greedy_steps on MODEL, its experts moving (or not). compose: the fused decode ops as plain-op
  * chains (the path of a device backend, on the CPU). */
 static void run(int moving, int compose, float *out) {
     qf_model *m;
@@ -137,16 +154,7 @@ static void run(int moving, int compose, float *out) {
         CHECK(m->dec_ok, "the composed decode ops do not take " MODEL);
     }
     fake_store *f = moving ? wrap(m, 1) : NULL;
-    int V = m->cfg.vocab;
-    qf_workspace *ws = qf_workspace_create(m, 64);
-    qf_state *st = qf_state_create(m, 64);
-    int32_t prompt[5] = {11, 400, 23, 7, 91};
-    CHECK(qf_forward_seq(m, &be, ws, st, prompt, 5, QF_LOGITS_LAST, out) == QF_OK, "%s", qf_last_error());
-    for (int s = 1; s <= STEPS; s++) {
-        if (f) move_all(f);
-        int32_t tok = qt_argmax(out + (size_t)(s - 1) * V, V);
-        CHECK(qf_forward_seq(m, &be, ws, st, &tok, 1, QF_LOGITS_LAST, out + (size_t)s * V) == QF_OK, "%s", qf_last_error());
-    }
+    CHECK(greedy_steps(m, &be, f, out) == QF_OK, "%s", qf_last_error());
     if (f && compose) { /* the decode steps wrote the ids they chose: top_k distinct experts a layer */
         int bad = 0;
         for (int L = 0; L < m->cfg.n_layers; L++)
@@ -157,8 +165,6 @@ static void run(int moving, int compose, float *out) {
             }
         CHECK(bad == 0, "%d chosen expert ids missing, out of range or repeated", bad);
     }
-    qf_state_free(st);
-    qf_workspace_free(ws);
     qf_model_free(m);
     if (compose) qf_cpu_dec_compose_free(&be);
 }
@@ -274,18 +280,8 @@ static int run_cached(const char *dir, size_t budget, float *out, qf_expert_stat
     qf_expert_store *s;
     if (budget && (rc = qf_es_stream_create(&s, m->experts, &m->st, m->cfg.n_layers, m->cfg.n_experts, m->cfg.n_experts_used, budget)) == QF_OK) m->experts = s;
     qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
-    int V = m->cfg.vocab;
-    qf_workspace *ws = qf_workspace_create(m, 64);
-    qf_state *state = qf_state_create(m, 64);
-    int32_t prompt[5] = {11, 400, 23, 7, 91};
-    if (rc == QF_OK) rc = qf_forward_seq(m, &be, ws, state, prompt, 5, QF_LOGITS_LAST, out);
-    for (int i = 1; rc == QF_OK && i <= STEPS; i++) {
-        int32_t tok = qt_argmax(out + (size_t)(i - 1) * V, V);
-        rc = qf_forward_seq(m, &be, ws, state, &tok, 1, QF_LOGITS_LAST, out + (size_t)i * V);
-    }
+    if (rc == QF_OK) rc = greedy_steps(m, &be, NULL, out);
     if (st) *st = m->experts->stats;
-    qf_state_free(state);
-    qf_workspace_free(ws);
     qf_model_free(m);
     return rc;
 }
