@@ -1,5 +1,8 @@
 #include "cli.h"
 
+#include "experts/cache_policy.h"
+#include "runtime/flash.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,7 +88,9 @@ void cli_progress(void *ud, int done, int total) {
 
 const char *cli_device = "cpu";
 qf_cuda_opts cli_cuda;
-size_t cli_expert_cache;
+size_t cli_expert_cache, cli_gpu_mem;
+const char *cli_expert_policy;
+int cli_reserve_seqs, cli_reserve_tokens;
 
 /* "22G", "512M", "64K", or a plain number of GiB ("0.5"); 0 when it is none of these. */
 static size_t parse_size(const char *s) {
@@ -114,6 +119,14 @@ int cli_device_flag(cli_args *a, const char **device) {
     } else if (cli_is(a, NULL, "--expert-cache")) {
         const char *v = cli_value(a);
         if (v && !(cli_expert_cache = parse_size(v))) fprintf(stderr, "error: --expert-cache takes a size like 512M, 22G or 0.5 (GiB), not '%s'\n", v), a->bad = 1;
+    } else if (cli_is(a, NULL, "--gpu-mem")) {
+        const char *v = cli_value(a);
+        if (v && !(cli_gpu_mem = parse_size(v))) fprintf(stderr, "error: --gpu-mem takes a size like 22G, 12G or 0.5 (GiB), not '%s'\n", v), a->bad = 1;
+    } else if (cli_is(a, NULL, "--expert-policy")) {
+        const char *v = cli_value(a);
+        int p = v ? qf_policy_parse(v) : -1;
+        if (v && (p < 0 || p == QF_POLICY_MIN)) fprintf(stderr, "error: --expert-policy takes lru, dlfu or dlfu-admit, not '%s'\n", v), a->bad = 1;
+        else cli_expert_policy = v;
     } else if (cli_is(a, NULL, "--cuda-opt")) {
         const char *v = cli_value(a);
         if (v && strcmp(v, "help") == 0) {
@@ -131,13 +144,15 @@ int cli_device_flag(cli_args *a, const char **device) {
 void cli_print_expert_cache(const qf_engine *e) {
     const qf_expert_store *s = e->model->experts;
     const qf_config *c = &e->model->cfg;
-    if (s && s->stats.slots)
+    if (e->plan.active) qf_flash_print(stderr, &e->plan);
+    else if (s && s->stats.slots)
         fprintf(stderr, "expert cache: %d of %d experts a layer (%.1f%% resident) and a scratch slot, %.1f MiB of RAM; the rest read from the checkpoint as needed\n",
                 s->stats.slots, c->n_experts, 100.0 * s->stats.slots / c->n_experts, (double)s->stats.pool_bytes / 1048576.0);
 }
 
 int cli_open_engine(qf_engine **e, const char *dir, int threads) {
-    qf_engine_opts o = {.n_threads = threads, .progress = cli_progress, .device = cli_device, .cuda = &cli_cuda, .expert_cache = cli_expert_cache};
+    qf_engine_opts o = {.n_threads = threads, .progress = cli_progress, .device = cli_device, .cuda = &cli_cuda, .expert_cache = cli_expert_cache,
+                        .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy, .reserve_seqs = cli_reserve_seqs, .reserve_tokens = cli_reserve_tokens};
     int rc = qf_engine_open(e, dir, &o);
     if (rc != QF_OK) {
         fprintf(stderr, "\nerror: %s\n", qf_last_error());

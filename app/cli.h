@@ -32,6 +32,9 @@ void cli_progress(void *ud, int done, int total);
 extern const char *cli_device;
 extern qf_cuda_opts cli_cuda;
 extern size_t cli_expert_cache; /* --expert-cache (bytes; 0: none) */
+extern size_t cli_gpu_mem;      /* --gpu-mem (bytes; 0: none) */
+extern const char *cli_expert_policy; /* --expert-policy (NULL: the default) */
+extern int cli_reserve_seqs, cli_reserve_tokens; /* what the command allocates on the device after load (the budget plan) */
 void cli_print_expert_cache(const qf_engine *e);
 int cli_device_flag(cli_args *a, const char **device);
 /* The CUDA options' defaults and QFLASH_CUDA_OPTS (diagnosis); 2 when that is malformed. */

@@ -209,7 +209,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
     for (int s = 0; s < x->C; s++) x->next[s] = qf_argmax_f32(x->logits + (size_t)s * V, V);
     o->ttft_s = qf_now() - t0;
     o->ids = qf_fnv1a(QF_FNV_BASIS, x->next, (size_t)x->C * sizeof *x->next);
-    qf_expert_stats es0 = e->model->experts ? e->model->experts->stats : (qf_expert_stats){0};
+    qf_expert_stats es0 = e->model->experts ? qf_es_stats(e->model->experts) : (qf_expert_stats){0};
     double d0 = qf_now();
     for (int i = 0; i < x->G - 1; i++) {
         double s0 = qf_now();
@@ -221,7 +221,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
         o->ids = qf_fnv1a(o->ids, x->next, (size_t)x->C * sizeof *x->next);
     }
     o->decode_s = qf_now() - d0;
-    qf_expert_stats es1 = e->model->experts ? e->model->experts->stats : (qf_expert_stats){0};
+    qf_expert_stats es1 = e->model->experts ? qf_es_stats(e->model->experts) : (qf_expert_stats){0};
     o->experts = x->G > 1 ? (double)(es1.acquires - es0.acquires) / (x->G - 1) : 0;
     o->hits = (double)(es1.hits - es0.hits), o->misses = (double)(es1.misses - es0.misses), o->loaded = (double)(es1.bytes_loaded - es0.bytes_loaded);
     return QF_OK;
@@ -376,7 +376,8 @@ static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
     for (int i = 0; i < o->n_conc; i++) max_c = o->conc[i] > max_c ? o->conc[i] : max_c;
     qf_synth_opts so = {o->synthetic, o->config, o->layers, 0};
     qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > o->prefill_chunk ? max_c : o->prefill_chunk, .synth = o->model ? NULL : &so, .device = cli_device,
-                         .cuda = &cli_cuda, .expert_cache = cli_expert_cache};
+                         .cuda = &cli_cuda, .expert_cache = cli_expert_cache, .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy,
+                         .reserve_seqs = max_c, .reserve_tokens = max_c * (o->prompt_len + o->gen_len + 1)};
     double t0 = qf_now();
     int rc = qf_engine_open(e, o->model, &eo);
     *load_s = qf_now() - t0;

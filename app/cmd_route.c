@@ -56,7 +56,7 @@ static void next_uses(const trace *tr, int L, uint64_t *nxt, uint64_t *first) {
 /* Hit rate of one policy and slot count over every layer of the trace; with prefetch > 0 the first
  * prefetch guesses of each (layer, token) are loaded before its routings (*loads: how many, a
  * token and layer). */
-static double replay(const trace *tr, int policy, int slots, double half_life, int prefetch, double *loads) {
+static double replay(const trace *tr, int policy, int slots, int half_life, int prefetch, double *loads) {
     uint64_t hits = 0, total = 0, fetched = 0;
     uint64_t *nxt = malloc((size_t)tr->T * tr->K * sizeof *nxt), *next_use = malloc((size_t)tr->E * sizeof *next_use);
     for (int L = 0; nxt && next_use && L < tr->L; L++) {
@@ -69,10 +69,7 @@ static double replay(const trace *tr, int policy, int slots, double half_life, i
             const int32_t *guess = tr->guess ? tr->guess + ((size_t)L * tr->T + t) * tr->G : NULL;
             for (int g = 0; guess && g < prefetch && g < tr->G; g++)
                 if (guess[g] >= 0 && guess[g] < tr->E) fetched += (uint64_t)qf_slot_cache_prefetch(&c, guess[g], next_use);
-            for (int k = 0; k < tr->K; k++) {
-                int evicted;
-                if (qf_slot_cache_find(&c, row[k]) < 0) qf_slot_cache_insert(&c, row[k], &evicted, next_use);
-            }
+            qf_slot_cache_access(&c, row, tr->K, next_use, NULL, NULL); /* as the device expert cache does */
             qf_slot_cache_tick(&c);
         }
         hits += c.hits, total += c.hits + c.misses;
@@ -114,7 +111,7 @@ static int parse_list(const char *s, int *out, int cap) {
 int cmd_route_replay(int argc, char **argv) {
     const char *path = NULL;
     int slots[32], n_slots = 0;
-    double half_life = 64;
+    int half_life = 64;
     int prefetch = 0;
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
@@ -124,7 +121,7 @@ int cmd_route_replay(int argc, char **argv) {
         } else if (cli_is(&a, NULL, "--prefetch")) {
             prefetch = cli_int(&a, 1, 64);
         } else if (cli_is(&a, NULL, "--half-life")) {
-            half_life = cli_num(&a, 0.5, 1e9);
+            half_life = (int)cli_num(&a, 1, 1e9);
         } else if (argv[a.i][0] != '-' && !path) {
             path = argv[a.i];
         } else {
@@ -147,7 +144,7 @@ int cmd_route_replay(int argc, char **argv) {
         for (int i = 0; i < 6; i++)
             if (def[i] <= tr.E) slots[n_slots++] = def[i];
     }
-    printf("%s: %d layers, %d tokens, top-%d of %d experts; hit rate over all routings (per-layer caches; dlfu half-life %g tokens)\n",
+    printf("%s: %d layers, %d tokens, top-%d of %d experts; hit rate over all routings (per-layer caches; dlfu half-life %d tokens)\n",
            path, tr.L, tr.T, tr.K, tr.E, half_life);
     printf("%6s %9s", "slots", "residency");
     for (int p = 0; p < QF_N_POLICIES; p++) printf(" %11s", qf_policy_name(p));

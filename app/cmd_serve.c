@@ -83,6 +83,10 @@ int cmd_serve(int argc, char **argv) {
     o.sched.kv_mib = kv_mib;
     o.engine.cuda = &cli_cuda;
     o.engine.expert_cache = cli_expert_cache;
+    o.engine.gpu_mem = cli_gpu_mem, o.engine.expert_policy = cli_expert_policy;
+    o.engine.reserve_seqs = o.sched.max_batch;
+    o.engine.reserve_tokens = o.sched.kv_pages > 0 ? o.sched.kv_pages * o.sched.page_tokens : o.sched.ctx * o.sched.max_batch;
+    o.engine.reserve_kv_bytes = (size_t)(kv_mib * 1048576.0);
     if (o.verbose && o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0) qf_cuda_opts_print(stderr, &cli_cuda);
     int rc = qf_server_run(&o);
     if (rc != QF_OK) {

@@ -253,7 +253,7 @@ static void test_moe_shape(int N, int E, int K, int H, int I, int check, int ben
         ref_experts(host, ti, w, K, x + (size_t)r * H, I, H, gb, ub, hb, yb, want + (size_t)r * H);
     }
     float *drl = up_f(rl, (size_t)N * E), *dx = up_f(x, (size_t)N * H), *dout = gpu.ops->alloc(&gpu, (size_t)N * H * 4);
-    qf_moe_args a = {dev, E, K, N, H, I, drl, dx, dout, NULL, NULL, 0};
+    qf_moe_args a = {dev, E, K, N, H, I, drl, dx, dout, NULL, NULL, 0, NULL};
     gpu.ops->moe(&gpu, &a);
     char s[80];
     snprintf(s, sizeof s, "%d rows, %d experts top-%d, %d/%d", N, E, K, H, I);
@@ -533,7 +533,7 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench, in
     dsd.data = up(hsd, (size_t)H * S * 2);
     float *drl = up_f(rl, (size_t)n * rs), *dx = up_f(x, (size_t)n * H), *dnw = up_f(nw, H);
     int32_t *dchosen = gpu.ops->alloc(&gpu, (size_t)n * K * sizeof(int32_t)), *chosen = malloc((size_t)n * K * sizeof(int32_t));
-    qf_moe_dec a = {dev, E, K, n, H, I, S, dnw, 1e-6f, drl, rs, &dsd, dx, NULL, dchosen};
+    qf_moe_dec a = {dev, E, K, n, H, I, S, dnw, 1e-6f, drl, rs, &dsd, dx, NULL, dchosen, NULL};
     gpu.ops->dec->moe(&gpu, &a);
     char s[80];
     snprintf(s, sizeof s, "n=%d, %d experts top-%d, %d/%d, shared %d%s", n, E, K, H, I, S, ties ? ", tied logits" : "");

@@ -55,7 +55,7 @@ static int fake_table(qf_expert_store *s, int L, qf_expert_table *out) {
     if (!f->moving) return f->inner->ops->table(f->inner, L, out);
     size_t E = (size_t)f->n_experts;
     *out = (qf_expert_table){&f->views[f->cur][L * E], f->dev[f->cur] + (size_t)L * 3 * E, f->chosen + (size_t)L * QF_EXPERT_ID_ROWS * f->top_k,
-                             f->version};
+                             f->version, NULL};
     return QF_OK;
 }
 
@@ -67,7 +67,7 @@ static void fake_destroy(qf_expert_store *s) {
     free(f);
 }
 
-static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL};
+static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, NULL};
 
 /* Copy c of every expert filled from the inner store, its views and device tables made. */
 static void fill_copy(fake_store *f, int c) {
@@ -270,6 +270,102 @@ static void test_gpu_abandoned_steps(void) {
     free(ref), free(got);
 }
 
+/* After a one-row step: each layer's chosen ids (the device wrote them) fed to the reference policy,
+ * whose slot map must then be the device's. Returns the layers that differ. */
+static int policy_diff(qf_model *m, qf_backend *be, qf_slot_cache *ref) {
+    int E = m->cfg.n_experts, K = m->cfg.n_experts_used, bad = 0;
+    int32_t ids[64];
+    uint32_t *state = malloc(qf_xcache_state_bytes(E, E));
+    for (int L = 0; L < m->cfg.n_layers; L++) {
+        qf_expert_table t;
+        m->experts->ops->table(m->experts, L, &t);
+        qf_be_download(be, ids, t.chosen, (size_t)K * sizeof *ids);
+        qf_slot_cache_access(&ref[L], ids, K, NULL, NULL, NULL);
+        qf_slot_cache_tick(&ref[L]);
+        qf_be_download(be, state, t.cache->state, qf_xcache_state_bytes(E, t.cache->n_slots));
+        int differ = state[0] != ref[L].now || (int)state[1] != ref[L].used;
+        for (int e = 0; e < E; e++) differ |= (int)state[QF_XC_HEAD_WORDS + e] - 1 != ref[L].slot_of[e];
+        bad += differ;
+    }
+    free(state);
+    return bad;
+}
+
+/* On a GPU: the bundled model with its experts behind the device expert cache (slots a layer; 0:
+ * all resident on the device), a prompt (by_token: fed a token a step, the policy checked after
+ * each step) and GPU_STEPS greedy steps, the logits into out. 0 without a GPU. */
+static int gpu_cached(int slots, int policy, int by_token, float *out) {
+    qf_backend be;
+    if (!qf_backend_has_cuda() || qf_backend_open(&be, "cuda", NULL, NULL) != QF_OK) return 0;
+    qf_model *m;
+    int rc = qf_model_load(&m, qt_path(GPU_MODEL), NULL), L = 0, E = 0, K = 0, V = 0, bad = 0;
+    if (rc == QF_OK) rc = qf_model_to_device(m, &be, slots ? QF_TO_DEVICE_EXPERTS_HOME : 0);
+    qf_expert_store *s;
+    if (rc == QF_OK) L = m->cfg.n_layers, E = m->cfg.n_experts, K = m->cfg.n_experts_used, V = m->cfg.vocab;
+    if (rc == QF_OK && slots && (rc = qf_es_devcache_create(&s, m->experts, &be, L, E, K, slots, policy)) == QF_OK) m->experts = s, qf_model_dec_check(m);
+    CHECK(rc == QF_OK && m->dec_ok, "%d slots: %s", slots, qf_last_error());
+    qf_slot_cache *ref = calloc((size_t)L, sizeof *ref);
+    for (int l = 0; l < L; l++) qf_slot_cache_init(&ref[l], policy, E, slots ? slots : 1, 64);
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    qf_state *st = qf_state_create(m, 64);
+    int32_t prompt[5] = {11, 400, 23, 7, 91};
+    if (rc == QF_OK && !by_token) rc = qf_forward_seq(m, &be, ws, st, prompt, 5, QF_LOGITS_LAST, out);
+    for (int i = 0; rc == QF_OK && by_token && i < 5; i++) {
+        rc = qf_forward_seq(m, &be, ws, st, prompt + i, 1, QF_LOGITS_LAST, out);
+        if (slots) bad += policy_diff(m, &be, ref);
+    }
+    for (int t = 1; rc == QF_OK && t <= GPU_STEPS; t++) {
+        int32_t tok = qt_argmax(out + (size_t)(t - 1) * V, V);
+        rc = qf_forward_seq(m, &be, ws, st, &tok, 1, QF_LOGITS_LAST, out + (size_t)t * V);
+        if (slots && by_token) bad += policy_diff(m, &be, ref);
+    }
+    CHECK(rc == QF_OK, "%d slots: %s", slots, qf_last_error());
+    CHECK(bad == 0, "%d slots, %s: the device's slot map left the reference policy's %d times", slots, qf_policy_name(policy), bad);
+    if (slots && by_token) {
+        qf_expert_stats es = qf_es_stats(m->experts);
+        uint64_t hits = 0, misses = 0;
+        for (int l = 0; l < L; l++) hits += ref[l].hits, misses += ref[l].misses;
+        CHECK(es.hits == hits && es.misses == misses, "%d slots: device counted %llu hits, %llu misses; the reference %llu, %llu", slots,
+              (unsigned long long)es.hits, (unsigned long long)es.misses, (unsigned long long)hits, (unsigned long long)misses);
+    }
+    for (int l = 0; l < L; l++) qf_slot_cache_free(&ref[l]);
+    free(ref);
+    qf_state_free(st);
+    qf_workspace_free(ws);
+    qf_model_free(m);
+    qf_backend_close(&be);
+    return 1;
+}
+
+/* The device expert cache, from fewer slots than a token's experts (some read from host memory
+ * where they are) to every expert, gives the all-resident logits bit for bit, prompt and decode
+ * graphs alike; fed token by token, its slot map follows the reference policy step by step. */
+static void test_gpu_devcache(void) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(GPU_MODEL), NULL) != QF_OK) return;
+    size_t n = (size_t)(GPU_STEPS + 1) * m->cfg.vocab;
+    int E = m->cfg.n_experts, K = m->cfg.n_experts_used;
+    qf_model_free(m);
+    float *ref = calloc(n, sizeof(float)), *got = calloc(n, sizeof(float)), *ref_tok = calloc(n, sizeof(float));
+    if (!gpu_cached(0, QF_POLICY_LRU, 0, ref) || !gpu_cached(0, QF_POLICY_LRU, 1, ref_tok)) {
+        fprintf(stderr, "test_experts: no GPU, the device expert cache checks skipped\n");
+        free(ref), free(got), free(ref_tok);
+        return;
+    }
+    int slots[] = {1, K, 2 * K, E / 4, E};
+    int policies[] = {QF_POLICY_LRU, QF_POLICY_DLFU, QF_POLICY_DLFU_AD};
+    for (int i = 0; i < 5; i++)
+        for (int p = 0; p < 3; p++)
+            for (int by_token = 0; by_token < 2; by_token++) {
+                memset(got, 0, n * sizeof(float));
+                gpu_cached(slots[i], policies[p], by_token, got);
+                const float *want = by_token ? ref_tok : ref;
+                CHECK(memcmp(want, got, n * sizeof(float)) == 0, "GPU expert cache of %d slots (%s%s): logits differ by up to %g", slots[i],
+                      qf_policy_name(policies[p]), by_token ? ", by token" : "", qt_max_abs_diff(want, got, (int64_t)n));
+            }
+    free(ref), free(got), free(ref_tok);
+}
+
 /* The model at dir with its experts behind a RAM cache of budget bytes (0: resident): a prompt and
  * STEPS greedy steps, each step's logits into out; the cache's hits and misses into st. */
 static int run_cached(const char *dir, size_t budget, float *out, qf_expert_stats *st) {
@@ -385,6 +481,21 @@ static uint64_t replay_hits(int policy, const int *ids, int n, int k, int E, int
 
 /* The policies: LRU's hits on a hand-made trace, and on skewed random traces Belady's optimum is
  * never beaten and the decayed-frequency policies beat LRU (as on the recorded 256-expert trace). */
+/* A step's ids at once: the expert a later row needs is never the victim of an earlier miss (one at
+ * a time, LRU would evict 0 for 2 and then miss 0); repeats count once; fills name the slots. */
+static void test_cache_access(void) {
+    qf_slot_cache c;
+    CHECK(qf_slot_cache_init(&c, QF_POLICY_LRU, 8, 2, 64) == QF_OK, "%s", qf_last_error());
+    int32_t s1[] = {0, 1, 0}, s2[] = {2, 0, 2, 0}, fe[4], fs[4];
+    CHECK(qf_slot_cache_access(&c, s1, 3, NULL, fe, fs) == 2 && fe[0] == 0 && fs[0] == 0 && fe[1] == 1 && fs[1] == 1 && c.misses == 2 && c.hits == 0,
+          "step 1: the two misses fill slots 0 and 1");
+    qf_slot_cache_tick(&c);
+    CHECK(qf_slot_cache_access(&c, s2, 4, NULL, fe, fs) == 1 && fe[0] == 2 && fs[0] == 1 && c.hits == 1 && c.misses == 3 && c.slot_of[0] == 0 &&
+              c.slot_of[1] == -1,
+          "step 2: 0 hits, 2 takes 1's slot (hits %llu, misses %llu)", (unsigned long long)c.hits, (unsigned long long)c.misses);
+    qf_slot_cache_free(&c);
+}
+
 static void test_cache_policies(void) {
     /* one expert a token, 2 slots: LRU hits only at token 5 (2 pushes 0 out, 0 pushes 1, 3 pushes 2);
      * Belady keeps 0 and 1 and lets 2 and 3 pass (each is needed later than both): hits at 3, 5, 6 */
@@ -419,6 +530,7 @@ static void test_cache_policies(void) {
 
 int main(int argc, char **argv) {
     qt_init(argc, argv);
+    test_cache_access();
     test_cache_policies();
     test_expert_cache("tests/data/qwen35moe-tiny");
     test_expert_cache("models/qwen36moe-code-14m");
@@ -427,5 +539,6 @@ int main(int argc, char **argv) {
     test_moving_store(1);
     test_failing_store();
     test_gpu_abandoned_steps();
+    test_gpu_devcache();
     return qt_finish();
 }

@@ -11,6 +11,9 @@
 #   bash tools/gpu-check.sh slice8    batch 1 on 8 full-size layers, new and old twice each
 #   bash tools/gpu-check.sh whole     batch 1 on the whole synthetic Qwen3.6-35B-A3B, new and old twice each
 #   bash tools/gpu-check.sh streams   batch 1, 16 and 64 streams, and an 8K prompt (new only)
+#   bash tools/gpu-check.sh flash [ARGS]  the expert cache: test_experts, then bench with ARGS (e.g.
+#                                     --gpu-mem 22G) while nvidia-smi traces device memory every 100 ms
+#                                     into $OUT/mem-*.csv
 # Results land in $OUT.
 set -u
 OUT=${OUT:-/tmp/qflash-check}
@@ -37,6 +40,16 @@ slice8)
 whole)
     W="--prompt-len 128 --gen-len 64 --concurrency 1 --runs 2"
     new $W --json "$OUT/c1-new.json"; old $W; new $W; old $W
+    ;;
+flash)
+    shift
+    timeout 120 gpu/test_experts . 2>&1 | grep -E "FAIL|checks|skipped" | head -20
+    tag=$(echo "$*" | tr -c 'a-zA-Z0-9\n' '_' | cut -c1-60)
+    nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/mem-$tag.csv" &
+    smi=$!
+    echo "== flash | $*"
+    timeout 400 gpu/qflash $B "$@" 2>&1 | grep -vE "^loading|^\s*$" | tail -40
+    kill $smi
     ;;
 streams)
     new --prompt-len 128 --gen-len 64 --concurrency 1 --runs 2

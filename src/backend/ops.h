@@ -70,6 +70,31 @@ typedef struct qf_expert {
     qf_mat down;     /* [hidden][ffn] */
 } qf_expert;
 
+/* A layer's routed-expert cache in device memory (experts/store_devcache.c): n_slots slots in front
+ * of experts that stay in host memory the device reads directly. Before a MoE op reads the table,
+ * the device resolves the rows' chosen experts by the policy of experts/cache_policy.h
+ * (qf_slot_cache_access, LRU or decayed frequency with admission, the same integer state): hits
+ * stay; admitted misses are copied into the slots of their victims; a declined miss is read where
+ * it lives. tab entries always point at valid bytes (a slot or home), so every choice is exact.
+ * state: qf_xcache_state_bytes(E, S) bytes of backend memory, zeroed once. */
+typedef struct qf_xcache {
+    int n_experts, n_slots, policy, half_life;
+    size_t slot_bytes, off[3], bytes[3]; /* gate, up, down inside a slot */
+    const void *const *home;             /* [3][E] each expert's matrices in host memory, as the device reads them */
+    const void **tab;                    /* [3][E] what the MoE kernels read: a slot's or the home address */
+    char *slots;                         /* n_slots x slot_bytes */
+    void *state;
+    unsigned long long *counters;        /* [QF_XC_COUNTERS] backend memory, zeroed once */
+} qf_xcache;
+
+/* The state's layout, in 32-bit words: now, used, n_fill, pad, then slot1_of[E] (slot + 1, 0:
+ * none), expert1_in[S] (expert + 1), last[S], count[E], count_at[E], fill_e[S], fill_s[S]. The
+ * counters count distinct experts a step: hits, misses (admitted or declined), declined, bytes
+ * copied into slots. */
+enum { QF_XC_HITS, QF_XC_MISSES, QF_XC_DECLINED, QF_XC_BYTES, QF_XC_COUNTERS };
+#define QF_XC_HEAD_WORDS 4
+static inline size_t qf_xcache_state_bytes(int E, int S) { return ((size_t)QF_XC_HEAD_WORDS + 3 * (size_t)E + 4 * (size_t)S) * 4; }
+
 /* The routed experts of one MoE layer for N rows, routing included: softmax over the router
  * logits, top-k, renormalised weights, and out[r] = sum_k w_k * down_k(silu(gate_k x) * up_k x).
  * experts: the layer's E experts (a host array; the views point at the backend's memory).
@@ -86,6 +111,7 @@ typedef struct qf_moe_args {
     const void *const *table;
     int32_t *chosen;
     int chosen_rows;
+    const qf_xcache *cache; /* NULL: every expert stays where table points */
 } qf_moe_args;
 
 typedef struct qf_backend qf_backend;
@@ -156,6 +182,7 @@ typedef struct qf_moe_dec {
     float *x;
     const void *const *table; /* as qf_moe_args' (may be NULL) */
     int32_t *chosen;          /* as qf_moe_args' ([n][top_k]; may be NULL) */
+    const qf_xcache *cache;   /* as qf_moe_args' */
 } qf_moe_dec;
 
 typedef struct qf_dec_ops {
@@ -229,6 +256,14 @@ typedef struct qf_ops {
     int (*step_end)(qf_backend *be, int abandon);
     /* Optional: waits for every queued op; returns the first failure since the last step ended. */
     int (*sync)(qf_backend *be);
+    /* Optional: host memory the device may read directly (pinned, mapped at the same address);
+     * pin_alloc is zero-filled, NULL when out of memory. */
+    int (*pin)(qf_backend *be, void *p, size_t bytes);
+    void (*unpin)(qf_backend *be, void *p);
+    void *(*pin_alloc)(qf_backend *be, size_t bytes);
+    void (*pin_free)(qf_backend *be, void *p);
+    /* Optional: the device's free and total memory, bytes. */
+    void (*mem_info)(qf_backend *be, size_t *free_bytes, size_t *total_bytes);
 } qf_ops;
 
 struct qf_backend {

@@ -35,6 +35,7 @@ typedef struct qf_expert_table {
     const void *const *dev;   /* [3][E] gate, up, down pointers in backend memory; NULL: none kept */
     int32_t *chosen;          /* [QF_EXPERT_ID_ROWS][top_k] in backend memory; NULL: none kept */
     uint64_t version;         /* changes whenever experts or dev change */
+    const qf_xcache *cache;   /* a device expert cache the backend resolves before reading dev; NULL: none */
 } qf_expert_table;
 
 typedef struct qf_expert_store qf_expert_store;
@@ -48,6 +49,9 @@ typedef struct qf_expert_store_ops {
     int (*table)(qf_expert_store *s, int layer, qf_expert_table *out);
     /* Optional: a forward step begins (ages the cache's counts). */
     void (*step)(qf_expert_store *s);
+    /* Optional: brings stats up to date where a device counts (qf_es_stats calls it; never while
+     * a step is being recorded). */
+    void (*refresh)(qf_expert_store *s);
 } qf_expert_store_ops;
 
 struct qf_expert_store {
@@ -73,6 +77,20 @@ int qf_es_device_create(qf_expert_store **out, qf_expert_store *src, qf_backend 
 int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, const qf_st_set *file, int n_layers, int n_experts, int top_k, size_t budget);
 /* Slots a layer gets from budget (scratch slot excluded). */
 int qf_es_stream_slots(size_t budget, size_t per_expert, int n_layers);
+
+/* The routed experts in host memory the device reads, with `slots` slots a layer in be's memory in
+ * front of them (ops.h qf_xcache; store_devcache.c), resolved by the device with policy (lru, dlfu
+ * or dlfu-admit of cache_policy.h). The home bytes are pinned where src's views point, or copied
+ * once into pinned memory when they cannot be. Takes src on success. */
+int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backend *be, int n_layers, int n_experts, int top_k, int slots, int policy);
+/* Bytes of one expert's slot: its three matrices, each 256-byte aligned. */
+size_t qf_es_slot_bytes(const qf_expert *x);
+
+/* The store's counters, brought up to date first where a device keeps them. */
+static inline qf_expert_stats qf_es_stats(qf_expert_store *s) {
+    if (s->ops->refresh) s->ops->refresh(s);
+    return s->stats;
+}
 
 /* For the stores: QF_OK when the ids name one of n_layers x n_experts, else QF_EINVAL saying so. */
 static inline int qf_es_check_expert(int layer, int expert, int n_layers, int n_experts) {

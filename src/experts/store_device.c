@@ -43,7 +43,7 @@ static int device_table(qf_expert_store *s, int layer, qf_expert_table *out) {
     int rc = qf_es_check_layer(layer, d->n_layers);
     if (rc != QF_OK) return rc;
     dev_layer *l = &d->layers[layer];
-    *out = (qf_expert_table){l->views, l->tab, l->chosen, 1};
+    *out = (qf_expert_table){l->views, l->tab, l->chosen, 1, NULL};
     return QF_OK;
 }
 

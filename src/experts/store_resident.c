@@ -36,7 +36,7 @@ static int resident_table(qf_expert_store *s, int layer, qf_expert_table *out) {
     resident_store *r = (resident_store *)s;
     int rc = qf_es_check_layer(layer, r->n_layers);
     if (rc != QF_OK) return rc;
-    *out = (qf_expert_table){&r->experts[(int64_t)layer * r->n_experts], NULL, NULL, r->version};
+    *out = (qf_expert_table){&r->experts[(int64_t)layer * r->n_experts], NULL, NULL, r->version, NULL};
     return QF_OK;
 }
 

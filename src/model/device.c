@@ -153,7 +153,8 @@ static int dec_fits(const qf_model *m) {
     return 1;
 }
 
-int qf_model_to_device(qf_model *m, qf_backend *be, int drop_host) {
+int qf_model_to_device(qf_model *m, qf_backend *be, int flags) {
+    int drop_host = flags & QF_TO_DEVICE_DROP_HOST, experts_home = flags & QF_TO_DEVICE_EXPERTS_HOME;
     /* host memory already is the backend's, unless its fused decode ops want the fused matrices */
     if (!be->ops->alloc && !be->ops->dec) return QF_OK;
     mover mv = {m, be, malloc((size_t)(m->st.n_tensors + 1) * sizeof(void *)), calloc((size_t)m->st.n_tensors + 1, sizeof(void *)),
@@ -169,14 +170,19 @@ int qf_model_to_device(qf_model *m, qf_backend *be, int drop_host) {
     move_vec(&mv, &m->final_norm, (size_t)m->cfg.hidden);
     move_vec(&mv, &m->inv_freq, (size_t)(m->cfg.rot_dim / 2));
     for (int L = 0; L < m->cfg.n_layers && mv.rc == QF_OK; L++) move_layer(&mv, L);
-    if (mv.rc == QF_OK) mv.rc = move_experts(m, be);
+    if (mv.rc == QF_OK && !experts_home) mv.rc = move_experts(m, be);
     if (mv.rc == QF_OK) mv.rc = qf_be_sync(be); /* a copy that failed on the device fails the load */
-    for (int i = 0; drop_host && mv.rc == QF_OK && i < m->st.n_tensors; i++) {
+    for (int i = 0; drop_host && !experts_home && mv.rc == QF_OK && i < m->st.n_tensors; i++) {
         qf_st_tensor *t = &m->st.tensors[i];
         if (t->owned) free(t->owned), t->owned = NULL, t->data = NULL;
     }
     free(mv.by_addr);
     free(mv.dev);
-    m->dec_ok = mv.rc == QF_OK && dec_fits(m);
+    m->dec_ok = mv.rc == QF_OK && !experts_home && dec_fits(m);
     return mv.rc;
+}
+
+int qf_model_dec_check(qf_model *m) {
+    m->dec_ok = m->dev && dec_fits(m);
+    return m->dec_ok;
 }

@@ -160,7 +160,7 @@ static int moe(fwd *f, int L, const float *xn, float *out) {
         qf_expert_table t;
         int rc = m->experts->ops->table(m->experts, L, &t);
         if (rc != QF_OK) return rc;
-        qf_moe_args a = {t.experts, c->n_experts, c->n_experts_used, N, H, c->expert_ffn, WS(ws, rl), xn, out, t.dev, t.chosen, QF_EXPERT_ID_ROWS};
+        qf_moe_args a = {t.experts, c->n_experts, c->n_experts_used, N, H, c->expert_ffn, WS(ws, rl), xn, out, t.dev, t.chosen, QF_EXPERT_ID_ROWS, t.cache};
         OPS->moe(be, &a);
         return shared_expert(f, w, xn, fused, out);
     }
@@ -235,7 +235,7 @@ static int dec_layer(fwd *f, int L) {
     int rc = m->experts->ops->table(m->experts, L, &t);
     if (rc != QF_OK) return rc;
     qf_moe_dec mo = {t.experts, c->n_experts, c->n_experts_used, f->N, c->hidden, c->expert_ffn, c->shared_ffn, w->ffn_norm, c->norm_eps, rl,
-                     (int)w->ffn_in.rows, &w->sh_down, WS(f->ws, x), t.dev, t.chosen};
+                     (int)w->ffn_in.rows, &w->sh_down, WS(f->ws, x), t.dev, t.chosen, t.cache};
     if (w->kind == QF_LAYER_FULL) dec_full_attn(f, L, &an);
     else dec_linear_attn(f, L, &an);
     OPS->dec->matmul(be, &w->ffn_in, WS(f->ws, x), f->N, &fn, NULL, 0, rl);

@@ -73,9 +73,13 @@ int qf_model_load(qf_model **out, const char *dir, const qf_load_opts *opts);
 void qf_model_free(qf_model *m);
 
 /* Copies every weight to the backend's memory (straight from the mapped checkpoint) and points
- * the model at it; states and workspaces made afterwards live there too. drop_host frees
- * generated (synthetic) weights once copied. */
-int qf_model_to_device(qf_model *m, qf_backend *be, int drop_host);
+ * the model at it; states and workspaces made afterwards live there too. DROP_HOST frees
+ * generated (synthetic) weights once copied; EXPERTS_HOME leaves the routed experts where they
+ * are (and every host copy), for an expert cache to take them: qf_model_dec_check after that. */
+enum { QF_TO_DEVICE_DROP_HOST = 1, QF_TO_DEVICE_EXPERTS_HOME = 2 };
+int qf_model_to_device(qf_model *m, qf_backend *be, int flags);
+/* Whether the device's fused decode ops fit the model with its expert store as it is now. */
+int qf_model_dec_check(qf_model *m);
 
 /* A model with a real checkpoint's shapes and generated weights (see synthetic.c). */
 typedef struct qf_synth_opts {

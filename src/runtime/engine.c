@@ -8,31 +8,20 @@
 #include "base/timer.h"
 #include "backend/backend.h"
 #include "base/utf8.h"
-
-/* With an expert cache (the flag, else config_flash.json's streaming_buffer_size) the routed experts
- * are read from the checkpoint into a fixed RAM pool as they are needed. */
-static int use_expert_cache(qf_engine *e, const char *dir, const qf_engine_opts *opts) {
-    size_t bytes = opts->expert_cache;
-    int rc = bytes || !dir ? QF_OK : qf_flash_config_load(dir, &bytes);
-    if (rc != QF_OK || !bytes || !e->model->experts) return rc;
-    if (e->on_gpu) return qf_fail(QF_EUNSUPPORTED, "an expert cache with --device cuda is not built yet: give the GPU every expert, or run on the CPU");
-    double ram = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
-    if (ram > 0 && (double)bytes > ram)
-        return qf_fail(QF_EINVAL, "an expert cache of %.1f GiB is more than this machine's %.1f GiB of RAM", (double)bytes / 1073741824.0, ram / 1073741824.0);
-    const qf_config *c = &e->model->cfg;
-    qf_expert_store *s;
-    rc = qf_es_stream_create(&s, e->model->experts, &e->model->st, c->n_layers, c->n_experts, c->n_experts_used, bytes);
-    if (rc == QF_OK) e->model->experts = s;
-    return rc;
-}
+#include "runtime/flash.h"
 
 /* The backend named by opts->device; on a device the weights are copied there (generated ones
- * dropped from host memory once there). */
-static int use_device(qf_engine *e, const qf_engine_opts *opts) {
+ * dropped from host memory once there), except the routed experts when they are to stream. */
+static int use_device(qf_engine *e, const qf_engine_opts *opts, int stream, size_t *free_start, size_t *free_trunk) {
     int rc = qf_backend_open(&e->be, opts->device, e->pool, opts->cuda);
     if (rc != QF_OK) return rc;
     e->on_gpu = qf_backend_is_device(&e->be);
-    return e->on_gpu ? qf_model_to_device(e->model, &e->be, opts->synth != NULL) : QF_OK;
+    if (!e->on_gpu) return QF_OK;
+    size_t total;
+    if (stream && e->be.ops->mem_info) e->be.ops->mem_info(&e->be, free_start, &total);
+    rc = qf_model_to_device(e->model, &e->be, stream ? QF_TO_DEVICE_EXPERTS_HOME : opts->synth ? QF_TO_DEVICE_DROP_HOST : 0);
+    if (stream && e->be.ops->mem_info) e->be.ops->mem_info(&e->be, free_trunk, &total);
+    return rc;
 }
 
 int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts) {
@@ -47,10 +36,14 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
     if (rc == QF_OK && dir && access(tj, R_OK) == 0) rc = qf_tok_load(&e->tok, dir);
     if (rc == QF_OK && e->tok && qf_tok_vocab_size(e->tok) > e->model->cfg.vocab)
         rc = qf_fail(QF_EFORMAT, "%s: the tokenizer has %d tokens, more than the model's vocab_size %d", tj, qf_tok_vocab_size(e->tok), e->model->cfg.vocab);
+    size_t cache = 0, free_start = 0, free_trunk = 0;
+    if (rc == QF_OK) rc = qf_flash_wanted(dir, opts, &cache);
+    int stream = rc == QF_OK && (cache || opts->gpu_mem) && e->model->experts;
     if (rc == QF_OK) {
         e->pool = qf_pool_create(opts->n_threads > 0 ? opts->n_threads : qf_cpu_count());
-        rc = use_device(e, opts);
-        if (rc == QF_OK) rc = use_expert_cache(e, dir, opts);
+        rc = use_device(e, opts, stream, &free_start, &free_trunk);
+        if (rc == QF_OK && !e->on_gpu && opts->gpu_mem) rc = qf_fail(QF_EINVAL, "--gpu-mem is a device budget: it needs --device cuda");
+        if (rc == QF_OK && !e->on_gpu) rc = qf_flash_cpu(e, cache);
     }
     if (rc == QF_OK) {
         e->ws = qf_workspace_create(e->model, opts->max_batch > 0 ? opts->max_batch : 512);
@@ -59,6 +52,7 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         e->text = malloc(e->text_cap);
         if (!e->pool || !e->ws || !e->logits || !e->text) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
     }
+    if (rc == QF_OK && e->on_gpu && stream) rc = qf_flash_gpu(e, opts, cache, free_start, free_trunk);
     if (rc != QF_OK) {
         qf_engine_close(e); /* cleanup never touches the error message */
         return rc;

@@ -19,9 +19,23 @@ typedef struct qf_engine_opts {
     const char *device;         /* "cpu" (default) or "cuda" / "cuda:N" */
     const qf_cuda_opts *cuda;   /* the CUDA backend's options (NULL: defaults) */
     size_t expert_cache;        /* bytes of the routed experts' cache; 0: config_flash.json's, else all resident */
+    size_t gpu_mem;             /* the device budget (--gpu-mem): the expert cache gets what the rest leaves */
+    const char *expert_policy;  /* lru, dlfu or dlfu-admit (NULL: dlfu-admit) */
+    int reserve_seqs, reserve_tokens; /* what the caller allocates on the device after load: states, KV tokens */
+    size_t reserve_kv_bytes;          /* or the KV pool's bytes, when the caller sizes it so */
     void (*progress)(void *ud, int done, int total);
     void *progress_ud;
 } qf_engine_opts;
+
+/* Where the device memory goes when the routed experts stream (runtime/flash.c), bytes. */
+typedef struct qf_flash_plan {
+    int active;                                 /* an expert cache on the device */
+    size_t budget, device_total, context, trunk, workspace, reserve, scratch, buffer;
+    size_t host_experts;                        /* host memory the experts take (pinned) */
+    size_t slot_bytes;
+    int slots, n_experts, n_layers, policy;
+    size_t used_after_warmup;                   /* the device's memory in use once warmed up */
+} qf_flash_plan;
 
 typedef struct qf_engine {
     qf_model *model;
@@ -34,6 +48,7 @@ typedef struct qf_engine {
     char *text;        /* one token's text: 3 x longest piece + 8 (every byte may become U+FFFD) */
     size_t text_cap;
     double load_seconds;
+    qf_flash_plan plan;
 } qf_engine;
 
 int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts);

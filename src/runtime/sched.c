@@ -502,8 +502,9 @@ static void publish_stats(qf_sched *s) {
     s->stats.running = running;
     s->stats.kv_pages_total = qf_kv_pool_pages(s->kv);
     s->stats.kv_pages_used = s->stats.kv_pages_total - qf_kv_pool_free_pages(s->kv);
-    const qf_expert_store *es = s->e->model->experts; /* counted on this thread, published under the lock */
-    if (es) s->stats.expert_hits = es->stats.hits, s->stats.expert_misses = es->stats.misses, s->stats.expert_bytes_loaded = es->stats.bytes_loaded;
+    qf_expert_store *es = s->e->model->experts; /* counted on this thread, published under the lock */
+    qf_expert_stats st = es ? qf_es_stats(es) : (qf_expert_stats){0};
+    s->stats.expert_hits = st.hits, s->stats.expert_misses = st.misses, s->stats.expert_bytes_loaded = st.bytes_loaded;
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -511,8 +512,8 @@ static void publish_stats(qf_sched *s) {
 static int run_step(qf_sched *s) {
     int n_decode, rows, n = plan_step(s, &n_decode, &rows);
     if (n == 0) return 0;
-    const qf_expert_store *es = s->e->model->experts;
-    qf_expert_stats es0 = es ? es->stats : (qf_expert_stats){0};
+    qf_expert_store *es = s->e->model->experts;
+    qf_expert_stats es0 = es && s->o.verbose ? qf_es_stats(es) : (qf_expert_stats){0};
     for (int j = 0; j < n; j++) s->slots[s->step_slot[j]].pages_before = s->steps[j].st->n_pages;
     int rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->steps, n);
     pthread_mutex_lock(&s->mu);
@@ -521,10 +522,12 @@ static int run_step(qf_sched *s) {
     pthread_mutex_unlock(&s->mu);
     LOG(s, "step %llu: %d decode + %d prefill sequences, %d rows, KV pages %d/%d in use\n", (unsigned long long)step_no, n_decode,
         n - n_decode, rows, qf_kv_pool_pages(s->kv) - qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
-    if (es && es->stats.slots) {
-        uint64_t hits = es->stats.hits - es0.hits, misses = es->stats.misses - es0.misses;
-        LOG(s, "step %llu: expert cache %llu loaded (%.2f MB), %llu hits (%.0f%%)\n", (unsigned long long)step_no, (unsigned long long)misses,
-            (double)(es->stats.bytes_loaded - es0.bytes_loaded) / 1e6, (unsigned long long)hits, hits + misses ? 100.0 * (double)hits / (double)(hits + misses) : 0.0);
+    if (es && es->stats.slots && s->o.verbose) {
+        qf_expert_stats es1 = qf_es_stats(es);
+        uint64_t hits = es1.hits - es0.hits, misses = es1.misses - es0.misses;
+        LOG(s, "[FLASH-SCHEDULER] step %llu: %llu experts missed, %.2f MB loaded, %llu hits (%.0f%%)\n", (unsigned long long)step_no,
+            (unsigned long long)misses, (double)(es1.bytes_loaded - es0.bytes_loaded) / 1e6, (unsigned long long)hits,
+            hits + misses ? 100.0 * (double)hits / (double)(hits + misses) : 0.0);
     }
     const char *err = rc == QF_OK ? NULL : qf_last_error();
     for (int j = 0; j < n; j++) {

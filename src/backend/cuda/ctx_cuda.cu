@@ -126,6 +126,50 @@ int cu_sync(qf_backend *be) {
     return take_error(c);
 }
 
+// Host memory the kernels read in place (the expert cache's home): pinned and mapped; with unified
+// addressing the device sees it at the host address, which the tables hold.
+int cu_pin(qf_backend *be, void *p, size_t bytes) {
+    (void)be;
+    cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+    if (e != cudaSuccess) { // a read-only file mapping takes only a read-only registration
+        cudaGetLastError();
+        e = cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+    }
+    void *d = NULL;
+    if (e == cudaSuccess && (cudaHostGetDevicePointer(&d, p, 0) != cudaSuccess || d != p)) {
+        cudaHostUnregister(p);
+        return qf_fail(QF_EDEVICE, "pinned host memory is not at the same address on the device (no unified addressing)");
+    }
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return qf_fail(QF_EDEVICE, "cannot pin %.1f MiB of host memory for the device: %s", (double)bytes / 1048576.0, cudaGetErrorString(e));
+    }
+    return QF_OK;
+}
+
+void cu_unpin(qf_backend *be, void *p) {
+    (void)be;
+    cudaHostUnregister(p);
+}
+
+void *cu_pin_alloc(qf_backend *be, size_t bytes) {
+    (void)be;
+    void *p = NULL;
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) return cudaGetLastError(), (void *)NULL;
+    return p;
+}
+
+void cu_pin_free(qf_backend *be, void *p) {
+    (void)be;
+    if (p) cudaFreeHost(p);
+}
+
+void cu_mem_info(qf_backend *be, size_t *free_bytes, size_t *total_bytes) {
+    (void)be;
+    *free_bytes = *total_bytes = 0;
+    cudaMemGetInfo(free_bytes, total_bytes);
+}
+
 void cu_zero(qf_backend *be, void *p, size_t n) {
     ctx *c = C(be);
     cudaMemsetAsync(p, 0, n, 0);

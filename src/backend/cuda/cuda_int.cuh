@@ -506,6 +506,10 @@ int attn_tiled(ctx *c, const qf_attn_args *a, float *part, int part_splits);
 // 0: not taken (fewer tokens than c->gdn_chunk_min, a shape it is not built for, switched off).
 int gdn_chunked(ctx *c, const qf_gdn_args *a);
 
+// The expert cache resolved for a MoE op's rows and its admitted misses filled (xcache_cuda.cu):
+// ids (n) when the caller routed already, else `rows` rows of router logits at rl.
+void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K);
+
 // The ops table (ops_cuda.cu) and its memory and step functions (ctx_cuda.cu).
 extern const qf_ops k_cuda_ops;
 void *cu_alloc(qf_backend *be, size_t bytes);
@@ -516,6 +520,11 @@ void cu_zero(qf_backend *be, void *p, size_t n);
 void cu_step_begin(qf_backend *be, uint64_t key, int rows);
 int cu_step_end(qf_backend *be, int abandon);
 int cu_sync(qf_backend *be);
+int cu_pin(qf_backend *be, void *p, size_t bytes);
+void cu_unpin(qf_backend *be, void *p);
+void *cu_pin_alloc(qf_backend *be, size_t bytes);
+void cu_pin_free(qf_backend *be, void *p);
+void cu_mem_info(qf_backend *be, size_t *free_bytes, size_t *total_bytes);
 
 // Argmax partials and per-row counts (dec_gemv_cuda.cu), zeroed once.
 size_t argmax_scratch_bytes(void);

@@ -430,7 +430,8 @@ static int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
     if (!k) return 0;
     size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float) + (tb ? (size_t)3 * a->n_experts * sizeof(void *) : 0);
     int grid = resident(c, (const void *)k, 256, smem) * (c->sms > 0 ? c->sms : 1);
-    launch(c, "k_moe_one", 1, k, dim3((unsigned)grid), dim3(256), (unsigned)smem, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, c->moe_cnt);
+    // after an expert cache's fill, a plain launch: the kernel reads the table before its wait
+    launch(c, "k_moe_one", a->cache ? 0 : 1, k, dim3((unsigned)grid), dim3(256), (unsigned)smem, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, c->moe_cnt);
     return 1;
 }
 
@@ -445,6 +446,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
         return dev_fail(c, "fused moe: top-k %d > %d, %d experts > %d, or weights not bf16 in rows of 8", K, MOE_MAX_K, E, MOE_MAX_E);
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
+    if (a->cache) xcache_resolve(c, a->cache, NULL, 0, a->rl, a->rl_stride, n, K);
     if (n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf)) return;
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
@@ -461,9 +463,10 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     int gy = gu_res / (K * n), dx = dn_res / n;
     gy = gy < 1 ? 1 : gy > (I + 7) / 8 ? (I + 7) / 8 : gy;
     dx = dx < 1 ? 1 : dx > (H + 7) / 8 ? (H + 7) / 8 : dx;
-    launch(c, "k_moe_gu", 1, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, c->early);
+    int pdl = a->cache ? 0 : 1, early = a->cache ? 0 : c->early; // an expert cache's table is read only after its fill
+    launch(c, "k_moe_gu", pdl, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, early);
     launch(c, "k_moe_down", 1, dn, dim3(dx, n), dim3(256), (unsigned)sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, (const float *)hbuf,
-           (const int *)topi, (const float *)topw, c->early);
+           (const int *)topi, (const float *)topw, early);
 }
 
 } // namespace qfc

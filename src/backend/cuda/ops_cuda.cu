@@ -707,6 +707,7 @@ void cu_moe(qf_backend *be, const qf_moe_args *a) {
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)N * K * sizeof(int)), *hbuf = (float *)(s + head), *ybuf = hbuf + (size_t)N * K * I;
     LAUNCH(c, k_route, N, 256, a->router_logits, E, K, topi, topw);
+    if (a->cache) xcache_resolve(c, a->cache, topi, N * K, NULL, 0, 0, K);
     if (a->chosen) g_copy(c, a->chosen, topi, (size_t)(N < a->chosen_rows ? N : a->chosen_rows) * K * sizeof(int), cudaMemcpyDeviceToDevice);
     if (moe_grouped(c, a, tab, topi, topw, ybuf)) return;
     int dtype = a->experts[0].gate.dtype;
@@ -744,5 +745,10 @@ const qf_ops qfc::k_cuda_ops = {
     cu_step_begin,
     cu_step_end,
     cu_sync,
+    cu_pin,
+    cu_unpin,
+    cu_pin_alloc,
+    cu_pin_free,
+    cu_mem_info,
 };
 

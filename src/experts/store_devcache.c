@@ -1,0 +1,222 @@
+/* The routed experts stay in host memory the device reads directly (pinned where they already are,
+ * or copied once into pinned buffers when that memory cannot be pinned), and each layer has a fixed
+ * pool of slots in the backend's memory in front of them (ops.h qf_xcache): the device resolves
+ * every step's experts itself, so a hit costs no host round trip and decode steps stay one graph.
+ * Everything is allocated at creation; nothing is allocated as it runs. */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/dtype.h"
+#include "base/err.h"
+#include "experts/cache_policy.h"
+#include "experts/store.h"
+
+typedef struct dc_layer {
+    qf_xcache x;
+    qf_expert *views;   /* [E] home views (host memory) */
+    const void **home;  /* [3][E] backend memory */
+    const void **tab;   /* [3][E] backend memory, rewritten by the device */
+    int32_t *chosen;    /* [QF_EXPERT_ID_ROWS][top_k] backend memory */
+} dc_layer;
+
+typedef struct span {
+    char *p;
+    size_t n;
+} span;
+
+typedef struct devcache_store {
+    qf_expert_store base;
+    qf_expert_store *src; /* owns the home bytes' mapping or buffers */
+    qf_backend *be;
+    int n_layers, n_experts, top_k;
+    dc_layer *layers;
+    unsigned long long *counters; /* [n_layers][QF_XC_COUNTERS] backend memory */
+    unsigned long long *ctr_host;
+    span *pinned;                 /* host ranges registered with the device */
+    int n_pinned;
+    void *copy;                   /* pinned copy of every expert, when the home could not be pinned */
+} devcache_store;
+
+static size_t mat_bytes(const qf_mat *w) { return (size_t)(w->rows * w->cols) * qf_dtype_size(w->dtype); }
+static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+size_t qf_es_slot_bytes(const qf_expert *x) { return align256(mat_bytes(&x->gate)) + align256(mat_bytes(&x->up)) + align256(mat_bytes(&x->down)); }
+
+static int dc_acquire(qf_expert_store *s, int L, int e, qf_expert *out) {
+    devcache_store *d = (devcache_store *)s;
+    int rc = qf_es_check_expert(L, e, d->n_layers, d->n_experts);
+    if (rc == QF_OK) *out = d->layers[L].views[e];
+    return rc;
+}
+
+static void dc_release(qf_expert_store *s, int L, int e) { (void)s, (void)L, (void)e; }
+
+static int dc_table(qf_expert_store *s, int L, qf_expert_table *out) {
+    devcache_store *d = (devcache_store *)s;
+    int rc = qf_es_check_layer(L, d->n_layers);
+    if (rc != QF_OK) return rc;
+    dc_layer *l = &d->layers[L];
+    *out = (qf_expert_table){l->views, l->tab, l->chosen, 1, &l->x};
+    return QF_OK;
+}
+
+/* The device's counters summed over the layers into stats. */
+static void dc_refresh(qf_expert_store *s) {
+    devcache_store *d = (devcache_store *)s;
+    size_t n = (size_t)d->n_layers * QF_XC_COUNTERS;
+    qf_be_download(d->be, d->ctr_host, d->counters, n * sizeof *d->ctr_host);
+    unsigned long long sum[QF_XC_COUNTERS] = {0};
+    for (size_t i = 0; i < n; i++) sum[i % QF_XC_COUNTERS] += d->ctr_host[i];
+    s->stats.hits = sum[QF_XC_HITS], s->stats.misses = sum[QF_XC_MISSES], s->stats.bytes_loaded = sum[QF_XC_BYTES];
+    s->stats.acquires = s->stats.hits + s->stats.misses;
+}
+
+static void dc_destroy(qf_expert_store *s) {
+    devcache_store *d = (devcache_store *)s;
+    for (int L = 0; d->layers && L < d->n_layers; L++) {
+        dc_layer *l = &d->layers[L];
+        qf_be_free(d->be, (void *)l->home), qf_be_free(d->be, (void *)l->tab), qf_be_free(d->be, l->chosen);
+        qf_be_free(d->be, l->x.slots), qf_be_free(d->be, l->x.state);
+        free(l->views);
+    }
+    for (int i = 0; i < d->n_pinned; i++) d->be->ops->unpin(d->be, d->pinned[i].p);
+    if (d->copy) d->be->ops->pin_free(d->be, d->copy);
+    qf_be_free(d->be, d->counters);
+    free(d->ctr_host), free(d->pinned), free(d->layers);
+    qf_es_destroy(d->src);
+    free(d);
+}
+
+static const qf_expert_store_ops k_dc_ops = {
+    .acquire = dc_acquire,
+    .release = dc_release,
+    .destroy = dc_destroy,
+    .table = dc_table,
+    .refresh = dc_refresh,
+};
+
+static int cmp_span(const void *a, const void *b) {
+    const char *x = ((const span *)a)->p, *y = ((const span *)b)->p;
+    return (x > y) - (x < y);
+}
+
+/* Every expert matrix's pages, merged into disjoint ranges, registered with the device. */
+static int pin_home(devcache_store *d) {
+    size_t n = (size_t)d->n_layers * d->n_experts * 3, page = (size_t)sysconf(_SC_PAGESIZE);
+    span *sp = malloc(n * sizeof *sp);
+    if (!sp) return qf_fail(QF_ENOMEM, "out of memory");
+    size_t k = 0;
+    for (int L = 0; L < d->n_layers; L++)
+        for (int e = 0; e < d->n_experts; e++) {
+            const qf_mat *m[3] = {&d->layers[L].views[e].gate, &d->layers[L].views[e].up, &d->layers[L].views[e].down};
+            for (int i = 0; i < 3; i++) {
+                uintptr_t a = (uintptr_t)m[i]->data & ~(uintptr_t)(page - 1), b = ((uintptr_t)m[i]->data + mat_bytes(m[i]) + page - 1) & ~(uintptr_t)(page - 1);
+                sp[k++] = (span){(char *)a, (size_t)(b - a)};
+            }
+        }
+    qsort(sp, k, sizeof *sp, cmp_span);
+    size_t m = 0;
+    for (size_t i = 0; i < k; i++) {
+        if (m && sp[i].p <= sp[m - 1].p + sp[m - 1].n) {
+            char *end = sp[i].p + sp[i].n;
+            if (end > sp[m - 1].p + sp[m - 1].n) sp[m - 1].n = (size_t)(end - sp[m - 1].p);
+        } else sp[m++] = sp[i];
+    }
+    d->pinned = sp;
+    int rc = QF_OK;
+    for (size_t i = 0; i < m && rc == QF_OK; i++)
+        if ((rc = d->be->ops->pin(d->be, sp[i].p, sp[i].n)) == QF_OK) d->n_pinned++;
+    return rc;
+}
+
+/* The fallback: every expert copied once into one pinned buffer, the views re-pointed. */
+static int copy_home(devcache_store *d, size_t slot_bytes) {
+    for (int i = 0; i < d->n_pinned; i++) d->be->ops->unpin(d->be, d->pinned[i].p);
+    d->n_pinned = 0;
+    size_t total = slot_bytes * (size_t)d->n_experts * (size_t)d->n_layers;
+    if (!(d->copy = d->be->ops->pin_alloc(d->be, total)))
+        return qf_fail(QF_ENOMEM, "cannot pin %.1f GiB of host memory for the routed experts", (double)total / 1073741824.0);
+    char *at = d->copy;
+    for (int L = 0; L < d->n_layers; L++)
+        for (int e = 0; e < d->n_experts; e++, at += slot_bytes) {
+            qf_expert *x = &d->layers[L].views[e];
+            qf_mat *m[3] = {&x->gate, &x->up, &x->down};
+            for (int i = 0, off = 0; i < 3; off += (int)align256(mat_bytes(m[i])), i++) {
+                memcpy(at + off, m[i]->data, mat_bytes(m[i]));
+                m[i]->data = at + off;
+            }
+        }
+    return QF_OK;
+}
+
+/* Layer L's views from src and its device arrays; its table starts at home. */
+static int make_layer(devcache_store *d, int L, int slots, int policy, size_t slot_bytes) {
+    dc_layer *l = &d->layers[L];
+    int E = d->n_experts, rc = QF_OK;
+    if (!(l->views = calloc((size_t)E, sizeof *l->views))) return qf_fail(QF_ENOMEM, "out of memory");
+    for (int e = 0; e < E && rc == QF_OK; e++) {
+        rc = d->src->ops->acquire(d->src, L, e, &l->views[e]);
+        if (rc == QF_OK) d->src->ops->release(d->src, L, e);
+        if (rc == QF_OK && qf_es_slot_bytes(&l->views[e]) != slot_bytes) rc = qf_fail(QF_EFORMAT, "expert %d of layer %d differs in size from expert 0", e, L);
+    }
+    l->home = qf_be_alloc(d->be, 3 * (size_t)E * sizeof(void *));
+    l->tab = qf_be_alloc(d->be, 3 * (size_t)E * sizeof(void *));
+    l->chosen = qf_be_alloc(d->be, (size_t)QF_EXPERT_ID_ROWS * (size_t)d->top_k * sizeof(int32_t));
+    l->x.slots = qf_be_alloc(d->be, (size_t)slots * slot_bytes);
+    l->x.state = qf_be_alloc(d->be, qf_xcache_state_bytes(E, slots));
+    if (rc == QF_OK && (!l->home || !l->tab || !l->chosen || !l->x.slots || !l->x.state))
+        rc = qf_fail(QF_ENOMEM, "out of device memory for layer %d's %d expert slots (%.1f MiB)", L, slots, (double)slots * (double)slot_bytes / 1048576.0);
+    const qf_expert *x = &l->views[0];
+    l->x = (qf_xcache){E, slots, policy, 64, slot_bytes, {0, align256(mat_bytes(&x->gate)), align256(mat_bytes(&x->gate)) + align256(mat_bytes(&x->up))},
+                       {mat_bytes(&x->gate), mat_bytes(&x->up), mat_bytes(&x->down)}, l->home, l->tab, l->x.slots, l->x.state,
+                       d->counters + (size_t)L * QF_XC_COUNTERS};
+    return rc;
+}
+
+/* The home addresses into each layer's home table and its starting table. */
+static int upload_tables(devcache_store *d) {
+    int E = d->n_experts;
+    const void **host = malloc(3 * (size_t)E * sizeof *host);
+    if (!host) return qf_fail(QF_ENOMEM, "out of memory");
+    for (int L = 0; L < d->n_layers; L++) {
+        const qf_expert *v = d->layers[L].views;
+        for (int e = 0; e < E; e++) host[e] = v[e].gate.data, host[E + e] = v[e].up.data, host[2 * E + e] = v[e].down.data;
+        qf_be_upload(d->be, (void *)d->layers[L].home, host, 3 * (size_t)E * sizeof *host);
+        qf_be_upload(d->be, (void *)d->layers[L].tab, host, 3 * (size_t)E * sizeof *host);
+    }
+    free(host);
+    return qf_be_sync(d->be);
+}
+
+int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backend *be, int n_layers, int n_experts, int top_k, int slots, int policy) {
+    *out = NULL;
+    if (!be->ops->pin || !be->ops->pin_alloc || !be->ops->alloc)
+        return qf_fail(QF_EUNSUPPORTED, "backend %s cannot read host memory from the device: no expert cache there", be->ops->name);
+    if (slots < 1 || slots > n_experts || (policy != QF_POLICY_LRU && policy != QF_POLICY_DLFU && policy != QF_POLICY_DLFU_AD))
+        return qf_fail(QF_EINVAL, "a device expert cache takes 1 to %d slots a layer and the lru, dlfu or dlfu-admit policy", n_experts);
+    qf_expert x0;
+    int rc = src->ops->acquire(src, 0, 0, &x0);
+    if (rc != QF_OK) return rc;
+    src->ops->release(src, 0, 0);
+    size_t slot_bytes = qf_es_slot_bytes(&x0);
+    devcache_store *d = calloc(1, sizeof *d);
+    if (!d) return qf_fail(QF_ENOMEM, "out of memory");
+    d->base.ops = &k_dc_ops;
+    d->src = src, d->be = be, d->n_layers = n_layers, d->n_experts = n_experts, d->top_k = top_k;
+    d->layers = calloc((size_t)n_layers, sizeof *d->layers);
+    d->ctr_host = calloc((size_t)n_layers * QF_XC_COUNTERS, sizeof *d->ctr_host);
+    d->counters = qf_be_alloc(be, (size_t)n_layers * QF_XC_COUNTERS * sizeof *d->counters);
+    rc = d->layers && d->ctr_host && d->counters ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
+    for (int L = 0; L < n_layers && rc == QF_OK; L++) rc = make_layer(d, L, slots, policy, slot_bytes);
+    if (rc == QF_OK && pin_home(d) != QF_OK) rc = copy_home(d, slot_bytes); /* memory that cannot be pinned in place is copied */
+    if (rc == QF_OK) rc = upload_tables(d);
+    if (rc != QF_OK) {
+        d->src = NULL; /* the caller keeps src on failure */
+        dc_destroy(&d->base);
+        return rc;
+    }
+    d->base.stats.slots = slots, d->base.stats.pool_bytes = (size_t)slots * slot_bytes * (size_t)n_layers;
+    *out = &d->base;
+    return QF_OK;
+}
