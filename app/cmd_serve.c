@@ -14,7 +14,9 @@ static void serve_usage(void) {
             "                    [--prefill-chunk 256] [--max-queue 256] [--max-body MIB] [--shutdown-timeout S]\n"
             "                    [--max-conns 512] [--header-timeout 60] [--body-timeout 120] [--idle-timeout 75]\n"
             "                    [-t THREADS] [--device cpu|cuda[:N]] [--precision bf16x2|fp32|bf16] [--cuda-opt NAME=V]\n"
-            "                    [--verbose]\n"
+            "                    [--gpu-mem SIZE] [--expert-cache SIZE] [--expert-policy lru|dlfu|dlfu-admit]\n"
+            "                    [--synthetic PRESET] [--verbose]\n"
+            "--synthetic: generated weights of a real checkpoint's shapes (qwen3.6-35b-a3b) with DIR's tokenizer (load tests).\n"
             "Defaults from the environment: QFLASH_MODEL, QFLASH_HOST, QFLASH_PORT, QFLASH_API_KEY (flags win).\n");
 }
 
@@ -31,6 +33,11 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
             return 1;
         }
         if (cli_is(&a, "-m", "--model")) o->model_dir = cli_value(&a);
+        else if (cli_is(&a, NULL, "--synthetic")) {
+            static qf_synth_opts so;
+            so.preset = cli_value(&a);
+            o->engine.synth = &so;
+        }
         else if (cli_is(&a, NULL, "--host")) o->host = cli_value(&a);
         else if (cli_is(&a, NULL, "--port")) o->port = cli_int(&a, 0, 65535);
         else if (cli_is(&a, NULL, "--api-key")) o->api_key = cli_value(&a);

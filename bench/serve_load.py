@@ -49,9 +49,11 @@ def run(url, c, gen, prompt):
     ttft = [s[0] - t for t, s in out if s]
     itl = [b - a for _, s in out for a, b in zip(s, s[1:])]
     total = c * gen
+    # a model whose tokens have no text (a synthetic one) streams no chunks: only totals then
+    per_stream = [len(s) / (s[-1] - t) for t, s in out if s]
     return {"concurrency": c, "tokens": total, "wall_s": wall, "total_tok_s": total / wall,
-            "per_stream_tok_s": statistics.mean(len(s) / (s[-1] - t) for t, s in out if s),
-            "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "per_stream_tok_s": statistics.mean(per_stream) if per_stream else float("nan"),
+            "ttft_mean_ms": 1e3 * statistics.mean(ttft) if ttft else float("nan"), "ttft_p99_ms": 1e3 * pct(ttft, 99),
             "itl_mean_ms": 1e3 * statistics.mean(itl) if itl else float("nan"), "itl_p50_ms": 1e3 * pct(itl, 50),
             "itl_p99_ms": 1e3 * pct(itl, 99)}
 

@@ -67,7 +67,7 @@ static void fake_destroy(qf_expert_store *s) {
     free(f);
 }
 
-static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, NULL};
+static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, NULL, NULL};
 
 /* Copy c of every expert filled from the inner store, its views and device tables made. */
 static void fill_copy(fake_store *f, int c) {
@@ -294,7 +294,7 @@ static int policy_diff(qf_model *m, qf_backend *be, qf_slot_cache *ref) {
 /* On a GPU: the bundled model with its experts behind the device expert cache (slots a layer; 0:
  * all resident on the device), a prompt (by_token: fed a token a step, the policy checked after
  * each step) and GPU_STEPS greedy steps, the logits into out. 0 without a GPU. */
-static int gpu_cached(int slots, int policy, int by_token, float *out) {
+static int gpu_cached(int slots, int policy, int by_token, int stage, float *out) {
     qf_backend be;
     if (!qf_backend_has_cuda() || qf_backend_open(&be, "cuda", NULL, NULL) != QF_OK) return 0;
     qf_model *m;
@@ -302,14 +302,17 @@ static int gpu_cached(int slots, int policy, int by_token, float *out) {
     if (rc == QF_OK) rc = qf_model_to_device(m, &be, slots ? QF_TO_DEVICE_EXPERTS_HOME : 0);
     qf_expert_store *s;
     if (rc == QF_OK) L = m->cfg.n_layers, E = m->cfg.n_experts, K = m->cfg.n_experts_used, V = m->cfg.vocab;
-    if (rc == QF_OK && slots && (rc = qf_es_devcache_create(&s, m->experts, &be, L, E, K, slots, policy)) == QF_OK) m->experts = s, qf_model_dec_check(m);
+    if (rc == QF_OK && slots && (rc = qf_es_devcache_create(&s, m->experts, &be, L, E, K)) == QF_OK) m->experts = s;
+    if (rc == QF_OK && slots) rc = qf_es_devcache_set_slots(m->experts, slots, policy, stage), qf_model_dec_check(m);
     CHECK(rc == QF_OK && m->dec_ok, "%d slots: %s", slots, qf_last_error());
     qf_slot_cache *ref = calloc((size_t)L, sizeof *ref);
     for (int l = 0; l < L; l++) qf_slot_cache_init(&ref[l], policy, E, slots ? slots : 1, 64);
-    qf_workspace *ws = qf_workspace_create(m, 64);
+    qf_workspace *ws = qf_workspace_create(m, 24); /* the 40-token prompt in two chunks: with a cache, layer by layer */
+    CHECK(ws && qf_workspace_reserve_prompt(ws, 64) == QF_OK, "%s", qf_last_error());
     qf_state *st = qf_state_create(m, 64);
-    int32_t prompt[5] = {11, 400, 23, 7, 91};
-    if (rc == QF_OK && !by_token) rc = qf_forward_seq(m, &be, ws, st, prompt, 5, QF_LOGITS_LAST, out);
+    int32_t prompt[40];
+    for (int i = 0; i < 40; i++) prompt[i] = V ? (11 + 389 * i) % V : 0; /* more rows than a decode step: the wide (staged) path */
+    if (rc == QF_OK && !by_token) rc = qf_forward_seq(m, &be, ws, st, prompt, 40, QF_LOGITS_LAST, out);
     for (int i = 0; rc == QF_OK && by_token && i < 5; i++) {
         rc = qf_forward_seq(m, &be, ws, st, prompt + i, 1, QF_LOGITS_LAST, out);
         if (slots) bad += policy_diff(m, &be, ref);
@@ -347,7 +350,7 @@ static void test_gpu_devcache(void) {
     int E = m->cfg.n_experts, K = m->cfg.n_experts_used;
     qf_model_free(m);
     float *ref = calloc(n, sizeof(float)), *got = calloc(n, sizeof(float)), *ref_tok = calloc(n, sizeof(float));
-    if (!gpu_cached(0, QF_POLICY_LRU, 0, ref) || !gpu_cached(0, QF_POLICY_LRU, 1, ref_tok)) {
+    if (!gpu_cached(0, QF_POLICY_LRU, 0, 0, ref) || !gpu_cached(0, QF_POLICY_LRU, 1, 0, ref_tok)) {
         fprintf(stderr, "test_experts: no GPU, the device expert cache checks skipped\n");
         free(ref), free(got), free(ref_tok);
         return;
@@ -356,12 +359,12 @@ static void test_gpu_devcache(void) {
     int policies[] = {QF_POLICY_LRU, QF_POLICY_DLFU, QF_POLICY_DLFU_AD};
     for (int i = 0; i < 5; i++)
         for (int p = 0; p < 3; p++)
-            for (int by_token = 0; by_token < 2; by_token++) {
+            for (int mode = 0; mode < 3; mode++) { /* prompt at once, staged or not; by token */
                 memset(got, 0, n * sizeof(float));
-                gpu_cached(slots[i], policies[p], by_token, got);
-                const float *want = by_token ? ref_tok : ref;
-                CHECK(memcmp(want, got, n * sizeof(float)) == 0, "GPU expert cache of %d slots (%s%s): logits differ by up to %g", slots[i],
-                      qf_policy_name(policies[p]), by_token ? ", by token" : "", qt_max_abs_diff(want, got, (int64_t)n));
+                gpu_cached(slots[i], policies[p], mode == 2, mode == 1, got);
+                const float *want = mode == 2 ? ref_tok : ref;
+                CHECK(memcmp(want, got, n * sizeof(float)) == 0, "GPU expert cache of %d slots (%s, %s): logits differ by up to %g", slots[i],
+                      qf_policy_name(policies[p]), mode == 2 ? "by token" : mode ? "prompt staged" : "prompt", qt_max_abs_diff(want, got, (int64_t)n));
             }
     free(ref), free(got), free(ref_tok);
 }

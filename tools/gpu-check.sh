@@ -11,9 +11,10 @@
 #   bash tools/gpu-check.sh slice8    batch 1 on 8 full-size layers, new and old twice each
 #   bash tools/gpu-check.sh whole     batch 1 on the whole synthetic Qwen3.6-35B-A3B, new and old twice each
 #   bash tools/gpu-check.sh streams   batch 1, 16 and 64 streams, and an 8K prompt (new only)
-#   bash tools/gpu-check.sh flash [ARGS]  the expert cache: test_experts, then bench with ARGS (e.g.
-#                                     --gpu-mem 22G) while nvidia-smi traces device memory every 100 ms
-#                                     into $OUT/mem-*.csv
+#   bash tools/gpu-check.sh flash [ARGS]  bench with ARGS (e.g. --gpu-mem 22G) while nvidia-smi
+#                                     traces device memory every 100 ms into $OUT/mem-*.csv
+#   bash tools/gpu-check.sh flash-serve [ARGS]  serve the synthetic model (the bundled tokenizer) with
+#                                     ARGS, 16 streams of 64 tokens from bench/serve_load.py, memory traced
 # Results land in $OUT.
 set -u
 OUT=${OUT:-/tmp/qflash-check}
@@ -31,7 +32,7 @@ tests)
     timeout 330 gpu/test_cuda . >"$OUT/test_cuda.log" 2>&1; echo "test_cuda rc=$?"
     grep -E "FAIL|checks|rror|^with" "$OUT/test_cuda.log" | head -60
     QFLASH_TEST_DEVICE=cuda timeout 120 gpu/test_model . 2>&1 | grep -E "FAIL|checks|largest|rror"
-    timeout 60 gpu/test_experts . 2>&1 | tail -3
+    timeout 120 gpu/test_experts . 2>&1 | grep -E "FAIL|checks|skipped" | head -20
     ;;
 slice8)
     S="--prompt-len 128 --layers 8 --gen-len 64 --concurrency 1 --runs 1"
@@ -43,13 +44,27 @@ whole)
     ;;
 flash)
     shift
-    timeout 120 gpu/test_experts . 2>&1 | grep -E "FAIL|checks|skipped" | head -20
     tag=$(echo "$*" | tr -c 'a-zA-Z0-9\n' '_' | cut -c1-60)
     nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/mem-$tag.csv" &
     smi=$!
     echo "== flash | $*"
-    timeout 400 gpu/qflash $B "$@" 2>&1 | grep -vE "^loading|^\s*$" | tail -40
+    timeout 400 gpu/qflash $B "$@" 2>&1 | grep -E "$show|plan|slots|expert cache|spread|conc"
     kill $smi
+    ;;
+flash-serve)
+    shift
+    nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/mem-serve.csv" &
+    smi=$!
+    gpu/qflash serve -m models/qwen36moe-code-14m --synthetic qwen3.6-35b-a3b --device cuda --port 8099 --max-batch 16 "$@" > "$OUT/serve.log" 2>&1 &
+    srv=$!
+    for i in $(seq 1 120); do
+        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8099/health')" 2>/dev/null && break
+        sleep 2
+    done
+    timeout 300 python3 bench/serve_load.py --url http://127.0.0.1:8099 --concurrency 1,16 --gen 64 --prompt-len 64 --runs 1
+    curl -s http://127.0.0.1:8099/metrics 2>/dev/null | grep expert_cache || python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8099/metrics').read().decode())" | grep expert_cache
+    kill $srv; wait $srv; kill $smi
+    grep -E "plan|slots|rror" "$OUT/serve.log" | head
     ;;
 streams)
     new --prompt-len 128 --gen-len 64 --concurrency 1 --runs 2

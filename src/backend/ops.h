@@ -89,9 +89,8 @@ typedef struct qf_xcache {
 
 /* The state's layout, in 32-bit words: now, used, n_fill, pad, then slot1_of[E] (slot + 1, 0:
  * none), expert1_in[S] (expert + 1), last[S], count[E], count_at[E], fill_e[S], fill_s[S]. The
- * counters count distinct experts a step: hits, misses (admitted or declined), declined, bytes
- * copied into slots. */
-enum { QF_XC_HITS, QF_XC_MISSES, QF_XC_DECLINED, QF_XC_BYTES, QF_XC_COUNTERS };
+ * counters count distinct experts a step: hits, misses (admitted or declined), declined. */
+enum { QF_XC_HITS, QF_XC_MISSES, QF_XC_DECLINED, QF_XC_COUNTERS };
 #define QF_XC_HEAD_WORDS 4
 static inline size_t qf_xcache_state_bytes(int E, int S) { return ((size_t)QF_XC_HEAD_WORDS + 3 * (size_t)E + 4 * (size_t)S) * 4; }
 
@@ -264,6 +263,11 @@ typedef struct qf_ops {
     void (*pin_free)(qf_backend *be, void *p);
     /* Optional: the device's free and total memory, bytes. */
     void (*mem_info)(qf_backend *be, size_t *free_bytes, size_t *total_bytes);
+    /* Optional: n copies from pinned host memory into backend memory on a copy engine beside the
+     * ops, started after every op queued so far; stage_wait(buf) makes the ops queued after it
+     * wait for the copies staged into buffer buf (0 or 1) until then. Never inside a recorded step. */
+    void (*stage)(qf_backend *be, int buf, int n, void *const *dst, const void *const *src, const size_t *bytes);
+    void (*stage_wait)(qf_backend *be, int buf);
 } qf_ops;
 
 struct qf_backend {

@@ -49,6 +49,10 @@ typedef struct qf_expert_store_ops {
     int (*table)(qf_expert_store *s, int layer, qf_expert_table *out);
     /* Optional: a forward step begins (ages the cache's counts). */
     void (*step)(qf_expert_store *s);
+    /* Optional: the layer's table for a step of `rows` rows the backend never records (more than
+     * QF_DEC_ROWS: a prompt chunk, which routes to most experts): the store may stage the whole
+     * layer's experts into backend memory for it, and the next layer's meanwhile. */
+    int (*wide_table)(qf_expert_store *s, int layer, int rows, qf_expert_table *out);
     /* Optional: brings stats up to date where a device counts (qf_es_stats calls it; never while
      * a step is being recorded). */
     void (*refresh)(qf_expert_store *s);
@@ -78,11 +82,15 @@ int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, const qf_st
 /* Slots a layer gets from budget (scratch slot excluded). */
 int qf_es_stream_slots(size_t budget, size_t per_expert, int n_layers);
 
-/* The routed experts in host memory the device reads, with `slots` slots a layer in be's memory in
- * front of them (ops.h qf_xcache; store_devcache.c), resolved by the device with policy (lru, dlfu
- * or dlfu-admit of cache_policy.h). The home bytes are pinned where src's views point, or copied
- * once into pinned memory when they cannot be. Takes src on success. */
-int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backend *be, int n_layers, int n_experts, int top_k, int slots, int policy);
+/* The routed experts in host memory the device reads (store_devcache.c): pinned where src's views
+ * point, or copied once into pinned memory when they cannot be; every table points home until
+ * set_slots gives each layer `slots` slots in be's memory in front of them (ops.h qf_xcache),
+ * resolved by the device with policy (lru, dlfu or dlfu-admit of cache_policy.h). Once; on
+ * failure the store stays without slots. create takes src on success. */
+int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backend *be, int n_layers, int n_experts, int top_k);
+int qf_es_devcache_set_slots(qf_expert_store *s, int slots, int policy, int stage);
+/* stage: two buffers of a whole layer's experts for prompt chunks (wide_table), copied over the
+ * link a layer ahead of their use; 0: prompt chunks resolve through the slots like decode steps. */
 /* Bytes of one expert's slot: its three matrices, each 256-byte aligned. */
 size_t qf_es_slot_bytes(const qf_expert *x);
 

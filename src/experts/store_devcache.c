@@ -30,9 +30,17 @@ typedef struct devcache_store {
     qf_expert_store *src; /* owns the home bytes' mapping or buffers */
     qf_backend *be;
     int n_layers, n_experts, top_k;
+    size_t slot_bytes;
     dc_layer *layers;
     unsigned long long *counters; /* [n_layers][QF_XC_COUNTERS] backend memory */
     unsigned long long *ctr_host;
+    void *stage_mem[2];           /* a whole layer's experts each, for prompt chunks (NULL: none) */
+    const void **stage_tab[2];    /* [3][E] pointers into each, backend memory */
+    int staged[2];                /* the layer each holds (or is being copied), -1: none */
+    void **cp_dst;                /* [3E] one layer's copies */
+    const void **cp_src;
+    size_t *cp_bytes;
+    uint64_t staged_bytes;
     span *pinned;                 /* host ranges registered with the device */
     int n_pinned;
     void *copy;                   /* pinned copy of every expert, when the home could not be pinned */
@@ -57,7 +65,7 @@ static int dc_table(qf_expert_store *s, int L, qf_expert_table *out) {
     int rc = qf_es_check_layer(L, d->n_layers);
     if (rc != QF_OK) return rc;
     dc_layer *l = &d->layers[L];
-    *out = (qf_expert_table){l->views, l->tab, l->chosen, 1, &l->x};
+    *out = (qf_expert_table){l->views, l->tab, l->chosen, 1, l->x.slots ? &l->x : NULL};
     return QF_OK;
 }
 
@@ -68,8 +76,40 @@ static void dc_refresh(qf_expert_store *s) {
     qf_be_download(d->be, d->ctr_host, d->counters, n * sizeof *d->ctr_host);
     unsigned long long sum[QF_XC_COUNTERS] = {0};
     for (size_t i = 0; i < n; i++) sum[i % QF_XC_COUNTERS] += d->ctr_host[i];
-    s->stats.hits = sum[QF_XC_HITS], s->stats.misses = sum[QF_XC_MISSES], s->stats.bytes_loaded = sum[QF_XC_BYTES];
+    /* a miss crosses the link once, copied into a slot or (declined) read in place */
+    s->stats.hits = sum[QF_XC_HITS], s->stats.misses = sum[QF_XC_MISSES], s->stats.bytes_loaded = sum[QF_XC_MISSES] * d->slot_bytes;
     s->stats.acquires = s->stats.hits + s->stats.misses;
+    s->stats.bytes_loaded += d->staged_bytes;
+}
+
+/* Every expert of layer L copied from home into staging buffer b, on the copy engine. */
+static void stage_layer(devcache_store *d, int b, int L) {
+    int E = d->n_experts, n = 0;
+    for (int e = 0; e < E; e++) {
+        const qf_expert *x = &d->layers[L].views[e];
+        const qf_mat *m[3] = {&x->gate, &x->up, &x->down};
+        char *slot = (char *)d->stage_mem[b] + (size_t)e * d->slot_bytes;
+        for (int i = 0; i < 3; i++, n++)
+            d->cp_dst[n] = slot + d->layers[L].x.off[i], d->cp_src[n] = m[i]->data, d->cp_bytes[n] = mat_bytes(m[i]);
+    }
+    d->be->ops->stage(d->be, b, n, d->cp_dst, d->cp_src, d->cp_bytes);
+    d->staged[b] = L;
+    d->staged_bytes += (uint64_t)E * d->slot_bytes;
+}
+
+/* A prompt chunk's layer L reads staging buffer L % 2; layer L + 1's copies start meanwhile
+ * (after every op queued so far, so after layer L - 1's experts were read from that buffer). */
+static int dc_wide_table(qf_expert_store *s, int L, int rows, qf_expert_table *out) {
+    devcache_store *d = (devcache_store *)s;
+    (void)rows;
+    int rc = dc_table(s, L, out);
+    if (rc != QF_OK || !d->stage_mem[0]) return rc;
+    int b = L % 2;
+    if (d->staged[b] != L) stage_layer(d, b, L);
+    if (L + 1 < d->n_layers && d->staged[1 - b] != L + 1) stage_layer(d, 1 - b, L + 1);
+    d->be->ops->stage_wait(d->be, b);
+    out->dev = d->stage_tab[b], out->cache = NULL;
+    return QF_OK;
 }
 
 static void dc_destroy(qf_expert_store *s) {
@@ -80,6 +120,8 @@ static void dc_destroy(qf_expert_store *s) {
         qf_be_free(d->be, l->x.slots), qf_be_free(d->be, l->x.state);
         free(l->views);
     }
+    for (int b = 0; b < 2; b++) qf_be_free(d->be, d->stage_mem[b]), qf_be_free(d->be, (void *)d->stage_tab[b]);
+    free(d->cp_dst), free((void *)d->cp_src), free(d->cp_bytes);
     for (int i = 0; i < d->n_pinned; i++) d->be->ops->unpin(d->be, d->pinned[i].p);
     if (d->copy) d->be->ops->pin_free(d->be, d->copy);
     qf_be_free(d->be, d->counters);
@@ -94,6 +136,7 @@ static const qf_expert_store_ops k_dc_ops = {
     .destroy = dc_destroy,
     .table = dc_table,
     .refresh = dc_refresh,
+    .wide_table = dc_wide_table,
 };
 
 static int cmp_span(const void *a, const void *b) {
@@ -132,6 +175,8 @@ static int pin_home(devcache_store *d) {
 
 /* The fallback: every expert copied once into one pinned buffer, the views re-pointed. */
 static int copy_home(devcache_store *d, size_t slot_bytes) {
+    for (int b = 0; b < 2; b++) qf_be_free(d->be, d->stage_mem[b]), qf_be_free(d->be, (void *)d->stage_tab[b]);
+    free(d->cp_dst), free((void *)d->cp_src), free(d->cp_bytes);
     for (int i = 0; i < d->n_pinned; i++) d->be->ops->unpin(d->be, d->pinned[i].p);
     d->n_pinned = 0;
     size_t total = slot_bytes * (size_t)d->n_experts * (size_t)d->n_layers;
@@ -150,8 +195,8 @@ static int copy_home(devcache_store *d, size_t slot_bytes) {
     return QF_OK;
 }
 
-/* Layer L's views from src and its device arrays; its table starts at home. */
-static int make_layer(devcache_store *d, int L, int slots, int policy, size_t slot_bytes) {
+/* Layer L's views from src and its tables in backend memory; the table starts at home. */
+static int make_layer(devcache_store *d, int L, size_t slot_bytes) {
     dc_layer *l = &d->layers[L];
     int E = d->n_experts, rc = QF_OK;
     if (!(l->views = calloc((size_t)E, sizeof *l->views))) return qf_fail(QF_ENOMEM, "out of memory");
@@ -163,15 +208,62 @@ static int make_layer(devcache_store *d, int L, int slots, int policy, size_t sl
     l->home = qf_be_alloc(d->be, 3 * (size_t)E * sizeof(void *));
     l->tab = qf_be_alloc(d->be, 3 * (size_t)E * sizeof(void *));
     l->chosen = qf_be_alloc(d->be, (size_t)QF_EXPERT_ID_ROWS * (size_t)d->top_k * sizeof(int32_t));
-    l->x.slots = qf_be_alloc(d->be, (size_t)slots * slot_bytes);
-    l->x.state = qf_be_alloc(d->be, qf_xcache_state_bytes(E, slots));
-    if (rc == QF_OK && (!l->home || !l->tab || !l->chosen || !l->x.slots || !l->x.state))
-        rc = qf_fail(QF_ENOMEM, "out of device memory for layer %d's %d expert slots (%.1f MiB)", L, slots, (double)slots * (double)slot_bytes / 1048576.0);
-    const qf_expert *x = &l->views[0];
-    l->x = (qf_xcache){E, slots, policy, 64, slot_bytes, {0, align256(mat_bytes(&x->gate)), align256(mat_bytes(&x->gate)) + align256(mat_bytes(&x->up))},
-                       {mat_bytes(&x->gate), mat_bytes(&x->up), mat_bytes(&x->down)}, l->home, l->tab, l->x.slots, l->x.state,
-                       d->counters + (size_t)L * QF_XC_COUNTERS};
+    if (rc == QF_OK && (!l->home || !l->tab || !l->chosen)) rc = qf_fail(QF_ENOMEM, "out of device memory for layer %d's expert tables", L);
     return rc;
+}
+
+/* Layer L's slots and the state the device resolves them with. */
+static int make_slots(devcache_store *d, int L, int slots, int policy) {
+    dc_layer *l = &d->layers[L];
+    const qf_expert *x = &l->views[0];
+    size_t g = align256(mat_bytes(&x->gate)), u = align256(mat_bytes(&x->up));
+    l->x = (qf_xcache){d->n_experts, slots, policy, 64, d->slot_bytes, {0, g, g + u}, {mat_bytes(&x->gate), mat_bytes(&x->up), mat_bytes(&x->down)},
+                       l->home, l->tab, qf_be_alloc(d->be, (size_t)slots * d->slot_bytes), qf_be_alloc(d->be, qf_xcache_state_bytes(d->n_experts, slots)),
+                       d->counters + (size_t)L * QF_XC_COUNTERS};
+    if (!l->x.slots || !l->x.state)
+        return qf_fail(QF_ENOMEM, "out of device memory for layer %d's %d expert slots (%.1f MiB)", L, slots, (double)slots * (double)d->slot_bytes / 1048576.0);
+    return QF_OK;
+}
+
+/* The two staging buffers, their tables and the host arrays one layer's copies are issued from. */
+static int make_staging(devcache_store *d) {
+    int E = d->n_experts;
+    const void **host = malloc(3 * (size_t)E * sizeof *host);
+    d->cp_dst = malloc(3 * (size_t)E * sizeof *d->cp_dst), d->cp_src = malloc(3 * (size_t)E * sizeof *d->cp_src);
+    d->cp_bytes = malloc(3 * (size_t)E * sizeof *d->cp_bytes);
+    int rc = host && d->cp_dst && d->cp_src && d->cp_bytes ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
+    for (int b = 0; b < 2 && rc == QF_OK; b++) {
+        d->staged[b] = -1;
+        d->stage_mem[b] = qf_be_alloc(d->be, (size_t)E * d->slot_bytes);
+        d->stage_tab[b] = qf_be_alloc(d->be, 3 * (size_t)E * sizeof(void *));
+        if (!d->stage_mem[b] || !d->stage_tab[b]) {
+            rc = qf_fail(QF_ENOMEM, "out of device memory for a prompt staging buffer of %.1f MiB", (double)E * (double)d->slot_bytes / 1048576.0);
+            break;
+        }
+        for (int e = 0; e < E; e++)
+            for (int i = 0; i < 3; i++) host[i * E + e] = (char *)d->stage_mem[b] + (size_t)e * d->slot_bytes + d->layers[0].x.off[i];
+        qf_be_upload(d->be, (void *)d->stage_tab[b], host, 3 * (size_t)E * sizeof *host);
+    }
+    free(host);
+    return rc;
+}
+
+int qf_es_devcache_set_slots(qf_expert_store *s, int slots, int policy, int stage) {
+    devcache_store *d = (devcache_store *)s;
+    if (s->ops != &k_dc_ops || d->layers[0].x.slots) return qf_fail(QF_EINVAL, "not a device expert cache without slots");
+    if (slots < 1 || slots > d->n_experts || (policy != QF_POLICY_LRU && policy != QF_POLICY_DLFU && policy != QF_POLICY_DLFU_AD))
+        return qf_fail(QF_EINVAL, "a device expert cache takes 1 to %d slots a layer and the lru, dlfu or dlfu-admit policy", d->n_experts);
+    int rc = QF_OK;
+    for (int L = 0; L < d->n_layers && rc == QF_OK; L++) rc = make_slots(d, L, slots, policy);
+    if (rc == QF_OK && stage) rc = d->be->ops->stage ? make_staging(d) : qf_fail(QF_EUNSUPPORTED, "backend %s cannot stage copies", d->be->ops->name);
+    if (rc == QF_OK) rc = qf_be_sync(d->be);
+    if (rc != QF_OK) { /* back to no cache: the tables still point home */
+        for (int L = 0; L < d->n_layers; L++) qf_be_free(d->be, d->layers[L].x.slots), qf_be_free(d->be, d->layers[L].x.state), memset(&d->layers[L].x, 0, sizeof d->layers[L].x);
+        for (int b = 0; b < 2; b++) qf_be_free(d->be, d->stage_mem[b]), qf_be_free(d->be, (void *)d->stage_tab[b]), d->stage_mem[b] = NULL, d->stage_tab[b] = NULL;
+        return rc;
+    }
+    s->stats.slots = slots, s->stats.pool_bytes = (size_t)slots * d->slot_bytes * (size_t)d->n_layers;
+    return QF_OK;
 }
 
 /* The home addresses into each layer's home table and its starting table. */
@@ -189,12 +281,10 @@ static int upload_tables(devcache_store *d) {
     return qf_be_sync(d->be);
 }
 
-int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backend *be, int n_layers, int n_experts, int top_k, int slots, int policy) {
+int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backend *be, int n_layers, int n_experts, int top_k) {
     *out = NULL;
     if (!be->ops->pin || !be->ops->pin_alloc || !be->ops->alloc)
         return qf_fail(QF_EUNSUPPORTED, "backend %s cannot read host memory from the device: no expert cache there", be->ops->name);
-    if (slots < 1 || slots > n_experts || (policy != QF_POLICY_LRU && policy != QF_POLICY_DLFU && policy != QF_POLICY_DLFU_AD))
-        return qf_fail(QF_EINVAL, "a device expert cache takes 1 to %d slots a layer and the lru, dlfu or dlfu-admit policy", n_experts);
     qf_expert x0;
     int rc = src->ops->acquire(src, 0, 0, &x0);
     if (rc != QF_OK) return rc;
@@ -203,12 +293,12 @@ int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backen
     devcache_store *d = calloc(1, sizeof *d);
     if (!d) return qf_fail(QF_ENOMEM, "out of memory");
     d->base.ops = &k_dc_ops;
-    d->src = src, d->be = be, d->n_layers = n_layers, d->n_experts = n_experts, d->top_k = top_k;
+    d->src = src, d->be = be, d->n_layers = n_layers, d->n_experts = n_experts, d->top_k = top_k, d->slot_bytes = slot_bytes;
     d->layers = calloc((size_t)n_layers, sizeof *d->layers);
     d->ctr_host = calloc((size_t)n_layers * QF_XC_COUNTERS, sizeof *d->ctr_host);
     d->counters = qf_be_alloc(be, (size_t)n_layers * QF_XC_COUNTERS * sizeof *d->counters);
     rc = d->layers && d->ctr_host && d->counters ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
-    for (int L = 0; L < n_layers && rc == QF_OK; L++) rc = make_layer(d, L, slots, policy, slot_bytes);
+    for (int L = 0; L < n_layers && rc == QF_OK; L++) rc = make_layer(d, L, slot_bytes);
     if (rc == QF_OK && pin_home(d) != QF_OK) rc = copy_home(d, slot_bytes); /* memory that cannot be pinned in place is copied */
     if (rc == QF_OK) rc = upload_tables(d);
     if (rc != QF_OK) {
@@ -216,7 +306,6 @@ int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backen
         dc_destroy(&d->base);
         return rc;
     }
-    d->base.stats.slots = slots, d->base.stats.pool_bytes = (size_t)slots * slot_bytes * (size_t)n_layers;
     *out = &d->base;
     return QF_OK;
 }

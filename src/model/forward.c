@@ -158,7 +158,8 @@ static int moe(fwd *f, int L, const float *xn, float *out) {
     OPS->matmul(be, fused ? &w->ffn_in : &w->router, xn, N, WS(ws, rl));
     if (OPS->moe) { /* a device routes and runs the experts itself */
         qf_expert_table t;
-        int rc = m->experts->ops->table(m->experts, L, &t);
+        int wide = N > QF_DEC_ROWS && m->experts->ops->wide_table; /* a device records steps of QF_DEC_ROWS rows at most */
+        int rc = wide ? m->experts->ops->wide_table(m->experts, L, N, &t) : m->experts->ops->table(m->experts, L, &t);
         if (rc != QF_OK) return rc;
         qf_moe_args a = {t.experts, c->n_experts, c->n_experts_used, N, H, c->expert_ffn, WS(ws, rl), xn, out, t.dev, t.chosen, QF_EXPERT_ID_ROWS, t.cache};
         OPS->moe(be, &a);
@@ -335,14 +336,37 @@ static void logits(fwd *f) {
 
 /* What fixes the sequence of kernels of a step: its sequences, their row counts and the logits
  * wanted (positions only change the kernels' arguments). */
-static uint64_t step_key(const qf_seq_step *seqs, int n_seqs) {
+/* A recorded step is replayed only for the same sequences, shapes and outputs, and the same expert
+ * cache (a cache given slots later adds kernels to the step). */
+static uint64_t step_key(const qf_model *m, const qf_seq_step *seqs, int n_seqs) {
     uint64_t h = 1469598103934665603ull ^ (uint64_t)n_seqs;
+    qf_expert_table t = {0};
+    if (m->experts && m->experts->ops->table(m->experts, 0, &t) == QF_OK) h = (h ^ (uint64_t)(uintptr_t)t.cache) * 1099511628211ull;
     for (int s = 0; s < n_seqs; s++) {
         uint64_t v[5] = {(uint64_t)(uintptr_t)seqs[s].st, (uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, (uint64_t)(uintptr_t)seqs[s].logits,
                          (uint64_t)(uintptr_t)seqs[s].top1};
         for (int i = 0; i < 5; i++) h = (h ^ v[i]) * 1099511628211ull;
     }
     return h;
+}
+
+/* One layer for the f->N rows of x (the prompt path). */
+static int prompt_layer(fwd *f, int L, float *x) {
+    const qf_model *m = f->m;
+    const qf_config *c = &m->cfg;
+    const qf_layer_w *w = &m->layers[L];
+    qf_backend *be = f->be;
+    int H = c->hidden, rc = QF_OK;
+    float *xn = WS(f->ws, xn), *tmp = WS(f->ws, tmp);
+    OPS->rmsnorm(be, x, H, w->attn_norm, f->N, H, c->norm_eps, xn, H);
+    if (w->kind == QF_LAYER_FULL) full_attn(f, L, xn, tmp);
+    else linear_attn(f, L, xn, tmp);
+    OPS->axpy(be, x, tmp, 1.0f, (int64_t)f->N * H);
+    OPS->rmsnorm(be, x, H, w->ffn_norm, f->N, H, c->norm_eps, xn, H);
+    if (c->arch == QF_ARCH_QWEN35_MOE) rc = moe(f, L, xn, tmp);
+    else swiglu_mlp(f, &w->gate, &w->up, &w->down, xn, f->N, tmp);
+    if (rc == QF_OK) OPS->axpy(be, x, tmp, 1.0f, (int64_t)f->N * H);
+    return rc;
 }
 
 /* A step that failed part-way: the device's bracket is closed with the step abandoned (a device
@@ -362,9 +386,9 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     if (rc != QF_OK) return rc;
     const qf_config *c = &m->cfg;
     int H = c->hidden;
-    float *x = WS(ws, x), *xn = WS(ws, xn), *tmp = WS(ws, tmp);
+    float *x = WS(ws, x), *xn = WS(ws, xn);
     if (m->experts && m->experts->ops->step) m->experts->ops->step(m->experts);
-    if (OPS->step_begin) OPS->step_begin(be, step_key(seqs, n_seqs), f.N);
+    if (OPS->step_begin) OPS->step_begin(be, step_key(m, seqs, n_seqs), f.N);
     for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) OPS->embed(be, &m->embed, seqs[s].tokens, seqs[s].n, x + (size_t)r0 * H);
     if (ws->hook && !m->dev) ws->hook(ws->hook_ud, 0, x, f.N, H);
     if (dec_usable(&f)) {
@@ -375,18 +399,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
         return OPS->step_end ? OPS->step_end(be, 0) : QF_OK;
     }
     for (int L = 0; L < c->n_layers; L++) {
-        const qf_layer_w *w = &m->layers[L];
-        OPS->rmsnorm(be, x, H, w->attn_norm, f.N, H, c->norm_eps, xn, H);
-        if (w->kind == QF_LAYER_FULL) full_attn(&f, L, xn, tmp);
-        else linear_attn(&f, L, xn, tmp);
-        OPS->axpy(be, x, tmp, 1.0f, (int64_t)f.N * H);
-        OPS->rmsnorm(be, x, H, w->ffn_norm, f.N, H, c->norm_eps, xn, H);
-        if (c->arch == QF_ARCH_QWEN35_MOE) {
-            if ((rc = moe(&f, L, xn, tmp)) != QF_OK) return step_fail(be, rc);
-        } else {
-            swiglu_mlp(&f, &w->gate, &w->up, &w->down, xn, f.N, tmp);
-        }
-        OPS->axpy(be, x, tmp, 1.0f, (int64_t)f.N * H);
+        if ((rc = prompt_layer(&f, L, x)) != QF_OK) return step_fail(be, rc);
         if (ws->hook && !m->dev && L + 1 < c->n_layers) ws->hook(ws->hook_ud, L + 1, x, f.N, H);
     }
     if (ws->hook && !m->dev) {
@@ -398,9 +411,44 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     return OPS->step_end ? OPS->step_end(be, 0) : QF_OK;
 }
 
+/* A prompt longer than the workspace's rows, layer by layer: every chunk passes layer L before any
+ * passes L + 1, with the hidden states of all of them in ws->px, so a store that stages a layer's
+ * experts (wide_table) copies each layer once for the whole prompt, not once per chunk. The
+ * chunks of a layer run in order, so attention and DeltaNet states grow as in qf_forward_seq. */
+static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, const int32_t *tokens, int n, float *logits_out) {
+    const qf_config *c = &m->cfg;
+    int H = c->hidden, R = ws->max_rows, p0 = st->pos, rc = QF_OK;
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= c->vocab)
+            return qf_fail(QF_EINVAL, "token id %d at position %d is outside the vocabulary (0..%d)", tokens[i], i, c->vocab - 1);
+    if ((rc = qf_state_reserve(st, n)) != QF_OK) return rc;
+    if (m->experts->ops->step) m->experts->ops->step(m->experts);
+    if (OPS->step_begin) OPS->step_begin(be, 0, n); /* more rows than a recorded step: run as it goes */
+    for (int i = 0; i < n; i += R) OPS->embed(be, &m->embed, tokens + i, n - i < R ? n - i : R, ws->px + (size_t)i * H);
+    qf_seq_step q = {st, NULL, 0, QF_LOGITS_NONE, NULL, NULL};
+    fwd f = {m, be, ws, &q, 1, 0};
+    for (int L = 0; L < c->n_layers && rc == QF_OK; L++)
+        for (int i = 0; i < n && rc == QF_OK; i += R) {
+            q.tokens = tokens + i, q.n = f.N = n - i < R ? n - i : R;
+            st->pos = p0 + i;
+            rc = prompt_layer(&f, L, ws->px + (size_t)i * H);
+        }
+    st->pos = p0 + (rc == QF_OK ? n : 0);
+    if (rc != QF_OK) return step_fail(be, rc);
+    int last = (n - 1) / R * R; /* the last chunk's rows to where logits() reads them */
+    q.tokens = tokens + last, q.n = f.N = n - last, q.logits_mode = logits_out ? QF_LOGITS_LAST : QF_LOGITS_NONE, q.logits = logits_out;
+    OPS->zero(be, WS(ws, x), (size_t)f.N * H * sizeof(float));
+    OPS->axpy(be, WS(ws, x), ws->px + (size_t)last * H, 1.0f, (int64_t)f.N * H);
+    logits(&f);
+    return OPS->step_end ? OPS->step_end(be, 0) : QF_OK;
+}
+
 int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, const int32_t *tokens, int n,
                    int logits_mode, float *logits_out) {
     if (n < 1) return qf_fail(QF_EINVAL, "no tokens to run");
+    if (n > ws->max_rows && n <= ws->px_tokens && ws->max_rows > QF_DEC_ROWS && logits_mode != QF_LOGITS_ALL && m->experts && m->experts->ops->wide_table &&
+        OPS->zero)
+        return forward_layered(m, be, ws, st, tokens, n, logits_mode == QF_LOGITS_LAST ? logits_out : NULL);
     for (int i = 0; i < n; i += ws->max_rows) {
         int cnt = n - i < ws->max_rows ? n - i : ws->max_rows;
         int last = i + cnt == n;

@@ -141,6 +141,11 @@ size_t qf_state_bytes(const qf_model *m);
 typedef struct qf_workspace qf_workspace;
 qf_workspace *qf_workspace_create(const qf_model *m, int max_rows);
 void qf_workspace_free(qf_workspace *ws);
+/* A buffer for the hidden states of prompts up to `tokens` long (nothing when that is no more than
+ * the workspace's rows): with it, qf_forward_seq runs a longer prompt layer by layer when the expert
+ * store stages layers (wide_table), so each layer's experts cross the link once for the whole
+ * prompt. Allocated once, here. */
+int qf_workspace_reserve_prompt(qf_workspace *ws, int tokens);
 int qf_workspace_rows(const qf_workspace *ws);
 /* Debug/test hook: called with the hidden state [rows][hidden] after the embedding (index 0),
  * after each layer (1..n_layers-1) and after the final norm (n_layers), as HF's hidden_states. */

@@ -9,8 +9,10 @@
 
 struct qf_workspace {
     qf_backend *dev; /* where f lives (NULL: host) */
-    int max_rows, max_logit_rows;
+    int max_rows, max_logit_rows, hidden;
     float *f;
+    float *px;     /* (px_tokens, hidden): a long prompt's hidden states, layer by layer (may be NULL) */
+    int px_tokens;
     size_t x_off, xn_off, tmp_off, big_off, conv_off, kb_off, vb_off, z_off, bb_off, aa_off, core_off;
     size_t rl_off, topw_off, asw_off, ex_in_off, ex_g_off, ex_u_off, ex_h_off, ex_out_off, moe_off, shs_off;
     size_t lrows_off, lg_off, att_off;

@@ -23,6 +23,7 @@ typedef struct qf_engine_opts {
     const char *expert_policy;  /* lru, dlfu or dlfu-admit (NULL: dlfu-admit) */
     int reserve_seqs, reserve_tokens; /* what the caller allocates on the device after load: states, KV tokens */
     size_t reserve_kv_bytes;          /* or the KV pool's bytes, when the caller sizes it so */
+    int max_prompt;                   /* with streamed experts: the longest prompt run layer by layer at once (0: 8192) */
     void (*progress)(void *ud, int done, int total);
     void *progress_ud;
 } qf_engine_opts;
@@ -30,7 +31,8 @@ typedef struct qf_engine_opts {
 /* Where the device memory goes when the routed experts stream (runtime/flash.c), bytes. */
 typedef struct qf_flash_plan {
     int active;                                 /* an expert cache on the device */
-    size_t budget, device_total, context, trunk, workspace, reserve, scratch, buffer;
+    size_t budget, device_total, context, trunk, workspace, reserve, margin, buffer;
+    size_t stage;                               /* of the buffer: two layers' experts for prompt chunks (0: none) */
     size_t host_experts;                        /* host memory the experts take (pinned) */
     size_t slot_bytes;
     int slots, n_experts, n_layers, policy;

@@ -42,19 +42,12 @@ static size_t reserve_bytes(const qf_model *m, const qf_engine_opts *o) {
     return (size_t)seqs * qf_state_bytes(m) + kv;
 }
 
-/* Scratch the device's ops grow to for a step of `rows` rows (MoE buffers: the widest), plus the
- * libraries' work areas and graphs: an estimate the warm-up then checks. */
-static size_t scratch_bytes(const qf_config *c, int rows) {
-    size_t moe = (size_t)rows * (size_t)c->n_experts_used * (size_t)(c->expert_ffn + c->hidden) * 12;
-    return moe + ((size_t)256 << 20);
-}
-
-/* Runs one prompt of the workspace's rows and a few decode steps on a state of its own, so the
- * ops' scratch and the step graph exist before any request (memory stays flat after load). */
-static int warm_up(qf_engine *e) {
-    int R = qf_workspace_rows(e->ws);
+/* Runs a prompt of the workspace's rows (prompt: 1) and a few decode steps on a state of its own,
+ * so the ops' scratch and the step graph exist before any request (memory stays flat after load). */
+static int warm_up(qf_engine *e, int prompt) {
+    int R = prompt ? qf_workspace_rows(e->ws) : 1;
     qf_state *st = qf_state_create(e->model, R + 4);
-    int32_t *tok = calloc((size_t)R, sizeof *tok);
+    int32_t *tok = calloc((size_t)R + 1, sizeof *tok);
     int rc = st && tok ? QF_OK : qf_fail(QF_ENOMEM, "out of memory for the warm-up");
     if (rc == QF_OK) rc = qf_forward_seq(e->model, &e->be, e->ws, st, tok, R, QF_LOGITS_LAST, e->logits);
     for (int i = 0; i < 3 && rc == QF_OK; i++) { /* eager, recorded, replayed */
@@ -75,23 +68,23 @@ static int policy_of(const char *name) {
 
 /* The plan's buffer from the budget (or the flag), checked against the minimum and the device. */
 static int plan_buffer(qf_flash_plan *p, const qf_engine_opts *o, size_t cache_bytes, size_t free_now, int top_k) {
-    size_t fixed = p->context + p->trunk + p->workspace + p->reserve + p->scratch;
-    if (p->budget && p->budget > p->device_total)
-        return qf_fail(QF_EINVAL, "--gpu-mem %.1f GiB is more than the device's %.1f GiB", (double)p->budget / GIB, (double)p->device_total / GIB);
+    size_t fixed = p->context + p->trunk + p->workspace + p->reserve + p->margin;
     if (cache_bytes) p->buffer = cache_bytes;
     else p->buffer = p->budget > fixed ? p->budget - fixed : 0;
-    size_t per_layer = p->slot_bytes * (size_t)p->n_layers;
-    p->slots = (int)(p->buffer / per_layer);
-    if (p->slots > p->n_experts) p->slots = p->n_experts, p->buffer = per_layer * (size_t)p->n_experts;
+    size_t per_layer = p->slot_bytes * (size_t)p->n_layers, stage = 2 * p->slot_bytes * (size_t)p->n_experts;
+    /* prompt chunks stage whole layers when that leaves the decode slots twice their minimum */
+    p->stage = p->buffer >= stage + per_layer * (size_t)(4 * top_k) ? stage : 0;
+    p->slots = (int)((p->buffer - p->stage) / per_layer);
+    if (p->slots > p->n_experts) p->slots = p->n_experts, p->buffer = per_layer * (size_t)p->n_experts + p->stage;
     int least = 2 * top_k; /* a token's experts and as many again: below that every step evicts what the next one needs */
     if (p->slots < least)
         return qf_fail(QF_EINVAL,
                        "%s leaves %.0f MiB for the expert buffer: %d slots a layer, at least %d (2 x top-%d) are needed: %.0f MiB of buffer, "
-                       "a budget of at least %.2f GiB (context %.0f, trunk %.0f, workspace %.0f, states and KV %.0f, scratch %.0f MiB)",
+                       "a budget of at least %.2f GiB (context %.0f, trunk %.0f, workspace and scratch %.0f, states and KV %.0f, margin %.0f MiB)",
                        cache_bytes ? "--expert-cache" : "the GPU budget", (double)p->buffer / MIB, p->slots, least, top_k,
                        (double)(per_layer * (size_t)least) / MIB, (double)(fixed + per_layer * (size_t)least) / GIB, (double)p->context / MIB,
-                       (double)p->trunk / MIB, (double)p->workspace / MIB, (double)p->reserve / MIB, (double)p->scratch / MIB);
-    size_t need = p->buffer + p->reserve + p->scratch;
+                       (double)p->trunk / MIB, (double)p->workspace / MIB, (double)p->reserve / MIB, (double)p->margin / MIB);
+    size_t need = p->buffer + p->reserve + p->margin;
     if (need > free_now)
         return qf_fail(QF_EINVAL, "the expert buffer (%.0f MiB) with states, KV and scratch needs %.0f MiB; the device has %.0f MiB free", (double)p->buffer / MIB,
                        (double)need / MIB, (double)free_now / MIB);
@@ -99,6 +92,8 @@ static int plan_buffer(qf_flash_plan *p, const qf_engine_opts *o, size_t cache_b
     return QF_OK;
 }
 
+/* The experts pinned at home and the model warmed up without slots, the memory everything else
+ * takes is measured, and the expert buffer gets what the budget leaves. */
 int qf_flash_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk) {
     qf_model *m = e->model;
     const qf_config *c = &m->cfg;
@@ -111,20 +106,27 @@ int qf_flash_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size
     m->experts->ops->release(m->experts, 0, 0);
     size_t free_now = 0, total = 0;
     e->be.ops->mem_info(&e->be, &free_now, &total);
-    *p = (qf_flash_plan){1, o->gpu_mem, total, total - free_start, free_start - free_trunk, free_trunk - free_now, reserve_bytes(m, o),
-                         scratch_bytes(c, qf_workspace_rows(e->ws)), 0, 0, qf_es_slot_bytes(&x0), 0, c->n_experts, c->n_layers, policy, 0};
+    *p = (qf_flash_plan){.active = 1, .budget = o->gpu_mem, .device_total = total, .slot_bytes = qf_es_slot_bytes(&x0), .n_experts = c->n_experts,
+                         .n_layers = c->n_layers, .policy = policy};
     p->host_experts = p->slot_bytes * (size_t)c->n_experts * (size_t)c->n_layers;
     double ram = host_ram();
     if (ram > 0 && (double)p->host_experts > 0.9 * ram)
         return qf_fail(QF_EINVAL, "the routed experts take %.1f GiB of host memory to stream from; this machine has %.1f GiB of RAM",
                        (double)p->host_experts / GIB, ram / GIB);
-    if ((rc = plan_buffer(p, o, cache_bytes, free_now, c->n_experts_used)) != QF_OK) return rc;
+    if (p->budget > total)
+        return qf_fail(QF_EINVAL, "--gpu-mem %.1f GiB is more than the device's %.1f GiB", (double)p->budget / GIB, (double)total / GIB);
     qf_expert_store *s;
-    rc = qf_es_devcache_create(&s, m->experts, &e->be, c->n_layers, c->n_experts, c->n_experts_used, p->slots, policy);
-    if (rc != QF_OK) return rc;
+    if ((rc = qf_es_devcache_create(&s, m->experts, &e->be, c->n_layers, c->n_experts, c->n_experts_used)) != QF_OK) return rc;
     m->experts = s;
     qf_model_dec_check(m);
-    if ((rc = warm_up(e)) != QF_OK) return rc;
+    if ((rc = qf_workspace_reserve_prompt(e->ws, o->max_prompt > 0 ? o->max_prompt : 8192)) != QF_OK) return rc;
+    if ((rc = warm_up(e, 1)) != QF_OK) return rc;
+    e->be.ops->mem_info(&e->be, &free_now, &total);
+    p->context = total - free_start, p->trunk = free_start - free_trunk, p->workspace = free_trunk - free_now;
+    p->reserve = reserve_bytes(m, o), p->margin = (size_t)64 << 20;
+    if ((rc = plan_buffer(p, o, cache_bytes, free_now, c->n_experts_used)) != QF_OK) return rc;
+    if ((rc = qf_es_devcache_set_slots(s, p->slots, policy, p->stage > 0)) != QF_OK) return rc;
+    if ((rc = warm_up(e, 0)) != QF_OK) return rc; /* the step graph again, with the cache's kernels */
     e->be.ops->mem_info(&e->be, &free_now, &total);
     p->used_after_warmup = total - free_now;
     return QF_OK;
@@ -132,12 +134,13 @@ int qf_flash_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size
 
 void qf_flash_print(FILE *f, const qf_flash_plan *p) {
     if (!p->active) return;
-    fprintf(f, "expert streaming plan (MiB): context %.0f, trunk %.0f, workspace %.0f, states and KV %.0f (reserved), scratch %.0f (estimated), expert buffer %.0f",
-            (double)p->context / MIB, (double)p->trunk / MIB, (double)p->workspace / MIB, (double)p->reserve / MIB, (double)p->scratch / MIB,
+    fprintf(f, "expert streaming plan (MiB): context %.0f, trunk %.0f, workspace and scratch %.0f (measured after a warm-up), states and KV %.0f (reserved), "
+               "margin %.0f, expert buffer %.0f",
+            (double)p->context / MIB, (double)p->trunk / MIB, (double)p->workspace / MIB, (double)p->reserve / MIB, (double)p->margin / MIB,
             (double)p->buffer / MIB);
     if (p->budget) fprintf(f, " of a budget of %.0f", (double)p->budget / MIB);
-    fprintf(f, "\n  %d of %d experts a layer in device slots (%.1f%% resident, %s), the rest read from %.1f GiB of pinned host memory; "
-               "device memory in use after warm-up %.0f MiB of %.0f\n",
-            p->slots, p->n_experts, 100.0 * p->slots / p->n_experts, qf_policy_name(p->policy), (double)p->host_experts / GIB,
-            (double)p->used_after_warmup / MIB, (double)p->device_total / MIB);
+    fprintf(f, "\n  %d of %d experts a layer in device slots (%.1f%% resident, %s), the rest read from %.1f GiB of pinned host memory; ",
+            p->slots, p->n_experts, 100.0 * p->slots / p->n_experts, qf_policy_name(p->policy), (double)p->host_experts / GIB);
+    if (p->stage) fprintf(f, "prompt chunks stage whole layers (2 x %.0f MiB of the buffer); ", (double)p->stage / 2 / MIB);
+    fprintf(f, "device memory in use after warm-up %.0f MiB of %.0f\n", (double)p->used_after_warmup / MIB, (double)p->device_total / MIB);
 }

@@ -16,6 +16,7 @@
 
 #include "base/timer.h"
 #include "base/utf8.h"
+#include "runtime/flash.h"
 #include "server/srv_int.h"
 
 /* ---- loading ---- */
@@ -30,6 +31,7 @@ static void *load_main(void *arg) {
         rc = qf_chat_tmpl_parse(&s->tmpl, qf_tok_chat_template(s->e->tok));
         s->has_tmpl = rc == QF_OK;
     }
+    if (rc == QF_OK) qf_flash_print(stderr, &s->e->plan);
     if (rc == QF_OK) rc = qf_sched_create(&s->sched, s->e, &o->sched);
     if (rc != QF_OK) {
         fprintf(stderr, "error: %s\n", qf_last_error());

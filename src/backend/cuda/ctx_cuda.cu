@@ -170,6 +170,24 @@ void cu_mem_info(qf_backend *be, size_t *free_bytes, size_t *total_bytes) {
     cudaMemGetInfo(free_bytes, total_bytes);
 }
 
+// Staged copies run on the copy stream beside the ops (stream 0): after every op queued so far
+// (stage_ev[2] marks them), and the ops wait for a buffer's copies only where they read it.
+void cu_stage(qf_backend *be, int buf, int n, void *const *dst, const void *const *src, const size_t *bytes) {
+    ctx *c = C(be);
+    if (!c->copy_stream || !c->stage_ev[0] || !c->stage_ev[1] || !c->stage_ev[2] || buf < 0 || buf > 1)
+        return dev_fail(c, "stage: no copy stream (or buffer %d is not 0 or 1)", buf);
+    check(c, cudaEventRecord(c->stage_ev[2], 0), "stage: mark the ops");
+    check(c, cudaStreamWaitEvent(c->copy_stream, c->stage_ev[2], 0), "stage: order after the ops");
+    for (int i = 0; i < n; i++) check(c, cudaMemcpyAsync(dst[i], src[i], bytes[i], cudaMemcpyHostToDevice, c->copy_stream), "stage: copy");
+    check(c, cudaEventRecord(c->stage_ev[buf], c->copy_stream), "stage: mark the copies");
+}
+
+void cu_stage_wait(qf_backend *be, int buf) {
+    ctx *c = C(be);
+    if (buf < 0 || buf > 1 || !c->stage_ev[buf]) return dev_fail(c, "stage_wait: buffer %d is not 0 or 1", buf);
+    check(c, cudaStreamWaitEvent(0, c->stage_ev[buf], 0), "stage: wait for the copies");
+}
+
 void cu_zero(qf_backend *be, void *p, size_t n) {
     ctx *c = C(be);
     cudaMemsetAsync(p, 0, n, 0);
@@ -231,6 +249,10 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device, const qf_cuda_op
     c->gs.argbuf = (unsigned char *)malloc(G_ARG_BYTES); // NULL: every replayed node is re-set
     c->gs.pin_out_cap = (size_t)64 << 20;
     if (cudaMallocHost((void **)&c->gs.pin_out, c->gs.pin_out_cap) != cudaSuccess) c->gs.pin_out = NULL, c->gs.pin_out_cap = 0;
+    if (cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking) != cudaSuccess) c->copy_stream = NULL;
+    for (int i = 0; i < 3; i++)
+        if (cudaEventCreateWithFlags(&c->stage_ev[i], cudaEventDisableTiming) != cudaSuccess) c->stage_ev[i] = NULL;
+    if (cudaEventCreateWithFlags(&c->tok_ev, cudaEventDisableTiming) != cudaSuccess) c->tok_ev = NULL;
     note_peak(c);
     be->ops = &k_cuda_ops;
     be->dev = c;
@@ -263,6 +285,10 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);
     free(c->gs.argbuf);
+    for (int i = 0; i < 3; i++)
+        if (c->stage_ev[i]) cudaEventDestroy(c->stage_ev[i]);
+    if (c->tok_ev) cudaEventDestroy(c->tok_ev);
+    if (c->copy_stream) cudaStreamDestroy(c->copy_stream);
     cublasDestroy(c->blas);
     free(c);
     be->dev = NULL;

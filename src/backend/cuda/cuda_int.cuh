@@ -128,6 +128,10 @@ struct ctx {
     // host time that took), means printed when the backend is freed
     struct steptime { int on; cudaEvent_t ev[2]; double t0, gpu_ms, host_us, wall_us, set_us; long n, sets; } st;
     int n_tabs;
+    cudaStream_t copy_stream;   // staged host-to-device copies beside the ops (cu_stage)
+    cudaEvent_t stage_ev[3];    // [0], [1]: each staging buffer's copies done; [2]: the ops queued before a stage
+    cudaEvent_t tok_ev;         // the last eager copy of token ids out of gs.pin_tok (cu_embed)
+    int tok_ev_set;
     // The first failure since the last step ended (a kernel that could not take its shape, a
     // launch or copy that failed, scratch that could not grow): the step reports it and fails.
     int err;
@@ -525,6 +529,8 @@ void cu_unpin(qf_backend *be, void *p);
 void *cu_pin_alloc(qf_backend *be, size_t bytes);
 void cu_pin_free(qf_backend *be, void *p);
 void cu_mem_info(qf_backend *be, size_t *free_bytes, size_t *total_bytes);
+void cu_stage(qf_backend *be, int buf, int n, void *const *dst, const void *const *src, const size_t *bytes);
+void cu_stage_wait(qf_backend *be, int buf);
 
 // Argmax partials and per-row counts (dec_gemv_cuda.cu), zeroed once.
 size_t argmax_scratch_bytes(void);

@@ -156,8 +156,11 @@ void cu_embed(qf_backend *be, const qf_mat *emb, const int32_t *ids, int n, floa
         c->gs.pin_tok_cap = cudaMallocHost((void **)&c->gs.pin_tok, (size_t)n * 8) == cudaSuccess ? (size_t)n * 2 : 0;
     }
     if (!d || !c->gs.pin_tok) return;
+    // the staging buffer is reused: an eager copy from it queued by the call before must have run
+    if (c->gs.mode == G_EAGER && c->tok_ev_set) check(c, cudaEventSynchronize(c->tok_ev), "embed: the previous ids' copy");
     memcpy(c->gs.pin_tok, ids, (size_t)n * 4);
     g_copy(c, d, c->gs.pin_tok, (size_t)n * 4, cudaMemcpyHostToDevice);
+    c->tok_ev_set = c->gs.mode == G_EAGER && c->tok_ev && cudaEventRecord(c->tok_ev, 0) == cudaSuccess;
     LAUNCH(c, k_embed, blocks((int64_t)n * emb->cols, 256), 256, emb->data, emb->dtype, emb->cols, d, n, y);
 }
 
@@ -750,5 +753,7 @@ const qf_ops qfc::k_cuda_ops = {
     cu_pin_alloc,
     cu_pin_free,
     cu_mem_info,
+    cu_stage,
+    cu_stage_wait,
 };
 

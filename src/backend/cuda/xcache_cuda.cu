@@ -139,7 +139,6 @@ __device__ void xc_assign(xc_shared &s, const qf_xcache &x, xc_state &g, uint32_
     g.hdr[1] = used, g.hdr[2] = (uint32_t)nf;
     g.ctr[QF_XC_MISSES] += misses, g.ctr[QF_XC_DECLINED] += declined;
     g.ctr[QF_XC_HITS] += (unsigned long long)(s.n_order) - misses;
-    g.ctr[QF_XC_BYTES] += (unsigned long long)nf * x.slot_bytes;
 }
 
 // One block: the step's routed ids (ids, n of them; or, with rl, rows routed here from their
