@@ -49,5 +49,6 @@ int cmd_serve(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_route_replay(int argc, char **argv);
 int cmd_route_record(int argc, char **argv);
+int cmd_synth_export(int argc, char **argv);
 
 #endif

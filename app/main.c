@@ -19,14 +19,19 @@ static void usage(void) {
             "  route-replay TRACE.safetensors [--slots 8,16,64] [--half-life 64]\n"
             "             expert-cache policies replayed over a recorded routing trace (hit rates)\n"
             "  route-record -m DIR -f TEXT -o TRACE.safetensors [-n TOKENS]  a model's routing on a text\n"
+            "  synth-export --synthetic qwen3.6-35b-a3b [--layers N] -o DIR  generated weights as a model directory\n"
             "sampling flags: --temp --top-k --top-p --min-p --repeat-penalty --presence-penalty\n"
             "                --frequency-penalty --seed (defaults from generation_config.json)\n"
             "device flags (run, chat, perplexity, serve, bench):\n"
             "  --device cpu|cuda[:N]              where the model runs (default cpu)\n"
             "  --precision bf16x2|fp32|bf16       GPU prompt-product numerics (default bf16x2)\n"
-            "  --expert-cache SIZE                routed experts through a RAM pool of SIZE (512M, 22G; CPU)\n"
-            "                                     read as needed from the checkpoint (else config_flash.json's\n"
-            "                                     streaming_buffer_size, else all resident)\n"
+            "  --gpu-mem SIZE                     the GPU budget (22G, 12G): trunk, workspace, states and KV on the\n"
+            "                                     device, the routed experts streamed from pinned host memory\n"
+            "                                     through an expert buffer of what is left (the plan is printed)\n"
+            "  --expert-cache SIZE                the expert buffer itself (512M, 22G): on the GPU with --device\n"
+            "                                     cuda, else a RAM pool the CPU reads the checkpoint into as needed\n"
+            "                                     (else config_flash.json's streaming_buffer_size, else all resident)\n"
+            "  --expert-policy lru|dlfu|dlfu-admit  the expert buffer's policy (default dlfu-admit)\n"
             "  --cuda-opt NAME=VALUE              a CUDA backend option, repeatable; these, with defaults:\n");
     qf_cuda_opts_print(stderr, NULL);
 }
@@ -46,6 +51,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "bench")) return cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "route-replay")) return cmd_route_replay(argc - 1, argv + 1);
     if (!strcmp(cmd, "route-record")) return cmd_route_record(argc - 1, argv + 1);
+    if (!strcmp(cmd, "synth-export")) return cmd_synth_export(argc - 1, argv + 1);
     fprintf(stderr, "error: unknown command '%s'\n", cmd);
     usage();
     return 2;

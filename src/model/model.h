@@ -90,6 +90,8 @@ typedef struct qf_synth_opts {
 } qf_synth_opts;
 int qf_model_synthetic(qf_model **out, const qf_synth_opts *so, const qf_load_opts *opts);
 const char *qf_synth_presets(void);
+/* A preset's config.json text (NULL: no such preset). */
+const char *qf_synth_preset_json(const char *name);
 
 /* The full-attention KV cache lives in fixed-size pages from a pool allocated once: a page holds
  * page_tokens tokens' keys and values for every full-attention layer. Not thread-safe: one owner

@@ -32,6 +32,12 @@ static const preset PRESETS[] = {{"qwen3.6-35b-a3b", QWEN36_35B_A3B}, {"qwen3.5-
 
 const char *qf_synth_presets(void) { return "qwen3.6-35b-a3b, qwen3.5-35b-a3b"; }
 
+const char *qf_synth_preset_json(const char *name) {
+    for (size_t i = 0; i < sizeof PRESETS / sizeof *PRESETS; i++)
+        if (name && strcmp(name, PRESETS[i].name) == 0) return PRESETS[i].json;
+    return NULL;
+}
+
 /* ---- deterministic fill, in parallel ---- */
 
 enum { CHUNK = 1 << 16 };
