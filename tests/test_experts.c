@@ -69,6 +69,10 @@ static void fake_destroy(qf_expert_store *s) {
 
 static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, NULL, NULL};
 
+/* The same, taking wide steps too: so a long prompt runs layer by layer. */
+static int fake_wide_table(qf_expert_store *s, int L, int rows, qf_expert_table *out) { return (void)rows, fake_table(s, L, out); }
+static const qf_expert_store_ops k_fake_wide_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, fake_wide_table, NULL};
+
 /* Copy c of every expert filled from the inner store, its views and device tables made. */
 static void fill_copy(fake_store *f, int c) {
     for (int L = 0; L < f->n_layers; L++)
@@ -218,6 +222,39 @@ static void test_failing_store(void) {
     }
     qf_sched_destroy(s);
     qf_engine_close(e);
+}
+
+/* A prompt longer than the workspace, layer by layer (a store that takes wide steps, and a prompt
+ * buffer), gives the logits of running it chunk by chunk bit for bit, and the steps after it too. */
+static void test_layered_prompt(void) {
+    float *out[2] = {NULL, NULL};
+    size_t n = 0;
+    for (int layered = 0; layered < 2; layered++) {
+        qf_model *m;
+        if (qf_model_load(&m, qt_path(MODEL), NULL) != QF_OK) return;
+        int V = m->cfg.vocab;
+        n = (size_t)5 * V;
+        out[layered] = calloc(n, sizeof(float));
+        fake_store *f = wrap(m, 0);
+        if (layered) f->base.ops = &k_fake_wide_ops;
+        qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
+        qf_workspace *ws = qf_workspace_create(m, 24);
+        CHECK(ws && qf_workspace_reserve_prompt(ws, layered ? 64 : 0) == QF_OK, "%s", qf_last_error());
+        qf_state *st = qf_state_create(m, 64);
+        int32_t prompt[40];
+        for (int i = 0; i < 40; i++) prompt[i] = (11 + 389 * i) % V;
+        int rc = qf_forward_seq(m, &be, ws, st, prompt, 40, QF_LOGITS_LAST, out[layered]);
+        for (int s = 1; rc == QF_OK && s < 5; s++) {
+            int32_t tok = qt_argmax(out[layered] + (size_t)(s - 1) * V, V);
+            rc = qf_forward_seq(m, &be, ws, st, &tok, 1, QF_LOGITS_LAST, out[layered] + (size_t)s * V);
+        }
+        CHECK(rc == QF_OK && st->pos == 44, "layered %d: %s (position %d)", layered, qf_last_error(), st->pos);
+        qf_state_free(st);
+        qf_workspace_free(ws);
+        qf_model_free(m);
+    }
+    CHECK(memcmp(out[0], out[1], n * sizeof(float)) == 0, "a prompt layer by layer differs from chunk by chunk by up to %g", qt_max_abs_diff(out[0], out[1], (int64_t)n));
+    free(out[0]), free(out[1]);
 }
 
 /* On a GPU (skipped without one): the bundled model's greedy steps, once straight and once with
@@ -447,6 +484,10 @@ static void test_flash_config(void) {
     qf_engine_opts big = {.n_threads = 1, .expert_cache = (size_t)1 << 50}; /* a PiB */
     CHECK(qf_engine_open(&e, dir, &big) == QF_EINVAL && strstr(qf_last_error(), "of RAM"), "a cache larger than the RAM: %s", qf_last_error());
     qf_engine_close(e);
+    e = NULL;
+    qf_engine_opts gpu = {.n_threads = 1, .gpu_mem = (size_t)1 << 30};
+    CHECK(qf_engine_open(&e, dir, &gpu) == QF_EINVAL && strstr(qf_last_error(), "--device cuda"), "--gpu-mem on the CPU: %s", qf_last_error());
+    qf_engine_close(e);
     for (int i = 0; i < 5; i++) snprintf(dst, sizeof dst, "%s/%s", dir, files[i]), unlink(dst);
     snprintf(dst, sizeof dst, "%s/config_flash.json", dir), unlink(dst);
     rmdir(dir);
@@ -541,6 +582,7 @@ int main(int argc, char **argv) {
     test_moving_store(0);
     test_moving_store(1);
     test_failing_store();
+    test_layered_prompt();
     test_gpu_abandoned_steps();
     test_gpu_devcache();
     return qt_finish();

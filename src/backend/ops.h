@@ -70,6 +70,16 @@ typedef struct qf_expert {
     qf_mat down;     /* [hidden][ffn] */
 } qf_expert;
 
+/* Expert cache policies (experts/cache_policy.c holds their reference; a device runs the first three). */
+enum {
+    QF_POLICY_LRU,     /* least recently used leaves */
+    QF_POLICY_DLFU,    /* lowest decayed use count leaves (counts kept for every expert, halved every half_life ticks) */
+    QF_POLICY_DLFU_AD, /* the same, and a newcomer is admitted only if its count beats the victim's */
+    QF_POLICY_MIN,     /* Belady's optimum: the expert used furthest in the future leaves (replay only: needs next_use) */
+    QF_N_POLICIES
+};
+#define QF_COUNT_ONE 65536u /* a use, in the integer decayed counts */
+
 /* A layer's routed-expert cache in device memory (experts/store_devcache.c): n_slots slots in front
  * of experts that stay in host memory the device reads directly. Before a MoE op reads the table,
  * the device resolves the rows' chosen experts by the policy of experts/cache_policy.h

@@ -11,13 +11,7 @@
 
 #include <stdint.h>
 
-enum {
-    QF_POLICY_LRU,     /* least recently used leaves */
-    QF_POLICY_DLFU,    /* lowest decayed use count leaves (counts kept for every expert, halved every half_life ticks) */
-    QF_POLICY_DLFU_AD, /* the same, and a newcomer is admitted only if its count beats the victim's */
-    QF_POLICY_MIN,     /* Belady's optimum: the expert used furthest in the future leaves (replay only: needs next_use) */
-    QF_N_POLICIES
-};
+#include "backend/ops.h"
 
 const char *qf_policy_name(int policy);
 int qf_policy_parse(const char *name); /* -1: unknown */
@@ -25,8 +19,8 @@ int qf_policy_parse(const char *name); /* -1: unknown */
 /* Counts are integers (QF_COUNT_ONE a use) halved at every multiple of half_life ticks, and victims
  * are the least by (count, last use, slot) or (last use, slot): every step is exact integer work,
  * so a device that keeps the same state makes the same choices (the CUDA expert cache is tested
- * against qf_slot_cache_access). */
-#define QF_COUNT_ONE 65536u
+ * against qf_slot_cache_access). The policies' names are backend/ops.h's, where the device's
+ * cache is defined. */
 
 typedef struct qf_slot_cache {
     int policy, n_experts, n_slots, used, half_life;

@@ -437,8 +437,12 @@ static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, 
     if (rc != QF_OK) return step_fail(be, rc);
     int last = (n - 1) / R * R; /* the last chunk's rows to where logits() reads them */
     q.tokens = tokens + last, q.n = f.N = n - last, q.logits_mode = logits_out ? QF_LOGITS_LAST : QF_LOGITS_NONE, q.logits = logits_out;
-    OPS->zero(be, WS(ws, x), (size_t)f.N * H * sizeof(float));
-    OPS->axpy(be, WS(ws, x), ws->px + (size_t)last * H, 1.0f, (int64_t)f.N * H);
+    if (OPS->zero) { /* device memory: 0 + x is x */
+        OPS->zero(be, WS(ws, x), (size_t)f.N * H * sizeof(float));
+        OPS->axpy(be, WS(ws, x), ws->px + (size_t)last * H, 1.0f, (int64_t)f.N * H);
+    } else {
+        memcpy(WS(ws, x), ws->px + (size_t)last * H, (size_t)f.N * H * sizeof(float));
+    }
     logits(&f);
     return OPS->step_end ? OPS->step_end(be, 0) : QF_OK;
 }
@@ -446,8 +450,7 @@ static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, 
 int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, const int32_t *tokens, int n,
                    int logits_mode, float *logits_out) {
     if (n < 1) return qf_fail(QF_EINVAL, "no tokens to run");
-    if (n > ws->max_rows && n <= ws->px_tokens && ws->max_rows > QF_DEC_ROWS && logits_mode != QF_LOGITS_ALL && m->experts && m->experts->ops->wide_table &&
-        OPS->zero)
+    if (n > ws->max_rows && n <= ws->px_tokens && ws->max_rows > QF_DEC_ROWS && logits_mode != QF_LOGITS_ALL && m->experts && m->experts->ops->wide_table)
         return forward_layered(m, be, ws, st, tokens, n, logits_mode == QF_LOGITS_LAST ? logits_out : NULL);
     for (int i = 0; i < n; i += ws->max_rows) {
         int cnt = n - i < ws->max_rows ? n - i : ws->max_rows;

@@ -5,10 +5,6 @@
 // link, read by the SMs straight from the mapped host memory.
 #include "backend/cuda/cuda_int.cuh"
 
-extern "C" {
-#include "experts/cache_policy.h"
-}
-
 namespace qfc {
 
 #define XC_MAX_E 512
