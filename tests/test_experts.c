@@ -67,11 +67,11 @@ static void fake_destroy(qf_expert_store *s) {
     free(f);
 }
 
-static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, NULL, NULL};
+static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, NULL, NULL, NULL};
 
 /* The same, taking wide steps too: so a long prompt runs layer by layer. */
 static int fake_wide_table(qf_expert_store *s, int L, int rows, qf_expert_table *out) { return (void)rows, fake_table(s, L, out); }
-static const qf_expert_store_ops k_fake_wide_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, fake_wide_table, NULL};
+static const qf_expert_store_ops k_fake_wide_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, fake_wide_table, NULL, NULL};
 
 /* Copy c of every expert filled from the inner store, its views and device tables made. */
 static void fill_copy(fake_store *f, int c) {
@@ -353,6 +353,17 @@ static int gpu_cached(int slots, int policy, int by_token, int stage, float *out
     for (int i = 0; rc == QF_OK && by_token && i < 5; i++) {
         rc = qf_forward_seq(m, &be, ws, st, prompt + i, 1, QF_LOGITS_LAST, out);
         if (slots) bad += policy_diff(m, &be, ref);
+        if (slots && i == 0) { /* the first step fills a slot a layer at least: the log names them */
+            char text[4096];
+            m->experts->ops->describe(m->experts, text, sizeof text);
+            int32_t first;
+            qf_expert_table t;
+            m->experts->ops->table(m->experts, 0, &t);
+            qf_be_download(&be, &first, t.chosen, sizeof first);
+            char want[32];
+            snprintf(want, sizeof want, "L0 e%d>s0", first);
+            CHECK(strncmp(text, want, strlen(want)) == 0 && strstr(text, "copied into slots"), "%d slots: the step's loads: '%s', want '%s...'", slots, text, want);
+        }
     }
     for (int t = 1; rc == QF_OK && t <= GPU_STEPS; t++) {
         int32_t tok = qt_argmax(out + (size_t)(t - 1) * V, V);

@@ -53,6 +53,9 @@ typedef struct qf_expert_store_ops {
      * QF_DEC_ROWS: a prompt chunk, which routes to most experts): the store may stage the whole
      * layer's experts into backend memory for it, and the next layer's meanwhile. */
     int (*wide_table)(qf_expert_store *s, int layer, int rows, qf_expert_table *out);
+    /* Optional: what the last step loaded, as text ("L3 e17>s4 e201>s9 ..., slots a layer in use"),
+     * at most cap bytes (for --verbose logs; never while a step is being recorded). */
+    void (*describe)(qf_expert_store *s, char *buf, size_t cap);
     /* Optional: brings stats up to date where a device counts (qf_es_stats calls it; never while
      * a step is being recorded). */
     void (*refresh)(qf_expert_store *s);

@@ -3,6 +3,7 @@
  * pool of slots in the backend's memory in front of them (ops.h qf_xcache): the device resolves
  * every step's experts itself, so a hit costs no host round trip and decode steps stay one graph.
  * Everything is allocated at creation; nothing is allocated as it runs. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -82,6 +83,30 @@ static void dc_refresh(qf_expert_store *s) {
     s->stats.bytes_loaded += d->staged_bytes;
 }
 
+/* The last step's fills, layer by layer, from each layer's state (a few small downloads). */
+static void dc_describe(qf_expert_store *s, char *buf, size_t cap) {
+    devcache_store *d = (devcache_store *)s;
+    size_t at = 0;
+    int used_min = d->layers[0].x.n_slots, loads = 0;
+    uint32_t head[QF_XC_HEAD_WORDS], *fill = malloc(2 * (size_t)d->layers[0].x.n_slots * sizeof *fill);
+    buf[0] = 0;
+    for (int L = 0; fill && L < d->n_layers && d->layers[L].x.state; L++) {
+        const qf_xcache *x = &d->layers[L].x;
+        uint32_t *w = x->state;
+        qf_be_download(d->be, head, w, sizeof head);
+        int nf = (int)head[2] < x->n_slots ? (int)head[2] : x->n_slots;
+        used_min = (int)head[1] < used_min ? (int)head[1] : used_min;
+        loads += nf;
+        if (!nf) continue;
+        size_t off = QF_XC_HEAD_WORDS + 3 * (size_t)x->n_experts + 2 * (size_t)x->n_slots; /* fill_e, then fill_s */
+        qf_be_download(d->be, fill, w + off, 2 * (size_t)x->n_slots * sizeof *fill);
+        if (at + 1 < cap) at += (size_t)snprintf(buf + at, cap - at, "%sL%d", at ? " | " : "", L);
+        for (int i = 0; i < nf && at + 1 < cap; i++) at += (size_t)snprintf(buf + at, cap - at, " e%u>s%u", fill[i], fill[x->n_slots + i]);
+    }
+    if (at + 1 < cap) snprintf(buf + at, cap - at, "%s%d copied into slots; every layer has %d of %d slots filled", at ? "; " : "", loads, used_min, d->layers[0].x.n_slots);
+    free(fill);
+}
+
 /* Every expert of layer L copied from home into staging buffer b, on the copy engine. */
 static void stage_layer(devcache_store *d, int b, int L) {
     int E = d->n_experts, n = 0;
@@ -137,6 +162,7 @@ static const qf_expert_store_ops k_dc_ops = {
     .table = dc_table,
     .refresh = dc_refresh,
     .wide_table = dc_wide_table,
+    .describe = dc_describe,
 };
 
 static int cmp_span(const void *a, const void *b) {

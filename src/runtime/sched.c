@@ -53,6 +53,7 @@ struct qf_sched {
     qf_engine *e;
     qf_sched_opts o;
     qf_kv_pool *kv;
+    char log_buf[4096];   /* the expert store's step description (--verbose) */
     slot *slots;
     qf_seq_step *steps;
     int *step_slot;
@@ -515,6 +516,7 @@ static int run_step(qf_sched *s) {
     qf_expert_store *es = s->e->model->experts;
     qf_expert_stats es0 = es && s->o.verbose ? qf_es_stats(es) : (qf_expert_stats){0};
     for (int j = 0; j < n; j++) s->slots[s->step_slot[j]].pages_before = s->steps[j].st->n_pages;
+    double t0 = qf_now();
     int rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->steps, n);
     pthread_mutex_lock(&s->mu);
     s->stats.steps++;
@@ -525,9 +527,13 @@ static int run_step(qf_sched *s) {
     if (es && es->stats.slots && s->o.verbose) {
         qf_expert_stats es1 = qf_es_stats(es);
         uint64_t hits = es1.hits - es0.hits, misses = es1.misses - es0.misses;
-        LOG(s, "[FLASH-SCHEDULER] step %llu: %llu experts missed, %.2f MB loaded, %llu hits (%.0f%%)\n", (unsigned long long)step_no,
-            (unsigned long long)misses, (double)(es1.bytes_loaded - es0.bytes_loaded) / 1e6, (unsigned long long)hits,
-            hits + misses ? 100.0 * (double)hits / (double)(hits + misses) : 0.0);
+        double ms = 1e3 * (qf_now() - t0), mb = (double)(es1.bytes_loaded - es0.bytes_loaded) / 1e6;
+        LOG(s, "step %llu: %llu experts missed, %.2f MB over the link in a %.1f ms step (%.1f GB/s), %llu hits (%.0f%%)\n", (unsigned long long)step_no,
+            (unsigned long long)misses, mb, ms, ms > 0 ? mb / ms : 0.0, (unsigned long long)hits, hits + misses ? 100.0 * (double)hits / (double)(hits + misses) : 0.0);
+        if (es->ops->describe) {
+            es->ops->describe(es, s->log_buf, sizeof s->log_buf);
+            LOG(s, "step %llu loads: %s\n", (unsigned long long)step_no, s->log_buf);
+        }
     }
     const char *err = rc == QF_OK ? NULL : qf_last_error();
     for (int j = 0; j < n; j++) {
