@@ -106,6 +106,8 @@ int cmd_verify(int argc, char **argv) {
     if (rc != QF_OK && d.count == 0) qf_diag_report(&d); /* config-level failures come back as one error */
     int n_tensors = m ? m->st.n_tensors : 0, n_files = m ? m->st.n_files : 0;
     check_tokenizer(dir, m ? m->cfg.vocab : 0, &d);
+    qf_flash_config fc;
+    if (qf_flash_config_load(dir, &fc) != QF_OK) qf_diag_report(&d); /* config_flash.json, when there */
     qf_model_free(m);
     if (hash || manifest) hash_files(dir, manifest, &d);
     if (d.count) printf("FAILED: %d problem(s) in %s\n", d.count, dir);

@@ -464,6 +464,45 @@ static void test_expert_cache(const char *dir) {
     free(ref), free(got);
 }
 
+/* config_flash.json's sparsity fields: levels by layer from the schedule, else sparsity_level; a
+ * malformed range, a level outside 0..1, overlapping ranges and unknown keys refused naming them. */
+static void test_flash_schedule(void) {
+    char dir[] = "/tmp/qflash-sched-XXXXXX", path[4200];
+    if (!mkdtemp(dir)) return;
+    snprintf(path, sizeof path, "%s/config_flash.json", dir);
+    struct {
+        const char *body, *error; /* NULL: loads */
+    } cases[] = {
+        {"{\"sparsity_level\": 0.45, \"sparsity_schedule\": [\"layer_1-10:0.3\", \"layer_11-30:0.6\", \"layer_40:1\"]}", NULL},
+        {"{\"sparsity_schedule\": [\"layer_1-10:0.3\", \"layer_10-12:0.5\"]}", "overlaps sparsity_schedule[0]"},
+        {"{\"sparsity_schedule\": [\"layers_1-10:0.3\"]}", "sparsity_schedule[0] must read"},
+        {"{\"sparsity_schedule\": [\"layer_5-2:0.3\"]}", "sparsity_schedule[0] must read"},
+        {"{\"sparsity_schedule\": [\"layer_1-2:0.3x\"]}", "sparsity_schedule[0] must read"},
+        {"{\"sparsity_schedule\": [\"layer_1-2:1.5\"]}", "level 1.5"},
+        {"{\"sparsity_schedule\": \"layer_1-2:0.5\"}", "must be a list"},
+        {"{\"sparsity_level\": -0.1}", "\"sparsity_level\" is -0.1"},
+        {"{\"sparsity_levels\": 0.3}", "unknown field \"sparsity_levels\""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        FILE *f = fopen(path, "w");
+        if (!f) break;
+        fputs(cases[i].body, f);
+        fclose(f);
+        qf_flash_config c;
+        int rc = qf_flash_config_load(dir, &c);
+        if (cases[i].error) CHECK(rc == QF_EFORMAT && strstr(qf_last_error(), cases[i].error), "case %zu: %s", i, rc ? qf_last_error() : "loaded");
+        else CHECK(rc == QF_OK && c.n_ranges == 3, "case %zu: %s", i, qf_last_error());
+        if (i == 0 && rc == QF_OK) {
+            float want[] = {0.3f, 0.3f, 0.6f, 0.6f, 0.45f, 1.0f}, got[] = {qf_flash_config_level(&c, 0, 0), qf_flash_config_level(&c, 9, 0),
+                                                                            qf_flash_config_level(&c, 10, 0), qf_flash_config_level(&c, 29, 0),
+                                                                            qf_flash_config_level(&c, 30, 0), qf_flash_config_level(&c, 39, 0)};
+            for (int k = 0; k < 6; k++) CHECK(got[k] == want[k], "layer level %d: %g, want %g", k, got[k], want[k]);
+        }
+    }
+    unlink(path);
+    rmdir(dir);
+}
+
 /* config_flash.json's streaming_buffer_size (MB) gives the engine its expert cache; the flag wins;
  * a value that is not a size fails the load naming the file. */
 static void test_flash_config(void) {
@@ -486,12 +525,14 @@ static void test_flash_config(void) {
             qf_engine *e = NULL;
             qf_engine_opts eo = {.n_threads = 1, .expert_cache = flag ? (size_t)8 << 20 : 0};
             int rc = qf_engine_open(&e, dir, &eo);
-            if (b == 0 || flag) CHECK(rc == QF_OK && e->model->experts->stats.slots == (flag ? 27 : 9), "config_flash %d, flag %d: %s, slots %d", b, flag,
-                                      rc ? qf_last_error() : "", rc ? -1 : e->model->experts->stats.slots);
-            else CHECK(rc == QF_EFORMAT && strstr(qf_last_error(), "config_flash.json"), "a bad config_flash.json: %s", qf_last_error());
+            if (b == 0) CHECK(rc == QF_OK && e->model->experts->stats.slots == (flag ? 27 : 9), "config_flash %d, flag %d: %s, slots %d", b, flag,
+                              rc ? qf_last_error() : "", rc ? -1 : e->model->experts->stats.slots);
+            else CHECK(rc == QF_EFORMAT && strstr(qf_last_error(), "config_flash.json"), "a bad config_flash.json (flag %d): %s", flag, qf_last_error());
             qf_engine_close(e);
         }
     }
+    FILE *good = fopen(dst, "w");
+    if (good) fputs(bodies[0], good), fclose(good);
     qf_engine *e = NULL;
     qf_engine_opts big = {.n_threads = 1, .expert_cache = (size_t)1 << 50}; /* a PiB */
     CHECK(qf_engine_open(&e, dir, &big) == QF_EINVAL && strstr(qf_last_error(), "of RAM"), "a cache larger than the RAM: %s", qf_last_error());
@@ -591,6 +632,7 @@ int main(int argc, char **argv) {
     test_expert_cache("tests/data/qwen35moe-tiny");
     test_expert_cache("models/qwen36moe-code-14m");
     test_flash_config();
+    test_flash_schedule();
     test_moving_store(0);
     test_moving_store(1);
     test_failing_store();

@@ -211,20 +211,80 @@ int qf_config_load(qf_config *c, const char *dir) {
     return rc;
 }
 
-int qf_flash_config_load(const char *dir, size_t *bytes) {
+/* "layer_A-B:L" or "layer_A:L" (layers from 1, inclusive) into r (0-based); 0 when malformed. */
+static int parse_range(const char *t, int *first, int *last, double *level) {
+    int a, b, n = 0;
+    double l;
+    if (sscanf(t, "layer_%d-%d:%lf%n", &a, &b, &l, &n) == 3 && t[n] == 0) {
+    } else if (n = 0, sscanf(t, "layer_%d:%lf%n", &a, &l, &n) == 2 && t[n] == 0) {
+        b = a;
+    } else {
+        return 0;
+    }
+    *first = a - 1, *last = b - 1, *level = l;
+    return a >= 1 && b >= a && b <= QF_MAX_LAYERS * 64;
+}
+
+/* sparsity_schedule: a list of ranges, each level in 0..1, no two ranges sharing a layer. */
+static void read_schedule(reader *r, json_t *v, qf_flash_config *c) {
+    if (!json_is_array(v) || json_array_size(v) > QF_MAX_SPARSITY_RANGES) {
+        r->rc = qf_fail(QF_EFORMAT, "%s: field \"sparsity_schedule\" must be a list of at most %d strings like \"layer_1-10:0.3\"", r->path,
+                        QF_MAX_SPARSITY_RANGES);
+        return;
+    }
+    for (size_t i = 0; i < json_array_size(v) && r->rc == QF_OK; i++) {
+        json_t *e = json_array_get(v, i);
+        int a, b;
+        double l;
+        if (!json_is_string(e) || !parse_range(json_string_value(e), &a, &b, &l)) {
+            r->rc = qf_fail(QF_EFORMAT, "%s: sparsity_schedule[%zu] must read \"layer_FIRST-LAST:LEVEL\" (layers from 1)", r->path, i);
+            break;
+        }
+        if (!(l >= 0 && l <= 1)) r->rc = qf_fail(QF_EFORMAT, "%s: sparsity_schedule[%zu] has level %g; levels are 0 to 1", r->path, i, l);
+        for (int j = 0; j < c->n_ranges && r->rc == QF_OK; j++)
+            if (a <= c->ranges[j].last && b >= c->ranges[j].first)
+                r->rc = qf_fail(QF_EFORMAT, "%s: sparsity_schedule[%zu] (layers %d-%d) overlaps sparsity_schedule[%d] (layers %d-%d)", r->path, i, a + 1, b + 1,
+                                j, c->ranges[j].first + 1, c->ranges[j].last + 1);
+        c->ranges[c->n_ranges].first = a, c->ranges[c->n_ranges].last = b, c->ranges[c->n_ranges].level = (float)l;
+        c->n_ranges++;
+    }
+}
+
+int qf_flash_config_load(const char *dir, qf_flash_config *out) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config_flash.json", dir);
-    *bytes = 0;
+    memset(out, 0, sizeof *out);
+    out->sparsity_level = -1;
     json_t *j;
     int rc = load_optional(path, &j);
     if (rc != QF_OK || !j) return rc;
     reader r = {path, j, QF_OK};
-    double mb = get_num(&r, j, "streaming_buffer_size", 0);
-    if (json_object_get(j, "streaming_buffer_size") && !json_is_null(json_object_get(j, "streaming_buffer_size")))
-        check_range(&r, "streaming_buffer_size", mb, 0, nextafter(1e9, 0), 1); /* below a petabyte */
-    if (r.rc == QF_OK) *bytes = (size_t)(mb * 1048576.0);
+    const char *key;
+    json_t *v;
+    json_object_foreach(j, key, v) {
+        if (r.rc != QF_OK) break;
+        if (strcmp(key, "streaming_buffer_size") == 0) {
+            double mb = get_num(&r, j, key, 0);
+            if (!json_is_null(v)) check_range(&r, key, mb, 0, nextafter(1e9, 0), 1); /* below a petabyte */
+            if (r.rc == QF_OK) out->buffer_bytes = (size_t)(mb * 1048576.0);
+        } else if (strcmp(key, "sparsity_level") == 0) {
+            double l = get_num(&r, j, key, -1);
+            if (!json_is_null(v)) check_range(&r, key, l, 0, 1, 0);
+            if (r.rc == QF_OK) out->sparsity_level = (float)l;
+        } else if (strcmp(key, "sparsity_schedule") == 0) {
+            read_schedule(&r, v, out);
+        } else {
+            r.rc = qf_fail(QF_EFORMAT, "%s: unknown field \"%s\" (known: streaming_buffer_size, sparsity_level, sparsity_schedule)", path, key);
+        }
+    }
     json_decref(j);
     return r.rc;
+}
+
+float qf_flash_config_level(const qf_flash_config *c, int layer, float dflt) {
+    for (int i = 0; i < c->n_ranges; i++)
+        if (layer >= c->ranges[i].first && layer <= c->ranges[i].last) return c->ranges[i].level;
+    return c->sparsity_level >= 0 ? c->sparsity_level : dflt;
 }
 
 int qf_config_parse(qf_config *c, const char *text, size_t len, const char *label) {

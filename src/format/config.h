@@ -34,9 +34,23 @@ typedef struct qf_config {
 /* Reads dir/config.json and, when present, dir/generation_config.json. Errors name the file and
  * the field; another model_type is QF_EUNSUPPORTED naming it. */
 int qf_config_load(qf_config *cfg, const char *dir);
-/* dir/config_flash.json's streaming_buffer_size (MB) in bytes into *bytes (0: the file or the
- * field is absent); an error naming the file when it does not parse or the value is not a size. */
-int qf_flash_config_load(const char *dir, size_t *bytes);
+/* dir/config_flash.json: the expert buffer (streaming_buffer_size, MB), the sparsity level
+ * (sparsity_level, 0..1) and its per-layer schedule (sparsity_schedule: ["layer_1-10:0.3", ...],
+ * layers from 1, ranges may run past the model's layers). Absent file: all unset. An error names
+ * the file and the field: a value out of range, a malformed or overlapping range, an unknown key. */
+#define QF_MAX_SPARSITY_RANGES 64
+typedef struct qf_flash_config {
+    size_t buffer_bytes;  /* 0: none */
+    float sparsity_level; /* -1: not set */
+    int n_ranges;
+    struct {
+        int first, last; /* layers, from 0, inclusive */
+        float level;
+    } ranges[QF_MAX_SPARSITY_RANGES];
+} qf_flash_config;
+int qf_flash_config_load(const char *dir, qf_flash_config *out);
+/* Layer's level (from 0): its range's, else sparsity_level, else dflt. */
+float qf_flash_config_level(const qf_flash_config *c, int layer, float dflt);
 /* The same from config.json text (no generation_config); label names it in errors. */
 int qf_config_parse(qf_config *cfg, const char *text, size_t len, const char *label);
 

@@ -17,8 +17,11 @@
 /* The expert cache's size: the flag, else config_flash.json's streaming_buffer_size; 0: none. */
 int qf_flash_wanted(const char *dir, const qf_engine_opts *o, size_t *cache_bytes) {
     *cache_bytes = o->expert_cache;
-    if (*cache_bytes || o->gpu_mem || !dir) return QF_OK;
-    return qf_flash_config_load(dir, cache_bytes);
+    if (!dir) return QF_OK;
+    qf_flash_config fc;
+    int rc = qf_flash_config_load(dir, &fc); /* read even when the flags win: a malformed file fails the load */
+    if (rc == QF_OK && !*cache_bytes && !o->gpu_mem) *cache_bytes = fc.buffer_bytes;
+    return rc;
 }
 
 static double host_ram(void) { return (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE); }
