@@ -224,6 +224,70 @@ static void test_failing_store(void) {
     qf_engine_close(e);
 }
 
+/* Routed ids of every MoE layer and row (the route hook), for the sparsity checks. */
+typedef struct id_log {
+    int n, kept_min, dropped, rows, top_k;
+} id_log;
+static void log_ids(void *ud, int layer, const int *ids, int rows, int top_k, const float *x, int hidden) {
+    (void)layer, (void)x, (void)hidden;
+    id_log *g = ud;
+    for (int r = 0; r < rows; r++) {
+        int kept = 0;
+        for (int k = 0; k < top_k; k++) kept += ids[r * top_k + k] >= 0;
+        for (int k = 0; k < top_k; k++) g->n += (k < kept) != (ids[r * top_k + k] >= 0); /* kept ones first, then -1s */
+        g->kept_min = g->rows++ == 0 || kept < g->kept_min ? kept : g->kept_min;
+        g->dropped += top_k - kept, g->top_k = top_k;
+    }
+}
+
+/* The expert level of sparsity: the drop rule on hand-made weights; a level whose threshold no
+ * weight falls under gives the dense logits bit for bit; a real level drops experts (never under
+ * the minimum), and its logits differ from dense. */
+static void test_sparsity_experts(void) {
+    float tw[4] = {0.5f, 0.3f, 0.15f, 0.05f};
+    CHECK(qf_ref_route_drop(tw, 4, 0.1f, 2) == 3 && tw[3] == 0.0f && fabsf(tw[0] - 0.5f / 0.95f) < 1e-7f && fabsf(tw[0] + tw[1] + tw[2] - 1.0f) < 1e-6f,
+          "drop below 0.1: %g %g %g %g", tw[0], tw[1], tw[2], tw[3]);
+    float tw2[4] = {0.4f, 0.3f, 0.2f, 0.1f};
+    CHECK(qf_ref_route_drop(tw2, 4, 0.9f, 2) == 2 && tw2[2] == 0.0f && fabsf(tw2[0] - 0.4f / 0.7f) < 1e-7f, "never under min_k");
+    float tw3[4] = {0.4f, 0.3f, 0.2f, 0.1f};
+    CHECK(qf_ref_route_drop(tw3, 4, 0.01f, 2) == 4 && tw3[0] == 0.4f && tw3[3] == 0.1f, "nothing dropped: weights as routed");
+    float *out[3] = {NULL, NULL, NULL};
+    float levels[3] = {0.0f, 1e-6f, 0.6f};
+    size_t n = 0;
+    id_log g[3];
+    memset(g, 0, sizeof g);
+    for (int i = 0; i < 3; i++) {
+        qf_model *m;
+        if (qf_model_load(&m, qt_path(MODEL), NULL) != QF_OK) return;
+        n = (size_t)(STEPS + 1) * m->cfg.vocab;
+        out[i] = calloc(n, sizeof(float));
+        float lv[QF_MAX_LAYERS];
+        for (int L = 0; L < m->cfg.n_layers; L++) lv[L] = levels[i];
+        CHECK(qf_model_set_sparsity(m, lv) == QF_OK, "%s", qf_last_error());
+        qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
+        int V = m->cfg.vocab;
+        qf_workspace *ws = qf_workspace_create(m, 64);
+        qf_workspace_set_route_hook(ws, log_ids, &g[i]);
+        qf_state *st = qf_state_create(m, 64);
+        int32_t prompt[5] = {11, 400, 23, 7, 91};
+        int rc = qf_forward_seq(m, &be, ws, st, prompt, 5, QF_LOGITS_LAST, out[i]);
+        for (int s = 1; rc == QF_OK && s <= STEPS; s++) {
+            int32_t tok = qt_argmax(out[i] + (size_t)(s - 1) * V, V);
+            rc = qf_forward_seq(m, &be, ws, st, &tok, 1, QF_LOGITS_LAST, out[i] + (size_t)s * V);
+        }
+        CHECK(rc == QF_OK, "%s", qf_last_error());
+        qf_state_free(st);
+        qf_workspace_free(ws);
+        qf_model_free(m);
+    }
+    CHECK(memcmp(out[0], out[1], n * sizeof(float)) == 0 && g[1].dropped == 0, "level 1e-6 differs from dense");
+    CHECK(g[2].dropped > 0 && g[2].kept_min >= qf_sparsity_min_k(g[2].top_k) && g[2].n == 0, "level 0.6: %d dropped, at least %d kept a row, %d misplaced",
+          g[2].dropped, g[2].kept_min, g[2].n);
+    CHECK(memcmp(out[0], out[2], n * sizeof(float)) != 0, "level 0.6 gives the dense logits");
+    fprintf(stderr, "sparsity 0.6 (experts): %d of %d routed experts dropped\n", g[2].dropped, g[2].rows * g[2].top_k);
+    for (int i = 0; i < 3; i++) free(out[i]);
+}
+
 /* A prompt longer than the workspace, layer by layer (a store that takes wide steps, and a prompt
  * buffer), gives the logits of running it chunk by chunk bit for bit, and the steps after it too. */
 static void test_layered_prompt(void) {
@@ -637,6 +701,7 @@ int main(int argc, char **argv) {
     test_moving_store(1);
     test_failing_store();
     test_layered_prompt();
+    test_sparsity_experts();
     test_gpu_abandoned_steps();
     test_gpu_devcache(GPU_MODEL);
     test_gpu_devcache("tests/data/qwen35moe-tiny");

@@ -314,6 +314,26 @@ static void case_bad_template(void) {
     CHECK(run_verify(args, out, sizeof out) == 1 && strstr(out, "chat template cannot be used"), "%s", out);
 }
 
+/* A config_flash.json whose schedule overlaps: verify names the field. */
+static void case_bad_config_flash(void) {
+    char dir[600], src[4096], dst[700];
+    snprintf(dir, sizeof dir, "%s/bad_flash", tmp_root);
+    mkdir(dir, 0755);
+    const char *files[] = {"config.json", "model.safetensors"};
+    for (int i = 0; i < 2; i++) {
+        char rel[700];
+        snprintf(rel, sizeof rel, "tests/data/qwen35moe-tiny/%s", files[i]);
+        if (!realpath(qt_path(rel), src)) exit(2);
+        snprintf(dst, sizeof dst, "%s/%s", dir, files[i]);
+        CHECK(symlink(src, dst) == 0, "symlink %s", dst);
+    }
+    snprintf(dst, sizeof dst, "%s/config_flash.json", dir);
+    write_text(dst, "{\"sparsity_schedule\": [\"layer_1-2:0.3\", \"layer_2-3:0.6\"]}");
+    char args[800], out[8192];
+    snprintf(args, sizeof args, "--no-hash '%s'", dir);
+    CHECK(run_verify(args, out, sizeof out) == 1 && strstr(out, "problem: ") && strstr(out, "sparsity_schedule[1] (layers 2-3) overlaps"), "%s", out);
+}
+
 /* A tokenizer with more ids than the model has rows: verify says so, and the engine refuses it. */
 static void case_tokenizer_too_big(void) {
     const char *d = make_dir("tok_big");
@@ -353,6 +373,7 @@ int main(int argc, char **argv) {
     case_config_values();
     case_tokenizer_too_big();
     case_bad_template();
+    case_bad_config_flash();
     json_decref(orig_hdr);
     qf_mapfile_close(&orig);
     char cmd[400];

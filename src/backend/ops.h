@@ -299,6 +299,9 @@ int qf_be_sync(qf_backend *be);
  * lower index), their weights renormalised to sum 1 (fp32). ti, tw: K entries, best first. Every
  * backend's routing is checked against it. */
 void qf_ref_route(const float *logits, int E, int K, int *ti, float *tw);
+/* Sparsity's expert rule on one row of qf_ref_route's weights (tw, best first): the first
+ * max(min_k, #{w >= tau}) are kept and renormalised to sum 1; returns how many. */
+int qf_ref_route_drop(float *tw, int K, float tau, int min_k);
 
 /* The gated delta rule (the gdn op) in chunks of C tokens, the WY form (backend/cpu/gdn_chunked.c):
  * the reference a chunked device kernel follows. scratch: qf_gdn_chunked_floats(dk, dv, C) floats. */

@@ -107,16 +107,24 @@ static void route(fwd *f, int L, const float *logits) {
     int E = c->n_experts, K = c->n_experts_used;
     float *topw = WS(ws, topw), *asw = WS(ws, asw);
     memset(ws->counts, 0, (size_t)(E + 1) * sizeof(int));
+    float level = f->m->sparsity[L];
     for (int r = 0; r < f->N; r++) {
         qf_ref_route(logits + (size_t)r * E, E, K, ws->topi + r * K, topw + r * K);
-        for (int k = 0; k < K; k++) ws->counts[ws->topi[r * K + k] + 1]++;
+        if (level > 0.0f) { /* dropped experts leave their places as -1 */
+            int kept = qf_ref_route_drop(topw + r * K, K, qf_sparsity_expert_tau(level, K), qf_sparsity_min_k(K));
+            for (int k = kept; k < K; k++) ws->topi[r * K + k] = -1;
+        }
+        for (int k = 0; k < K; k++)
+            if (ws->topi[r * K + k] >= 0) ws->counts[ws->topi[r * K + k] + 1]++;
     }
     if (ws->route_hook) ws->route_hook(ws->route_ud, L, ws->topi, f->N, K, WS(ws, x), c->hidden);
     for (int e = 0; e < E; e++) ws->counts[e + 1] += ws->counts[e];
     /* counts[e] now is the end of group e-1; use it as the fill cursor of group e, then shift back */
     for (int r = 0; r < f->N; r++)
         for (int k = 0; k < K; k++) {
-            int e = ws->topi[r * K + k], slot = ws->counts[e]++;
+            int e = ws->topi[r * K + k];
+            if (e < 0) continue;
+            int slot = ws->counts[e]++;
             ws->asr[slot] = r;
             asw[slot] = topw[r * K + k];
         }

@@ -58,6 +58,8 @@ typedef struct qf_model {
     void **dev_bufs;     /* device copies of the weights, freed with the model */
     int n_dev_bufs;
     int dec_ok;          /* the device's fused decode ops (ops.h qf_dec_ops) fit this model */
+    float sparsity[QF_MAX_LAYERS]; /* each layer's sparsity level (qf_model_set_sparsity); 0: exact */
+    int sparse;                    /* any level above 0 */
     int n_owned, cap_owned;
 } qf_model;
 
@@ -80,6 +82,16 @@ enum { QF_TO_DEVICE_DROP_HOST = 1, QF_TO_DEVICE_EXPERTS_HOME = 2 };
 int qf_model_to_device(qf_model *m, qf_backend *be, int flags);
 /* Whether the device's fused decode ops fit the model with its expert store as it is now. */
 int qf_model_dec_check(qf_model *m);
+
+/* Activation-aware sparsity: a level per layer from 0 (exact, the default) to 1. What a level does,
+ * so far (README's table gives each setting's measured cost):
+ *   experts: a row's routed experts whose renormalised weight is below level / top_k (that share
+ *   of the uniform weight) are dropped, never fewer than ceil(top_k / 2) kept, the rest
+ *   renormalised (qf_ref_route_drop); the shared expert always runs.
+ * levels: [n_layers], NULL for 0 everywhere. The CPU path only: QF_EUNSUPPORTED on a device. */
+int qf_model_set_sparsity(qf_model *m, const float *levels);
+static inline float qf_sparsity_expert_tau(float level, int top_k) { return level / (float)top_k; }
+static inline int qf_sparsity_min_k(int top_k) { return (top_k + 1) / 2; }
 
 /* A model with a real checkpoint's shapes and generated weights (see synthetic.c). */
 typedef struct qf_synth_opts {

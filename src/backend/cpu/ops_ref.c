@@ -213,6 +213,16 @@ void qf_ref_route(const float *l, int E, int K, int *ti, float *tw) {
     for (int k = 0; k < K; k++) tw[k] /= top_sum;
 }
 
+int qf_ref_route_drop(float *tw, int K, float tau, int min_k) {
+    int k = 0;
+    while (k < K && (k < min_k || tw[k] >= tau)) k++;
+    if (k == K) return K; /* nothing dropped: the weights stay exactly as routed */
+    float sum = 0.0f;
+    for (int j = 0; j < k; j++) sum += tw[j];
+    for (int j = 0; j < K; j++) tw[j] = j < k ? tw[j] / sum : 0.0f;
+    return k;
+}
+
 const qf_ops qf_cpu_ops_ref = {
     .name = "cpu-ref",
     .matmul = ref_matmul,
