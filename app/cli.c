@@ -89,6 +89,8 @@ void cli_progress(void *ud, int done, int total) {
 const char *cli_device = "cpu";
 qf_cuda_opts cli_cuda;
 size_t cli_expert_cache, cli_gpu_mem;
+int cli_sparsity_given;
+float cli_sparsity_level;
 const char *cli_expert_policy;
 int cli_reserve_seqs, cli_reserve_tokens;
 
@@ -122,6 +124,9 @@ int cli_device_flag(cli_args *a, const char **device) {
     } else if (cli_is(a, NULL, "--gpu-mem")) {
         const char *v = cli_value(a);
         if (v && !(cli_gpu_mem = parse_size(v))) fprintf(stderr, "error: --gpu-mem takes a size like 22G, 12G or 0.5 (GiB), not '%s'\n", v), a->bad = 1;
+    } else if (cli_is(a, NULL, "--sparsity-level")) {
+        cli_sparsity_level = (float)cli_num(a, 0, 1);
+        cli_sparsity_given = 1;
     } else if (cli_is(a, NULL, "--expert-policy")) {
         const char *v = cli_value(a);
         int p = v ? qf_policy_parse(v) : -1;
@@ -144,6 +149,13 @@ int cli_device_flag(cli_args *a, const char **device) {
 void cli_print_expert_cache(const qf_engine *e) {
     const qf_expert_store *s = e->model->experts;
     const qf_config *c = &e->model->cfg;
+    if (e->notice[0]) fprintf(stderr, "note: %s\n", e->notice);
+    if (e->model->sparse) {
+        float lo = 1, hi = 0;
+        for (int L = 0; L < c->n_layers; L++) lo = e->model->sparsity[L] < lo ? e->model->sparsity[L] : lo, hi = e->model->sparsity[L] > hi ? e->model->sparsity[L] : hi;
+        fprintf(stderr, "sparsity: levels %.2f..%.2f by layer (experts under level / top-%d of the weight dropped, at least %d kept)\n", lo, hi, c->n_experts_used,
+                qf_sparsity_min_k(c->n_experts_used));
+    }
     if (e->plan.active) qf_flash_print(stderr, &e->plan);
     else if (s && s->stats.slots)
         fprintf(stderr, "expert cache: %d of %d experts a layer (%.1f%% resident) and a scratch slot, %.1f MiB of RAM; the rest read from the checkpoint as needed\n",
@@ -152,7 +164,8 @@ void cli_print_expert_cache(const qf_engine *e) {
 
 int cli_open_engine(qf_engine **e, const char *dir, int threads) {
     qf_engine_opts o = {.n_threads = threads, .progress = cli_progress, .device = cli_device, .cuda = &cli_cuda, .expert_cache = cli_expert_cache,
-                        .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy, .reserve_seqs = cli_reserve_seqs, .reserve_tokens = cli_reserve_tokens};
+                        .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy, .reserve_seqs = cli_reserve_seqs, .reserve_tokens = cli_reserve_tokens,
+                        .sparsity_given = cli_sparsity_given, .sparsity_level = cli_sparsity_level};
     int rc = qf_engine_open(e, dir, &o);
     if (rc != QF_OK) {
         fprintf(stderr, "\nerror: %s\n", qf_last_error());

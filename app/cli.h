@@ -33,6 +33,8 @@ extern const char *cli_device;
 extern qf_cuda_opts cli_cuda;
 extern size_t cli_expert_cache; /* --expert-cache (bytes; 0: none) */
 extern size_t cli_gpu_mem;      /* --gpu-mem (bytes; 0: none) */
+extern int cli_sparsity_given;  /* --sparsity-level given */
+extern float cli_sparsity_level;
 extern const char *cli_expert_policy; /* --expert-policy (NULL: the default) */
 extern int cli_reserve_seqs, cli_reserve_tokens; /* what the command allocates on the device after load (the budget plan) */
 void cli_print_expert_cache(const qf_engine *e);

@@ -377,7 +377,8 @@ static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
     qf_synth_opts so = {o->synthetic, o->config, o->layers, 0};
     qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > o->prefill_chunk ? max_c : o->prefill_chunk, .synth = o->model ? NULL : &so, .device = cli_device,
                          .cuda = &cli_cuda, .expert_cache = cli_expert_cache, .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy,
-                         .reserve_seqs = max_c, .reserve_tokens = max_c * (o->prompt_len + o->gen_len + 1), .max_prompt = o->prompt_len};
+                         .reserve_seqs = max_c, .reserve_tokens = max_c * (o->prompt_len + o->gen_len + 1), .max_prompt = o->prompt_len,
+                         .sparsity_given = cli_sparsity_given, .sparsity_level = cli_sparsity_level};
     double t0 = qf_now();
     int rc = qf_engine_open(e, o->model, &eo);
     *load_s = qf_now() - t0;

@@ -91,6 +91,7 @@ int cmd_serve(int argc, char **argv) {
     o.engine.cuda = &cli_cuda;
     o.engine.expert_cache = cli_expert_cache;
     o.engine.gpu_mem = cli_gpu_mem, o.engine.expert_policy = cli_expert_policy;
+    o.engine.sparsity_given = cli_sparsity_given, o.engine.sparsity_level = cli_sparsity_level;
     o.engine.reserve_seqs = o.sched.max_batch;
     o.engine.reserve_tokens = o.sched.kv_pages > 0 ? o.sched.kv_pages * o.sched.page_tokens : o.sched.ctx * o.sched.max_batch;
     o.engine.reserve_kv_bytes = (size_t)(kv_mib * 1048576.0);

@@ -53,6 +53,7 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         if (!e->pool || !e->ws || !e->logits || !e->text) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
     }
     if (rc == QF_OK && e->on_gpu && stream) rc = qf_flash_gpu(e, opts, cache, free_start, free_trunk);
+    if (rc == QF_OK) rc = qf_flash_sparsity(e, dir, opts);
     if (rc != QF_OK) {
         qf_engine_close(e); /* cleanup never touches the error message */
         return rc;

@@ -24,6 +24,8 @@ typedef struct qf_engine_opts {
     int reserve_seqs, reserve_tokens; /* what the caller allocates on the device after load: states, KV tokens */
     size_t reserve_kv_bytes;          /* or the KV pool's bytes, when the caller sizes it so */
     int max_prompt;                   /* with streamed experts: the longest prompt run layer by layer at once (0: 8192) */
+    int sparsity_given;               /* --sparsity-level given: sparsity_level for every layer; else config_flash.json's, else 0 */
+    float sparsity_level;
     void (*progress)(void *ud, int done, int total);
     void *progress_ud;
 } qf_engine_opts;
@@ -51,6 +53,7 @@ typedef struct qf_engine {
     size_t text_cap;
     double load_seconds;
     qf_flash_plan plan;
+    char notice[256]; /* what the caller should tell the user about the load (empty: nothing) */
 } qf_engine;
 
 int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts);

@@ -24,6 +24,23 @@ int qf_flash_wanted(const char *dir, const qf_engine_opts *o, size_t *cache_byte
     return rc;
 }
 
+int qf_flash_sparsity(qf_engine *e, const char *dir, const qf_engine_opts *o) {
+    qf_flash_config fc;
+    int rc = dir ? qf_flash_config_load(dir, &fc) : (memset(&fc, 0, sizeof fc), fc.sparsity_level = -1, QF_OK);
+    float levels[QF_MAX_LAYERS];
+    int from_file = 0;
+    for (int L = 0; rc == QF_OK && L < e->model->cfg.n_layers; L++) {
+        levels[L] = o->sparsity_given ? o->sparsity_level : qf_flash_config_level(&fc, L, 0.0f);
+        from_file |= !o->sparsity_given && levels[L] > 0;
+    }
+    if (rc != QF_OK) return rc;
+    if (from_file && e->on_gpu) { /* the file's schedule where it cannot run yet: dense, and said so */
+        snprintf(e->notice, sizeof e->notice, "config_flash.json's sparsity runs on the CPU only so far: the GPU runs dense (exact)");
+        return QF_OK;
+    }
+    return qf_model_set_sparsity(e->model, levels);
+}
+
 static double host_ram(void) { return (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE); }
 
 int qf_flash_cpu(qf_engine *e, size_t bytes) {

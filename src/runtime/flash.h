@@ -14,5 +14,7 @@ int qf_flash_cpu(qf_engine *e, size_t bytes);
  * before the trunk, free_trunk: after it): the plan, the expert cache, the warm-up. */
 int qf_flash_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk);
 void qf_flash_print(FILE *f, const qf_flash_plan *p);
+/* The model's sparsity levels: the flag for every layer, else config_flash.json's schedule. */
+int qf_flash_sparsity(qf_engine *e, const char *dir, const qf_engine_opts *o);
 
 #endif
