@@ -52,5 +52,6 @@ int cmd_bench(int argc, char **argv);
 int cmd_route_replay(int argc, char **argv);
 int cmd_route_record(int argc, char **argv);
 int cmd_synth_export(int argc, char **argv);
+int cmd_fidelity(int argc, char **argv);
 
 #endif

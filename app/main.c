@@ -19,6 +19,8 @@ static void usage(void) {
             "  route-replay TRACE.safetensors [--slots 8,16,64] [--half-life 64]\n"
             "             expert-cache policies replayed over a recorded routing trace (hit rates)\n"
             "  route-record -m DIR -f TEXT -o TRACE.safetensors [-n TOKENS]  a model's routing on a text\n"
+            "  fidelity   -m DIR -f TEXT [--sparsity-level 0,0.3,0.45,0.6,0.7]  what each sparsity level costs against\n"
+            "             dense: perplexity, KL, top-1 agreement, tokens to a stop, decode speed\n"
             "  synth-export --synthetic qwen3.6-35b-a3b [--layers N] -o DIR  generated weights as a model directory\n"
             "sampling flags: --temp --top-k --top-p --min-p --repeat-penalty --presence-penalty\n"
             "                --frequency-penalty --seed (defaults from generation_config.json)\n"
@@ -32,6 +34,8 @@ static void usage(void) {
             "                                     cuda, else a RAM pool the CPU reads the checkpoint into as needed\n"
             "                                     (else config_flash.json's streaming_buffer_size, else all resident)\n"
             "  --expert-policy lru|dlfu|dlfu-admit  the expert buffer's policy (default dlfu-admit)\n"
+            "  --sparsity-level L                 0 (exact, the default) to 1: drops low-weight routed experts (CPU;\n"
+            "                                     else config_flash.json's sparsity_level / sparsity_schedule)\n"
             "  --cuda-opt NAME=VALUE              a CUDA backend option, repeatable; these, with defaults:\n");
     qf_cuda_opts_print(stderr, NULL);
 }
@@ -52,6 +56,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "route-replay")) return cmd_route_replay(argc - 1, argv + 1);
     if (!strcmp(cmd, "route-record")) return cmd_route_record(argc - 1, argv + 1);
     if (!strcmp(cmd, "synth-export")) return cmd_synth_export(argc - 1, argv + 1);
+    if (!strcmp(cmd, "fidelity")) return cmd_fidelity(argc - 1, argv + 1);
     fprintf(stderr, "error: unknown command '%s'\n", cmd);
     usage();
     return 2;

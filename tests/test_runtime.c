@@ -166,6 +166,24 @@ static void test_cli_perplexity(void) {
     fprintf(stderr, "perplexity %.4f (reference %.4f)\n", ppl, want);
 }
 
+/* fidelity on two windows: level 0 against itself is the perplexity tool's figure with no
+ * divergence; level 0.6 diverges a little (some routed experts dropped). */
+static void test_cli_fidelity(void) {
+    char cmd[4096], out[8192];
+    snprintf(cmd, sizeof cmd, "'%s' perplexity -m '%s' -f '%s/heldout.txt' --windows 2 2>/dev/null; '%s' fidelity -m '%s' -f '%s/heldout.txt' --windows 2 --prompts 2 "
+                              "--max-gen 32 --sparsity-level 0,0.6 2>/dev/null",
+             qflash_bin, model_dir, model_dir, qflash_bin, model_dir, model_dir);
+    int rc = qt_run_capture(cmd, out, sizeof out);
+    double ppl = 0, l0, p0, r0, kl0, q0, t0, l6, p6, r6, kl6, q6, t6;
+    const char *row0 = strstr(out, "\n  0.00 "), *row6 = strstr(out, "\n  0.60 ");
+    CHECK(rc == 0 && sscanf(out, "perplexity: %lf", &ppl) == 1 && row0 && row6, "fidelity output [%s]", out);
+    if (!row0 || !row6) return;
+    CHECK(sscanf(row0, " %lf %lf %lf %lf %lf %lf%%", &l0, &p0, &r0, &kl0, &q0, &t0) == 6 && fabs(p0 - ppl) < 1e-3 && r0 == 1.0 && kl0 == 0 && t0 == 100.0,
+          "level 0: ppl %g (perplexity %g), ratio %g, KL %g, top-1 %g", p0, ppl, r0, kl0, t0);
+    CHECK(sscanf(row6, " %lf %lf %lf %lf %lf %lf%%", &l6, &p6, &r6, &kl6, &q6, &t6) == 6 && kl6 > 0 && q6 >= kl6 && t6 < 100.0 && t6 > 80.0 && fabs(r6 - 1) < 0.05,
+          "level 0.6: ratio %g, KL %g (p99.9 %g), top-1 %g", r6, kl6, q6, t6);
+}
+
 /* route-record on the bundled model's held-out text, then route-replay of the trace: hit rates in
  * range, Belady's optimum at or above every policy, and with a slot for every expert no policy
  * differs (only first uses miss). */
@@ -212,6 +230,7 @@ int main(int argc, char **argv) {
     test_cli_run(t);
     test_cli_chat();
     test_cli_perplexity();
+    test_cli_fidelity();
     test_cli_route();
     qf_tok_free(t);
     json_decref(ref_json);

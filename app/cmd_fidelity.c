@@ -1,0 +1,229 @@
+/* qflash fidelity: what an approximation (a sparsity level) costs against the exact model, on a
+ * text: for every window, dense and approximate states run side by side, and per setting the
+ * perplexity and its ratio to dense, the KL divergence of each next-token distribution from the
+ * dense one (mean and 99.9th percentile), the share of positions with the same top token, greedy
+ * tokens until a stop (end of sequence or a blank line) against dense, and decode speed. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/mapfile.h"
+#include "base/timer.h"
+#include "cli.h"
+
+#define MAX_LEVELS 16
+
+typedef struct fid_opts {
+    const char *model, *file;
+    float levels[MAX_LEVELS];
+    int n_levels, window, windows, prompts, prompt_len, max_gen, threads;
+} fid_opts;
+
+typedef struct fid_row {
+    double nll, kl_sum, same, n;
+    double *kl; /* every position's KL, for the percentile */
+    double stop_tokens, tok_s;
+} fid_row;
+
+static int set_level(qf_engine *e, float level) {
+    float lv[QF_MAX_LAYERS];
+    for (int L = 0; L < e->model->cfg.n_layers; L++) lv[L] = level;
+    return qf_model_set_sparsity(e->model, lv);
+}
+
+/* log-softmax of one row into out (doubles). */
+static void log_softmax(const float *l, int V, double *out) {
+    double mx = l[0], sum = 0;
+    for (int v = 1; v < V; v++) mx = l[v] > mx ? l[v] : mx;
+    for (int v = 0; v < V; v++) sum += exp((double)l[v] - mx);
+    double lse = mx + log(sum);
+    for (int v = 0; v < V; v++) out[v] = (double)l[v] - lse;
+}
+
+static int argmax(const float *l, int V) {
+    int b = 0;
+    for (int v = 1; v < V; v++) b = l[v] > l[b] ? v : b;
+    return b;
+}
+
+/* One chunk's positions: dense logits d against approximate a, next tokens nxt. */
+static void score_chunk(const float *d, const float *a, const int32_t *nxt, int cnt, int V, double *ld, double *la, fid_row *r) {
+    for (int j = 0; j < cnt; j++) {
+        const float *dj = d + (size_t)j * V, *aj = a + (size_t)j * V;
+        log_softmax(dj, V, ld);
+        log_softmax(aj, V, la);
+        double kl = 0;
+        for (int v = 0; v < V; v++) kl += exp(ld[v]) * (ld[v] - la[v]);
+        r->kl[(size_t)r->n] = kl > 0 ? kl : 0;
+        r->kl_sum += r->kl[(size_t)r->n];
+        r->nll -= la[nxt[j]];
+        r->same += argmax(dj, V) == argmax(aj, V);
+        r->n += 1;
+    }
+}
+
+/* Every window through a dense state and an approximate one at level, chunk by chunk. */
+static int run_windows(qf_engine *e, const fid_opts *o, const int32_t *ids, float level, fid_row *r, float *bufs, double *lsm) {
+    int V = e->model->cfg.vocab, chunk = qf_workspace_rows(e->ws) < 64 ? qf_workspace_rows(e->ws) : 64, rc = QF_OK;
+    qf_state *sd = qf_state_create(e->model, o->window), *sa = qf_state_create(e->model, o->window);
+    float *d = bufs, *a = bufs + (size_t)chunk * V;
+    if (!sd || !sa) rc = qf_fail(QF_ENOMEM, "out of memory for two states");
+    for (int w = 0; w < o->windows && rc == QF_OK; w++) {
+        const int32_t *tok = ids + (size_t)w * o->window;
+        qf_state_reset(sd), qf_state_reset(sa);
+        for (int i = 0; i < o->window - 1 && rc == QF_OK; i += chunk) {
+            int cnt = o->window - 1 - i < chunk ? o->window - 1 - i : chunk;
+            qf_seq_step s = {sd, tok + i, cnt, QF_LOGITS_ALL, d, NULL};
+            if ((rc = set_level(e, 0)) == QF_OK) rc = qf_forward(e->model, &e->be, e->ws, &s, 1);
+            s.st = sa, s.logits = a;
+            if (rc == QF_OK && (rc = set_level(e, level)) == QF_OK) rc = qf_forward(e->model, &e->be, e->ws, &s, 1);
+            if (rc == QF_OK) score_chunk(d, a, tok + i + 1, cnt, V, lsm, lsm + V, r);
+        }
+    }
+    qf_state_free(sd), qf_state_free(sa);
+    return rc;
+}
+
+typedef struct stop_ctx {
+    int newlines, tokens;
+} stop_ctx;
+
+/* A stop: a blank line (two newlines with only spaces between) in the generated text. */
+static int on_token(void *ud, int32_t tok, const char *text, size_t len) {
+    stop_ctx *c = ud;
+    (void)tok;
+    c->tokens++;
+    for (size_t i = 0; i < len; i++) {
+        if (text[i] == '\n') c->newlines++;
+        else if (text[i] != ' ' && text[i] != '\t' && text[i] != '\r') c->newlines = 0;
+        if (c->newlines >= 2) return 1;
+    }
+    return 0;
+}
+
+/* Greedy generations from the first prompt_len tokens of the first windows: tokens until a stop
+ * (summed), and decode tok/s over them. */
+static int run_generations(qf_engine *e, const fid_opts *o, const int32_t *ids, float level, fid_row *r) {
+    qf_sampling sp = qf_sampling_default();
+    qf_sampler *smp = qf_sampler_create(e->model->cfg.vocab, &sp);
+    qf_state *st = qf_state_create(e->model, o->prompt_len + o->max_gen + 2);
+    int rc = smp && st ? set_level(e, level) : qf_fail(QF_ENOMEM, "out of memory for a generation");
+    double gen_s = 0, gen_n = 0;
+    for (int p = 0; p < o->prompts && rc == QF_OK; p++) {
+        qf_state_reset(st);
+        qf_sampler_reset(smp);
+        stop_ctx c = {0, 0};
+        qf_gen_request req = {ids + (size_t)p * o->window, o->prompt_len, o->max_gen, smp, on_token, &c};
+        qf_gen_stats gs;
+        rc = qf_engine_generate(e, st, &req, &gs);
+        r->stop_tokens += gs.gen_tokens;
+        gen_s += gs.gen_seconds, gen_n += gs.gen_tokens;
+    }
+    r->tok_s = gen_s > 0 ? gen_n / gen_s : 0;
+    qf_state_free(st);
+    qf_sampler_free(smp);
+    return rc;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static void print_table(const fid_opts *o, fid_row *rows) {
+    printf("%6s %10s %9s %10s %10s %8s %14s %10s %8s\n", "level", "ppl", "ppl ratio", "mean KL", "p99.9 KL", "top-1", "tokens-to-stop", "decode t/s",
+           "speed-up");
+    double ppl0 = exp(rows[0].nll / rows[0].n);
+    for (int i = 0; i < o->n_levels; i++) {
+        fid_row *r = &rows[i];
+        qsort(r->kl, (size_t)r->n, sizeof *r->kl, cmp_double);
+        double ppl = exp(r->nll / r->n), p999 = r->kl[(size_t)((r->n - 1) * 0.999)];
+        printf("%6.2f %10.4f %9.4f %10.2e %10.2e %7.2f%% %14.3f %10.1f %7.2fx\n", o->levels[i], ppl, ppl / ppl0, r->kl_sum / r->n, p999, 100.0 * r->same / r->n,
+               rows[0].stop_tokens > 0 ? r->stop_tokens / rows[0].stop_tokens : 0, r->tok_s, rows[0].tok_s > 0 ? r->tok_s / rows[0].tok_s : 0);
+    }
+    printf("(%d windows of %d tokens; greedy tokens to a stop, end of sequence or a blank line, from %d prompts of %d tokens, at most %d each,\n"
+           " summed against level %.2f's; decode tok/s over those generations)\n",
+           o->windows, o->window, o->prompts, o->prompt_len, o->max_gen, o->levels[0]);
+}
+
+static int parse_levels(const char *s, fid_opts *o) {
+    o->n_levels = 0;
+    for (const char *p = s; *p && o->n_levels < MAX_LEVELS;) {
+        char *end;
+        double v = strtod(p, &end);
+        if (end == p || v < 0 || v > 1 || (*end && *end != ',')) return -1;
+        o->levels[o->n_levels++] = (float)v;
+        p = *end ? end + 1 : end;
+    }
+    return o->n_levels ? 0 : -1;
+}
+
+static int parse_fidelity(int argc, char **argv, fid_opts *o) {
+    cli_args a = {argc, 1, argv, 0};
+    for (; a.i < argc && !a.bad; a.i++) {
+        if (cli_is(&a, "-m", "--model")) o->model = cli_value(&a);
+        else if (cli_is(&a, "-f", "--file")) o->file = cli_value(&a);
+        else if (cli_is(&a, NULL, "--sparsity-level")) {
+            const char *v = cli_value(&a);
+            if (v && parse_levels(v, o)) fprintf(stderr, "error: --sparsity-level takes levels 0..1 separated by commas, not '%s'\n", v), a.bad = 1;
+        } else if (cli_is(&a, NULL, "--window")) o->window = cli_int(&a, 2, 1 << 20);
+        else if (cli_is(&a, NULL, "--windows")) o->windows = cli_int(&a, 1, 1 << 20);
+        else if (cli_is(&a, NULL, "--prompts")) o->prompts = cli_int(&a, 0, 1 << 16);
+        else if (cli_is(&a, NULL, "--prompt-len")) o->prompt_len = cli_int(&a, 1, 1 << 16);
+        else if (cli_is(&a, NULL, "--max-gen")) o->max_gen = cli_int(&a, 1, 1 << 20);
+        else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
+        else if (cli_device_flag(&a, &cli_device)) continue;
+        else fprintf(stderr, "error: unknown option '%s' for fidelity\n", argv[a.i]), a.bad = 1;
+    }
+    if (a.bad || !o->model || !o->file) {
+        fprintf(stderr, "usage: qflash fidelity -m DIR -f TEXT [--sparsity-level 0,0.3,0.45,0.6,0.7] [--window 512] [--windows K]\n"
+                        "                       [--prompts 16] [--prompt-len 32] [--max-gen 256]\n");
+        return 2;
+    }
+    return 0;
+}
+
+int cmd_fidelity(int argc, char **argv) {
+    fid_opts o = {.levels = {0, 0.3f, 0.45f, 0.6f, 0.7f}, .n_levels = 5, .window = 512, .prompts = 16, .prompt_len = 32, .max_gen = 256};
+    int prc = parse_fidelity(argc, argv, &o);
+    if (prc) return prc;
+    char *text = NULL;
+    int32_t *ids = NULL;
+    int n = 0, rc = 1;
+    qf_engine *e = NULL;
+    fid_row rows[MAX_LEVELS];
+    memset(rows, 0, sizeof rows);
+    if (qf_read_file(o.file, &text, NULL) != QF_OK || cli_open_engine(&e, o.model, o.threads) != QF_OK) goto out;
+    if (!e->tok || qf_tok_encode(e->tok, text, strlen(text), &ids, &n) != QF_OK) {
+        fprintf(stderr, "error: %s\n", e->tok ? qf_last_error() : "the model has no tokenizer");
+        goto out;
+    }
+    if (!o.windows || o.windows > n / o.window) o.windows = n / o.window;
+    if (o.prompts > o.windows) o.prompts = o.windows;
+    if (o.windows < 1 || o.prompt_len >= o.window) {
+        fprintf(stderr, "error: %s has %d tokens: fewer than one window of %d (or a prompt as long)\n", o.file, n, o.window);
+        goto out;
+    }
+    int V = e->model->cfg.vocab, chunk = qf_workspace_rows(e->ws) < 64 ? qf_workspace_rows(e->ws) : 64;
+    float *bufs = malloc(2 * (size_t)chunk * V * sizeof(float));
+    double *lsm = malloc(2 * (size_t)V * sizeof(double));
+    rc = bufs && lsm ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
+    for (int i = 0; i < o.n_levels && rc == QF_OK; i++) {
+        double t0 = qf_now();
+        rows[i].kl = malloc((size_t)o.windows * o.window * sizeof(double));
+        rc = rows[i].kl ? run_windows(e, &o, ids, o.levels[i], &rows[i], bufs, lsm) : qf_fail(QF_ENOMEM, "out of memory");
+        if (rc == QF_OK) rc = run_generations(e, &o, ids, o.levels[i], &rows[i]);
+        fprintf(stderr, "level %.2f: %.1f s\n", o.levels[i], qf_now() - t0);
+    }
+    if (rc == QF_OK) print_table(&o, rows);
+    else fprintf(stderr, "error: %s\n", qf_last_error());
+    free(bufs), free(lsm);
+    rc = rc == QF_OK ? 0 : 1;
+out:
+    for (int i = 0; i < MAX_LEVELS; i++) free(rows[i].kl);
+    qf_engine_close(e);
+    free(ids);
+    free(text);
+    return rc;
+}
