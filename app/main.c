@@ -21,6 +21,7 @@ static void usage(void) {
             "  route-record -m DIR -f TEXT -o TRACE.safetensors [-n TOKENS]  a model's routing on a text\n"
             "  fidelity   -m DIR -f TEXT [--sparsity-level 0,0.3,0.45,0.6,0.7]  what each sparsity level costs against\n"
             "             dense: perplexity, KL, top-1 agreement, tokens to a stop, decode speed\n"
+            "  calibrate  -m DIR -f TEXT [-n TOKENS]  trunk sparsity thresholds into DIR/config_flash.json\n"
             "  synth-export --synthetic qwen3.6-35b-a3b [--layers N] -o DIR  generated weights as a model directory\n"
             "sampling flags: --temp --top-k --top-p --min-p --repeat-penalty --presence-penalty\n"
             "                --frequency-penalty --seed (defaults from generation_config.json)\n"
@@ -57,6 +58,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "route-record")) return cmd_route_record(argc - 1, argv + 1);
     if (!strcmp(cmd, "synth-export")) return cmd_synth_export(argc - 1, argv + 1);
     if (!strcmp(cmd, "fidelity")) return cmd_fidelity(argc - 1, argv + 1);
+    if (!strcmp(cmd, "calibrate")) return cmd_calibrate(argc - 1, argv + 1);
     fprintf(stderr, "error: unknown command '%s'\n", cmd);
     usage();
     return 2;

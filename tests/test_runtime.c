@@ -8,6 +8,7 @@
 #include <unistd.h>
 #include <sys/wait.h>
 
+#include "base/mapfile.h"
 #include "runtime/engine.h"
 #include "runtime/sampler.h"
 #include "test_util.h"
@@ -184,6 +185,81 @@ static void test_cli_fidelity(void) {
           "level 0.6: ratio %g, KL %g (p99.9 %g), top-1 %g", r6, kl6, q6, t6);
 }
 
+/* Share of each (layer, group)'s entries under each calibrated threshold, counted by the act hook. */
+typedef struct under_count {
+    const qf_flash_config *fc;
+    double under[8][QF_ACT_GROUPS][QF_TRUNK_GRID], total[8][QF_ACT_GROUPS];
+} under_count;
+static void count_under(void *ud, int layer, int group, const float *x, int rows, int dim) {
+    under_count *u = ud;
+    if (layer >= 8) return;
+    for (size_t i = 0; i < (size_t)rows * dim; i++)
+        for (int k = 0; k < QF_TRUNK_GRID; k++) u->under[layer][group][k] += fabsf(x[i]) < u->fc->trunk[layer][group][k];
+    u->total[layer][group] += (double)rows * dim;
+}
+
+/* calibrate on the first 1024 tokens writes thresholds (verify accepts the file) under which, on
+ * those tokens, 10%..90% of each group's inputs lie; thresholds of 0 mask nothing (the logits at a
+ * level equal those without thresholds), calibrated ones change them. */
+static void test_cli_calibrate(const qf_tokenizer *t) {
+    char dir[] = "/tmp/qflash-calib-XXXXXX", cmd[4096], out[8192];
+    if (!mkdtemp(dir)) return;
+    const char *files[] = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"};
+    for (int i = 0; i < 5; i++) {
+        char src[4096], dst[4200], rel[512];
+        snprintf(rel, sizeof rel, "%s/%s", model_dir, files[i]);
+        snprintf(dst, sizeof dst, "%s/%s", dir, files[i]);
+        CHECK(realpath(rel, src) && symlink(src, dst) == 0, "link %s", dst);
+    }
+    snprintf(cmd, sizeof cmd, "'%s' calibrate -m '%s' -f '%s/heldout.txt' -n 1024 2>&1 && '%s' verify --no-hash '%s' 2>&1", qflash_bin, dir, model_dir, qflash_bin, dir);
+    int rc = qt_run_capture(cmd, out, sizeof out);
+    CHECK(rc == 0 && strstr(out, "calibrated 8 layers on 1024 tokens") && strstr(out, "OK: "), "calibrate: %s", out);
+    qf_flash_config *fc = malloc(sizeof *fc);
+    CHECK(qf_flash_config_load(dir, fc) == QF_OK && fc->trunk_layers == 8, "%s", qf_last_error());
+    char path[4200], *text = NULL;
+    snprintf(path, sizeof path, "%s/heldout.txt", model_dir);
+    int32_t *ids = NULL;
+    int n = 0;
+    qf_engine *e = NULL;
+    qf_engine_opts eo = {.n_threads = 2};
+    if (qf_read_file(path, &text, NULL) == QF_OK && qf_tok_encode(t, text, strlen(text), &ids, &n) == QF_OK && n >= 1024 && qf_engine_open(&e, dir, &eo) == QF_OK) {
+        under_count *u = calloc(1, sizeof *u);
+        u->fc = fc;
+        qf_workspace_set_act_hook(e->ws, count_under, u);
+        qf_state *st = qf_state_create(e->model, 512);
+        for (int i = 0; i < 1024; i += 512) qf_state_reset(st), qf_forward_seq(e->model, &e->be, e->ws, st, ids + i, 512, QF_LOGITS_NONE, NULL);
+        double worst = 0;
+        for (int L = 0; L < 8; L++)
+            for (int g = 0; g < QF_ACT_GROUPS; g++)
+                for (int k = 0; k < QF_TRUNK_GRID; k++) worst = fmax(worst, fabs(u->under[L][g][k] / u->total[L][g] - (k + 1) / 10.0));
+        CHECK(worst < 0.02, "a calibrated threshold's share is off by %.3f", worst);
+        qf_workspace_set_act_hook(e->ws, NULL, NULL);
+        float lv[8], *logits[3];
+        for (int L = 0; L < 8; L++) lv[L] = 0.6f;
+        static float zero[8 * QF_ACT_GROUPS * QF_TRUNK_GRID];
+        for (int run = 0; run < 3; run++) { /* calibrated thresholds, thresholds of 0, none: all at 0.6 */
+            int V = e->model->cfg.vocab;
+            logits[run] = malloc((size_t)V * sizeof(float));
+            qf_model_set_trunk_thresholds(e->model, run == 0 ? &fc->trunk[0][0][0] : run == 1 ? zero : NULL);
+            qf_model_set_sparsity(e->model, lv);
+            qf_state_reset(st);
+            CHECK(qf_forward_seq(e->model, &e->be, e->ws, st, ids, 64, QF_LOGITS_LAST, logits[run]) == QF_OK, "%s", qf_last_error());
+        }
+        int V = e->model->cfg.vocab;
+        CHECK(memcmp(logits[1], logits[2], (size_t)V * sizeof(float)) == 0, "thresholds of 0 changed the logits");
+        CHECK(memcmp(logits[0], logits[2], (size_t)V * sizeof(float)) != 0, "calibrated thresholds at 0.6 left the logits as they were");
+        for (int run = 0; run < 3; run++) free(logits[run]);
+        qf_state_free(st);
+        free(u);
+    } else {
+        CHECK(0, "calibration check setup: %s", qf_last_error());
+    }
+    qf_engine_close(e);
+    free(ids), free(text), free(fc);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0, "rm %s", dir);
+}
+
 /* route-record on the bundled model's held-out text, then route-replay of the trace: hit rates in
  * range, Belady's optimum at or above every policy, and with a slot for every expert no policy
  * differs (only first uses miss). */
@@ -231,6 +307,7 @@ int main(int argc, char **argv) {
     test_cli_chat();
     test_cli_perplexity();
     test_cli_fidelity();
+    test_cli_calibrate(t);
     test_cli_route();
     qf_tok_free(t);
     json_decref(ref_json);

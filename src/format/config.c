@@ -250,6 +250,31 @@ static void read_schedule(reader *r, json_t *v, qf_flash_config *c) {
     }
 }
 
+/* trunk_thresholds: [layers][QF_ACT_GROUPS][QF_TRUNK_GRID] non-negative numbers, each row
+ * non-decreasing (a larger sparsity never has a smaller threshold). */
+static void read_trunk(reader *r, json_t *v, qf_flash_config *c) {
+    size_t L = json_is_array(v) ? json_array_size(v) : 0;
+    if (!L || L > QF_MAX_LAYERS) {
+        r->rc = qf_fail(QF_EFORMAT, "%s: field \"trunk_thresholds\" must be a list of 1 to %d layers (qflash calibrate writes it)", r->path, QF_MAX_LAYERS);
+        return;
+    }
+    for (size_t l = 0; l < L && r->rc == QF_OK; l++) {
+        json_t *layer = json_array_get(v, l);
+        for (int g = 0; g < QF_ACT_GROUPS && r->rc == QF_OK; g++) {
+            json_t *row = json_is_array(layer) && json_array_size(layer) == QF_ACT_GROUPS ? json_array_get(layer, g) : NULL;
+            for (int i = 0; i < QF_TRUNK_GRID && r->rc == QF_OK; i++) {
+                json_t *t = json_is_array(row) && json_array_size(row) == QF_TRUNK_GRID ? json_array_get(row, i) : NULL;
+                double x = json_is_number(t) ? json_number_value(t) : -1;
+                if (!(x >= 0 && x < 1e30) || (i && x < c->trunk[l][g][i - 1]))
+                    r->rc = qf_fail(QF_EFORMAT, "%s: trunk_thresholds[%zu][%d] must be %d non-negative, non-decreasing numbers (%d groups a layer)", r->path, l, g,
+                                    QF_TRUNK_GRID, QF_ACT_GROUPS);
+                else c->trunk[l][g][i] = (float)x;
+            }
+        }
+    }
+    if (r->rc == QF_OK) c->trunk_layers = (int)L;
+}
+
 int qf_flash_config_load(const char *dir, qf_flash_config *out) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config_flash.json", dir);
@@ -273,8 +298,11 @@ int qf_flash_config_load(const char *dir, qf_flash_config *out) {
             if (r.rc == QF_OK) out->sparsity_level = (float)l;
         } else if (strcmp(key, "sparsity_schedule") == 0) {
             read_schedule(&r, v, out);
+        } else if (strcmp(key, "trunk_thresholds") == 0) {
+            read_trunk(&r, v, out);
         } else {
-            r.rc = qf_fail(QF_EFORMAT, "%s: unknown field \"%s\" (known: streaming_buffer_size, sparsity_level, sparsity_schedule)", path, key);
+            r.rc = qf_fail(QF_EFORMAT, "%s: unknown field \"%s\" (known: streaming_buffer_size, sparsity_level, sparsity_schedule, trunk_thresholds)", path,
+                           key);
         }
     }
     json_decref(j);

@@ -39,6 +39,9 @@ int qf_config_load(qf_config *cfg, const char *dir);
  * layers from 1, ranges may run past the model's layers). Absent file: all unset. An error names
  * the file and the field: a value out of range, a malformed or overlapping range, an unknown key. */
 #define QF_MAX_SPARSITY_RANGES 64
+/* Trunk activation groups whose inputs sparsity masks, and the calibrated sparsity grid 0.1..0.9. */
+enum { QF_ACT_MIX_IN, QF_ACT_MIX_OUT, QF_ACT_SH_IN, QF_ACT_SH_DOWN, QF_ACT_GROUPS };
+#define QF_TRUNK_GRID 9
 typedef struct qf_flash_config {
     size_t buffer_bytes;  /* 0: none */
     float sparsity_level; /* -1: not set */
@@ -47,6 +50,8 @@ typedef struct qf_flash_config {
         int first, last; /* layers, from 0, inclusive */
         float level;
     } ranges[QF_MAX_SPARSITY_RANGES];
+    int trunk_layers; /* trunk_thresholds: [layers][QF_ACT_GROUPS][QF_TRUNK_GRID] (0: absent) */
+    float trunk[QF_MAX_LAYERS][QF_ACT_GROUPS][QF_TRUNK_GRID];
 } qf_flash_config;
 int qf_flash_config_load(const char *dir, qf_flash_config *out);
 /* Layer's level (from 0): its range's, else sparsity_level, else dflt. */

@@ -19,6 +19,30 @@ typedef struct fwd {
     int n_seqs, N; /* sequences, total rows */
 } fwd;
 
+/* ---- trunk sparsity (model.h): a projection group's input, host path ---- */
+
+/* The threshold that zeroes `target` of the group's entries on the calibration text, from the
+ * grid 0.1..0.9 (linear between points, from 0 below the first). */
+static float trunk_threshold(const float *grid, float target) {
+    float pos = target * 10.0f;
+    if (pos <= 0.0f) return 0.0f;
+    if (pos >= QF_TRUNK_GRID) return grid[QF_TRUNK_GRID - 1];
+    int i = (int)pos;
+    float lo = i ? grid[i - 1] : 0.0f, hi = grid[i];
+    return lo + (hi - lo) * (pos - (float)i);
+}
+
+/* The calibration hook sees x dense; then, at a level above 0 with thresholds, its small entries
+ * are zeroed in place (the device paths never get here: sparsity is refused there). */
+static void trunk_group(fwd *f, int L, int group, float *x, int rows, int dim) {
+    if (f->ws->act_hook && !f->m->dev) f->ws->act_hook(f->ws->act_ud, L, group, x, rows, dim);
+    float level = f->m->sparsity[L];
+    if (level <= 0.0f || !f->m->trunk_thr || f->m->dev) return;
+    float thr = trunk_threshold(f->m->trunk_thr[L][group], qf_sparsity_trunk_target(level));
+    for (size_t i = 0; i < (size_t)rows * dim; i++)
+        if (fabsf(x[i]) < thr) x[i] = 0.0f;
+}
+
 /* ---- Gated DeltaNet (§5) ---- */
 static void linear_attn(fwd *f, int L, const float *xn, float *out) {
     const qf_model *m = f->m;
@@ -51,6 +75,7 @@ static void linear_attn(fwd *f, int L, const float *xn, float *out) {
     /* gated RMSNorm per v-head: norm(o) * w * silu(z) */
     OPS->rmsnorm(be, core, dv, w->gnorm, N * nv, dv, c->norm_eps, core, dv);
     OPS->swiglu(be, z, core, dv, N * nv, dv, core);
+    trunk_group(f, L, QF_ACT_MIX_OUT, core, N, nv * dv);
     OPS->matmul(be, &w->w_out, core, N, out);
 }
 
@@ -86,6 +111,7 @@ static void full_attn(fwd *f, int L, const float *xn, float *out) {
         OPS->attention(be, &a);
     }
     OPS->sigmoid_mul(be, core, hd, qg + hd, 2 * hd, N * nh, hd);
+    trunk_group(f, L, QF_ACT_MIX_OUT, core, N, nh * hd);
     OPS->matmul(be, &w->wo, core, N, out);
 }
 
@@ -134,27 +160,34 @@ static void route(fwd *f, int L, const float *logits) {
 
 /* fused: the one-row product of ffn_in (router logits, then the shared expert's gate, up and gate
  * logit), or NULL. */
-static int shared_expert(fwd *f, const qf_layer_w *w, const float *xn, const float *fused, float *out) {
+static int shared_expert(fwd *f, int L, float *xn, const float *fused, float *out) {
     const qf_config *c = &f->m->cfg;
+    const qf_layer_w *w = &f->m->layers[L];
     qf_backend *be = f->be;
     qf_workspace *ws = f->ws;
     if (c->shared_ffn > 0) {
-        float *shs = WS(ws, shs), *ex_out = WS(ws, ex_out);
+        float *shs = WS(ws, shs), *ex_out = WS(ws, ex_out), *h = WS(ws, ex_h);
+        int S = c->shared_ffn;
         if (fused) {
-            const float *g = fused + c->n_experts, *u = g + c->shared_ffn;
-            OPS->swiglu(be, g, u, c->shared_ffn, 1, c->shared_ffn, WS(ws, ex_h));
-            OPS->matmul(be, &w->sh_down, WS(ws, ex_h), 1, ex_out);
-            OPS->sigmoid_scale_add(be, out, ex_out, u + c->shared_ffn, 1, c->hidden);
+            const float *g = fused + c->n_experts, *u = g + S;
+            OPS->swiglu(be, g, u, S, 1, S, h);
+            OPS->matmul(be, &w->sh_down, h, 1, ex_out);
+            OPS->sigmoid_scale_add(be, out, ex_out, u + S, 1, c->hidden);
             return QF_OK;
         }
-        swiglu_mlp(f, &w->sh_gate, &w->sh_up, &w->sh_down, xn, f->N, ex_out);
+        trunk_group(f, L, QF_ACT_SH_IN, xn, f->N, c->hidden); /* after the router and the routed experts read it dense */
+        OPS->matmul(be, &w->sh_gate, xn, f->N, WS(ws, ex_g));
+        OPS->matmul(be, &w->sh_up, xn, f->N, WS(ws, ex_u));
+        OPS->swiglu(be, WS(ws, ex_g), WS(ws, ex_u), S, f->N, S, h);
+        trunk_group(f, L, QF_ACT_SH_DOWN, h, f->N, S);
+        OPS->matmul(be, &w->sh_down, h, f->N, ex_out);
         OPS->matmul(be, &w->sh_gate_w, xn, f->N, shs);
         OPS->sigmoid_scale_add(be, out, ex_out, shs, f->N, c->hidden);
     }
     return QF_OK;
 }
 
-static int moe(fwd *f, int L, const float *xn, float *out) {
+static int moe(fwd *f, int L, float *xn, float *out) {
     const qf_model *m = f->m;
     const qf_config *c = &m->cfg;
     const qf_layer_w *w = &m->layers[L];
@@ -171,7 +204,7 @@ static int moe(fwd *f, int L, const float *xn, float *out) {
         if (rc != QF_OK) return rc;
         qf_moe_args a = {t.experts, c->n_experts, c->n_experts_used, N, H, c->expert_ffn, WS(ws, rl), xn, out, t.dev, t.chosen, QF_EXPERT_ID_ROWS, t.cache};
         OPS->moe(be, &a);
-        return shared_expert(f, w, xn, fused, out);
+        return shared_expert(f, L, xn, fused, out);
     }
     route(f, L, WS(ws, rl));
     memset(out, 0, (size_t)N * H * sizeof(float));
@@ -186,7 +219,7 @@ static int moe(fwd *f, int L, const float *xn, float *out) {
         for (int j = 0; j < cnt; j++) OPS->axpy(be, out + (size_t)ws->asr[g0 + j] * H, ex_out + (size_t)j * H, asw[g0 + j], H);
         m->experts->ops->release(m->experts, L, e);
     }
-    return shared_expert(f, w, xn, fused, out);
+    return shared_expert(f, L, xn, fused, out);
 }
 
 /* ---- decode steps through the device's fused ops (ops.h qf_dec_ops): 6-7 launches a layer ---- */
@@ -367,6 +400,7 @@ static int prompt_layer(fwd *f, int L, float *x) {
     int H = c->hidden, rc = QF_OK;
     float *xn = WS(f->ws, xn), *tmp = WS(f->ws, tmp);
     OPS->rmsnorm(be, x, H, w->attn_norm, f->N, H, c->norm_eps, xn, H);
+    trunk_group(f, L, QF_ACT_MIX_IN, xn, f->N, H);
     if (w->kind == QF_LAYER_FULL) full_attn(f, L, xn, tmp);
     else linear_attn(f, L, xn, tmp);
     OPS->axpy(be, x, tmp, 1.0f, (int64_t)f->N * H);

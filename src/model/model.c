@@ -47,6 +47,7 @@ void qf_model_free(qf_model *m) {
     qf_es_destroy(m->experts);
     for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
     free(m->owned);
+    free(m->trunk_thr);
     qf_st_close(&m->st);
     free(m);
 }
@@ -64,6 +65,19 @@ int qf_model_set_sparsity(qf_model *m, const float *levels) {
     if (any && m->dev) return qf_fail(QF_EUNSUPPORTED, "sparsity levels above 0 run on the CPU only so far (no device kernels yet)");
     for (int L = 0; L < m->cfg.n_layers; L++) m->sparsity[L] = levels ? levels[L] : 0.0f;
     m->sparse = any;
+    return QF_OK;
+}
+
+int qf_model_set_trunk_thresholds(qf_model *m, const float *thr) {
+    size_t n = (size_t)m->cfg.n_layers * QF_ACT_GROUPS * QF_TRUNK_GRID;
+    for (size_t i = 0; thr && i < n; i++)
+        if (!(thr[i] >= 0.0f) || (i % QF_TRUNK_GRID && thr[i] < thr[i - 1]))
+            return qf_fail(QF_EINVAL, "trunk threshold %zu is negative or below the one before", i);
+    free(m->trunk_thr);
+    m->trunk_thr = NULL;
+    if (!thr) return QF_OK;
+    if (!(m->trunk_thr = malloc(n * sizeof(float)))) return qf_fail(QF_ENOMEM, "out of memory");
+    memcpy(m->trunk_thr, thr, n * sizeof(float));
     return QF_OK;
 }
 
@@ -147,6 +161,11 @@ int qf_workspace_rows(const qf_workspace *ws) { return ws->max_rows; }
 void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud) {
     ws->hook = fn;
     ws->hook_ud = ud;
+}
+
+void qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud) {
+    ws->act_hook = fn;
+    ws->act_ud = ud;
 }
 
 void qf_workspace_set_route_hook(qf_workspace *ws, qf_route_hook fn, void *ud) {

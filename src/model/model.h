@@ -60,6 +60,7 @@ typedef struct qf_model {
     int dec_ok;          /* the device's fused decode ops (ops.h qf_dec_ops) fit this model */
     float sparsity[QF_MAX_LAYERS]; /* each layer's sparsity level (qf_model_set_sparsity); 0: exact */
     int sparse;                    /* any level above 0 */
+    float (*trunk_thr)[QF_ACT_GROUPS][QF_TRUNK_GRID]; /* [n_layers]: |x| thresholds for trunk sparsity 0.1..0.9 (NULL: none) */
     int n_owned, cap_owned;
 } qf_model;
 
@@ -88,8 +89,15 @@ int qf_model_dec_check(qf_model *m);
  *   experts: a row's routed experts whose renormalised weight is below level / top_k (that share
  *   of the uniform weight) are dropped, never fewer than ceil(top_k / 2) kept, the rest
  *   renormalised (qf_ref_route_drop); the shared expert always runs.
+ *   trunk (with calibrated thresholds, qf_model_set_trunk_thresholds): the inputs of the mixer's
+ *   projections, of out_proj / o_proj, of the shared expert and of its down projection lose the
+ *   entries whose magnitude is under the threshold that zeroes level / 2 of them on the
+ *   calibration text (TEAL's rule; so far the masked products are dense).
  * levels: [n_layers], NULL for 0 everywhere. The CPU path only: QF_EUNSUPPORTED on a device. */
 int qf_model_set_sparsity(qf_model *m, const float *levels);
+/* The trunk's thresholds, [n_layers][QF_ACT_GROUPS][QF_TRUNK_GRID] (copied; NULL: none). */
+int qf_model_set_trunk_thresholds(qf_model *m, const float *thr);
+static inline float qf_sparsity_trunk_target(float level) { return 0.5f * level; }
 static inline float qf_sparsity_expert_tau(float level, int top_k) { return level / (float)top_k; }
 static inline int qf_sparsity_min_k(int top_k) { return (top_k + 1) / 2; }
 
@@ -170,6 +178,10 @@ void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud);
  * block. A device that routes itself does not call it. */
 typedef void (*qf_route_hook)(void *ud, int layer, const int *ids, int rows, int top_k, const float *x, int hidden);
 void qf_workspace_set_route_hook(qf_workspace *ws, qf_route_hook fn, void *ud);
+/* Calibration hook: on the host path, each trunk projection group's input before any sparsity
+ * mask, x [rows][dim] (group: QF_ACT_*). */
+typedef void (*qf_act_hook)(void *ud, int layer, int group, const float *x, int rows, int dim);
+void qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud);
 
 /* TOP1: only the greedy pick of the last token's logits (the first index of the largest), into
  * *top1: where the backend can pick on the device, the logits never travel to the host. */

@@ -26,6 +26,8 @@ struct qf_workspace {
     void *hook_ud;
     qf_route_hook route_hook;
     void *route_ud;
+    qf_act_hook act_hook;
+    void *act_ud;
 };
 
 #define WS(ws, name) ((ws)->f + (ws)->name##_off)

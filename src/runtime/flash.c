@@ -38,6 +38,9 @@ int qf_flash_sparsity(qf_engine *e, const char *dir, const qf_engine_opts *o) {
         snprintf(e->notice, sizeof e->notice, "config_flash.json's sparsity runs on the CPU only so far: the GPU runs dense (exact)");
         return QF_OK;
     }
+    if (fc.trunk_layers && fc.trunk_layers != e->model->cfg.n_layers)
+        return qf_fail(QF_EFORMAT, "%s/config_flash.json: trunk_thresholds has %d layers; the model has %d", dir, fc.trunk_layers, e->model->cfg.n_layers);
+    if (fc.trunk_layers && (rc = qf_model_set_trunk_thresholds(e->model, &fc.trunk[0][0][0])) != QF_OK) return rc;
     return qf_model_set_sparsity(e->model, levels);
 }
 
