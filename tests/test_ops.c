@@ -177,6 +177,57 @@ static void test_conv_carry(void) {
     free(x), free(w), free(s_one), free(s_two), free(y_one), free(y_two);
 }
 
+/* Quest's page rule: a page's bound is never under a key's score in it, and the selection is what
+ * sorting every middle page by bound (then index) and keeping the first budget - 2, with the first
+ * and last pages, gives. Random keys in pages of 16, including pages of equal bounds. */
+static int cmp_bound_desc(const void *a, const void *b, void *ctx) {
+    const float *bd = ctx;
+    int x = *(const int *)a, y = *(const int *)b;
+    return bd[x] != bd[y] ? (bd[x] < bd[y]) - (bd[x] > bd[y]) : (x > y) - (x < y);
+}
+static int cmp_int(const void *a, const void *b) { return (*(const int *)a > *(const int *)b) - (*(const int *)a < *(const int *)b); }
+
+static void test_page_select(void) {
+    int P = 40, PT = 16, hd = 64, bad_bound = 0, bad_sel = 0;
+    float *keys = malloc((size_t)P * PT * hd * sizeof(float)), *kmin = malloc((size_t)P * hd * sizeof(float)), *kmax = malloc((size_t)P * hd * sizeof(float));
+    float q[64], bd[40];
+    int32_t got[40];
+    int idx[40], want[40];
+    for (int round = 0; round < 20; round++) {
+        for (size_t i = 0; i < (size_t)P * PT * hd; i++) keys[i] = qt_frand();
+        if (round % 2) { /* pages 5 and 7 the same, and above the rest: with one middle place, 5 wins the tie */
+            for (int i = 0; i < PT * hd; i++) keys[(size_t)5 * PT * hd + i] *= 4.0f;
+            memcpy(keys + (size_t)7 * PT * hd, keys + (size_t)5 * PT * hd, (size_t)PT * hd * sizeof(float));
+        }
+        for (int c = 0; c < hd; c++) q[c] = qt_frand();
+        for (int p = 0; p < P; p++) {
+            qf_ref_page_summary(keys + (size_t)p * PT * hd, PT, hd, hd, kmin + (size_t)p * hd, kmax + (size_t)p * hd);
+            bd[p] = qf_ref_page_bound(q, kmin + (size_t)p * hd, kmax + (size_t)p * hd, hd);
+            for (int t = 0; t < PT; t++) {
+                float dot = 0;
+                for (int c = 0; c < hd; c++) dot += q[c] * keys[((size_t)p * PT + t) * hd + c];
+                bad_bound += dot > bd[p] + 1e-4f;
+            }
+        }
+        int budget = round % 2 ? 3 : 3 + round;
+        int n = qf_ref_page_select(q, kmin, kmax, P, hd, budget, got);
+        for (int p = 1; p < P - 1; p++) idx[p - 1] = p;
+        qsort_r(idx, (size_t)P - 2, sizeof *idx, cmp_bound_desc, bd);
+        int m = 0;
+        want[m++] = 0;
+        for (int i = 0; i < budget - 2; i++) want[m++] = idx[i];
+        want[m++] = P - 1;
+        qsort(want, (size_t)m, sizeof *want, cmp_int);
+        bad_sel += n != m;
+        for (int i = 0; i < m && n == m; i++) bad_sel += got[i] != want[i];
+    }
+    CHECK(bad_bound == 0, "%d keys score above their page's bound", bad_bound);
+    CHECK(bad_sel == 0, "page selection differs from sorting by bound in %d places", bad_sel);
+    int32_t all[4];
+    CHECK(qf_ref_page_select(q, kmin, kmax, 4, hd, 10, all) == 4 && all[3] == 3, "a budget above the pages takes them all");
+    free(keys), free(kmin), free(kmax);
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     qf_pool *pool = qf_pool_create(qf_cpu_count() > 1 ? qf_cpu_count() : 2);
@@ -205,6 +256,7 @@ int main(int argc, char **argv) {
         tested++;
     }
     test_conv_carry();
+    test_page_select();
     test_gdn_chunked(&ref, 2, 4, 32, 32, 9, 64, 1.0f);     /* one partial chunk */
     test_gdn_chunked(&ref, 2, 4, 32, 32, 100, 16, 1.0f);   /* 7 chunks, the last partial */
     test_gdn_chunked(&ref, 1, 3, 20, 13, 50, 8, 0.1f);     /* odd widths, weak decay */

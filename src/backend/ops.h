@@ -303,6 +303,16 @@ void qf_ref_route(const float *logits, int E, int K, int *ti, float *tw);
  * max(min_k, #{w >= tau}) are kept and renormalised to sum 1; returns how many. */
 int qf_ref_route_drop(float *tw, int K, float tau, int min_k);
 
+/* Sparsity's KV-page rule (Quest): a page's keys summarised per channel by their min and max
+ * (kmin, kmax: [hd] each, over its first n keys of hd floats, rows stride apart) ... */
+void qf_ref_page_summary(const float *keys, int n, int stride, int hd, float *kmin, float *kmax);
+/* ... bound q's score on every key of page p from above: sum over channels of the larger of
+ * q_c kmin_c and q_c kmax_c. A query attends to at most budget of n_pages pages: the first and
+ * the last (the newest keys) always, then those of the highest bounds (ties to the lower page);
+ * out gets them in ascending order, the count is returned. kmin, kmax: [n_pages][hd]. */
+float qf_ref_page_bound(const float *q, const float *kmin, const float *kmax, int hd);
+int qf_ref_page_select(const float *q, const float *kmin, const float *kmax, int n_pages, int hd, int budget, int32_t *out);
+
 /* The gated delta rule (the gdn op) in chunks of C tokens, the WY form (backend/cpu/gdn_chunked.c):
  * the reference a chunked device kernel follows. scratch: qf_gdn_chunked_floats(dk, dv, C) floats. */
 size_t qf_gdn_chunked_floats(int dk, int dv, int C);

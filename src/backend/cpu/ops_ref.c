@@ -223,6 +223,47 @@ int qf_ref_route_drop(float *tw, int K, float tau, int min_k) {
     return k;
 }
 
+void qf_ref_page_summary(const float *keys, int n, int stride, int hd, float *kmin, float *kmax) {
+    for (int c = 0; c < hd; c++) kmin[c] = INFINITY, kmax[c] = -INFINITY;
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < hd; c++) {
+            float k = keys[(size_t)t * stride + c];
+            kmin[c] = k < kmin[c] ? k : kmin[c];
+            kmax[c] = k > kmax[c] ? k : kmax[c];
+        }
+}
+
+float qf_ref_page_bound(const float *q, const float *kmin, const float *kmax, int hd) {
+    float b = 0.0f;
+    for (int c = 0; c < hd; c++) {
+        float lo = q[c] * kmin[c], hi = q[c] * kmax[c];
+        b += lo > hi ? lo : hi;
+    }
+    return b;
+}
+
+int qf_ref_page_select(const float *q, const float *kmin, const float *kmax, int n_pages, int hd, int budget, int32_t *out) {
+    if (budget >= n_pages || n_pages <= 2) {
+        for (int p = 0; p < n_pages; p++) out[p] = p;
+        return n_pages;
+    }
+    if (budget < 2) budget = 2;
+    int n = 0;
+    for (int p = 1; p < n_pages - 1; p++) { /* a middle page is in when fewer than budget - 2 others come before it */
+        float bp = qf_ref_page_bound(q, kmin + (size_t)p * hd, kmax + (size_t)p * hd, hd);
+        int ahead = 0;
+        for (int o = 1; o < n_pages - 1 && ahead < budget - 2; o++) {
+            if (o == p) continue;
+            float bo = qf_ref_page_bound(q, kmin + (size_t)o * hd, kmax + (size_t)o * hd, hd);
+            ahead += bo > bp || (bo == bp && o < p); /* the higher bound first, then the lower page */
+        }
+        if (ahead < budget - 2) out[1 + n++] = p;
+    }
+    out[0] = 0;
+    out[1 + n] = n_pages - 1;
+    return n + 2;
+}
+
 const qf_ops qf_cpu_ops_ref = {
     .name = "cpu-ref",
     .matmul = ref_matmul,
