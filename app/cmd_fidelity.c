@@ -74,7 +74,7 @@ static int run_windows(qf_engine *e, const fid_opts *o, const int32_t *ids, floa
         qf_state_reset(sd), qf_state_reset(sa);
         for (int i = 0; i < o->window - 1 && rc == QF_OK; i += chunk) {
             int cnt = o->window - 1 - i < chunk ? o->window - 1 - i : chunk;
-            qf_seq_step s = {sd, tok + i, cnt, QF_LOGITS_ALL, d, NULL};
+            qf_seq_step s = {sd, tok + i, cnt, QF_LOGITS_ALL, d, NULL, 0, 0};
             if ((rc = set_level(e, 0)) == QF_OK) rc = qf_forward(e->model, &e->be, e->ws, &s, 1);
             s.st = sa, s.logits = a;
             if (rc == QF_OK && (rc = set_level(e, level)) == QF_OK) rc = qf_forward(e->model, &e->be, e->ws, &s, 1);

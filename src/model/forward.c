@@ -32,15 +32,25 @@ static float trunk_threshold(const float *grid, float target) {
     return lo + (hi - lo) * (pos - (float)i);
 }
 
+/* Row r's sparsity level in layer L: its sequence's when the step sets one, else the model's. */
+static float row_level(const fwd *f, int r, int L) {
+    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++)
+        if (r < r0 + f->seqs[s].n) return f->seqs[s].sparsity_set ? f->seqs[s].sparsity : f->m->sparsity[L];
+    return f->m->sparsity[L];
+}
+
 /* The calibration hook sees x dense; then, at a level above 0 with thresholds, its small entries
  * are zeroed in place (the device paths never get here: sparsity is refused there). */
 static void trunk_group(fwd *f, int L, int group, float *x, int rows, int dim) {
     if (f->ws->act_hook && !f->m->dev) f->ws->act_hook(f->ws->act_ud, L, group, x, rows, dim);
-    float level = f->m->sparsity[L];
-    if (level <= 0.0f || !f->m->trunk_thr || f->m->dev) return;
-    float thr = trunk_threshold(f->m->trunk_thr[L][group], qf_sparsity_trunk_target(level));
-    for (size_t i = 0; i < (size_t)rows * dim; i++)
-        if (fabsf(x[i]) < thr) x[i] = 0.0f;
+    if (!f->m->trunk_thr || f->m->dev) return;
+    for (int r = 0; r < rows; r++) {
+        float level = row_level(f, r, L);
+        if (level <= 0.0f) continue;
+        float thr = trunk_threshold(f->m->trunk_thr[L][group], qf_sparsity_trunk_target(level)), *xr = x + (size_t)r * dim;
+        for (int i = 0; i < dim; i++)
+            if (fabsf(xr[i]) < thr) xr[i] = 0.0f;
+    }
 }
 
 /* ---- Gated DeltaNet (§5) ---- */
@@ -133,8 +143,8 @@ static void route(fwd *f, int L, const float *logits) {
     int E = c->n_experts, K = c->n_experts_used;
     float *topw = WS(ws, topw), *asw = WS(ws, asw);
     memset(ws->counts, 0, (size_t)(E + 1) * sizeof(int));
-    float level = f->m->sparsity[L];
     for (int r = 0; r < f->N; r++) {
+        float level = row_level(f, r, L);
         qf_ref_route(logits + (size_t)r * E, E, K, ws->topi + r * K, topw + r * K);
         if (level > 0.0f) { /* dropped experts leave their places as -1 */
             int kept = qf_ref_route_drop(topw + r * K, K, qf_sparsity_expert_tau(level, K), qf_sparsity_min_k(K));
@@ -310,6 +320,8 @@ static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_s
     for (int s = 0; s < n_seqs; s++) {
         const qf_seq_step *q = &seqs[s];
         if (q->n < 1) return qf_fail(QF_EINVAL, "sequence %d of the batch has no tokens", s);
+        if (q->sparsity_set && !(q->sparsity >= 0.0f && q->sparsity <= 1.0f)) return qf_fail(QF_EINVAL, "sparsity level %g is outside 0..1", q->sparsity);
+        if (q->sparsity_set && q->sparsity > 0.0f && m->dev) return qf_fail(QF_EUNSUPPORTED, "sparsity levels above 0 run on the CPU only so far");
         for (int i = 0; i < q->n; i++)
             if (q->tokens[i] < 0 || q->tokens[i] >= m->cfg.vocab)
                 return qf_fail(QF_EINVAL, "token id %d at position %d is outside the vocabulary (0..%d)", q->tokens[i], i, m->cfg.vocab - 1);
@@ -467,7 +479,7 @@ static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, 
     if (m->experts->ops->step) m->experts->ops->step(m->experts);
     if (OPS->step_begin) OPS->step_begin(be, 0, n); /* more rows than a recorded step: run as it goes */
     for (int i = 0; i < n; i += R) OPS->embed(be, &m->embed, tokens + i, n - i < R ? n - i : R, ws->px + (size_t)i * H);
-    qf_seq_step q = {st, NULL, 0, QF_LOGITS_NONE, NULL, NULL};
+    qf_seq_step q = {st, NULL, 0, QF_LOGITS_NONE, NULL, NULL, 0, 0};
     fwd f = {m, be, ws, &q, 1, 0};
     for (int L = 0; L < c->n_layers && rc == QF_OK; L++)
         for (int i = 0; i < n && rc == QF_OK; i += R) {
@@ -497,7 +509,7 @@ int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state
     for (int i = 0; i < n; i += ws->max_rows) {
         int cnt = n - i < ws->max_rows ? n - i : ws->max_rows;
         int last = i + cnt == n;
-        qf_seq_step s = {st, tokens + i, cnt, QF_LOGITS_NONE, NULL, NULL};
+        qf_seq_step s = {st, tokens + i, cnt, QF_LOGITS_NONE, NULL, NULL, 0, 0};
         if (logits_mode == QF_LOGITS_ALL) {
             s.logits_mode = QF_LOGITS_ALL;
             s.logits = logits_out + (size_t)i * m->cfg.vocab;

@@ -195,6 +195,8 @@ typedef struct qf_seq_step {
     int logits_mode;
     float *logits;
     int32_t *top1; /* TOP1 */
+    int sparsity_set; /* this sequence's sparsity level (every layer) instead of the model's (CPU path) */
+    float sparsity;
 } qf_seq_step;
 
 /* Runs the tokens of every sequence through the model at once (sum of n <= workspace rows),

@@ -21,7 +21,8 @@ struct qf_req {
     atomic_int cancel;
     /* set at submit, then the scheduler thread's alone */
     int32_t *toks;
-    int n_prompt, n_toks, cap_toks, n_fed, n_gen, max_tokens, logprobs, ignore_eos, primed, slot;
+    int n_prompt, n_toks, cap_toks, n_fed, n_gen, max_tokens, logprobs, ignore_eos, primed, slot, sparsity_set;
+    float sparsity;
     char stop[QF_MAX_STOP][QF_MAX_STOP_LEN + 1];
     size_t stop_len[QF_MAX_STOP], max_stop;
     int n_stop;
@@ -145,6 +146,7 @@ static qf_req *req_new(qf_sched *s, const qf_req_params *p) {
     r->n_prompt = r->n_toks = p->n_prompt;
     r->logprobs = p->logprobs;
     r->ignore_eos = p->ignore_eos;
+    r->sparsity_set = p->sparsity_set, r->sparsity = p->sparsity;
     r->notify = p->notify;
     r->notify_ud = p->notify_ud;
     r->slot = -1;
@@ -431,7 +433,7 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
                 sl->batch_n = take;
                 /* a plain greedy pick without logprobs: picked where the logits are (on a GPU, only the id comes back) */
                 int mode = take < left ? QF_LOGITS_NONE : r->logprobs < 0 && qf_sampler_is_greedy(r->smp) ? QF_LOGITS_TOP1 : QF_LOGITS_LAST;
-                s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, mode, sl->logits, &sl->top1};
+                s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, mode, sl->logits, &sl->top1, r->sparsity_set, r->sparsity};
                 s->step_slot[n++] = i;
                 rows += take;
                 pages += qf_state_pages_needed(sl->st, take);

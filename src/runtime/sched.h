@@ -49,6 +49,8 @@ typedef struct qf_req_params {
     int n_stop;
     int logprobs;          /* top alternatives per token, -1 = no logprobs */
     int ignore_eos;
+    int sparsity_set;      /* this request's sparsity level instead of the model's */
+    float sparsity;
     void (*notify)(void *ud); /* called from the scheduler thread when output is ready */
     void *notify_ud;
 } qf_req_params;

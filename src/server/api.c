@@ -91,6 +91,12 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
         opt_int(ao, b, "n", 1, 1, &n) || opt_bool(ao, b, "stream", &g->stream) || opt_bool(ao, b, "ignore_eos", &g->p.ignore_eos) ||
         parse_stop(ao, b, &g->p))
         return -1;
+    json_t *sl = json_object_get(b, "sparsity_level"); /* qflash's extension: this request's level, every layer */
+    if (sl && !json_is_null(sl)) {
+        if (opt_num(ao, b, "sparsity_level", 0, 1, &g->p.sparsity)) return -1;
+        if (g->p.sparsity > 0 && s->e->on_gpu) return bad(ao, "'sparsity_level' above 0 runs on the CPU only so far");
+        g->p.sparsity_set = 1;
+    }
     sp->top_k = top_k < 0 ? 0 : (int)top_k; /* -1 means off, as in vLLM */
     if (has_seed) sp->seed = (uint64_t)seed;
     g->p.max_tokens = (int)max_tokens;

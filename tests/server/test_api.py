@@ -307,6 +307,23 @@ def test_sigterm_timeout_aborts_streams_and_refuses_new():
     s.reader.join(5)
 
 
+def test_sparsity_level_per_request(server):
+    """qflash's sparsity_level field: checked like the other numbers, and it reaches the model (the
+    token logprobs move off the dense ones) while a request without it stays dense."""
+    body = {"prompt": "def fib(n):", "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    st, _, txt = post(server, "/v1/completions", dict(body, sparsity_level=1.5))
+    assert st == 400 and "'sparsity_level' must be between 0 and 1" in json.loads(txt)["error"]["message"]
+    st, _, txt = post(server, "/v1/completions", dict(body, sparsity_level="high"))
+    assert st == 400 and "'sparsity_level' must be a number" in json.loads(txt)["error"]["message"]
+    runs = []
+    for level in (None, 0.7, None, 0):
+        b = dict(body) if level is None else dict(body, sparsity_level=level)
+        st, _, txt = post(server, "/v1/completions", b)
+        assert st == 200
+        runs.append(json.loads(txt)["choices"][0]["logprobs"]["token_logprobs"])
+    assert runs[0] == runs[2] == runs[3] and runs[1] != runs[0]
+
+
 def test_expert_cache_serves_the_same():
     """--expert-cache: the same greedy completion as all experts resident, and the cache's loads
     counted in /metrics."""
