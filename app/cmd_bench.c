@@ -190,6 +190,7 @@ typedef struct run_ctx {
 
 typedef struct run_out {
     double prefill_s, ttft_s, decode_s, experts, hits, misses, loaded;
+    qf_sparsity_counts sp; /* what sparsity skipped in the decode steps */
     uint64_t ids; /* FNV-1a of the decoded ids */
 } run_out;
 
@@ -210,6 +211,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
     o->ttft_s = qf_now() - t0;
     o->ids = qf_fnv1a(QF_FNV_BASIS, x->next, (size_t)x->C * sizeof *x->next);
     qf_expert_stats es0 = e->model->experts ? qf_es_stats(e->model->experts) : (qf_expert_stats){0};
+    qf_sparsity_counts sp0 = qf_workspace_sparsity(e->ws);
     double d0 = qf_now();
     for (int i = 0; i < x->G - 1; i++) {
         double s0 = qf_now();
@@ -224,6 +226,8 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
     qf_expert_stats es1 = e->model->experts ? qf_es_stats(e->model->experts) : (qf_expert_stats){0};
     o->experts = x->G > 1 ? (double)(es1.acquires - es0.acquires) / (x->G - 1) : 0;
     o->hits = (double)(es1.hits - es0.hits), o->misses = (double)(es1.misses - es0.misses), o->loaded = (double)(es1.bytes_loaded - es0.bytes_loaded);
+    qf_sparsity_counts sp1 = qf_workspace_sparsity(e->ws);
+    o->sp = (qf_sparsity_counts){sp1.experts - sp0.experts, sp1.experts_dropped - sp0.experts_dropped, sp1.trunk - sp0.trunk, sp1.trunk_zeroed - sp0.trunk_zeroed};
     return QF_OK;
 }
 
@@ -259,6 +263,9 @@ static void summarize(bench_cfg *c, run_out *ro, int R) {
     for (int i = 0; i < c->n_itl; i++) sum += c->itl_ms[i];
     for (int r = 0; r < R; r++) ex += ro[r].experts / R, hits += ro[r].hits, uses += ro[r].hits + ro[r].misses, loaded += ro[r].loaded;
     c->expert_hit_rate = uses > 0 ? hits / uses : 0;
+    double spx = 0, spxd = 0, spt = 0, sptz = 0;
+    for (int r = 0; r < R; r++) spx += (double)ro[r].sp.experts, spxd += (double)ro[r].sp.experts_dropped, spt += (double)ro[r].sp.trunk, sptz += (double)ro[r].sp.trunk_zeroed;
+    c->inactive_experts = spx > 0 ? spxd / spx : 0, c->inactive_trunk = spt > 0 ? sptz / spt : 0;
     c->streaming_loads = uses - hits;
     c->streamed_per_token = c->decode_steps > 0 ? loaded / ((double)R * c->concurrency * c->decode_steps) : 0;
     double *sorted = malloc((size_t)(c->n_itl ? c->n_itl : 1) * sizeof *sorted);
@@ -394,6 +401,7 @@ static void fill_roofline(const qf_model *m, bench_result *r) {
     for (int i = 0; i < r->n_cfgs; i++) {
         bench_cfg *c = &r->cfgs[i];
         c->expert_cache = m->experts && m->experts->stats.slots > 0;
+        c->sparse = m->sparse;
         if (!c->expert_cache) c->expert_hit_rate = 0, c->streaming_loads = 0, c->streamed_per_token = 0; /* all resident: nothing streams */
         if (c->experts_per_step == 0 && cf->n_experts > 0) {
             /* a device routes without the store's counters: expected distinct experts under

@@ -43,13 +43,14 @@ static float row_level(const fwd *f, int r, int L) {
  * are zeroed in place (the device paths never get here: sparsity is refused there). */
 static void trunk_group(fwd *f, int L, int group, float *x, int rows, int dim) {
     if (f->ws->act_hook && !f->m->dev) f->ws->act_hook(f->ws->act_ud, L, group, x, rows, dim);
-    if (!f->m->trunk_thr || f->m->dev) return;
-    for (int r = 0; r < rows; r++) {
+    if (f->m->dev) return;
+    f->ws->sparsity.trunk += (uint64_t)rows * dim;
+    for (int r = 0; r < rows && f->m->trunk_thr; r++) {
         float level = row_level(f, r, L);
         if (level <= 0.0f) continue;
         float thr = trunk_threshold(f->m->trunk_thr[L][group], qf_sparsity_trunk_target(level)), *xr = x + (size_t)r * dim;
         for (int i = 0; i < dim; i++)
-            if (fabsf(xr[i]) < thr) xr[i] = 0.0f;
+            if (fabsf(xr[i]) < thr) xr[i] = 0.0f, f->ws->sparsity.trunk_zeroed++;
     }
 }
 
@@ -149,7 +150,9 @@ static void route(fwd *f, int L, const float *logits) {
         if (level > 0.0f) { /* dropped experts leave their places as -1 */
             int kept = qf_ref_route_drop(topw + r * K, K, qf_sparsity_expert_tau(level, K), qf_sparsity_min_k(K));
             for (int k = kept; k < K; k++) ws->topi[r * K + k] = -1;
+            ws->sparsity.experts_dropped += (uint64_t)(K - kept);
         }
+        ws->sparsity.experts += (uint64_t)K;
         for (int k = 0; k < K; k++)
             if (ws->topi[r * K + k] >= 0) ws->counts[ws->topi[r * K + k] + 1]++;
     }

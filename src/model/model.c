@@ -163,6 +163,8 @@ void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud) {
     ws->hook_ud = ud;
 }
 
+qf_sparsity_counts qf_workspace_sparsity(const qf_workspace *ws) { return ws->sparsity; }
+
 void qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud) {
     ws->act_hook = fn;
     ws->act_ud = ud;

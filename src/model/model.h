@@ -181,6 +181,12 @@ void qf_workspace_set_route_hook(qf_workspace *ws, qf_route_hook fn, void *ud);
 /* Calibration hook: on the host path, each trunk projection group's input before any sparsity
  * mask, x [rows][dim] (group: QF_ACT_*). */
 typedef void (*qf_act_hook)(void *ud, int layer, int group, const float *x, int rows, int dim);
+/* What sparsity skipped since the workspace was made: routed experts (row, slot) chosen and
+ * dropped; trunk projection inputs entries seen and zeroed (host path). */
+typedef struct qf_sparsity_counts {
+    uint64_t experts, experts_dropped, trunk, trunk_zeroed;
+} qf_sparsity_counts;
+qf_sparsity_counts qf_workspace_sparsity(const qf_workspace *ws);
 void qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud);
 
 /* TOP1: only the greedy pick of the last token's logits (the first index of the largest), into

@@ -28,6 +28,7 @@ struct qf_workspace {
     void *route_ud;
     qf_act_hook act_hook;
     void *act_ud;
+    qf_sparsity_counts sparsity; /* what sparsity skipped, counted as steps run (host path) */
 };
 
 #define WS(ws, name) ((ws)->f + (ws)->name##_off)

@@ -519,6 +519,7 @@ static int run_step(qf_sched *s) {
     qf_expert_stats es0 = es && s->o.verbose ? qf_es_stats(es) : (qf_expert_stats){0};
     for (int j = 0; j < n; j++) s->slots[s->step_slot[j]].pages_before = s->steps[j].st->n_pages;
     double t0 = qf_now();
+    qf_sparsity_counts sp0 = qf_workspace_sparsity(s->e->ws);
     int rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->steps, n);
     pthread_mutex_lock(&s->mu);
     s->stats.steps++;
@@ -537,6 +538,11 @@ static int run_step(qf_sched *s) {
             LOG(s, "step %llu loads: %s\n", (unsigned long long)step_no, s->log_buf);
         }
     }
+    qf_sparsity_counts sp1 = qf_workspace_sparsity(s->e->ws);
+    if (sp1.experts_dropped > sp0.experts_dropped || sp1.trunk_zeroed > sp0.trunk_zeroed)
+        LOG(s, "step %llu: sparsity dropped %llu of %llu routed experts, zeroed %.1f%% of trunk projection inputs\n", (unsigned long long)step_no,
+            (unsigned long long)(sp1.experts_dropped - sp0.experts_dropped), (unsigned long long)(sp1.experts - sp0.experts),
+            sp1.trunk > sp0.trunk ? 100.0 * (double)(sp1.trunk_zeroed - sp0.trunk_zeroed) / (double)(sp1.trunk - sp0.trunk) : 0.0);
     const char *err = rc == QF_OK ? NULL : qf_last_error();
     for (int j = 0; j < n; j++) {
         slot *sl = &s->slots[s->step_slot[j]];
