@@ -1,5 +1,6 @@
 #include "cli.h"
 
+#include "base/mapfile.h"
 #include "experts/cache_policy.h"
 #include "runtime/flash.h"
 
@@ -160,6 +161,18 @@ void cli_print_expert_cache(const qf_engine *e) {
     else if (s && s->stats.slots)
         fprintf(stderr, "expert cache: %d of %d experts a layer (%.1f%% resident) and a scratch slot, %.1f MiB of RAM; the rest read from the checkpoint as needed\n",
                 s->stats.slots, c->n_experts, 100.0 * s->stats.slots / c->n_experts, (double)s->stats.pool_bytes / 1048576.0);
+}
+
+int cli_open_on_text(const char *dir, const char *file, int threads, qf_engine **e, int32_t **ids, int *n) {
+    char *text = NULL;
+    *e = NULL, *ids = NULL, *n = 0;
+    int rc = qf_read_file(file, &text, NULL);
+    if (rc != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
+    if (rc == QF_OK) rc = cli_open_engine(e, dir, threads);
+    if (rc == QF_OK && !(*e)->tok) rc = qf_fail(QF_EINVAL, "%s has no tokenizer", dir), fprintf(stderr, "error: %s\n", qf_last_error());
+    else if (rc == QF_OK && (rc = qf_tok_encode((*e)->tok, text, strlen(text), ids, n)) != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
+    free(text);
+    return rc;
 }
 
 int cli_open_engine(qf_engine **e, const char *dir, int threads) {

@@ -41,6 +41,8 @@ void cli_print_expert_cache(const qf_engine *e);
 int cli_device_flag(cli_args *a, const char **device);
 /* The CUDA options' defaults and QFLASH_CUDA_OPTS (diagnosis); 2 when that is malformed. */
 int cli_backend_init(void);
+/* The engine on dir and file's text as its tokens (errors printed; the caller closes and frees). */
+int cli_open_on_text(const char *dir, const char *file, int threads, qf_engine **e, int32_t **ids, int *n);
 int cli_open_engine(qf_engine **e, const char *dir, int threads);
 
 int cmd_run(int argc, char **argv);

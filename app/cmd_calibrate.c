@@ -80,14 +80,13 @@ int cmd_calibrate(int argc, char **argv) {
         fprintf(stderr, "usage: qflash calibrate -m DIR -f TEXT [-n TOKENS]   (writes DIR/config_flash.json's trunk_thresholds)\n");
         return 2;
     }
-    char *text = NULL;
     int32_t *ids = NULL;
     int n = 0, rc = 1;
     qf_engine *e = NULL;
     calib c = {NULL};
-    if (qf_read_file(file, &text, NULL) != QF_OK || cli_open_engine(&e, model, threads) != QF_OK) goto out;
-    if (!e->tok || qf_tok_encode(e->tok, text, strlen(text), &ids, &n) != QF_OK || e->on_gpu) {
-        fprintf(stderr, "error: %s\n", e->on_gpu ? "calibrate runs on the CPU" : e->tok ? qf_last_error() : "the model has no tokenizer");
+    if (cli_open_on_text(model, file, threads, &e, &ids, &n) != QF_OK) goto out;
+    if (e->on_gpu) {
+        fprintf(stderr, "error: calibrate runs on the CPU\n");
         goto out;
     }
     int layers = e->model->cfg.n_layers, window = 512;
@@ -110,6 +109,5 @@ out:
     free(c.hist);
     qf_engine_close(e);
     free(ids);
-    free(text);
     return rc;
 }

@@ -188,17 +188,12 @@ int cmd_fidelity(int argc, char **argv) {
     fid_opts o = {.levels = {0, 0.3f, 0.45f, 0.6f, 0.7f}, .n_levels = 5, .window = 512, .prompts = 16, .prompt_len = 32, .max_gen = 256};
     int prc = parse_fidelity(argc, argv, &o);
     if (prc) return prc;
-    char *text = NULL;
     int32_t *ids = NULL;
     int n = 0, rc = 1;
     qf_engine *e = NULL;
     fid_row rows[MAX_LEVELS];
     memset(rows, 0, sizeof rows);
-    if (qf_read_file(o.file, &text, NULL) != QF_OK || cli_open_engine(&e, o.model, o.threads) != QF_OK) goto out;
-    if (!e->tok || qf_tok_encode(e->tok, text, strlen(text), &ids, &n) != QF_OK) {
-        fprintf(stderr, "error: %s\n", e->tok ? qf_last_error() : "the model has no tokenizer");
-        goto out;
-    }
+    if (cli_open_on_text(o.model, o.file, o.threads, &e, &ids, &n) != QF_OK) goto out;
     if (!o.windows || o.windows > n / o.window) o.windows = n / o.window;
     if (o.prompts > o.windows) o.prompts = o.windows;
     if (o.windows < 1 || o.prompt_len >= o.window) {
@@ -224,6 +219,5 @@ out:
     for (int i = 0; i < MAX_LEVELS; i++) free(rows[i].kl);
     qf_engine_close(e);
     free(ids);
-    free(text);
     return rc;
 }

@@ -50,15 +50,10 @@ int cmd_perplexity(int argc, char **argv) {
         fprintf(stderr, "usage: qflash perplexity -m DIR -f FILE [--window 512] [--windows K]\n");
         return 2;
     }
-    char *text = NULL;
     int32_t *ids = NULL;
     int n = 0, rc = 1;
     qf_engine *e = NULL;
-    if (qf_read_file(file, &text, NULL) != QF_OK || cli_open_engine(&e, model, threads) != QF_OK) goto out;
-    if (!e->tok || qf_tok_encode(e->tok, text, strlen(text), &ids, &n) != QF_OK) {
-        fprintf(stderr, "error: %s\n", e->tok ? qf_last_error() : "the model has no tokenizer");
-        goto out;
-    }
+    if (cli_open_on_text(model, file, threads, &e, &ids, &n) != QF_OK) goto out;
     int avail = n / window;
     if (!windows || windows > avail) windows = avail;
     if (windows < 1) {
@@ -90,6 +85,5 @@ int cmd_perplexity(int argc, char **argv) {
 out:
     qf_engine_close(e);
     free(ids);
-    free(text);
     return rc;
 }

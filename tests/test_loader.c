@@ -294,19 +294,24 @@ static void case_config_values(void) {
     expect_failure(d, "generation_config.json");
 }
 
-/* The bundled model with a chat template that is not ChatML: verify says it cannot be used. */
-static void case_bad_template(void) {
-    char dir[600], src[4096], dst[700];
-    snprintf(dir, sizeof dir, "%s/bad_template", tmp_root);
+/* A fresh directory tmp_root/name with links to n files of the model directory from (a repository path). */
+static void link_model(char *dir, size_t cap, const char *name, const char *from, const char *const *files, int n) {
+    char src[4096], dst[1400], rel[700];
+    snprintf(dir, cap, "%s/%s", tmp_root, name);
     mkdir(dir, 0755);
-    const char *files[] = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"};
-    for (int i = 0; i < 4; i++) {
-        char rel[700];
-        snprintf(rel, sizeof rel, "models/qwen36moe-code-14m/%s", files[i]);
+    for (int i = 0; i < n; i++) {
+        snprintf(rel, sizeof rel, "%s/%s", from, files[i]);
         if (!realpath(qt_path(rel), src)) exit(2);
         snprintf(dst, sizeof dst, "%s/%s", dir, files[i]);
         CHECK(symlink(src, dst) == 0, "symlink %s", dst);
     }
+}
+
+/* The bundled model with a chat template that is not ChatML: verify says it cannot be used. */
+static void case_bad_template(void) {
+    char dir[600], dst[700];
+    const char *files[] = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"};
+    link_model(dir, sizeof dir, "bad_template", "models/qwen36moe-code-14m", files, 4);
     snprintf(dst, sizeof dst, "%s/tokenizer_config.json", dir);
     write_text(dst, "{\"chat_template\": \"{% for m in messages %}[{{ m.role }}] {{ m.content }}\\n{% endfor %}\"}");
     char args[800], out[8192];
@@ -316,17 +321,9 @@ static void case_bad_template(void) {
 
 /* A config_flash.json whose schedule overlaps: verify names the field. */
 static void case_bad_config_flash(void) {
-    char dir[600], src[4096], dst[700];
-    snprintf(dir, sizeof dir, "%s/bad_flash", tmp_root);
-    mkdir(dir, 0755);
+    char dir[600], dst[700];
     const char *files[] = {"config.json", "model.safetensors"};
-    for (int i = 0; i < 2; i++) {
-        char rel[700];
-        snprintf(rel, sizeof rel, "tests/data/qwen35moe-tiny/%s", files[i]);
-        if (!realpath(qt_path(rel), src)) exit(2);
-        snprintf(dst, sizeof dst, "%s/%s", dir, files[i]);
-        CHECK(symlink(src, dst) == 0, "symlink %s", dst);
-    }
+    link_model(dir, sizeof dir, "bad_flash", "tests/data/qwen35moe-tiny", files, 2);
     snprintf(dst, sizeof dst, "%s/config_flash.json", dir);
     write_text(dst, "{\"sparsity_schedule\": [\"layer_1-2:0.3\", \"layer_2-3:0.6\"]}");
     char args[800], out[8192];
