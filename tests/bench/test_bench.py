@@ -94,13 +94,13 @@ def test_bench_expert_cache(tmp_path):
 def test_bench_sparsity(tmp_path):
     """--sparsity-level: the routed experts dropped in the decode steps counted (no trunk thresholds
     in the bundled model's directory: no trunk entries zeroed), other ids than dense."""
-    args = ["-m", MODEL, "--prompt-len", "48", "--gen-len", "24", "--concurrency", "1", "--runs", "1"]
+    args = ["-m", MODEL, "--prompt-len", "48", "--gen-len", "24", "--concurrency", "1,4", "--runs", "1"]
     dense, _, _ = bench(tmp_path, *args)
     j, svg, out = bench(tmp_path, *args, "--sparsity-level", "0.7")
-    check_report(j, svg, [1], 48, 24, 1)
-    c, d = j["configs"][0], dense["configs"][0]
-    assert "inactive_block_ratio" not in c["not_active"] and "inactive_block_ratio" in d["not_active"]
-    assert 0 < c["inactive_block_ratio"]["experts"] <= 0.5 and c["inactive_block_ratio"]["trunk"] == 0
+    check_report(j, svg, [1, 4], 48, 24, 1)
+    for c, d in zip(j["configs"], dense["configs"]):
+        assert "inactive_block_ratio" not in c["not_active"] and "inactive_block_ratio" in d["not_active"]
+        assert 0 < c["inactive_block_ratio"]["experts"] <= 0.5 and c["inactive_block_ratio"]["trunk"] == 0
     assert "routed experts dropped" in out
 
 
