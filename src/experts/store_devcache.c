@@ -41,6 +41,7 @@ typedef struct devcache_store {
     void **cp_dst;                /* [3E] one layer's copies */
     const void **cp_src;
     size_t *cp_bytes;
+    uint32_t *fill_host;          /* [2][slots]: a layer's fills, for describe */
     uint64_t staged_bytes;
     span *pinned;                 /* host ranges registered with the device */
     int n_pinned;
@@ -88,7 +89,7 @@ static void dc_describe(qf_expert_store *s, char *buf, size_t cap) {
     devcache_store *d = (devcache_store *)s;
     size_t at = 0;
     int used_min = d->layers[0].x.n_slots, loads = 0;
-    uint32_t head[QF_XC_HEAD_WORDS], *fill = malloc(2 * (size_t)d->layers[0].x.n_slots * sizeof *fill);
+    uint32_t head[QF_XC_HEAD_WORDS], *fill = d->fill_host;
     buf[0] = 0;
     for (int L = 0; fill && L < d->n_layers && d->layers[L].x.state; L++) {
         const qf_xcache *x = &d->layers[L].x;
@@ -104,7 +105,6 @@ static void dc_describe(qf_expert_store *s, char *buf, size_t cap) {
         for (int i = 0; i < nf && at + 1 < cap; i++) at += (size_t)snprintf(buf + at, cap - at, " e%u>s%u", fill[i], fill[x->n_slots + i]);
     }
     if (at + 1 < cap) snprintf(buf + at, cap - at, "%s%d copied into slots; every layer has %d of %d slots filled", at ? "; " : "", loads, used_min, d->layers[0].x.n_slots);
-    free(fill);
 }
 
 /* Every expert of layer L copied from home into staging buffer b, on the copy engine. */
@@ -146,7 +146,7 @@ static void dc_destroy(qf_expert_store *s) {
         free(l->views);
     }
     for (int b = 0; b < 2; b++) qf_be_free(d->be, d->stage_mem[b]), qf_be_free(d->be, (void *)d->stage_tab[b]);
-    free(d->cp_dst), free((void *)d->cp_src), free(d->cp_bytes);
+    free(d->cp_dst), free((void *)d->cp_src), free(d->cp_bytes), free(d->fill_host);
     for (int i = 0; i < d->n_pinned; i++) d->be->ops->unpin(d->be, d->pinned[i].p);
     if (d->copy) d->be->ops->pin_free(d->be, d->copy);
     qf_be_free(d->be, d->counters);
@@ -201,8 +201,6 @@ static int pin_home(devcache_store *d) {
 
 /* The fallback: every expert copied once into one pinned buffer, the views re-pointed. */
 static int copy_home(devcache_store *d, size_t slot_bytes) {
-    for (int b = 0; b < 2; b++) qf_be_free(d->be, d->stage_mem[b]), qf_be_free(d->be, (void *)d->stage_tab[b]);
-    free(d->cp_dst), free((void *)d->cp_src), free(d->cp_bytes);
     for (int i = 0; i < d->n_pinned; i++) d->be->ops->unpin(d->be, d->pinned[i].p);
     d->n_pinned = 0;
     size_t total = slot_bytes * (size_t)d->n_experts * (size_t)d->n_layers;
@@ -279,13 +277,14 @@ int qf_es_devcache_set_slots(qf_expert_store *s, int slots, int policy, int stag
     if (s->ops != &k_dc_ops || d->layers[0].x.slots) return qf_fail(QF_EINVAL, "not a device expert cache without slots");
     if (slots < 1 || slots > d->n_experts || (policy != QF_POLICY_LRU && policy != QF_POLICY_DLFU && policy != QF_POLICY_DLFU_AD))
         return qf_fail(QF_EINVAL, "a device expert cache takes 1 to %d slots a layer and the lru, dlfu or dlfu-admit policy", d->n_experts);
-    int rc = QF_OK;
+    int rc = (d->fill_host = malloc(2 * (size_t)slots * sizeof *d->fill_host)) ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
     for (int L = 0; L < d->n_layers && rc == QF_OK; L++) rc = make_slots(d, L, slots, policy);
     if (rc == QF_OK && stage) rc = d->be->ops->stage ? make_staging(d) : qf_fail(QF_EUNSUPPORTED, "backend %s cannot stage copies", d->be->ops->name);
     if (rc == QF_OK) rc = qf_be_sync(d->be);
     if (rc != QF_OK) { /* back to no cache: the tables still point home */
         for (int L = 0; L < d->n_layers; L++) qf_be_free(d->be, d->layers[L].x.slots), qf_be_free(d->be, d->layers[L].x.state), memset(&d->layers[L].x, 0, sizeof d->layers[L].x);
         for (int b = 0; b < 2; b++) qf_be_free(d->be, d->stage_mem[b]), qf_be_free(d->be, (void *)d->stage_tab[b]), d->stage_mem[b] = NULL, d->stage_tab[b] = NULL;
+        free(d->fill_host), d->fill_host = NULL;
         return rc;
     }
     s->stats.slots = slots, s->stats.pool_bytes = (size_t)slots * d->slot_bytes * (size_t)d->n_layers;
