@@ -37,7 +37,9 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
     if (rc == QF_OK && e->tok && qf_tok_vocab_size(e->tok) > e->model->cfg.vocab)
         rc = qf_fail(QF_EFORMAT, "%s: the tokenizer has %d tokens, more than the model's vocab_size %d", tj, qf_tok_vocab_size(e->tok), e->model->cfg.vocab);
     size_t cache = 0, free_start = 0, free_trunk = 0;
-    if (rc == QF_OK) rc = qf_flash_wanted(dir, opts, &cache);
+    qf_flash_config *fc = malloc(sizeof *fc); /* large: its thresholds' table */
+    if (rc == QF_OK) rc = fc ? qf_flash_config_read(dir, fc) : qf_fail(QF_ENOMEM, "out of memory");
+    if (rc == QF_OK) cache = qf_flash_wanted(fc, opts);
     int stream = rc == QF_OK && (cache || opts->gpu_mem) && e->model->experts;
     if (rc == QF_OK) {
         e->pool = qf_pool_create(opts->n_threads > 0 ? opts->n_threads : qf_cpu_count());
@@ -53,7 +55,8 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         if (!e->pool || !e->ws || !e->logits || !e->text) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
     }
     if (rc == QF_OK && e->on_gpu && stream) rc = qf_flash_gpu(e, opts, cache, free_start, free_trunk);
-    if (rc == QF_OK) rc = qf_flash_sparsity(e, dir, opts);
+    if (rc == QF_OK) rc = qf_flash_sparsity(e, fc, dir, opts);
+    free(fc);
     if (rc != QF_OK) {
         qf_engine_close(e); /* cleanup never touches the error message */
         return rc;

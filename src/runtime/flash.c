@@ -14,33 +14,31 @@
 #define MIB 1048576.0
 #define GIB 1073741824.0
 
-/* The expert cache's size: the flag, else config_flash.json's streaming_buffer_size; 0: none. */
-int qf_flash_wanted(const char *dir, const qf_engine_opts *o, size_t *cache_bytes) {
-    *cache_bytes = o->expert_cache;
-    if (!dir) return QF_OK;
-    qf_flash_config fc;
-    int rc = qf_flash_config_load(dir, &fc); /* read even when the flags win: a malformed file fails the load */
-    if (rc == QF_OK && !*cache_bytes && !o->gpu_mem) *cache_bytes = fc.buffer_bytes;
-    return rc;
+int qf_flash_config_read(const char *dir, qf_flash_config *fc) {
+    if (dir) return qf_flash_config_load(dir, fc); /* read even when flags win: a malformed file fails the load */
+    memset(fc, 0, sizeof *fc);
+    fc->sparsity_level = -1;
+    return QF_OK;
 }
 
-int qf_flash_sparsity(qf_engine *e, const char *dir, const qf_engine_opts *o) {
-    qf_flash_config fc;
-    int rc = dir ? qf_flash_config_load(dir, &fc) : (memset(&fc, 0, sizeof fc), fc.sparsity_level = -1, QF_OK);
+size_t qf_flash_wanted(const qf_flash_config *fc, const qf_engine_opts *o) {
+    return o->expert_cache ? o->expert_cache : o->gpu_mem ? 0 : fc->buffer_bytes;
+}
+
+int qf_flash_sparsity(qf_engine *e, const qf_flash_config *fc, const char *dir, const qf_engine_opts *o) {
     float levels[QF_MAX_LAYERS];
-    int from_file = 0;
-    for (int L = 0; rc == QF_OK && L < e->model->cfg.n_layers; L++) {
-        levels[L] = o->sparsity_given ? o->sparsity_level : qf_flash_config_level(&fc, L, 0.0f);
+    int from_file = 0, rc;
+    for (int L = 0; L < e->model->cfg.n_layers; L++) {
+        levels[L] = o->sparsity_given ? o->sparsity_level : qf_flash_config_level(fc, L, 0.0f);
         from_file |= !o->sparsity_given && levels[L] > 0;
     }
-    if (rc != QF_OK) return rc;
     if (from_file && e->on_gpu) { /* the file's schedule where it cannot run yet: dense, and said so */
         snprintf(e->notice, sizeof e->notice, "config_flash.json's sparsity runs on the CPU only so far: the GPU runs dense (exact)");
         return QF_OK;
     }
-    if (fc.trunk_layers && fc.trunk_layers != e->model->cfg.n_layers)
-        return qf_fail(QF_EFORMAT, "%s/config_flash.json: trunk_thresholds has %d layers; the model has %d", dir, fc.trunk_layers, e->model->cfg.n_layers);
-    if (fc.trunk_layers && (rc = qf_model_set_trunk_thresholds(e->model, &fc.trunk[0][0][0])) != QF_OK) return rc;
+    if (fc->trunk_layers && fc->trunk_layers != e->model->cfg.n_layers)
+        return qf_fail(QF_EFORMAT, "%s/config_flash.json: trunk_thresholds has %d layers; the model has %d", dir, fc->trunk_layers, e->model->cfg.n_layers);
+    if (fc->trunk_layers && (rc = qf_model_set_trunk_thresholds(e->model, &fc->trunk[0][0][0])) != QF_OK) return rc;
     return qf_model_set_sparsity(e->model, levels);
 }
 

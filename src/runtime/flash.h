@@ -6,15 +6,18 @@
 
 #include "runtime/engine.h"
 
-/* The expert cache's size from the flag, else config_flash.json (0: none, unless a GPU budget). */
-int qf_flash_wanted(const char *dir, const qf_engine_opts *o, size_t *cache_bytes);
+/* dir's config_flash.json (dir NULL, or no such file: every field unset). */
+int qf_flash_config_read(const char *dir, qf_flash_config *fc);
+/* The expert cache's size from the flag, else the file's (0: none, unless a GPU budget). */
+size_t qf_flash_wanted(const qf_flash_config *fc, const qf_engine_opts *o);
 /* On the CPU: bytes of RAM pool in front of the checkpoint (0: every expert resident). */
 int qf_flash_cpu(qf_engine *e, size_t bytes);
 /* On a GPU, after the trunk and the workspace are there (free_start: the device's free memory
  * before the trunk, free_trunk: after it): the plan, the expert cache, the warm-up. */
 int qf_flash_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk);
 void qf_flash_print(FILE *f, const qf_flash_plan *p);
-/* The model's sparsity levels: the flag for every layer, else config_flash.json's schedule. */
-int qf_flash_sparsity(qf_engine *e, const char *dir, const qf_engine_opts *o);
+/* The model's sparsity levels (the flag for every layer, else the file's schedule) and trunk
+ * thresholds (the file's; dir names it in errors). */
+int qf_flash_sparsity(qf_engine *e, const qf_flash_config *fc, const char *dir, const qf_engine_opts *o);
 
 #endif
