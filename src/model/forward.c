@@ -40,10 +40,10 @@ static float row_level(const fwd *f, int r, int L) {
 }
 
 /* The calibration hook sees x dense; then, at a level above 0 with thresholds, its small entries
- * are zeroed in place (the device paths never get here: sparsity is refused there). */
+ * are zeroed in place. Host path only: a device's x is not host memory (sparsity is refused there). */
 static void trunk_group(fwd *f, int L, int group, float *x, int rows, int dim) {
-    if (f->ws->act_hook && !f->m->dev) f->ws->act_hook(f->ws->act_ud, L, group, x, rows, dim);
     if (f->m->dev) return;
+    if (f->ws->act_hook) f->ws->act_hook(f->ws->act_ud, L, group, x, rows, dim);
     f->ws->sparsity.trunk += (uint64_t)rows * dim;
     for (int r = 0; r < rows && f->m->trunk_thr; r++) {
         float level = row_level(f, r, L);
@@ -127,13 +127,16 @@ static void full_attn(fwd *f, int L, const float *xn, float *out) {
 }
 
 /* ---- MLPs (§6) ---- */
-static void swiglu_mlp(fwd *f, const qf_mat *g, const qf_mat *u, const qf_mat *d, const float *x, int n, float *out) {
+/* down_group >= 0: the down product's input is layer L's trunk group of that name (x's rows are
+ * the step's rows); -1: never masked. */
+static void swiglu_mlp(fwd *f, const qf_mat *g, const qf_mat *u, const qf_mat *d, const float *x, int n, float *out, int L, int down_group) {
     qf_backend *be = f->be;
     qf_workspace *ws = f->ws;
     int ffn = (int)g->rows;
     OPS->matmul(be, g, x, n, WS(ws, ex_g));
     OPS->matmul(be, u, x, n, WS(ws, ex_u));
     OPS->swiglu(be, WS(ws, ex_g), WS(ws, ex_u), ffn, n, ffn, WS(ws, ex_h));
+    if (down_group >= 0) trunk_group(f, L, down_group, WS(ws, ex_h), n, ffn);
     OPS->matmul(be, d, WS(ws, ex_h), n, out);
 }
 
@@ -189,11 +192,7 @@ static int shared_expert(fwd *f, int L, float *xn, const float *fused, float *ou
             return QF_OK;
         }
         trunk_group(f, L, QF_ACT_SH_IN, xn, f->N, c->hidden); /* after the router and the routed experts read it dense */
-        OPS->matmul(be, &w->sh_gate, xn, f->N, WS(ws, ex_g));
-        OPS->matmul(be, &w->sh_up, xn, f->N, WS(ws, ex_u));
-        OPS->swiglu(be, WS(ws, ex_g), WS(ws, ex_u), S, f->N, S, h);
-        trunk_group(f, L, QF_ACT_SH_DOWN, h, f->N, S);
-        OPS->matmul(be, &w->sh_down, h, f->N, ex_out);
+        swiglu_mlp(f, &w->sh_gate, &w->sh_up, &w->sh_down, xn, f->N, ex_out, L, QF_ACT_SH_DOWN);
         OPS->matmul(be, &w->sh_gate_w, xn, f->N, shs);
         OPS->sigmoid_scale_add(be, out, ex_out, shs, f->N, c->hidden);
     }
@@ -228,7 +227,7 @@ static int moe(fwd *f, int L, float *xn, float *out) {
         int rc = m->experts->ops->acquire(m->experts, L, e, &ex);
         if (rc != QF_OK) return rc;
         for (int j = 0; j < cnt; j++) memcpy(ex_in + (size_t)j * H, xn + (size_t)ws->asr[g0 + j] * H, (size_t)H * sizeof(float));
-        swiglu_mlp(f, &ex.gate, &ex.up, &ex.down, ex_in, cnt, ex_out);
+        swiglu_mlp(f, &ex.gate, &ex.up, &ex.down, ex_in, cnt, ex_out, L, -1);
         for (int j = 0; j < cnt; j++) OPS->axpy(be, out + (size_t)ws->asr[g0 + j] * H, ex_out + (size_t)j * H, asw[g0 + j], H);
         m->experts->ops->release(m->experts, L, e);
     }
@@ -421,7 +420,7 @@ static int prompt_layer(fwd *f, int L, float *x) {
     OPS->axpy(be, x, tmp, 1.0f, (int64_t)f->N * H);
     OPS->rmsnorm(be, x, H, w->ffn_norm, f->N, H, c->norm_eps, xn, H);
     if (c->arch == QF_ARCH_QWEN35_MOE) rc = moe(f, L, xn, tmp);
-    else swiglu_mlp(f, &w->gate, &w->up, &w->down, xn, f->N, tmp);
+    else swiglu_mlp(f, &w->gate, &w->up, &w->down, xn, f->N, tmp, L, -1);
     if (rc == QF_OK) OPS->axpy(be, x, tmp, 1.0f, (int64_t)f->N * H);
     return rc;
 }
