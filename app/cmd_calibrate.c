@@ -8,7 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/mapfile.h"
 #include "cli.h"
 
 #define BINS 2048      /* log2 |x| from LO to LO + BINS / PER */

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/mapfile.h"
+#include "base/numeric.h"
 #include "base/timer.h"
 #include "cli.h"
 
@@ -41,12 +41,6 @@ static void log_softmax(const float *l, int V, double *out) {
     for (int v = 0; v < V; v++) out[v] = (double)l[v] - lse;
 }
 
-static int argmax(const float *l, int V) {
-    int b = 0;
-    for (int v = 1; v < V; v++) b = l[v] > l[b] ? v : b;
-    return b;
-}
-
 /* One chunk's positions: dense logits d against approximate a, next tokens nxt. */
 static void score_chunk(const float *d, const float *a, const int32_t *nxt, int cnt, int V, double *ld, double *la, fid_row *r) {
     for (int j = 0; j < cnt; j++) {
@@ -58,7 +52,7 @@ static void score_chunk(const float *d, const float *a, const int32_t *nxt, int 
         r->kl[(size_t)r->n] = kl > 0 ? kl : 0;
         r->kl_sum += r->kl[(size_t)r->n];
         r->nll -= la[nxt[j]];
-        r->same += argmax(dj, V) == argmax(aj, V);
+        r->same += qf_argmax_f32(dj, V) == qf_argmax_f32(aj, V);
         r->n += 1;
     }
 }

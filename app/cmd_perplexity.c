@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/mapfile.h"
 #include "base/timer.h"
 #include "cli.h"
 

@@ -511,6 +511,27 @@ static void publish_stats(qf_sched *s) {
     pthread_mutex_unlock(&s->mu);
 }
 
+/* --verbose: what the step's expert cache loaded, and what sparsity skipped (against es0, sp0,
+ * the counts before the step that began at t0). */
+static void log_skips(qf_sched *s, uint64_t step_no, qf_expert_store *es, const qf_expert_stats *es0, const qf_sparsity_counts *sp0, double t0) {
+    if (es && es->stats.slots) {
+        qf_expert_stats es1 = qf_es_stats(es);
+        uint64_t hits = es1.hits - es0->hits, misses = es1.misses - es0->misses;
+        double ms = 1e3 * (qf_now() - t0), mb = (double)(es1.bytes_loaded - es0->bytes_loaded) / 1e6;
+        LOG(s, "step %llu: %llu experts missed, %.2f MB over the link in a %.1f ms step (%.1f GB/s), %llu hits (%.0f%%)\n", (unsigned long long)step_no,
+            (unsigned long long)misses, mb, ms, ms > 0 ? mb / ms : 0.0, (unsigned long long)hits, hits + misses ? 100.0 * (double)hits / (double)(hits + misses) : 0.0);
+        if (es->ops->describe) {
+            es->ops->describe(es, s->log_buf, sizeof s->log_buf);
+            LOG(s, "step %llu loads: %s\n", (unsigned long long)step_no, s->log_buf);
+        }
+    }
+    qf_sparsity_counts sp1 = qf_workspace_sparsity(s->e->ws);
+    if (sp1.experts_dropped > sp0->experts_dropped || sp1.trunk_zeroed > sp0->trunk_zeroed)
+        LOG(s, "step %llu: sparsity dropped %llu of %llu routed experts, zeroed %.1f%% of trunk projection inputs\n", (unsigned long long)step_no,
+            (unsigned long long)(sp1.experts_dropped - sp0->experts_dropped), (unsigned long long)(sp1.experts - sp0->experts),
+            sp1.trunk > sp0->trunk ? 100.0 * (double)(sp1.trunk_zeroed - sp0->trunk_zeroed) / (double)(sp1.trunk - sp0->trunk) : 0.0);
+}
+
 /* Returns 0 when there was nothing it could run. */
 static int run_step(qf_sched *s) {
     int n_decode, rows, n = plan_step(s, &n_decode, &rows);
@@ -527,22 +548,7 @@ static int run_step(qf_sched *s) {
     pthread_mutex_unlock(&s->mu);
     LOG(s, "step %llu: %d decode + %d prefill sequences, %d rows, KV pages %d/%d in use\n", (unsigned long long)step_no, n_decode,
         n - n_decode, rows, qf_kv_pool_pages(s->kv) - qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
-    if (es && es->stats.slots && s->o.verbose) {
-        qf_expert_stats es1 = qf_es_stats(es);
-        uint64_t hits = es1.hits - es0.hits, misses = es1.misses - es0.misses;
-        double ms = 1e3 * (qf_now() - t0), mb = (double)(es1.bytes_loaded - es0.bytes_loaded) / 1e6;
-        LOG(s, "step %llu: %llu experts missed, %.2f MB over the link in a %.1f ms step (%.1f GB/s), %llu hits (%.0f%%)\n", (unsigned long long)step_no,
-            (unsigned long long)misses, mb, ms, ms > 0 ? mb / ms : 0.0, (unsigned long long)hits, hits + misses ? 100.0 * (double)hits / (double)(hits + misses) : 0.0);
-        if (es->ops->describe) {
-            es->ops->describe(es, s->log_buf, sizeof s->log_buf);
-            LOG(s, "step %llu loads: %s\n", (unsigned long long)step_no, s->log_buf);
-        }
-    }
-    qf_sparsity_counts sp1 = qf_workspace_sparsity(s->e->ws);
-    if (sp1.experts_dropped > sp0.experts_dropped || sp1.trunk_zeroed > sp0.trunk_zeroed)
-        LOG(s, "step %llu: sparsity dropped %llu of %llu routed experts, zeroed %.1f%% of trunk projection inputs\n", (unsigned long long)step_no,
-            (unsigned long long)(sp1.experts_dropped - sp0.experts_dropped), (unsigned long long)(sp1.experts - sp0.experts),
-            sp1.trunk > sp0.trunk ? 100.0 * (double)(sp1.trunk_zeroed - sp0.trunk_zeroed) / (double)(sp1.trunk - sp0.trunk) : 0.0);
+    if (s->o.verbose) log_skips(s, step_no, es, &es0, &sp0, t0);
     const char *err = rc == QF_OK ? NULL : qf_last_error();
     for (int j = 0; j < n; j++) {
         slot *sl = &s->slots[s->step_slot[j]];
