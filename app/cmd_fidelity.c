@@ -41,7 +41,7 @@ static void log_softmax(const float *l, int V, double *out) {
     for (int v = 0; v < V; v++) out[v] = (double)l[v] - lse;
 }
 
-/* One chunk's positions: dense logits d against approximate a, next tokens nxt. */
+/* cnt positions: dense logits d against approximate a, next tokens nxt. */
 static void score_chunk(const float *d, const float *a, const int32_t *nxt, int cnt, int V, double *ld, double *la, fid_row *r) {
     for (int j = 0; j < cnt; j++) {
         const float *dj = d + (size_t)j * V, *aj = a + (size_t)j * V;
@@ -57,22 +57,23 @@ static void score_chunk(const float *d, const float *a, const int32_t *nxt, int 
     }
 }
 
-/* Every window through a dense state and an approximate one at level, chunk by chunk. */
+/* Every window through a dense state and an approximate one at level, a token a step (sparsity
+ * acts on one-token steps, as in a generation; prompts run dense), so that level 0 is the dense
+ * run bit for bit. */
 static int run_windows(qf_engine *e, const fid_opts *o, const int32_t *ids, float level, fid_row *r, float *bufs, double *lsm) {
-    int V = e->model->cfg.vocab, chunk = qf_workspace_rows(e->ws) < 64 ? qf_workspace_rows(e->ws) : 64, rc = QF_OK;
+    int V = e->model->cfg.vocab, rc = QF_OK;
     qf_state *sd = qf_state_create(e->model, o->window), *sa = qf_state_create(e->model, o->window);
-    float *d = bufs, *a = bufs + (size_t)chunk * V;
+    float *d = bufs, *a = bufs + V;
     if (!sd || !sa) rc = qf_fail(QF_ENOMEM, "out of memory for two states");
     for (int w = 0; w < o->windows && rc == QF_OK; w++) {
         const int32_t *tok = ids + (size_t)w * o->window;
         qf_state_reset(sd), qf_state_reset(sa);
-        for (int i = 0; i < o->window - 1 && rc == QF_OK; i += chunk) {
-            int cnt = o->window - 1 - i < chunk ? o->window - 1 - i : chunk;
-            qf_seq_step s = {sd, tok + i, cnt, QF_LOGITS_ALL, d, NULL, 0, 0};
+        for (int i = 0; i < o->window - 1 && rc == QF_OK; i++) {
+            qf_seq_step s = {sd, tok + i, 1, QF_LOGITS_LAST, d, NULL, 0, 0};
             if ((rc = set_level(e, 0)) == QF_OK) rc = qf_forward(e->model, &e->be, e->ws, &s, 1);
             s.st = sa, s.logits = a;
             if (rc == QF_OK && (rc = set_level(e, level)) == QF_OK) rc = qf_forward(e->model, &e->be, e->ws, &s, 1);
-            if (rc == QF_OK) score_chunk(d, a, tok + i + 1, cnt, V, lsm, lsm + V, r);
+            if (rc == QF_OK) score_chunk(d, a, tok + i + 1, 1, V, lsm, lsm + V, r);
         }
     }
     qf_state_free(sd), qf_state_free(sa);
@@ -194,8 +195,8 @@ int cmd_fidelity(int argc, char **argv) {
         fprintf(stderr, "error: %s has %d tokens: fewer than one window of %d (or a prompt as long)\n", o.file, n, o.window);
         goto out;
     }
-    int V = e->model->cfg.vocab, chunk = qf_workspace_rows(e->ws) < 64 ? qf_workspace_rows(e->ws) : 64;
-    float *bufs = malloc(2 * (size_t)chunk * V * sizeof(float));
+    int V = e->model->cfg.vocab;
+    float *bufs = malloc(2 * (size_t)V * sizeof(float));
     double *lsm = malloc(2 * (size_t)V * sizeof(double));
     rc = bufs && lsm ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
     for (int i = 0; i < o.n_levels && rc == QF_OK; i++) {

@@ -297,6 +297,39 @@ static float *copy_f(const float *x, size_t n) {
 }
 
 /* pre kinds on a [rows x cols] product; heads of `head` (GATED_NORM, SIGMOID); acc: y += */
+/* Trunk sparsity in test_dec_matmul / test_dec_gdn_proj: the share of each row's pre(x) entries
+ * its threshold zeroes (the last of several rows keeps all), through matmul_sparse (0: off). */
+static float sparse_share;
+
+static int cmp_f(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+/* Each row's threshold at sparse_share of its |entries|, and xp masked by it. */
+static void sparse_mask(float *xp, int n, int64_t cols, float *thr) {
+    float *v = malloc((size_t)cols * 4);
+    for (int t = 0; t < n; t++) {
+        for (int64_t i = 0; i < cols; i++) v[i] = fabsf(xp[t * cols + i]);
+        qsort(v, (size_t)cols, 4, cmp_f);
+        thr[t] = n > 1 && t == n - 1 ? 0.0f : v[(int64_t)(sparse_share * (float)cols)];
+        for (int64_t i = 0; i < cols; i++)
+            if (fabsf(xp[t * cols + i]) < thr[t]) xp[t * cols + i] = 0.0f;
+    }
+    free(v);
+}
+
+/* W^T of bf16 W [rows][cols] in device memory. */
+static qf_mat up_transposed(const void *hw, int64_t rows, int64_t cols) {
+    uint16_t *t = malloc((size_t)(rows * cols) * 2);
+    const uint16_t *w = hw;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) t[c * rows + r] = w[r * cols + c];
+    qf_mat m = {QF_DT_BF16, up(t, (size_t)(rows * cols) * 2), cols, rows};
+    free(t);
+    return m;
+}
+
 static void test_dec_matmul(int kind, int64_t rows, int64_t cols, int head, int n, int acc) {
     void *hw;
     qf_mat w = bf16_mat(rows, cols, &hw);
@@ -310,17 +343,22 @@ static void test_dec_matmul(int kind, int64_t rows, int64_t cols, int head, int 
         ref.ops->swiglu(&ref, g + (size_t)t * gs, xp + t * cols, head, nh, head, xp + t * cols);
     }
     for (int t = 0; t < n && kind == QF_PRE_SIGMOID; t++) ref.ops->sigmoid_mul(&ref, xp + t * cols, head, g + (size_t)t * gs + head, ghs, nh, head);
+    float thr[QF_DEC_ROWS];
+    if (sparse_share > 0) sparse_mask(xp, n, cols, thr);
     ref.ops->matmul(&ref, &w, xp, n, tmp);
     for (size_t i = 0; i < (size_t)n * rows; i++) want[i] = acc ? want[i] + tmp[i] : tmp[i];
     qf_mat dw = w;
     dw.data = up(hw, (size_t)(rows * cols) * 2);
     float *dx = up_f(x, (size_t)n * cols), *dnw = up_f(nw, (size_t)cols), *dg = up_f(g, (size_t)n * gs), *dy = up_f(y0, (size_t)n * rows);
     qf_pre pre = {kind, dnw, kind == QF_PRE_SIGMOID ? dg + head : dg, gs, ghs, head, 1e-6f};
-    gpu.ops->dec->matmul(&gpu, &dw, dx, n, &pre, NULL, acc, dy);
+    qf_mat wt = sparse_share > 0 ? up_transposed(hw, rows, cols) : dw;
+    if (sparse_share > 0) gpu.ops->dec->matmul_sparse(&gpu, &wt, dx, n, &pre, NULL, acc, thr, dy);
+    else gpu.ops->dec->matmul(&gpu, &dw, dx, n, &pre, NULL, acc, dy);
     const char *names[] = {"none", "rmsnorm", "gated norm", "sigmoid gate"};
     char s[96];
     snprintf(s, sizeof s, "%s [%lld x %lld] n=%d%s", names[kind], (long long)rows, (long long)cols, n, acc ? " +=" : "");
-    report("dec matmul", s, cmp(dy, want, (size_t)n * rows), 1e-5);
+    report(sparse_share > 0 ? "dec matmul sparse" : "dec matmul", s, cmp(dy, want, (size_t)n * rows), 1e-5);
+    if (sparse_share > 0) gpu.ops->free(&gpu, (void *)wt.data);
     free(hw), free(x), free(nw), free(g), free(y0), free(want), free(xp), free(tmp);
     void *d[] = {(void *)dw.data, dx, dnw, dg, dy};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
@@ -335,6 +373,8 @@ static void test_dec_gdn_proj(int n) {
     float *st = qt_rnd((size_t)n * (K - 1) * cd, 1.0f), *want_st = copy_f(st, (size_t)n * (K - 1) * cd);
     float *xn = malloc((size_t)n * H * 4), *mixed = malloc((size_t)n * rows * 4), *want = malloc((size_t)n * rows * 4);
     ref.ops->rmsnorm(&ref, x, H, nw, n, H, 1e-6f, xn, H);
+    float thr[QF_DEC_ROWS];
+    if (sparse_share > 0) sparse_mask(xn, n, H, thr);
     ref.ops->matmul(&ref, &w, xn, n, mixed);
     for (int t = 0; t < n; t++) {
         float *m = mixed + (size_t)t * rows, *o = want + (size_t)t * rows;
@@ -349,9 +389,11 @@ static void test_dec_gdn_proj(int n) {
     qf_pre pre = {QF_PRE_RMSNORM, dnw, NULL, 0, 0, 0, 1e-6f};
     qf_gdn_epi e = {cd, zd, nv, K, dcw, ddtb, dna, {0}};
     for (int t = 0; t < n; t++) e.conv_state[t] = dst + (size_t)t * (K - 1) * cd;
-    gpu.ops->dec->matmul(&gpu, &dw, dx, n, &pre, &e, 0, dy);
+    qf_mat wt = sparse_share > 0 ? up_transposed(hw, rows, H) : dw;
+    if (sparse_share > 0) gpu.ops->dec->matmul_sparse(&gpu, &wt, dx, n, &pre, &e, 0, thr, dy), gpu.ops->free(&gpu, (void *)wt.data);
+    else gpu.ops->dec->matmul(&gpu, &dw, dx, n, &pre, &e, 0, dy);
     char s[64];
-    snprintf(s, sizeof s, "[%d x 2048] n=%d", rows, n);
+    snprintf(s, sizeof s, "[%d x 2048] n=%d%s", rows, n, sparse_share > 0 ? " sparse" : "");
     report("dec in_proj+conv", s, cmp(dy, want, (size_t)n * rows), 1e-5);
     report("dec conv states", s, cmp(dst, want_st, (size_t)n * (K - 1) * cd), 1e-5); /* raw products, as the matmul tolerance */
     free(hw), free(x), free(nw), free(cw), free(dtb), free(na), free(st), free(want_st), free(xn), free(mixed), free(want);
@@ -505,6 +547,8 @@ static void test_dec_attention(int n, int nh, int nkv, int hd, int rot, const in
 /* Routing, top-k experts and the shared expert, added to x, against the reference ops. ties:
  * router logits on a coarse grid, so equal logits straddle the top-k boundary and the lower
  * index must win (the CPU's order). */
+static float moe_drop_tau; /* sparsity's expert rule in test_dec_moe (0: off) */
+
 static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench, int ties) {
     void *hsd;
     qf_mat sd = bf16_mat(H, S, &hsd);
@@ -522,8 +566,9 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench, in
         int ti[64];
         ref.ops->rmsnorm(&ref, x + (size_t)t * H, H, nw, 1, H, 1e-6f, xn, H);
         qf_ref_route(l, E, K, ti, w);
+        int kept = moe_drop_tau > 0.0f ? qf_ref_route_drop(w, K, moe_drop_tau, (K + 1) / 2) : K;
         memset(acc, 0, (size_t)H * 4);
-        ref_experts(host, ti, w, K, xn, I, H, gb, ub, hb, yb, acc);
+        ref_experts(host, ti, w, kept, xn, I, H, gb, ub, hb, yb, acc);
         ref.ops->swiglu(&ref, l + E, l + E + S, S, 1, S, hb);
         ref.ops->matmul(&ref, &sd, hb, 1, yb);
         ref.ops->sigmoid_scale_add(&ref, acc, yb, l + E + 2 * S, 1, H);
@@ -533,10 +578,11 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench, in
     dsd.data = up(hsd, (size_t)H * S * 2);
     float *drl = up_f(rl, (size_t)n * rs), *dx = up_f(x, (size_t)n * H), *dnw = up_f(nw, H);
     int32_t *dchosen = gpu.ops->alloc(&gpu, (size_t)n * K * sizeof(int32_t)), *chosen = malloc((size_t)n * K * sizeof(int32_t));
-    qf_moe_dec a = {dev, E, K, n, H, I, S, dnw, 1e-6f, drl, rs, &dsd, dx, NULL, dchosen, NULL};
+    qf_moe_dec a = {dev, E, K, n, H, I, S, dnw, 1e-6f, drl, rs, &dsd, dx, NULL, dchosen, NULL, {0}, (K + 1) / 2};
+    for (int t = 0; t < n; t++) a.drop_tau[t] = moe_drop_tau;
     gpu.ops->dec->moe(&gpu, &a);
     char s[80];
-    snprintf(s, sizeof s, "n=%d, %d experts top-%d, %d/%d, shared %d%s", n, E, K, H, I, S, ties ? ", tied logits" : "");
+    snprintf(s, sizeof s, "n=%d, %d experts top-%d, %d/%d, shared %d%s%s", n, E, K, H, I, S, ties ? ", tied logits" : "", moe_drop_tau > 0 ? ", drop" : "");
     report("dec moe", s, cmp(dx, want, (size_t)n * H), 1e-5);
     /* the ids the kernels chose, as the expert store reads them: the reference's, in rank order */
     gpu.ops->download(&gpu, chosen, dchosen, (size_t)n * K * sizeof(int32_t));
@@ -545,7 +591,8 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench, in
         int ti[64];
         float w[64];
         qf_ref_route(rl + (size_t)t * rs, E, K, ti, w);
-        for (int k = 0; k < K; k++) bad_ids += chosen[t * K + k] != ti[k];
+        int kept = moe_drop_tau > 0.0f ? qf_ref_route_drop(w, K, moe_drop_tau, (K + 1) / 2) : K;
+        for (int k = 0; k < K; k++) bad_ids += chosen[t * K + k] != (k < kept ? ti[k] : -1);
     }
     CHECK(bad_ids == 0, "dec moe %s: %d chosen expert ids differ from the reference routing", s, bad_ids);
     gpu.ops->free(&gpu, dchosen), free(chosen);
@@ -684,6 +731,34 @@ static void routing_checks(void) {
     test_dec_moe(1, 8, 2, 128, 64, 64, 0, 0);
     test_dec_moe(1, 250, 8, 256, 64, 64, 0, 1);
     test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
+}
+
+/* Sparsity in the fused decode ops: experts dropped by the expert rule (one-kernel and two-kernel
+ * MoE), and the trunk's masked products through transposed weights at the real shapes (in_proj
+ * with its epilogue, q/k/v, out_proj and o_proj with their pres, += into the residual), one row and
+ * several (the last keeping every entry). */
+static void sparsity_checks(void) {
+    const float taus[] = {0.3f / 8, 0.7f / 8};
+    for (int i = 0; i < 2; i++) {
+        moe_drop_tau = taus[i];
+        test_dec_moe(1, 256, 8, 2048, 512, 512, 0, 0);
+        test_dec_moe(3, 256, 8, 2048, 512, 512, 0, 0);
+        test_dec_moe(1, 64, 4, 192, 32, 192, 0, 1);
+    }
+    moe_drop_tau = 0;
+    const float shares[] = {0.25f, 0.5f};
+    for (int i = 0; i < 2; i++) {
+        sparse_share = shares[i];
+        for (int n = 1; n <= 3; n += 2) {
+            test_dec_gdn_proj(n);
+            test_dec_matmul(QF_PRE_RMSNORM, 9216, 2048, 1, n, 0);
+            test_dec_matmul(QF_PRE_NONE, 2048, 4096, 1, n, 1);
+            test_dec_matmul(QF_PRE_GATED_NORM, 2048, 4096, 128, n, 1);
+            test_dec_matmul(QF_PRE_SIGMOID, 2048, 4096, 256, n, 1);
+        }
+        test_dec_matmul(QF_PRE_RMSNORM, 100, 192, 1, 2, 0);
+    }
+    sparse_share = 0;
 }
 
 /* The MoE op grouped by expert (on a backend whose option mg_min lets 16 rows take it):
@@ -862,6 +937,7 @@ int main(int argc, char **argv) {
     /* one row: the one-kernel MoE (its grid count must be back at zero after each launch, or the
      * next launch's down rows would read gate/up rows not yet written), at the fixtures' shapes */
     routing_checks();
+    sparsity_checks();
     dec_attention_checks();
     bench_dec_matmul(12352, 2048, 1); /* the DeltaNet in_proj */
     bench_dec_matmul(248320, 2048, 1);

@@ -288,6 +288,60 @@ static void test_sparsity_experts(void) {
     for (int i = 0; i < 3; i++) free(out[i]);
 }
 
+/* One run of test_sparsity_trunk: how = 0 the host path, 1 the same with the masked products
+ * dense (no transposed copies), 2 the fused decode path (composed on the CPU). */
+static void trunk_run(int how, float *out, double *zeroed) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(MODEL), NULL) != QF_OK) return;
+    qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
+    if (how == 2) CHECK(qf_cpu_dec_compose_init(&be, qf_cpu_ops_best(), (size_t)4 << 20) == QF_OK && qf_model_to_device(m, &be, 0) == QF_OK, "%s", qf_last_error());
+    int n = m->cfg.n_layers * QF_ACT_GROUPS * QF_TRUNK_GRID;
+    float *thr = malloc((size_t)n * sizeof(float)), lv[QF_MAX_LAYERS];
+    for (int i = 0; i < n; i++) thr[i] = 0.1f * (float)(i % QF_TRUNK_GRID + 1);
+    for (int L = 0; L < m->cfg.n_layers; L++) lv[L] = 0.6f;
+    CHECK(qf_model_set_trunk_thresholds(m, thr) == QF_OK && qf_model_set_sparsity(m, lv) == QF_OK, "%s", qf_last_error());
+    for (int L = 0; how == 1 && L < m->cfg.n_layers; L++) m->layers[L].in_t.data = NULL, m->layers[L].out_t.data = NULL; /* still owned by the model */
+    int V = m->cfg.vocab;
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    qf_state *st = qf_state_create(m, 64);
+    int32_t prompt[5] = {11, 400, 23, 7, 91};
+    int rc = ws && st ? qf_forward_seq(m, &be, ws, st, prompt, 5, QF_LOGITS_LAST, out) : QF_ENOMEM;
+    for (int s = 1; rc == QF_OK && s <= STEPS; s++) {
+        int32_t tok = qt_argmax(out + (size_t)(s - 1) * V, V);
+        rc = qf_forward_seq(m, &be, ws, st, &tok, 1, QF_LOGITS_LAST, out + (size_t)s * V);
+    }
+    CHECK(rc == QF_OK, "%s", qf_last_error());
+    qf_sparsity_counts c = qf_workspace_sparsity(ws);
+    *zeroed = c.trunk ? (double)c.trunk_zeroed / (double)c.trunk : 0;
+    qf_state_free(st), qf_workspace_free(ws), free(thr);
+    qf_model_free(m);
+    if (how == 2) qf_cpu_dec_compose_free(&be);
+}
+
+/* Trunk sparsity at 0.6 (experts dropped too): the mixers' products through transposed weights
+ * give the dense products of the masked inputs, on the host path and on the fused decode path;
+ * the prompt's logits are the dense model's, the steps' are not. */
+static void test_sparsity_trunk(void) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(MODEL), NULL) != QF_OK) return;
+    size_t n = (size_t)(STEPS + 1) * m->cfg.vocab, V = (size_t)m->cfg.vocab;
+    qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
+    float *dense = calloc(n, sizeof(float)), *out[3];
+    CHECK(greedy_steps(m, &be, NULL, dense) == QF_OK, "%s", qf_last_error());
+    qf_model_free(m);
+    double zeroed[3];
+    for (int how = 0; how < 3; how++) out[how] = calloc(n, sizeof(float)), trunk_run(how, out[how], &zeroed[how]);
+    CHECK(zeroed[0] > 0.05 && zeroed[0] < 0.95 && zeroed[1] == zeroed[0], "host path: %.3f of the mixers' inputs zeroed (dense products: %.3f)", zeroed[0],
+          zeroed[1]);
+    CHECK(memcmp(out[0], dense, V * sizeof(float)) == 0, "the prompt's logits moved: sparsity is for one-token steps");
+    CHECK(qt_max_abs_diff(out[0] + V, dense + V, (int64_t)V) > 1e-3, "level 0.6 left the first step's logits as dense");
+    double d1 = qt_max_abs_diff(out[0], out[1], (int64_t)n), d2 = qt_max_abs_diff(out[0], out[2], (int64_t)n);
+    CHECK(d1 < 1e-4 && d2 < 1e-4, "transposed products vs dense products of the masked inputs: %.3g; fused decode path vs host: %.3g", d1, d2);
+    fprintf(stderr, "sparsity 0.6 (trunk): %.1f%% of the mixers' inputs zeroed; sparse vs masked-dense %.2g, fused vs host %.2g\n", 100 * zeroed[0], d1, d2);
+    for (int i = 0; i < 3; i++) free(out[i]);
+    free(dense);
+}
+
 /* A prompt longer than the workspace, layer by layer (a store that takes wide steps, and a prompt
  * buffer), gives the logits of running it chunk by chunk bit for bit, and the steps after it too. */
 static void test_layered_prompt(void) {
@@ -702,6 +756,7 @@ int main(int argc, char **argv) {
     test_failing_store();
     test_layered_prompt();
     test_sparsity_experts();
+    test_sparsity_trunk();
     test_gpu_abandoned_steps();
     test_gpu_devcache(GPU_MODEL);
     test_gpu_devcache("tests/data/qwen35moe-tiny");

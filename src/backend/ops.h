@@ -192,6 +192,10 @@ typedef struct qf_moe_dec {
     const void *const *table; /* as qf_moe_args' (may be NULL) */
     int32_t *chosen;          /* as qf_moe_args' ([n][top_k]; may be NULL) */
     const qf_xcache *cache;   /* as qf_moe_args' */
+    /* sparsity's expert rule (qf_ref_route_drop) per row: tau 0 keeps every chosen expert; a
+     * dropped one is not computed (nor loaded by a cache), its chosen entry -1 */
+    float drop_tau[QF_DEC_ROWS];
+    int min_k;
 } qf_moe_dec;
 
 typedef struct qf_dec_ops {
@@ -210,6 +214,12 @@ typedef struct qf_dec_ops {
      * sigmoid of its gate (q|gate layout: head h's gate at qkv + t*stride + h*2*hd + hd), as one:
      * what o_proj then reads without a pre. 1: done. */
     int (*attn_gate)(qf_backend *be, const qf_attn_dec *a);
+    /* Optional: matmul of a masked input through the transposed weight: y[t] (= or +=)
+     * W . mask_t(pre(x[t])), epi as matmul's, where mask_t zeroes the entries of magnitude below
+     * thr[t] (a host array; 0: none) and wt = W^T as matmul_cols reads it. Only the columns of W
+     * some row keeps are read (sparsity's trunk level). */
+    void (*matmul_sparse)(qf_backend *be, const qf_mat *wt, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc,
+                          const float *thr, float *y);
 } qf_dec_ops;
 
 
@@ -217,6 +227,10 @@ typedef struct qf_ops {
     const char *name;
     /* y[n][w.rows] = x[n][w.cols] . W^T */
     void (*matmul)(qf_backend *be, const qf_mat *w, const float *x, int n, float *y);
+    /* y[n][wt.cols] = x[n][wt.rows] . wt, where wt = W^T ([in][out]: W's columns as rows): only
+     * the rows of wt whose entry of x is nonzero in some row of x are read, so a sparse input
+     * costs its nonzeros (sparsity's trunk level). matmul(W, x) but for the order of the sums. */
+    void (*matmul_cols)(qf_backend *be, const qf_mat *wt, const float *x, int n, float *y);
     /* y[i] = row i of emb for ids[i] (ids already range-checked by the caller) */
     void (*embed)(qf_backend *be, const qf_mat *emb, const int32_t *ids, int n, float *y);
     /* per row: y = x * rsqrt(mean(x^2) + eps) * w (w may be NULL = 1); rows are x_stride and

@@ -19,39 +19,49 @@ typedef struct fwd {
     int n_seqs, N; /* sequences, total rows */
 } fwd;
 
-/* ---- trunk sparsity (model.h): a projection group's input, host path ---- */
+/* ---- sparsity (model.h): levels per row, the trunk's masks on the host path ---- */
 
-/* The threshold that zeroes `target` of the group's entries on the calibration text, from the
- * grid 0.1..0.9 (linear between points, from 0 below the first). */
-static float trunk_threshold(const float *grid, float target) {
-    float pos = target * 10.0f;
-    if (pos <= 0.0f) return 0.0f;
-    if (pos >= QF_TRUNK_GRID) return grid[QF_TRUNK_GRID - 1];
-    int i = (int)pos;
-    float lo = i ? grid[i - 1] : 0.0f, hi = grid[i];
-    return lo + (hi - lo) * (pos - (float)i);
-}
-
-/* Row r's sparsity level in layer L: its sequence's when the step sets one, else the model's. */
+/* Row r's sparsity level in layer L: 0 in a prompt (a sequence of more than one row), else its
+ * sequence's when the step sets one, else the model's. */
 static float row_level(const fwd *f, int r, int L) {
     for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++)
-        if (r < r0 + f->seqs[s].n) return f->seqs[s].sparsity_set ? f->seqs[s].sparsity : f->m->sparsity[L];
-    return f->m->sparsity[L];
+        if (r < r0 + f->seqs[s].n) return f->seqs[s].n > 1 ? 0.0f : f->seqs[s].sparsity_set ? f->seqs[s].sparsity : f->m->sparsity[L];
+    return 0.0f;
 }
 
-/* The calibration hook sees x dense; then, at a level above 0 with thresholds, its small entries
- * are zeroed in place. Host path only: a device's x is not host memory (sparsity is refused there). */
-static void trunk_group(fwd *f, int L, int group, float *x, int rows, int dim) {
-    if (f->m->dev) return;
+/* The calibration hook sees x dense; then the mixer's groups lose their entries under the row's
+ * threshold, in place. Returns whether any row was masked (its product may then read only the
+ * kept columns). Host path only: a device's x is not host memory, and its decode steps mask in
+ * their fused products. */
+static int trunk_group(fwd *f, int L, int group, float *x, int rows, int dim) {
+    if (f->m->dev) return 0;
     if (f->ws->act_hook) f->ws->act_hook(f->ws->act_ud, L, group, x, rows, dim);
+    if (group != QF_ACT_MIX_IN && group != QF_ACT_MIX_OUT) return 0;
     f->ws->sparsity.trunk += (uint64_t)rows * dim;
-    for (int r = 0; r < rows && f->m->trunk_thr; r++) {
-        float level = row_level(f, r, L);
-        if (level <= 0.0f) continue;
-        float thr = trunk_threshold(f->m->trunk_thr[L][group], qf_sparsity_trunk_target(level)), *xr = x + (size_t)r * dim;
+    int masked = 0;
+    for (int r = 0; r < rows; r++) {
+        float thr = qf_sparsity_trunk_threshold(f->m, L, group, row_level(f, r, L)), *xr = x + (size_t)r * dim;
+        if (thr <= 0.0f) continue;
+        masked = 1;
         for (int i = 0; i < dim; i++)
             if (fabsf(xr[i]) < thr) xr[i] = 0.0f, f->ws->sparsity.trunk_zeroed++;
     }
+    return masked;
+}
+
+/* A mixer's out product: through the transposed copy when the input was masked. */
+static void out_product(fwd *f, int L, const qf_mat *w, const qf_mat *wt, float *x, int dim, float *out) {
+    int masked = trunk_group(f, L, QF_ACT_MIX_OUT, x, f->N, dim);
+    if (masked && wt->data) f->be->ops->matmul_cols(f->be, wt, x, f->N, out);
+    else f->be->ops->matmul(f->be, w, x, f->N, out);
+}
+
+/* The one-row in product of a mixer whose input was masked, into the fused layout (in_proj's rows
+ * one after another): 1, or 0 when the dense products are to run. */
+static int in_product_sparse(fwd *f, const qf_layer_w *w, const float *xn, float *y) {
+    if (f->N != 1 || !f->ws->in_masked || !w->in_t.data) return 0;
+    f->be->ops->matmul_cols(f->be, &w->in_t, xn, 1, y);
+    return 1;
 }
 
 /* ---- Gated DeltaNet (§5) ---- */
@@ -65,8 +75,9 @@ static void linear_attn(fwd *f, int L, const float *xn, float *out) {
     int qk = c->lin_k_heads * c->lin_k_dim;
     float *mixed = WS(ws, big), *conv = WS(ws, conv), *z = WS(ws, z), *bb = WS(ws, bb), *aa = WS(ws, aa);
     float *core = WS(ws, core);
-    if (N == 1 && w->in_proj.data) { /* one row: the four products are one, their outputs adjacent */
-        OPS->matmul(be, &w->in_proj, xn, 1, mixed);
+    int sparse = in_product_sparse(f, w, xn, mixed);
+    if (sparse || (N == 1 && w->in_proj.data)) { /* one row: the four products are one, their outputs adjacent */
+        if (!sparse) OPS->matmul(be, &w->in_proj, xn, 1, mixed);
         z = mixed + cd, bb = z + nv * dv, aa = bb + nv;
     } else {
         OPS->matmul(be, &w->w_qkv, xn, N, mixed);
@@ -86,8 +97,7 @@ static void linear_attn(fwd *f, int L, const float *xn, float *out) {
     /* gated RMSNorm per v-head: norm(o) * w * silu(z) */
     OPS->rmsnorm(be, core, dv, w->gnorm, N * nv, dv, c->norm_eps, core, dv);
     OPS->swiglu(be, z, core, dv, N * nv, dv, core);
-    trunk_group(f, L, QF_ACT_MIX_OUT, core, N, nv * dv);
-    OPS->matmul(be, &w->w_out, core, N, out);
+    out_product(f, L, &w->w_out, &w->out_t, core, nv * dv, out);
 }
 
 /* ---- gated full attention (§4) ---- */
@@ -99,8 +109,9 @@ static void full_attn(fwd *f, int L, const float *xn, float *out) {
     qf_workspace *ws = f->ws;
     int N = f->N, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim;
     float *qg = WS(ws, big), *kb = WS(ws, kb), *vb = WS(ws, vb), *core = WS(ws, core);
-    if (N == 1 && w->in_proj.data) {
-        OPS->matmul(be, &w->in_proj, xn, 1, qg);
+    int sparse = in_product_sparse(f, w, xn, qg);
+    if (sparse || (N == 1 && w->in_proj.data)) {
+        if (!sparse) OPS->matmul(be, &w->in_proj, xn, 1, qg);
         kb = qg + nh * 2 * hd, vb = kb + nkv * hd;
     } else {
         OPS->matmul(be, &w->wq, xn, N, qg);
@@ -122,8 +133,7 @@ static void full_attn(fwd *f, int L, const float *xn, float *out) {
         OPS->attention(be, &a);
     }
     OPS->sigmoid_mul(be, core, hd, qg + hd, 2 * hd, N * nh, hd);
-    trunk_group(f, L, QF_ACT_MIX_OUT, core, N, nh * hd);
-    OPS->matmul(be, &w->wo, core, N, out);
+    out_product(f, L, &w->wo, &w->out_t, core, nh * hd, out);
 }
 
 /* ---- MLPs (§6) ---- */
@@ -191,7 +201,7 @@ static int shared_expert(fwd *f, int L, float *xn, const float *fused, float *ou
             OPS->sigmoid_scale_add(be, out, ex_out, u + S, 1, c->hidden);
             return QF_OK;
         }
-        trunk_group(f, L, QF_ACT_SH_IN, xn, f->N, c->hidden); /* after the router and the routed experts read it dense */
+        trunk_group(f, L, QF_ACT_SH_IN, xn, f->N, c->hidden); /* calibration's view only: the shared expert runs dense */
         swiglu_mlp(f, &w->sh_gate, &w->sh_up, &w->sh_down, xn, f->N, ex_out, L, QF_ACT_SH_DOWN);
         OPS->matmul(be, &w->sh_gate_w, xn, f->N, shs);
         OPS->sigmoid_scale_add(be, out, ex_out, shs, f->N, c->hidden);
@@ -243,21 +253,31 @@ static int dec_usable(const fwd *f) {
     return 1;
 }
 
+/* Each row's threshold for layer L's trunk group; whether the product is to be the sparse one
+ * (some row masks, and the device and the layer have what it needs). */
+static int dec_thresholds(const fwd *f, int L, int group, float *thr) {
+    int any = 0;
+    for (int t = 0; t < f->N; t++) any |= (thr[t] = qf_sparsity_trunk_threshold(f->m, L, group, row_level(f, t, L))) > 0.0f;
+    return any && f->be->ops->dec->matmul_sparse && f->m->layers[L].in_t.data;
+}
+
 static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
     const qf_config *c = &f->m->cfg;
     const qf_layer_w *w = &f->m->layers[L];
     qf_backend *be = f->be;
     const qf_dec_ops *d = OPS->dec;
     int nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, stride = (int)w->in_proj.rows;
-    float *big = WS(f->ws, dec), *core = WS(f->ws, core);
-    d->matmul(be, &w->in_proj, WS(f->ws, x), f->N, norm, NULL, 0, big);
+    float *big = WS(f->ws, dec), *core = WS(f->ws, core), thr[QF_DEC_ROWS];
+    if (dec_thresholds(f, L, QF_ACT_MIX_IN, thr)) d->matmul_sparse(be, &w->in_t, WS(f->ws, x), f->N, norm, NULL, 0, thr, big);
+    else d->matmul(be, &w->in_proj, WS(f->ws, x), f->N, norm, NULL, 0, big);
     qf_attn_dec a = {big, stride, nh * 2 * hd, nh * 2 * hd + nkv * hd, f->N, nh, nkv, hd, c->rot_dim, w->q_norm, w->k_norm, f->m->inv_freq,
                      c->norm_eps, 1.0f / sqrtf((float)hd), {{0}}, {0}, core};
     for (int t = 0; t < f->N; t++) a.kv[t] = qf_state_kv_view(f->seqs[t].st, L), a.pos[t] = f->seqs[t].st->pos;
     int gated = d->attn_gate && d->attn_gate(be, &a); /* core is gated already */
     if (!gated) d->attention(be, &a);
     qf_pre gate = {QF_PRE_SIGMOID, NULL, big + hd, stride, 2 * hd, hd, 0.0f};
-    d->matmul(be, &w->wo, core, f->N, gated ? NULL : &gate, NULL, 1, WS(f->ws, x));
+    if (dec_thresholds(f, L, QF_ACT_MIX_OUT, thr)) d->matmul_sparse(be, &w->out_t, core, f->N, gated ? NULL : &gate, NULL, 1, thr, WS(f->ws, x));
+    else d->matmul(be, &w->wo, core, f->N, gated ? NULL : &gate, NULL, 1, WS(f->ws, x));
 }
 
 static void dec_linear_attn(fwd *f, int L, const qf_pre *norm) {
@@ -266,15 +286,17 @@ static void dec_linear_attn(fwd *f, int L, const qf_pre *norm) {
     qf_backend *be = f->be;
     const qf_dec_ops *d = OPS->dec;
     int nv = c->lin_v_heads, dv = c->lin_v_dim, cd = qf_cfg_conv_dim(c), stride = (int)w->in_proj.rows;
-    float *big = WS(f->ws, dec), *core = WS(f->ws, core);
+    float *big = WS(f->ws, dec), *core = WS(f->ws, core), thr[QF_DEC_ROWS];
     qf_gdn_epi e = {cd, nv * dv, nv, c->conv_kernel, w->conv_w, w->dt_bias, w->neg_A, {0}};
     qf_gdn_dec g = {big, stride, f->N, c->lin_k_heads, nv, c->lin_k_dim, dv, {0}, core};
     for (int t = 0; t < f->N; t++) e.conv_state[t] = f->seqs[t].st->conv[L], g.S[t] = f->seqs[t].st->ssm[L];
-    d->matmul(be, &w->in_proj, WS(f->ws, x), f->N, norm, &e, 0, big);
+    if (dec_thresholds(f, L, QF_ACT_MIX_IN, thr)) d->matmul_sparse(be, &w->in_t, WS(f->ws, x), f->N, norm, &e, 0, thr, big);
+    else d->matmul(be, &w->in_proj, WS(f->ws, x), f->N, norm, &e, 0, big);
     qf_pre gn = {QF_PRE_GATED_NORM, w->gnorm, big + cd, stride, dv, dv, c->norm_eps};
     int normed = d->gdn_gn && d->gdn_gn(be, &g, &gn); /* core is gn(core) already */
     if (!normed) d->gdn(be, &g);
-    d->matmul(be, &w->w_out, core, f->N, normed ? NULL : &gn, NULL, 1, WS(f->ws, x));
+    if (dec_thresholds(f, L, QF_ACT_MIX_OUT, thr)) d->matmul_sparse(be, &w->out_t, core, f->N, normed ? NULL : &gn, NULL, 1, thr, WS(f->ws, x));
+    else d->matmul(be, &w->w_out, core, f->N, normed ? NULL : &gn, NULL, 1, WS(f->ws, x));
 }
 
 static int dec_layer(fwd *f, int L) {
@@ -289,7 +311,11 @@ static int dec_layer(fwd *f, int L) {
     int rc = m->experts->ops->table(m->experts, L, &t);
     if (rc != QF_OK) return rc;
     qf_moe_dec mo = {t.experts, c->n_experts, c->n_experts_used, f->N, c->hidden, c->expert_ffn, c->shared_ffn, w->ffn_norm, c->norm_eps, rl,
-                     (int)w->ffn_in.rows, &w->sh_down, WS(f->ws, x), t.dev, t.chosen, t.cache};
+                     (int)w->ffn_in.rows, &w->sh_down, WS(f->ws, x), t.dev, t.chosen, t.cache, {0}, qf_sparsity_min_k(c->n_experts_used)};
+    for (int r = 0; r < f->N; r++) {
+        float level = row_level(f, r, L);
+        mo.drop_tau[r] = level > 0.0f ? qf_sparsity_expert_tau(level, c->n_experts_used) : 0.0f;
+    }
     if (w->kind == QF_LAYER_FULL) dec_full_attn(f, L, &an);
     else dec_linear_attn(f, L, &an);
     OPS->dec->matmul(be, &w->ffn_in, WS(f->ws, x), f->N, &fn, NULL, 0, rl);
@@ -394,13 +420,15 @@ static void logits(fwd *f) {
 /* A recorded step is replayed only for the same sequences, shapes and outputs, and the same expert
  * cache (a cache given slots later adds kernels to the step). */
 static uint64_t step_key(const qf_model *m, const qf_seq_step *seqs, int n_seqs) {
-    uint64_t h = 1469598103934665603ull ^ (uint64_t)n_seqs;
+    uint64_t h = (1469598103934665603ull ^ (uint64_t)n_seqs) * 1099511628211ull ^ m->sparsity_gen; /* levels are the kernels' arguments */
     qf_expert_table t = {0};
     if (m->experts && m->experts->ops->table(m->experts, 0, &t) == QF_OK) h = (h ^ (uint64_t)(uintptr_t)t.cache) * 1099511628211ull;
     for (int s = 0; s < n_seqs; s++) {
-        uint64_t v[5] = {(uint64_t)(uintptr_t)seqs[s].st, (uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, (uint64_t)(uintptr_t)seqs[s].logits,
-                         (uint64_t)(uintptr_t)seqs[s].top1};
-        for (int i = 0; i < 5; i++) h = (h ^ v[i]) * 1099511628211ull;
+        uint32_t lv;
+        memcpy(&lv, &seqs[s].sparsity, sizeof lv);
+        uint64_t v[6] = {(uint64_t)(uintptr_t)seqs[s].st, (uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, (uint64_t)(uintptr_t)seqs[s].logits,
+                         (uint64_t)(uintptr_t)seqs[s].top1, seqs[s].sparsity_set ? (uint64_t)lv + 1 : 0};
+        for (int i = 0; i < 6; i++) h = (h ^ v[i]) * 1099511628211ull;
     }
     return h;
 }
@@ -414,7 +442,7 @@ static int prompt_layer(fwd *f, int L, float *x) {
     int H = c->hidden, rc = QF_OK;
     float *xn = WS(f->ws, xn), *tmp = WS(f->ws, tmp);
     OPS->rmsnorm(be, x, H, w->attn_norm, f->N, H, c->norm_eps, xn, H);
-    trunk_group(f, L, QF_ACT_MIX_IN, xn, f->N, H);
+    f->ws->in_masked = trunk_group(f, L, QF_ACT_MIX_IN, xn, f->N, H);
     if (w->kind == QF_LAYER_FULL) full_attn(f, L, xn, tmp);
     else linear_attn(f, L, xn, tmp);
     OPS->axpy(be, x, tmp, 1.0f, (int64_t)f->N * H);

@@ -56,31 +56,6 @@ void qf_model_free(qf_model *m) {
 
 static int imax(int a, int b) { return a > b ? a : b; }
 
-int qf_model_set_sparsity(qf_model *m, const float *levels) {
-    int any = 0;
-    for (int L = 0; levels && L < m->cfg.n_layers; L++) {
-        if (!(levels[L] >= 0.0f && levels[L] <= 1.0f)) return qf_fail(QF_EINVAL, "sparsity level %g of layer %d is outside 0..1", levels[L], L + 1);
-        any |= levels[L] > 0.0f;
-    }
-    if (any && m->dev) return qf_fail(QF_EUNSUPPORTED, "sparsity levels above 0 run on the CPU only so far (no device kernels yet)");
-    for (int L = 0; L < m->cfg.n_layers; L++) m->sparsity[L] = levels ? levels[L] : 0.0f;
-    m->sparse = any;
-    return QF_OK;
-}
-
-int qf_model_set_trunk_thresholds(qf_model *m, const float *thr) {
-    size_t n = (size_t)m->cfg.n_layers * QF_ACT_GROUPS * QF_TRUNK_GRID;
-    for (size_t i = 0; thr && i < n; i++)
-        if (!(thr[i] >= 0.0f) || (i % QF_TRUNK_GRID && thr[i] < thr[i - 1]))
-            return qf_fail(QF_EINVAL, "trunk threshold %zu is negative or below the one before", i);
-    free(m->trunk_thr);
-    m->trunk_thr = NULL;
-    if (!thr) return QF_OK;
-    if (!(m->trunk_thr = malloc(n * sizeof(float)))) return qf_fail(QF_ENOMEM, "out of memory");
-    memcpy(m->trunk_thr, thr, n * sizeof(float));
-    return QF_OK;
-}
-
 qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
     const qf_config *c = &m->cfg;
     if (max_rows < 1) return NULL;

@@ -40,6 +40,10 @@ typedef struct qf_layer_w {
      * (full attention); ffn_in = router|sh_gate|sh_up|sh_gate_w. The separate views above point
      * into them. data NULL: not fused. */
     qf_mat in_proj, ffn_in;
+    /* Trunk sparsity's copies, transposed (W^T: a column of W per row, for matmul_cols and
+     * matmul_sparse): in_t of in_proj (its parts' concatenation where not fused), out_t of w_out /
+     * wo. data NULL until a level above 0 is set (model/sparse.c). */
+    qf_mat in_t, out_t;
 } qf_layer_w;
 
 typedef struct qf_model {
@@ -60,6 +64,7 @@ typedef struct qf_model {
     int dec_ok;          /* the device's fused decode ops (ops.h qf_dec_ops) fit this model */
     float sparsity[QF_MAX_LAYERS]; /* each layer's sparsity level (qf_model_set_sparsity); 0: exact */
     int sparse;                    /* any level above 0 */
+    uint64_t sparsity_gen;         /* counts changes of levels or thresholds (a recorded step holds them) */
     float (*trunk_thr)[QF_ACT_GROUPS][QF_TRUNK_GRID]; /* [n_layers]: |x| thresholds for trunk sparsity 0.1..0.9 (NULL: none) */
     int n_owned, cap_owned;
 } qf_model;
@@ -84,19 +89,26 @@ int qf_model_to_device(qf_model *m, qf_backend *be, int flags);
 /* Whether the device's fused decode ops fit the model with its expert store as it is now. */
 int qf_model_dec_check(qf_model *m);
 
-/* Activation-aware sparsity: a level per layer from 0 (exact, the default) to 1. What a level does,
- * so far (README's table gives each setting's measured cost):
+/* Activation-aware sparsity: a level per layer from 0 (exact, the default) to 1, applied to the
+ * steps that generate (one token per sequence); prompts run dense, where the bytes a step reads
+ * are shared by all its rows. What a level does (README's table gives each setting's cost):
  *   experts: a row's routed experts whose renormalised weight is below level / top_k (that share
  *   of the uniform weight) are dropped, never fewer than ceil(top_k / 2) kept, the rest
  *   renormalised (qf_ref_route_drop); the shared expert always runs.
  *   trunk (with calibrated thresholds, qf_model_set_trunk_thresholds): the inputs of the mixer's
- *   projections, of out_proj / o_proj, of the shared expert and of its down projection lose the
- *   entries whose magnitude is under the threshold that zeroes level / 2 of them on the
- *   calibration text (TEAL's rule; so far the masked products are dense).
- * levels: [n_layers], NULL for 0 everywhere. The CPU path only: QF_EUNSUPPORTED on a device. */
+ *   in projections (DeltaNet in_proj, attention q/k/v) and of its out projection (out_proj, o_proj)
+ *   lose the entries whose magnitude is under the threshold that zeroes level / 2 of them on the
+ *   calibration text (TEAL's rule), and those products read only the kept columns, through
+ *   transposed copies of their weights made when a level above 0 is first set.
+ * levels: [n_layers], NULL for 0 everywhere. QF_EUNSUPPORTED on a device whose fused decode ops
+ * cannot take it (qf_model_sparsity_ok). */
 int qf_model_set_sparsity(qf_model *m, const float *levels);
+int qf_model_sparsity_ok(const qf_model *m);
 /* The trunk's thresholds, [n_layers][QF_ACT_GROUPS][QF_TRUNK_GRID] (copied; NULL: none). */
 int qf_model_set_trunk_thresholds(qf_model *m, const float *thr);
+/* The |x| threshold of layer L's group at a level: the calibrated grid 0.1..0.9 read at the
+ * level's target share (linear between points, from 0 below the first); 0 without thresholds. */
+float qf_sparsity_trunk_threshold(const qf_model *m, int L, int group, float level);
 static inline float qf_sparsity_trunk_target(float level) { return 0.5f * level; }
 static inline float qf_sparsity_expert_tau(float level, int top_k) { return level / (float)top_k; }
 static inline int qf_sparsity_min_k(int top_k) { return (top_k + 1) / 2; }

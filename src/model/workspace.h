@@ -28,6 +28,7 @@ struct qf_workspace {
     void *route_ud;
     qf_act_hook act_hook;
     void *act_ud;
+    int in_masked;                /* the layer's mixer input was masked (trunk sparsity, host path) */
     qf_sparsity_counts sparsity; /* what sparsity skipped, counted as steps run (host path) */
 };
 

@@ -71,6 +71,24 @@ static void c_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, con
     }
 }
 
+static void c_matmul_sparse(qf_backend *be, const qf_mat *wt, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc,
+                            const float *thr, float *y) {
+    int64_t rows = wt->cols, cols = wt->rows;
+    if (!fits(be, (size_t)(n * (cols + rows)))) return;
+    float *xin = CTX(be)->scratch, *out = xin + n * cols;
+    pre_rows(be, x, n, (int)cols, pre, xin);
+    for (int t = 0; t < n; t++)
+        for (int64_t i = 0; i < cols; i++)
+            if (fabsf(xin[t * cols + i]) < thr[t]) xin[t * cols + i] = 0.0f;
+    BASE(be)->matmul_cols(be, wt, xin, n, out);
+    for (int t = 0; t < n; t++) {
+        float *o = out + t * rows, *yt = y + t * rows;
+        if (epi) gdn_epi(be, epi, t, o, yt);
+        else if (acc) BASE(be)->axpy(be, yt, o, 1.0f, rows);
+        else memcpy(yt, o, (size_t)rows * sizeof(float));
+    }
+}
+
 static void c_gdn(qf_backend *be, const qf_gdn_dec *a) {
     int qk = a->nk * a->dk, vd = a->nv * a->dv, cd = 2 * qk + vd;
     for (int t = 0; t < a->n; t++) {
@@ -110,9 +128,10 @@ static void c_moe(qf_backend *be, const qf_moe_dec *a) {
         float *x = a->x + (size_t)t * H;
         o->rmsnorm(be, x, H, a->norm_w, 1, H, a->eps, xn, H);
         qf_ref_route(l, E, a->top_k, ti, tw);
-        for (int k = 0; a->chosen && k < a->top_k; k++) a->chosen[t * a->top_k + k] = ti[k];
+        int kept = a->drop_tau[t] > 0.0f ? qf_ref_route_drop(tw, a->top_k, a->drop_tau[t], a->min_k) : a->top_k;
+        for (int k = 0; a->chosen && k < a->top_k; k++) a->chosen[t * a->top_k + k] = k < kept ? ti[k] : -1;
         memset(acc, 0, (size_t)H * sizeof(float));
-        for (int k = 0; k < a->top_k; k++) {
+        for (int k = 0; k < kept; k++) {
             const qf_expert *ex = &a->experts[ti[k]];
             o->matmul(be, &ex->gate, xn, 1, g);
             o->matmul(be, &ex->up, xn, 1, u);
@@ -132,7 +151,7 @@ static void c_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *o
     for (int t = 0; t < n; t++) out[t] = qf_argmax_f32(x + (size_t)t * cols, cols);
 }
 
-static const qf_dec_ops k_compose = {c_matmul, c_gdn, c_attention, c_moe, c_argmax, NULL, NULL};
+static const qf_dec_ops k_compose = {c_matmul, c_gdn, c_attention, c_moe, c_argmax, NULL, NULL, c_matmul_sparse};
 
 int qf_cpu_dec_compose_init(qf_backend *be, const qf_ops *base, size_t scratch_floats) {
     compose *c = calloc(1, sizeof *c);

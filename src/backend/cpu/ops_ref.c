@@ -26,6 +26,19 @@ static void ref_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, f
         }
 }
 
+/* Per output, the sum over the inputs in order with the zero ones skipped: ref_matmul of the same
+ * input, bit for bit (a zero adds +-0). */
+static void ref_matmul_cols(qf_backend *be, const qf_mat *wt, const float *x, int n, float *y) {
+    (void)be;
+    for (int t = 0; t < n; t++)
+        for (int64_t o = 0; o < wt->cols; o++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < wt->rows; i++)
+                if (x[t * wt->rows + i] != 0.0f) acc += x[t * wt->rows + i] * qf_ref_weight(wt, i, o);
+            y[t * wt->cols + o] = acc;
+        }
+}
+
 void qf_ref_embed(qf_backend *be, const qf_mat *emb, const int32_t *ids, int n, float *y) {
     (void)be;
     for (int t = 0; t < n; t++)
@@ -267,6 +280,7 @@ int qf_ref_page_select(const float *q, const float *kmin, const float *kmax, int
 const qf_ops qf_cpu_ops_ref = {
     .name = "cpu-ref",
     .matmul = ref_matmul,
+    .matmul_cols = ref_matmul_cols,
     .embed = qf_ref_embed,
     .rmsnorm = qf_ref_rmsnorm,
     .rope = qf_ref_rope,

@@ -115,9 +115,9 @@ struct ctx {
     cublasHandle_t blas;
     size_t total, peak;
     char name[256];
-    void *tok, *xb, *moe, *attn;
+    void *tok, *xb, *moe, *attn, *sp;
     void *amax; // argmax partials and per-row counters (argmax_scratch_bytes, zeroed once)
-    size_t tok_cap, xb_cap, moe_cap, attn_cap;
+    size_t tok_cap, xb_cap, moe_cap, attn_cap, sp_cap;
     expert_tab tabs[512];
     struct occ_rec { const void *fn; size_t smem; int blocks; } occ[64]; // resident blocks per SM, asked once
     int n_occ;
@@ -512,7 +512,12 @@ int gdn_chunked(ctx *c, const qf_gdn_args *a);
 
 // The expert cache resolved for a MoE op's rows and its admitted misses filled (xcache_cuda.cu):
 // ids (n) when the caller routed already, else `rows` rows of router logits at rl.
-void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K);
+// Sparsity's expert rule for rows routed from their logits (ops.h qf_moe_dec drop_tau, min_k).
+struct xc_drop {
+    float tau[QF_DEC_ROWS];
+    int min_k;
+};
+void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K, const xc_drop &drop);
 
 // The ops table (ops_cuda.cu) and its memory and step functions (ctx_cuda.cu).
 extern const qf_ops k_cuda_ops;

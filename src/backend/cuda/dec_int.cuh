@@ -19,6 +19,8 @@ int dec_gdn_gn(qf_backend *be, const qf_gdn_dec *a, const qf_pre *gn);
 void dec_attention(qf_backend *be, const qf_attn_dec *a);
 int dec_attn_gate(qf_backend *be, const qf_attn_dec *a);
 void dec_moe(qf_backend *be, const qf_moe_dec *a);
+void dec_matmul_sparse(qf_backend *be, const qf_mat *wt, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, const float *thr,
+                       float *y);
 
 // Blocks of a kernel resident per SM at this dynamic shared memory (and the kernel's opt-in to it).
 int resident(ctx *c, const void *fn, int threads, size_t smem);

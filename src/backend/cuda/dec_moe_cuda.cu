@@ -160,6 +160,26 @@ __device__ void route_sort(const float *rl, int E, int K, int *ti, float *tw) {
     chosen_weights(tw, K);
 }
 
+// Sparsity's expert rule (qf_ref_route_drop) on the block's routed weights tw (rank order, in
+// shared memory): how many lead ranks are kept, their weights renormalised, the rest 0. Every
+// thread calls it; tau 0: all K, the weights as routed.
+__device__ int route_keep(float *tw, int K, float tau, int min_k) {
+    __shared__ int kept;
+    if (tau <= 0.0f) return K;
+    if (threadIdx.x == 0) {
+        int k = 0;
+        while (k < K && (k < min_k || tw[k] >= tau)) k++;
+        if (k < K) {
+            float sum = 0.0f;
+            for (int j = 0; j < k; j++) sum += tw[j];
+            for (int j = 0; j < K; j++) tw[j] = j < k ? tw[j] / sum : 0.0f;
+        }
+        kept = k;
+    }
+    __syncthreads();
+    return kept;
+}
+
 // x * norm weight into xs; returns x's 1/rms, which scales the finished sums (the barriers of the
 // sum publish xs).
 __device__ float stage_normed(const qf_moe_dec &a, const float *x, float *xs, float *red) {
@@ -269,9 +289,10 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_mo
         pdl_launch();
         inv = route_and_stage(a, x, rl, ti, tw, xs, red);
     }
-    int e = ti[k], lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32;
+    int kk = route_keep(tw, K, a.drop_tau[t], a.min_k), e = k < kk ? ti[k] : -1, lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32;
     if (blockIdx.y == 0 && tid == 0) topi[t * K + k] = e, topw[t * K + k] = tw[k];
     if (blockIdx.y == 0 && tid == 0 && a.chosen) a.chosen[t * K + k] = e; // for the expert store
+    if (e < 0) return; // dropped by sparsity
     for (; j < I; j += gridDim.y * (blockDim.x / 32)) {
         float h = gu_row<HL>(tab, E, e, j, H, xs, inv, lane);
         if (lane == 0) hbuf[((int64_t)t * K + k) * I + j] = h;
@@ -285,9 +306,9 @@ __device__ __forceinline__ void shared_in(const qf_moe_dec &a, const float *rl, 
     for (int j = threadIdx.x; j < S; j += blockDim.x) hsh[j] = silu(rl[E + j]) * rl[E + S + j];
 }
 
-// Part K of a down row: the shared expert, weighted by its sigmoid gate.
-__device__ __forceinline__ void shared_slot(const qf_moe_dec &a, const float *rl, const uint16_t *sh_down, float *wk, const uint16_t **dp) {
-    if (threadIdx.x == 0) wk[a.top_k] = sigmoid(rl[a.n_experts + 2 * a.sh_ffn]), dp[a.top_k] = sh_down;
+// Part kk of a down row (after the kk experts kept): the shared expert, weighted by its sigmoid gate.
+__device__ __forceinline__ void shared_slot(const qf_moe_dec &a, const float *rl, const uint16_t *sh_down, float *wk, const uint16_t **dp, int kk) {
+    if (threadIdx.x == 0) wk[kk] = sigmoid(rl[a.n_experts + 2 * a.sh_ffn]), dp[kk] = sh_down;
 }
 
 // Block (a warp per output row, stepping by the grid; row t): x[t][i] += sum_k w_k down_k[i] . h_k
@@ -308,27 +329,31 @@ __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_
     const float *rl = a.rl + (int64_t)t * a.rl_stride;
     dn_row<PL> w;
     int have = 0;
+    int kk = K; // the experts kept (sparsity drops the last ranks)
     if (early) {
         route_block(rl, E, K, ti, wk);
-        if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
-        shared_slot(a, rl, sh_down, wk, dp);
+        kk = route_keep(wk, K, a.drop_tau[t], a.min_k);
+        if (tid < kk) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
+        shared_slot(a, rl, sh_down, wk, dp, kk);
         __syncthreads();
-        if (i < H) w.load(dp, K, I, S, i, 0), have = 1;
-        shared_in(a, rl, hs + K * I);
+        if (i < H) w.load(dp, kk, I, S, i, 0), have = 1;
+        shared_in(a, rl, hs + kk * I);
         pdl_wait();
         pdl_launch();
     } else {
         pdl_wait();
         pdl_launch();
-        if (tid < K) wk[tid] = topw[t * K + tid], dp[tid] = (const uint16_t *)tab[2 * E + topi[t * K + tid]];
-        shared_slot(a, rl, sh_down, wk, dp);
-        shared_in(a, rl, hs + K * I);
+        if (a.drop_tau[t] > 0.0f)
+            for (kk = 0; kk < K && topi[t * K + kk] >= 0;) kk++;
+        if (tid < kk) wk[tid] = topw[t * K + tid], dp[tid] = (const uint16_t *)tab[2 * E + topi[t * K + tid]];
+        shared_slot(a, rl, sh_down, wk, dp, kk);
+        shared_in(a, rl, hs + kk * I);
     }
 #pragma unroll 8
-    for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = ((const float4 *)(hbuf + (int64_t)t * K * I))[j];
+    for (int j = tid; j < kk * I / 4; j += blockDim.x) ((float4 *)hs)[j] = ((const float4 *)(hbuf + (int64_t)t * K * I))[j];
     __syncthreads();
     for (; i < H; i += gridDim.x * (blockDim.x / 32), have = 0) {
-        float acc = w.sum(dp, wk, hs, K, I, S, i, have);
+        float acc = w.sum(dp, wk, hs, kk, I, S, i, have);
         if ((tid & 31) == 0) a.x[(int64_t)t * H + i] += acc;
     }
 }
@@ -389,26 +414,27 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     pdl_launch();
     if constexpr (ROUTE == 3) route_sort(a.rl, E, K, ti, wk);
     else route_pairs(a.rl, E, K, ti, wk);
-    if (tid < K) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
-    if (blockIdx.x == 0 && tid < K && a.chosen) a.chosen[tid] = ti[tid]; // for the expert store
-    shared_slot(a, a.rl, sh_down, wk, dp);
+    int kk = route_keep(wk, K, a.drop_tau[0], a.min_k); // the experts kept (sparsity drops the last ranks)
+    if (tid < kk) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
+    if (blockIdx.x == 0 && tid < K && a.chosen) a.chosen[tid] = tid < kk ? ti[tid] : -1; // for the expert store
+    shared_slot(a, a.rl, sh_down, wk, dp, kk);
     __syncthreads();
-    for (int r = gw; r < K * I; r += nw) {
+    for (int r = gw; r < kk * I; r += nw) {
         int k = r / I;
         float h = gu_row<HL>(tab, E, ti[k], r - k * I, H, xs, inv, lane);
         if (lane == 0) hbuf[r] = h;
     }
     dn_row<PL> w;
     int i = gw, have = i < H;
-    if (have) w.load(dp, K, I, S, i, 0);
-    shared_in(a, a.rl, hs + K * I);
+    if (have) w.load(dp, kk, I, S, i, 0);
+    shared_in(a, a.rl, hs + kk * I);
     grid_arrive_wait(cnt);
 #pragma unroll 8
-    for (int j = tid; j < K * I / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)hbuf + j); // L2: other SMs wrote it
+    for (int j = tid; j < kk * I / 4; j += blockDim.x) ((float4 *)hs)[j] = __ldcg((const float4 *)hbuf + j); // L2: other SMs wrote it
     __syncthreads();
     grid_leave(cnt);
     for (; i < H; i += nw, have = 0) {
-        float acc = w.sum(dp, wk, hs, K, I, S, i, have);
+        float acc = w.sum(dp, wk, hs, kk, I, S, i, have);
         if (lane == 0) a.x[i] += acc;
     }
 }
@@ -446,7 +472,10 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
         return dev_fail(c, "fused moe: top-k %d > %d, %d experts > %d, or weights not bf16 in rows of 8", K, MOE_MAX_K, E, MOE_MAX_E);
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
-    if (a->cache) xcache_resolve(c, a->cache, NULL, 0, a->rl, a->rl_stride, n, K);
+    xc_drop drop = {};
+    for (int t = 0; t < n && t < QF_DEC_ROWS; t++) drop.tau[t] = a->drop_tau[t];
+    drop.min_k = a->min_k;
+    if (a->cache) xcache_resolve(c, a->cache, NULL, 0, a->rl, a->rl_stride, n, K, drop);
     if (n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf)) return;
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block

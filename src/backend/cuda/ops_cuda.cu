@@ -710,7 +710,7 @@ void cu_moe(qf_backend *be, const qf_moe_args *a) {
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)N * K * sizeof(int)), *hbuf = (float *)(s + head), *ybuf = hbuf + (size_t)N * K * I;
     LAUNCH(c, k_route, N, 256, a->router_logits, E, K, topi, topw);
-    if (a->cache) xcache_resolve(c, a->cache, topi, N * K, NULL, 0, 0, K);
+    if (a->cache) xcache_resolve(c, a->cache, topi, N * K, NULL, 0, 0, K, xc_drop{});
     if (a->chosen) g_copy(c, a->chosen, topi, (size_t)(N < a->chosen_rows ? N : a->chosen_rows) * K * sizeof(int), cudaMemcpyDeviceToDevice);
     if (moe_grouped(c, a, tab, topi, topw, ybuf)) return;
     int dtype = a->experts[0].gate.dtype;
@@ -721,11 +721,12 @@ void cu_moe(qf_backend *be, const qf_moe_args *a) {
 
 } // namespace
 
-static const qf_dec_ops k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_gn, dec_attn_gate};
+static const qf_dec_ops k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_gn, dec_attn_gate, dec_matmul_sparse};
 
 const qf_ops qfc::k_cuda_ops = {
     "cuda",
     cu_matmul,
+    NULL, // matmul_cols: a device's sparse products are its decode steps' matmul_sparse
     cu_embed,
     cu_rmsnorm,
     cu_rope,

@@ -65,6 +65,19 @@ __device__ void xc_route_row(const float *rl, int E, int K, int *ids, float *lv)
     __syncthreads();
 }
 
+// Sparsity's expert rule on row r's ids (thread 0; the weights as the MoE kernels take them from
+// the chosen logits): a dropped expert's place repeats the first id, so it is neither counted nor
+// loaded. A borderline weight decided otherwise here than in the MoE kernel costs only a read from
+// home: every table entry is valid.
+__device__ void xc_drop_row(int *ids, const float *lv, int K, float tau, int min_k) {
+    if (threadIdx.x != 0 || tau <= 0.0f) return;
+    float p[64], sum = 0.0f;
+    for (int k = 0; k < K; k++) sum += p[k] = expf(lv[ids[k]] - lv[ids[0]]);
+    int kept = 0;
+    while (kept < K && (kept < min_k || p[kept] / sum >= tau)) kept++;
+    for (int k = kept; k < K; k++) ids[k] = ids[0];
+}
+
 // The step's ids in order of first appearance into s.order (distinct), counts bumped, hits marked.
 __device__ void xc_hits(xc_shared &s, const qf_xcache &x, const int *ids, int n, uint32_t now) {
     int E = x.n_experts, tid = threadIdx.x;
@@ -139,7 +152,7 @@ __device__ void xc_assign(xc_shared &s, const qf_xcache &x, xc_state &g, uint32_
 
 // One block: the step's routed ids (ids, n of them; or, with rl, rows routed here from their
 // logits) resolved as qf_slot_cache_access does, then the step's tick.
-__global__ void __launch_bounds__(512) k_xc_resolve(qf_xcache x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K) {
+__global__ void __launch_bounds__(512) k_xc_resolve(qf_xcache x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K, xc_drop drop) {
     __shared__ xc_shared s;
     __shared__ float lv[XC_MAX_E];
     xc_state g = xc_map(x);
@@ -149,7 +162,11 @@ __global__ void __launch_bounds__(512) k_xc_resolve(qf_xcache x, const int *ids,
         s.slot_of[e] = (int)g.slot1_of[e] - 1, s.count[e] = g.count[e], s.count_at[e] = g.count_at[e];
     for (int i = tid; i < S; i += blockDim.x) s.expert_in[i] = (int)g.expert1_in[i] - 1, s.last[i] = g.last[i];
     if (rl) { // decode: the rows' ids are routed here (the MoE kernel routes again, the same way)
-        for (int r = 0; r < rows; r++) xc_route_row(rl + (int64_t)r * rl_stride, E, K, s.ids + r * K, lv);
+        for (int r = 0; r < rows; r++) {
+            xc_route_row(rl + (int64_t)r * rl_stride, E, K, s.ids + r * K, lv);
+            xc_drop_row(s.ids + r * K, lv, K, drop.tau[r], drop.min_k);
+            __syncthreads();
+        }
         ids = s.ids, n = rows * K;
     }
     __syncthreads();
@@ -193,11 +210,11 @@ __global__ void __launch_bounds__(256) k_xc_fill(qf_xcache x) {
 
 // The cache resolved for this step's rows and the admitted misses filled, before the MoE op reads
 // the table: ids (n) when the caller routed already, else rows of router logits at rl.
-void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K) {
-    if (x->n_experts > XC_MAX_E || x->n_slots > x->n_experts || (rl && rows * K > XC_MAX_IDS) || x->policy == QF_POLICY_MIN)
+void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K, const xc_drop &drop) {
+    if (x->n_experts > XC_MAX_E || x->n_slots > x->n_experts || (rl && rows * K > XC_MAX_IDS) || x->policy == QF_POLICY_MIN || K > 64)
         return dev_fail(c, "expert cache: %d experts, %d slots, %d rows of %d or policy %d is more than its kernels take", x->n_experts, x->n_slots,
                         rows, K, x->policy);
-    launch(c, "k_xc_resolve", 0, k_xc_resolve, dim3(1), dim3(512), 0u, *x, ids, n, rl, rl_stride, rows, K);
+    launch(c, "k_xc_resolve", 0, k_xc_resolve, dim3(1), dim3(512), 0u, *x, ids, n, rl, rl_stride, rows, K, drop);
     int blocks = 4 * (c->sms > 0 ? c->sms : 1);
     launch(c, "k_xc_fill", 0, k_xc_fill, dim3(blocks), dim3(256), 0u, *x);
 }
