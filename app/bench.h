@@ -26,6 +26,7 @@ typedef struct bench_cfg {
     double streaming_loads;     /* experts loaded in the decode steps of every run */
     double inactive_experts, inactive_trunk; /* sparsity: routed experts dropped, trunk inputs zeroed (decode steps) */
     int sparse;                              /* a sparsity level above 0 was on */
+    float level;                             /* the level (layer 1's) */
     uint64_t ids_digest; /* FNV-1a of the last run's decoded ids, every stream every step: equal across
                           * builds and settings whose kernels sum in the same order (an exactness check
                           * at shapes with no reference) */

@@ -25,7 +25,9 @@ void bench_print(const bench_result *r) {
         printf("load: %.2f s   bandwidth: %.1f GB/s (--bw)   peak RSS: %.0f MiB\n", r->load_s, r->bw_gbs, r->peak_rss_bytes / 1048576.0);
     if (r->n_cfgs && r->cfgs[0].expert_cache) printf("expert cache: loads and hit rate per configuration below\n");
     else printf("streaming loads: 0, expert cache hit rate: 0 (not active: no expert cache)\n");
-    if (r->n_cfgs && r->cfgs[0].sparse) printf("sparsity: inactive blocks per configuration below\n\n");
+    int any_sparse = 0;
+    for (int i = 0; i < r->n_cfgs; i++) any_sparse |= r->cfgs[i].sparse;
+    if (any_sparse) printf("sparsity: level and inactive blocks per configuration below\n\n");
     else printf("inactive-block ratio: 0 (not active: sparsity level 0; KV pages: not built)\n\n");
     printf("%5s %6s %5s | %10s %10s %9s | %8s %8s %8s | %10s %10s | %9s %9s %7s\n", "conc", "prompt", "gen", "prefill ms",
            "prefill/s", "TTFT ms", "ITL mean", "p50", "p99", "tok/s/strm", "tok/s all", "MB/token", "roofline", "% roof");
@@ -42,8 +44,8 @@ void bench_print(const bench_result *r) {
             printf("%5s expert cache: %.0f loads, %.1f%% of decode steps' expert uses hit, %.3f MB of experts loaded per token\n", "", c->streaming_loads,
                    100.0 * c->expert_hit_rate, c->streamed_per_token / 1e6);
         if (c->sparse)
-            printf("%5s inactive blocks: %.1f%% of routed experts dropped, %.1f%% of trunk projection inputs zeroed; KV pages: not built\n", "",
-                   100.0 * c->inactive_experts, 100.0 * c->inactive_trunk);
+            printf("%5s sparsity level %.2f, inactive blocks: %.1f%% of routed experts dropped, %.1f%% of trunk projection inputs zeroed; KV pages: not built\n",
+                   "", c->level, 100.0 * c->inactive_experts, 100.0 * c->inactive_trunk);
         printf("%5s decoded ids: %016llx (FNV-1a of the last run's ids)\n", "", (unsigned long long)c->ids_digest);
     }
 }
@@ -78,6 +80,7 @@ static json_t *jcfg(const bench_cfg *c) {
     json_object_set_new(j, "streaming_loads", json_integer((json_int_t)c->streaming_loads));
     json_object_set_new(j, "expert_cache_hit_rate", json_real(c->expert_hit_rate));
     json_object_set_new(j, "streamed_bytes_per_token", json_real(c->streamed_per_token));
+    json_object_set_new(j, "sparsity_level", json_real(c->level));
     json_object_set_new(j, "inactive_block_ratio", json_pack("{s:f,s:f,s:f}", "experts", c->inactive_experts, "trunk", c->inactive_trunk, "kv_pages", 0.0));
     json_t *na = json_array();
     if (!c->expert_cache) json_array_append_new(na, json_string("streaming_loads")), json_array_append_new(na, json_string("expert_cache_hit_rate"));

@@ -13,6 +13,7 @@
 #include "base/numeric.h"
 #include "base/timer.h"
 #include "bench.h"
+#include "calib.h"
 #include "cli.h"
 
 typedef struct bench_opts {
@@ -20,6 +21,9 @@ typedef struct bench_opts {
     int layers, prompt_len, gen_len, runs, threads, help;
     int prefill_chunk; /* a prompt's tokens per forward call (the workspace's rows, at least the widest batch) */
     int conc[16], n_conc;
+    float levels[16]; /* --levels: sparsity levels run one after another on the loaded model */
+    int n_levels;
+    int experts_only; /* --experts-only: no trunk thresholds calibrated (the experts' level alone) */
     double bw;
 } bench_opts;
 
@@ -194,6 +198,18 @@ typedef struct run_out {
     uint64_t ids; /* FNV-1a of the decoded ids */
 } run_out;
 
+/* What sparsity skipped so far: the host path's counts, and a device's fused ops'. */
+static qf_sparsity_counts sparsity_now(qf_engine *e) {
+    qf_sparsity_counts s = qf_workspace_sparsity(e->ws);
+    const qf_dec_ops *d = e->be.ops->dec;
+    if (d && d->sparse_counts) {
+        uint64_t v[4];
+        d->sparse_counts(&e->be, v);
+        s.trunk += v[0], s.trunk_zeroed += v[1], s.experts += v[2], s.experts_dropped += v[3];
+    }
+    return s;
+}
+
 /* Prompts one after another, then G-1 batched decode steps of one token per stream (the first
  * token comes from the prefill's logits). itl gets every step's seconds. */
 static int one_run(run_ctx *x, double *itl, run_out *o) {
@@ -211,7 +227,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
     o->ttft_s = qf_now() - t0;
     o->ids = qf_fnv1a(QF_FNV_BASIS, x->next, (size_t)x->C * sizeof *x->next);
     qf_expert_stats es0 = e->model->experts ? qf_es_stats(e->model->experts) : (qf_expert_stats){0};
-    qf_sparsity_counts sp0 = qf_workspace_sparsity(e->ws);
+    qf_sparsity_counts sp0 = sparsity_now(e);
     double d0 = qf_now();
     for (int i = 0; i < x->G - 1; i++) {
         double s0 = qf_now();
@@ -226,7 +242,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
     qf_expert_stats es1 = e->model->experts ? qf_es_stats(e->model->experts) : (qf_expert_stats){0};
     o->experts = x->G > 1 ? (double)(es1.acquires - es0.acquires) / (x->G - 1) : 0;
     o->hits = (double)(es1.hits - es0.hits), o->misses = (double)(es1.misses - es0.misses), o->loaded = (double)(es1.bytes_loaded - es0.bytes_loaded);
-    qf_sparsity_counts sp1 = qf_workspace_sparsity(e->ws);
+    qf_sparsity_counts sp1 = sparsity_now(e);
     o->sp = (qf_sparsity_counts){sp1.experts - sp0.experts, sp1.experts_dropped - sp0.experts_dropped, sp1.trunk - sp0.trunk, sp1.trunk_zeroed - sp0.trunk_zeroed};
     return QF_OK;
 }
@@ -323,6 +339,18 @@ static int parse_list(const char *s, int *out, int cap) {
     return n;
 }
 
+static int parse_levels(const char *s, float *out, int cap) {
+    int n = 0;
+    while (s && *s && n < cap) {
+        char *end;
+        float v = strtof(s, &end);
+        if (end == s || !(v >= 0.0f && v <= 1.0f) || (*end && *end != ',')) return -1;
+        out[n++] = v;
+        s = *end == ',' ? end + 1 : end;
+    }
+    return n;
+}
+
 static int parse_bench(int argc, char **argv, bench_opts *o) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
@@ -343,7 +371,14 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         else if (cli_is(&a, NULL, "--bw")) o->bw = cli_num(&a, 0.001, 1e6);
         else if (cli_is(&a, NULL, "--json")) o->json = cli_value(&a);
         else if (cli_is(&a, NULL, "--plot")) o->plot = cli_value(&a);
-        else if (cli_is(&a, NULL, "--concurrency")) {
+        else if (cli_is(&a, NULL, "--experts-only")) o->experts_only = 1;
+        else if (cli_is(&a, NULL, "--levels")) {
+            const char *v = cli_value(&a);
+            if (v && (o->n_levels = parse_levels(v, o->levels, 16)) < 1) {
+                fprintf(stderr, "error: --levels wants sparsity levels like 0,0.3,0.6 (each 0..1)\n");
+                a.bad = 1;
+            }
+        } else if (cli_is(&a, NULL, "--concurrency")) {
             const char *v = cli_value(&a);
             if (v && (o->n_conc = parse_list(v, o->conc, 16)) < 1) {
                 fprintf(stderr, "error: --concurrency wants a list like 1,16 (each 1..4096)\n");
@@ -357,6 +392,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
     if (!a.bad && (o->help || !o->model == !(o->synthetic || o->config))) {
         fprintf(stderr, "usage: qflash bench (-m DIR | --synthetic %s [--layers N] | --config FILE [--layers N])\n"
                         "       [--prompt-len 128] [--gen-len 64] [--concurrency 1,16] [--runs 3] [--prefill-chunk 512] [--bw GB/s]\n"
+                        "       [--levels 0,0.3,0.6 (sparsity levels, one after another on the loaded model)] [--experts-only]\n"
                         "       [-t THREADS] [--json FILE] [--plot FILE.svg] [--device cpu|cuda[:N]]\n", qf_synth_presets());
         a.bad = !o->help;
     }
@@ -386,6 +422,8 @@ static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
                          .cuda = &cli_cuda, .expert_cache = cli_expert_cache, .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy,
                          .reserve_seqs = max_c, .reserve_tokens = max_c * (o->prompt_len + o->gen_len + 1), .max_prompt = o->prompt_len,
                          .sparsity_given = cli_sparsity_given, .sparsity_level = cli_sparsity_level};
+    for (int i = 0; i < o->n_levels && !cli_sparsity_given; i++) /* loaded at a level above 0: the budget plan holds its transposed weights */
+        if (o->levels[i] > 0.0f) eo.sparsity_given = 1, eo.sparsity_level = o->levels[i];
     double t0 = qf_now();
     int rc = qf_engine_open(e, o->model, &eo);
     *load_s = qf_now() - t0;
@@ -401,7 +439,6 @@ static void fill_roofline(const qf_model *m, bench_result *r) {
     for (int i = 0; i < r->n_cfgs; i++) {
         bench_cfg *c = &r->cfgs[i];
         c->expert_cache = m->experts && m->experts->stats.slots > 0;
-        c->sparse = m->sparse;
         if (!c->expert_cache) c->expert_hit_rate = 0, c->streaming_loads = 0, c->streamed_per_token = 0; /* all resident: nothing streams */
         if (c->experts_per_step == 0 && cf->n_experts > 0) {
             /* a device routes without the store's counters: expected distinct experts under
@@ -419,6 +456,30 @@ static void fill_roofline(const qf_model *m, bench_result *r) {
     }
 }
 
+/* Every layer at level (--levels). */
+static int set_levels(qf_engine *e, float level) {
+    float lv[QF_MAX_LAYERS];
+    for (int L = 0; L < e->model->cfg.n_layers; L++) lv[L] = level;
+    fprintf(stderr, "bench: sparsity level %.2f\n", level);
+    return qf_model_set_sparsity(e->model, lv);
+}
+
+/* A level above 0 without thresholds (a synthetic model has no config_flash.json): the trunk's
+ * thresholds calibrated on 1,024 tokens of bench prompts, and said so. */
+static int calibrate_on_prompts(qf_engine *e) {
+    int n = 1024, layers = e->model->cfg.n_layers;
+    int32_t *ids = malloc((size_t)n * sizeof *ids);
+    float *thr = malloc((size_t)layers * QF_ACT_GROUPS * QF_TRUNK_GRID * sizeof(float));
+    int rc = ids && thr ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
+    for (int i = 0; rc == QF_OK && i < n; i += 512) make_prompt(e, 1000 + i, 512, ids + i);
+    if (rc == QF_OK) rc = cli_calibrate(e, ids, n, thr);
+    if (rc == QF_OK) rc = qf_model_set_trunk_thresholds(e->model, thr);
+    if (rc == QF_OK) fprintf(stderr, "bench: trunk sparsity thresholds calibrated on %d tokens of bench prompts (no config_flash.json)\n", n);
+    else fprintf(stderr, "error: %s\n", qf_last_error());
+    free(ids), free(thr);
+    return rc;
+}
+
 int cmd_bench(int argc, char **argv) {
     bench_opts o = {.prompt_len = 128, .gen_len = 64, .runs = 3, .prefill_chunk = 512, .conc = {1, 16}, .n_conc = 2};
     int prc = parse_bench(argc, argv, &o);
@@ -430,20 +491,25 @@ int cmd_bench(int argc, char **argv) {
     bench_result r = {0};
     qf_engine *e = NULL;
     int rc = open_model(&o, &e, &r.load_s);
+    if (rc == QF_OK && e->model->sparse && !e->model->trunk_thr && !o.experts_only) rc = calibrate_on_prompts(e);
     if (rc == QF_OK) {
         atomic_store(&tr.phase, "bandwidth probe");
         r.bw_measured = o.bw <= 0;
         if (e->on_gpu && o.bw <= 0) fprintf(stderr, "bench: the bandwidth probe measures host memory; give --bw for the GPU's roofline\n");
         if (e->on_gpu) qf_cuda_opts_print(stderr, &cli_cuda);
         r.bw_gbs = o.bw > 0 ? o.bw : probe_bw(e->pool, &r.copy_gbs);
-        r.cfgs = calloc((size_t)o.n_conc, sizeof *r.cfgs);
+        r.cfgs = calloc((size_t)o.n_conc * (size_t)(o.n_levels ? o.n_levels : 1), sizeof *r.cfgs);
         if (!r.cfgs) rc = QF_ENOMEM;
     }
-    for (int i = 0; rc == QF_OK && i < o.n_conc; i++, r.n_cfgs++) {
-        fprintf(stderr, "bench: concurrency %d: prompt %d, %d tokens, 1 warm-up + %d runs\n", o.conc[i], o.prompt_len, o.gen_len, o.runs);
-        rc = bench_cfg_run(e, &o, o.conc[i], &r.cfgs[i], &tr);
-        if (rc != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
+    for (int l = 0; rc == QF_OK && l < (o.n_levels ? o.n_levels : 1); l++) {
+        if (o.n_levels) rc = set_levels(e, o.levels[l]);
+        for (int i = 0; rc == QF_OK && i < o.n_conc; i++, r.n_cfgs++) {
+            fprintf(stderr, "bench: concurrency %d: prompt %d, %d tokens, 1 warm-up + %d runs\n", o.conc[i], o.prompt_len, o.gen_len, o.runs);
+            rc = bench_cfg_run(e, &o, o.conc[i], &r.cfgs[r.n_cfgs], &tr);
+            r.cfgs[r.n_cfgs].sparse = e->model->sparse, r.cfgs[r.n_cfgs].level = o.n_levels ? o.levels[l] : e->model->sparsity[0];
+        }
     }
+    if (rc != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
     atomic_store(&tr.phase, "done");
     atomic_store(&tr.stop, 1);
     pthread_join(tr.th, NULL);

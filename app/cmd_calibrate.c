@@ -8,39 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cli.h"
+#include "calib.h"
 
-#define BINS 2048      /* log2 |x| from LO to LO + BINS / PER */
-#define PER 32.0       /* bins per octave */
-#define LO (-40.0)
-
-typedef struct calib {
-    uint64_t (*hist)[QF_ACT_GROUPS][BINS + 1]; /* [layer]; bin BINS: exact zeros and below LO */
-} calib;
-
-static void count(void *ud, int layer, int group, const float *x, int rows, int dim) {
-    calib *c = ud;
-    uint64_t *h = c->hist[layer][group];
-    for (size_t i = 0; i < (size_t)rows * dim; i++) {
-        double a = fabs((double)x[i]);
-        int b = a > 0 ? (int)floor((log2(a) - LO) * PER) : -1;
-        h[b < 0 ? BINS : b >= BINS ? BINS - 1 : b]++;
-    }
-}
-
-/* The magnitude under which `share` of the counted entries lie (the upper edge of its bin). */
-static double quantile(const uint64_t *h, double share) {
-    uint64_t total = 0, acc = h[BINS];
-    for (int b = 0; b <= BINS; b++) total += h[b];
-    if (!total || (double)acc >= share * (double)total) return 0;
-    for (int b = 0; b < BINS; b++) {
-        acc += h[b];
-        if ((double)acc >= share * (double)total) return exp2(LO + (b + 1) / PER);
-    }
-    return exp2(LO + BINS / PER);
-}
-
-static int write_thresholds(const char *dir, const calib *c, int layers) {
+static int write_thresholds(const char *dir, const float *thr, int layers) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config_flash.json", dir);
     json_error_t err;
@@ -53,7 +23,7 @@ static int write_thresholds(const char *dir, const calib *c, int layers) {
         json_t *layer = json_array();
         for (int g = 0; g < QF_ACT_GROUPS; g++) {
             json_t *row = json_array();
-            for (int i = 1; i <= QF_TRUNK_GRID; i++) json_array_append_new(row, json_real((double)(float)quantile(c->hist[L][g], i / 10.0)));
+            for (int i = 0; i < QF_TRUNK_GRID; i++) json_array_append_new(row, json_real((double)thr[((size_t)L * QF_ACT_GROUPS + g) * QF_TRUNK_GRID + i]));
             json_array_append_new(layer, row);
         }
         json_array_append_new(all, layer);
@@ -82,30 +52,18 @@ int cmd_calibrate(int argc, char **argv) {
     int32_t *ids = NULL;
     int n = 0, rc = 1;
     qf_engine *e = NULL;
-    calib c = {NULL};
+    float *thr = NULL;
     if (cli_open_on_text(model, file, threads, &e, &ids, &n) != QF_OK) goto out;
-    if (e->on_gpu) {
-        fprintf(stderr, "error: calibrate runs on the CPU\n");
-        goto out;
-    }
-    int layers = e->model->cfg.n_layers, window = 512;
+    int layers = e->model->cfg.n_layers;
     if (n > tokens) n = tokens;
-    c.hist = calloc((size_t)layers, sizeof *c.hist);
-    qf_state *st = qf_state_create(e->model, window);
-    rc = c.hist && st && qf_model_set_sparsity(e->model, NULL) == QF_OK ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
-    qf_workspace_set_act_hook(e->ws, count, &c);
-    for (int i = 0; i < n && rc == QF_OK; i += window) { /* windows from an empty state, as perplexity runs */
-        qf_state_reset(st);
-        rc = qf_forward_seq(e->model, &e->be, e->ws, st, ids + i, n - i < window ? n - i : window, QF_LOGITS_NONE, NULL);
-    }
-    qf_workspace_set_act_hook(e->ws, NULL, NULL);
-    qf_state_free(st);
-    if (rc == QF_OK) rc = write_thresholds(model, &c, layers);
+    thr = malloc((size_t)layers * QF_ACT_GROUPS * QF_TRUNK_GRID * sizeof(float));
+    rc = thr ? cli_calibrate(e, ids, n, thr) : qf_fail(QF_ENOMEM, "out of memory");
+    if (rc == QF_OK) rc = write_thresholds(model, thr, layers);
     if (rc == QF_OK) fprintf(stderr, "calibrated %d layers on %d tokens: %s/config_flash.json\n", layers, n, model);
     else fprintf(stderr, "error: %s\n", qf_last_error());
     rc = rc == QF_OK ? 0 : 1;
 out:
-    free(c.hist);
+    free(thr);
     qf_engine_close(e);
     free(ids);
     return rc;

@@ -157,10 +157,10 @@ static void test_attention_shape(int T, int pos0, int nh, int nkv, int hd, int c
     float *dpool = up_f(pool, (size_t)np * stride), *dq = up_f(q, (size_t)T * qs), *dk = up_f(k, (size_t)T * nkv * hd), *dv = up_f(v, (size_t)T * nkv * hd);
     int32_t *dpages = up(pages, (size_t)np * 4);
     float *o = malloc((size_t)T * nh * hd * 4), *dout = gpu.ops->alloc(&gpu, (size_t)T * nh * hd * 4), scale = 1.0f / sqrtf((float)hd);
-    qf_attn_args a = {q, qs, 2 * hd, {pool, pages, pt, stride, 0, layer}, o, T, pos0, nh, nkv, hd, scale, NULL, 0};
+    qf_attn_args a = {q, qs, 2 * hd, {pool, pages, pt, stride, 0, layer, 0}, o, T, pos0, nh, nkv, hd, scale, NULL, 0};
     ref.ops->kv_store(&ref, &a.kv, k, v, T, pos0, nkv, hd);
     if (check) ref.ops->attention(&ref, &a); /* the plain reference takes seconds at thousands of keys */
-    qf_attn_args b = {dq, qs, 2 * hd, {dpool, dpages, pt, stride, 0, layer}, dout, T, pos0, nh, nkv, hd, scale, NULL, 0};
+    qf_attn_args b = {dq, qs, 2 * hd, {dpool, dpages, pt, stride, 0, layer, 0}, dout, T, pos0, nh, nkv, hd, scale, NULL, 0};
     gpu.ops->kv_store(&gpu, &b.kv, dk, dv, T, pos0, nkv, hd);
     gpu.ops->attention(&gpu, &b);
     char s[80];
@@ -312,7 +312,11 @@ static void sparse_mask(float *xp, int n, int64_t cols, float *thr) {
     for (int t = 0; t < n; t++) {
         for (int64_t i = 0; i < cols; i++) v[i] = fabsf(xp[t * cols + i]);
         qsort(v, (size_t)cols, 4, cmp_f);
-        thr[t] = n > 1 && t == n - 1 ? 0.0f : v[(int64_t)(sparse_share * (float)cols)];
+        /* midway across the widest gap near the share: rounding cannot move an entry across it */
+        int64_t k = (int64_t)(sparse_share * (float)cols), best = k;
+        for (int64_t j = k - 16 > 1 ? k - 16 : 1; j < k + 16 && j < cols; j++)
+            if (v[j] - v[j - 1] > v[best] - v[best - 1]) best = j;
+        thr[t] = n > 1 && t == n - 1 ? 0.0f : 0.5f * (v[best] + v[best - 1]);
         for (int64_t i = 0; i < cols; i++)
             if (fabsf(xp[t * cols + i]) < thr[t]) xp[t * cols + i] = 0.0f;
     }
@@ -519,7 +523,7 @@ static void test_dec_attention(int n, int nh, int nkv, int hd, int rot, const in
     float *dpool = up_f(pool, (size_t)np * pstride), *dqkv = up_f(qkv, (size_t)n * stride), *dqn = up_f(qn, hd), *dkn = up_f(kn, hd), *dinv = up_f(inv, rot / 2);
     int32_t *dpages = up(pages, (size_t)np * 4);
     float *dout = gpu.ops->alloc(&gpu, (size_t)n * nh * hd * 4), scale = 1.0f / sqrtf((float)hd);
-    qf_attn_dec a = {dqkv, stride, koff, voff, n, nh, nkv, hd, rot, dqn, dkn, dinv, 1e-6f, scale, {{0}}, {0}, dout};
+    qf_attn_dec a = {dqkv, stride, koff, voff, n, nh, nkv, hd, rot, dqn, dkn, dinv, 1e-6f, scale, {{0}}, {0}, dout, {0}};
     for (int t = 0; t < n; t++) {
         const float *r = qkv + (size_t)t * stride;
         memcpy(qw, r, (size_t)nh * 2 * hd * 4), memcpy(kw, r + koff, (size_t)nkv * hd * 4);
@@ -527,11 +531,11 @@ static void test_dec_attention(int n, int nh, int nkv, int hd, int rot, const in
         ref.ops->rmsnorm(&ref, kw, hd, kn, nkv, hd, 1e-6f, kw, hd);
         ref.ops->rope(&ref, qw, nh * 2 * hd, 2 * hd, 1, nh, rot, pos[t], inv);
         ref.ops->rope(&ref, kw, nkv * hd, hd, 1, nkv, rot, pos[t], inv);
-        qf_kv_view kv = {pool, pages + t * per, pt, pstride, 0, layer};
+        qf_kv_view kv = {pool, pages + t * per, pt, pstride, 0, layer, 0};
         ref.ops->kv_store(&ref, &kv, kw, r + voff, 1, pos[t], nkv, hd);
         qf_attn_args at = {qw, nh * 2 * hd, 2 * hd, kv, out + (size_t)t * nh * hd, 1, pos[t], nh, nkv, hd, scale, NULL, 0};
         ref.ops->attention(&ref, &at);
-        a.kv[t] = (qf_kv_view){dpool, dpages + t * per, pt, pstride, 0, layer}, a.pos[t] = pos[t];
+        a.kv[t] = (qf_kv_view){dpool, dpages + t * per, pt, pstride, 0, layer, 0}, a.pos[t] = pos[t];
     }
     gpu.ops->dec->attention(&gpu, &a);
     char s[80];
@@ -864,9 +868,14 @@ int main(int argc, char **argv) {
     test_matmul(2048, 2048, 64, 1e-4); /* cuBLAS, activations as two bf16 parts (precision fp32: GEMV, exact) */
     test_matmul(8192, 2048, 300, 1e-4);
     /* QFLASH_TEST_QUICK (a device call that wants a part): 1 the prompt ops alone, 2 the many-row MoE
-     * alone, 3 the rest (the decode kernels) */
+     * alone, 3 the rest (the decode kernels), 4 sparsity's kernels alone */
     const char *quick = getenv("QFLASH_TEST_QUICK");
     int part = quick ? atoi(quick) : 0;
+    if (part == 4) {
+        sparsity_checks();
+        qf_cuda_backend_free(&gpu);
+        return qt_finish();
+    }
     if (part != 2 && part != 3) {
         test_small_ops();
         test_conv_gdn(1);

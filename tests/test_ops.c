@@ -174,7 +174,7 @@ static void test_attention(qf_backend *fast, qf_backend *ref, int nh, int nkv, i
     float *o0 = calloc((size_t)T * nh * hd, 4), *o1 = calloc((size_t)T * nh * hd, 4);
     size_t scratch_n = (size_t)T * nh * 16 * (hd + 2);
     float *scratch = malloc(scratch_n * sizeof(float));
-    qf_attn_args a = {q, qs, 2 * hd, {pool, pages, pt, stride, 0, 2 * layer}, o0, T, pos0, nh, nkv, hd, 1.0f / sqrtf((float)hd),
+    qf_attn_args a = {q, qs, 2 * hd, {pool, pages, pt, stride, 0, 2 * layer, 0}, o0, T, pos0, nh, nkv, hd, 1.0f / sqrtf((float)hd),
                       scratch, scratch_n}; /* the fast ops may split long key ranges into it */
     ref->ops->kv_store(ref, &a.kv, k, v, T, pos0, nkv, hd);
     CHECK(qf_kv_row(&a.kv, pos0 + T - 1, nkv, hd, nkv - 1, 1)[hd - 1] == v[(size_t)T * nkv * hd - 1], "kv_store misplaced a value");
@@ -225,30 +225,37 @@ static int cmp_bound_desc(const void *a, const void *b, void *ctx) {
 }
 static int cmp_int(const void *a, const void *b) { return (*(const int *)a > *(const int *)b) - (*(const int *)a < *(const int *)b); }
 
+/* Quest's rule for a token's 4 query heads over 2 kv heads: no key scores above its page's score
+ * for any head; the choice is the first and last pages and the highest scores (ties to the lower
+ * page) by a sort; the summaries kv_summarize makes in a paged layout are the reference's. */
 static void test_page_select(void) {
-    int P = 40, PT = 16, hd = 64, bad_bound = 0, bad_sel = 0;
-    float *keys = malloc((size_t)P * PT * hd * sizeof(float)), *kmin = malloc((size_t)P * hd * sizeof(float)), *kmax = malloc((size_t)P * hd * sizeof(float));
-    float q[64], bd[40];
-    int32_t got[40];
-    int idx[40], want[40];
+    enum { P = 40, PT = 16, hd = 64, NH = 4, NKV = 2 };
+    int bad_bound = 0, bad_sel = 0;
+    size_t pf = (size_t)PT * NKV * hd; /* a page's keys */
+    float *keys = malloc((size_t)P * pf * sizeof(float)), *kmin = malloc((size_t)P * NKV * hd * sizeof(float)), *kmax = malloc((size_t)P * NKV * hd * sizeof(float));
+    float q[NH * hd], bd[P];
+    int32_t got[P];
+    int idx[P], want[P];
     for (int round = 0; round < 20; round++) {
-        for (size_t i = 0; i < (size_t)P * PT * hd; i++) keys[i] = qt_frand();
+        for (size_t i = 0; i < (size_t)P * pf; i++) keys[i] = qt_frand();
         if (round % 2) { /* pages 5 and 7 the same, and above the rest: with one middle place, 5 wins the tie */
-            for (int i = 0; i < PT * hd; i++) keys[(size_t)5 * PT * hd + i] *= 4.0f;
-            memcpy(keys + (size_t)7 * PT * hd, keys + (size_t)5 * PT * hd, (size_t)PT * hd * sizeof(float));
+            for (size_t i = 0; i < pf; i++) keys[5 * pf + i] *= 4.0f;
+            memcpy(keys + 7 * pf, keys + 5 * pf, pf * sizeof(float));
         }
-        for (int c = 0; c < hd; c++) q[c] = qt_frand();
+        for (int c = 0; c < NH * hd; c++) q[c] = qt_frand();
         for (int p = 0; p < P; p++) {
-            qf_ref_page_summary(keys + (size_t)p * PT * hd, PT, hd, hd, kmin + (size_t)p * hd, kmax + (size_t)p * hd);
-            bd[p] = qf_ref_page_bound(q, kmin + (size_t)p * hd, kmax + (size_t)p * hd, hd);
-            for (int t = 0; t < PT; t++) {
-                float dot = 0;
-                for (int c = 0; c < hd; c++) dot += q[c] * keys[((size_t)p * PT + t) * hd + c];
-                bad_bound += dot > bd[p] + 1e-4f;
-            }
+            float *mn = kmin + (size_t)p * NKV * hd, *mx = kmax + (size_t)p * NKV * hd;
+            for (int g = 0; g < NKV; g++) qf_ref_page_summary(keys + p * pf + (size_t)g * hd, PT, NKV * hd, hd, mn + g * hd, mx + g * hd);
+            bd[p] = qf_ref_page_score(q, NH, hd, NKV, mn, mx, hd);
+            for (int h = 0; h < NH; h++)
+                for (int t = 0; t < PT; t++) {
+                    float dot = 0;
+                    for (int c = 0; c < hd; c++) dot += q[h * hd + c] * keys[p * pf + ((size_t)t * NKV + h / (NH / NKV)) * hd + c];
+                    bad_bound += dot > bd[p] + 1e-4f;
+                }
         }
         int budget = round % 2 ? 3 : 3 + round;
-        int n = qf_ref_page_select(q, kmin, kmax, P, hd, budget, got);
+        int n = qf_ref_page_select(bd, P, budget, got);
         for (int p = 1; p < P - 1; p++) idx[p - 1] = p;
         qsort_r(idx, (size_t)P - 2, sizeof *idx, cmp_bound_desc, bd);
         int m = 0;
@@ -259,11 +266,28 @@ static void test_page_select(void) {
         bad_sel += n != m;
         for (int i = 0; i < m && n == m; i++) bad_sel += got[i] != want[i];
     }
-    CHECK(bad_bound == 0, "%d keys score above their page's bound", bad_bound);
-    CHECK(bad_sel == 0, "page selection differs from sorting by bound in %d places", bad_sel);
+    CHECK(bad_bound == 0, "%d keys score above their page's score", bad_bound);
+    CHECK(bad_sel == 0, "page selection differs from sorting by score in %d places", bad_sel);
     int32_t all[4];
-    CHECK(qf_ref_page_select(q, kmin, kmax, 4, hd, 10, all) == 4 && all[3] == 3, "a budget above the pages takes them all");
-    free(keys), free(kmin), free(kmax);
+    CHECK(qf_ref_page_select(bd, 4, 10, all) == 4 && all[3] == 3, "a budget above the pages takes them all");
+    /* kv_summarize over a paged layout (pages out of order, values and a summary after the keys) */
+    size_t stride = 2 * pf + 2 * NKV * hd;
+    float *pool = qt_rnd((size_t)P * stride, 1.0f);
+    int32_t pages[P];
+    for (int i = 0; i < P; i++) pages[i] = (i * 7 + 3) % P;
+    qf_kv_view kv = {pool, pages, PT, stride, 0, pf, 2 * pf};
+    qf_backend be = {&qf_cpu_ops_ref, NULL, NULL};
+    be.ops->kv_summarize(&be, &kv, 2, 9, NKV, hd);
+    int bad_sum = 0;
+    for (int p = 2; p < 9; p++)
+        for (int g = 0; g < NKV; g++) {
+            float mn[hd], mx[hd];
+            const float *page = pool + (size_t)pages[p] * stride;
+            qf_ref_page_summary(page + (size_t)g * hd, PT, NKV * hd, hd, mn, mx);
+            bad_sum += memcmp(mn, page + 2 * pf + (size_t)g * hd, sizeof mn) != 0 || memcmp(mx, page + 2 * pf + (size_t)(NKV + g) * hd, sizeof mx) != 0;
+        }
+    CHECK(bad_sum == 0, "kv_summarize: %d page summaries differ from the reference", bad_sum);
+    free(keys), free(kmin), free(kmax), free(pool);
 }
 
 int main(int argc, char **argv) {

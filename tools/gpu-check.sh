@@ -11,6 +11,7 @@
 #   bash tools/gpu-check.sh slice8    batch 1 on 8 full-size layers, new and old twice each
 #   bash tools/gpu-check.sh whole     batch 1 on the whole synthetic Qwen3.6-35B-A3B, new and old twice each
 #   bash tools/gpu-check.sh streams   batch 1, 16 and 64 streams, and an 8K prompt (new only)
+#   bash tools/gpu-check.sh sparsity ARGS  batch 1 at sparsity levels (ARGS: --levels 0,0.3,... and e.g. --gpu-mem 22G)
 #   bash tools/gpu-check.sh flash [ARGS]  bench with ARGS (e.g. --gpu-mem 22G) while nvidia-smi
 #                                     traces device memory every 100 ms into $OUT/mem-*.csv
 #   bash tools/gpu-check.sh flash-serve [ARGS]  serve the synthetic model (the bundled tokenizer) with
@@ -41,6 +42,11 @@ slice8)
 whole)
     W="--prompt-len 128 --gen-len 64 --concurrency 1 --runs 2"
     new $W --json "$OUT/c1-new.json"; old $W; new $W; old $W
+    ;;
+sparsity)
+    shift
+    echo "== sparsity | $*"
+    timeout 500 gpu/qflash $B --prompt-len 128 --gen-len 64 --concurrency 1 --runs 2 "$@" 2>&1 | grep -E "$show|plan|level|calibrated|conc"
     ;;
 flash)
     shift

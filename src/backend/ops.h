@@ -34,12 +34,13 @@ typedef struct qf_gdn_args {
 
 /* One layer's view of a paged KV cache: pages of page_tokens tokens from a shared pool. Token j's
  * key for kv-head h starts at base + pages[j / page_tokens] * page_stride + k_off
- * + ((j % page_tokens) * nkv + h) * hd (values at v_off). */
+ * + ((j % page_tokens) * nkv + h) * hd (values at v_off). A page's key summary (sparsity's KV
+ * level) is at s_off: the per-channel minimum of its keys [nkv][hd], then the maximum [nkv][hd]. */
 typedef struct qf_kv_view {
     float *base;
     const int32_t *pages;
     int page_tokens;
-    size_t page_stride, k_off, v_off;
+    size_t page_stride, k_off, v_off, s_off;
 } qf_kv_view;
 
 static inline float *qf_kv_row(const qf_kv_view *v, int j, int nkv, int hd, int h, int is_v) {
@@ -174,6 +175,9 @@ typedef struct qf_attn_dec {
     qf_kv_view kv[QF_DEC_ROWS];
     int pos[QF_DEC_ROWS];
     float *out; /* [n][nh*hd] */
+    /* 0: the keys are 0..pos[t]; else kv[t] is a view of n_keys[t] keys (a choice of pages whose
+     * last holds the new token, at n_keys[t] - 1): rope still at pos[t] */
+    int n_keys[QF_DEC_ROWS];
 } qf_attn_dec;
 
 /* The MoE block of one row per sequence, added to the residual stream: xn = rmsnorm(x) * norm_w;
@@ -220,6 +224,17 @@ typedef struct qf_dec_ops {
      * some row keeps are read (sparsity's trunk level). */
     void (*matmul_sparse)(qf_backend *be, const qf_mat *wt, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc,
                           const float *thr, float *y);
+    /* Optional: what sparsity skipped in these ops since the backend started (after the queued
+     * ops): out[0] trunk input entries masked by matmul_sparse, [1] of them zeroed, [2] routed
+     * experts (row, rank) chosen under a drop rule, [3] of them dropped. */
+    void (*sparse_counts)(qf_backend *be, uint64_t out[4]);
+    /* Optional: sparsity's KV-page choice before attention (a's rows at pos[t], n_keys unused):
+     * each row's query heads normalised and rotated as attention does them, each of its pages
+     * 0..n_pages[t]-1 scored by qf_ref_page_score from its summary (the last page: none needed),
+     * and qf_ref_page_select's choice of budget[t] pages (0: the row has none to make) written as
+     * the row's physical page ids, ascending, to sel[t] (backend memory): the page table of a view
+     * of them. */
+    void (*page_select)(qf_backend *be, const qf_attn_dec *a, const int *n_pages, const int *budget, int32_t *const *sel);
 } qf_dec_ops;
 
 
@@ -249,6 +264,8 @@ typedef struct qf_ops {
     void (*attention)(qf_backend *be, const qf_attn_args *a);
     /* writes T tokens' keys and values (rows of nkv*hd) into the cache at positions pos0.. */
     void (*kv_store)(qf_backend *be, const qf_kv_view *kv, const float *k, const float *v, int T, int pos0, int nkv, int hd);
+    /* the key summaries of the full pages p0..p1-1 (qf_ref_page_summary per kv head) */
+    void (*kv_summarize)(qf_backend *be, const qf_kv_view *kv, int p0, int p1, int nkv, int hd);
     /* y[n][d] = silu(g) * u, with g/u rows g_stride/u_stride apart */
     void (*swiglu)(qf_backend *be, const float *g, const float *u, int stride, int n, int d, float *y);
     /* x[i] *= sigmoid(g[i]) for n rows of d (row strides x_stride, g_stride) */
@@ -320,12 +337,15 @@ int qf_ref_route_drop(float *tw, int K, float tau, int min_k);
 /* Sparsity's KV-page rule (Quest): a page's keys summarised per channel by their min and max
  * (kmin, kmax: [hd] each, over its first n keys of hd floats, rows stride apart) ... */
 void qf_ref_page_summary(const float *keys, int n, int stride, int hd, float *kmin, float *kmax);
-/* ... bound q's score on every key of page p from above: sum over channels of the larger of
- * q_c kmin_c and q_c kmax_c. A query attends to at most budget of n_pages pages: the first and
- * the last (the newest keys) always, then those of the highest bounds (ties to the lower page);
- * out gets them in ascending order, the count is returned. kmin, kmax: [n_pages][hd]. */
+/* ... bound q's score on every key of the page from above: sum over channels of the larger of
+ * q_c kmin_c and q_c kmax_c; for a token's nh query heads (head h at q + h * q_hstride, reading kv
+ * head h / (nh / nkv); kmin, kmax: [nkv][hd]) the page's score is the largest of its heads'
+ * bounds. A token attends to at most budget of n_pages pages: the first and the last (the newest
+ * keys) always, then those of the highest scores (ties to the lower page); out gets them in
+ * ascending order, the count is returned. */
 float qf_ref_page_bound(const float *q, const float *kmin, const float *kmax, int hd);
-int qf_ref_page_select(const float *q, const float *kmin, const float *kmax, int n_pages, int hd, int budget, int32_t *out);
+float qf_ref_page_score(const float *q, int nh, int q_hstride, int nkv, const float *kmin, const float *kmax, int hd);
+int qf_ref_page_select(const float *score, int n_pages, int budget, int32_t *out);
 
 /* The gated delta rule (the gdn op) in chunks of C tokens, the WY form (backend/cpu/gdn_chunked.c):
  * the reference a chunked device kernel follows. scratch: qf_gdn_chunked_floats(dk, dv, C) floats. */

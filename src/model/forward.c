@@ -34,7 +34,13 @@ static float row_level(const fwd *f, int r, int L) {
  * kept columns). Host path only: a device's x is not host memory, and its decode steps mask in
  * their fused products. */
 static int trunk_group(fwd *f, int L, int group, float *x, int rows, int dim) {
-    if (f->m->dev) return 0;
+    if (f->m->dev) { /* the hook reads a host copy (calibration: a prompt's eager steps) */
+        if (f->ws->act_hook && (size_t)rows * (size_t)dim <= f->ws->act_floats) {
+            qf_be_download(f->be, f->ws->act_host, x, (size_t)rows * (size_t)dim * sizeof(float));
+            f->ws->act_hook(f->ws->act_ud, L, group, f->ws->act_host, rows, dim);
+        }
+        return 0;
+    }
     if (f->ws->act_hook) f->ws->act_hook(f->ws->act_ud, L, group, x, rows, dim);
     if (group != QF_ACT_MIX_IN && group != QF_ACT_MIX_OUT) return 0;
     f->ws->sparsity.trunk += (uint64_t)rows * dim;
@@ -47,6 +53,53 @@ static int trunk_group(fwd *f, int L, int group, float *x, int rows, int dim) {
             if (fabsf(xr[i]) < thr) xr[i] = 0.0f, f->ws->sparsity.trunk_zeroed++;
     }
     return masked;
+}
+
+/* Row r's level for the experts' rule (0 when that level is kept off). */
+static float expert_level(const fwd *f, int r, int L) { return f->m->sparse_off & QF_SPARSE_EXPERTS ? 0.0f : row_level(f, r, L); }
+
+/* ---- sparsity's KV level: pages summarised, chosen, attended through a view of them ---- */
+
+/* The pages row r (one new token of st) attends to in layer L, 0: every key. */
+static int kv_budget(const fwd *f, int r, int L, const qf_state *st) {
+    return qf_sparsity_kv_pages(f->m, row_level(f, r, L), st->pos + 1, qf_kv_pool_page_tokens(st->kv));
+}
+
+/* Before a step's layers: a one-token sequence whose full layers will choose pages has the key
+ * summaries of every full page before its own (a device's step launches the op even for none,
+ * so a recorded step keeps its shape). */
+static void kv_prepare(fwd *f) {
+    const qf_config *c = &f->m->cfg;
+    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
+        qf_state *st = f->seqs[s].st;
+        int on = 0, full = st->pos / qf_kv_pool_page_tokens(st->kv);
+        for (int L = 0; L < c->n_layers && f->seqs[s].n == 1 && !on; L++) on = c->layer_kind[L] == QF_LAYER_FULL && kv_budget(f, r0, L, st) > 0;
+        if (!on || (!f->m->dev && full <= st->kv_summarized)) continue;
+        for (int L = 0; L < c->n_layers; L++) {
+            if (c->layer_kind[L] != QF_LAYER_FULL) continue;
+            qf_kv_view kv = qf_state_kv_view(st, L);
+            f->be->ops->kv_summarize(f->be, &kv, st->kv_summarized < full ? st->kv_summarized : full, full, c->n_kv_heads, c->head_dim);
+        }
+        st->kv_summarized = full;
+    }
+}
+
+/* On the host path: the budget pages of st a token's query heads q (stride 2 hd) choose in layer
+ * L, as a view of them (st->sel its page table); *last gets the new token's place in it. */
+static qf_kv_view kv_choose(fwd *f, int L, qf_state *st, const float *q, int budget, int *last) {
+    const qf_config *c = &f->m->cfg;
+    qf_kv_view kv = qf_state_kv_view(st, L);
+    int PT = kv.page_tokens, np = st->pos / PT + 1, nkv = c->n_kv_heads, hd = c->head_dim;
+    for (int p = 0; p < np - 1; p++) {
+        const float *sum = kv.base + (size_t)st->pages[p] * kv.page_stride + kv.s_off;
+        st->score[p] = qf_ref_page_score(q, c->n_heads, 2 * hd, nkv, sum, sum + (size_t)nkv * hd, hd);
+    }
+    st->score[np - 1] = 0.0f; /* always chosen */
+    int n = qf_ref_page_select(st->score, np, budget, st->sel);
+    for (int i = 0; i < n; i++) st->sel[i] = st->pages[st->sel[i]];
+    kv.pages = st->sel;
+    *last = (n - 1) * PT + st->pos % PT;
+    return kv;
 }
 
 /* A mixer's out product: through the transposed copy when the input was masked. */
@@ -128,7 +181,9 @@ static void full_attn(fwd *f, int L, const float *xn, float *out) {
         OPS->rope(be, ks, nkv * hd, hd, q->n, nkv, c->rot_dim, pos0, m->inv_freq);
         qf_kv_view kv = qf_state_kv_view(q->st, L);
         OPS->kv_store(be, &kv, ks, vb + (size_t)r0 * nkv * hd, q->n, pos0, nkv, hd);
-        qf_attn_args a = {qs, nh * 2 * hd, 2 * hd, kv, core + (size_t)r0 * nh * hd, q->n, pos0, nh, nkv, hd, 1.0f / sqrtf((float)hd),
+        int budget = q->n == 1 && !m->dev ? kv_budget(f, r0, L, q->st) : 0, at = pos0;
+        if (budget) kv = kv_choose(f, L, q->st, qs, budget, &at);
+        qf_attn_args a = {qs, nh * 2 * hd, 2 * hd, kv, core + (size_t)r0 * nh * hd, q->n, at, nh, nkv, hd, 1.0f / sqrtf((float)hd),
                           WS(ws, att), (size_t)ATT_SCRATCH_ROWS * 16 * (size_t)(hd + 2)};
         OPS->attention(be, &a);
     }
@@ -158,7 +213,7 @@ static void route(fwd *f, int L, const float *logits) {
     float *topw = WS(ws, topw), *asw = WS(ws, asw);
     memset(ws->counts, 0, (size_t)(E + 1) * sizeof(int));
     for (int r = 0; r < f->N; r++) {
-        float level = row_level(f, r, L);
+        float level = expert_level(f, r, L);
         qf_ref_route(logits + (size_t)r * E, E, K, ws->topi + r * K, topw + r * K);
         if (level > 0.0f) { /* dropped experts leave their places as -1 */
             int kept = qf_ref_route_drop(topw + r * K, K, qf_sparsity_expert_tau(level, K), qf_sparsity_min_k(K));
@@ -271,8 +326,20 @@ static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
     if (dec_thresholds(f, L, QF_ACT_MIX_IN, thr)) d->matmul_sparse(be, &w->in_t, WS(f->ws, x), f->N, norm, NULL, 0, thr, big);
     else d->matmul(be, &w->in_proj, WS(f->ws, x), f->N, norm, NULL, 0, big);
     qf_attn_dec a = {big, stride, nh * 2 * hd, nh * 2 * hd + nkv * hd, f->N, nh, nkv, hd, c->rot_dim, w->q_norm, w->k_norm, f->m->inv_freq,
-                     c->norm_eps, 1.0f / sqrtf((float)hd), {{0}}, {0}, core};
-    for (int t = 0; t < f->N; t++) a.kv[t] = qf_state_kv_view(f->seqs[t].st, L), a.pos[t] = f->seqs[t].st->pos;
+                     c->norm_eps, 1.0f / sqrtf((float)hd), {{0}}, {0}, core, {0}};
+    int np[QF_DEC_ROWS], budget[QF_DEC_ROWS], any = 0;
+    int32_t *sel[QF_DEC_ROWS];
+    for (int t = 0; t < f->N; t++) {
+        qf_state *st = f->seqs[t].st;
+        a.kv[t] = qf_state_kv_view(st, L), a.pos[t] = st->pos;
+        np[t] = st->pos / a.kv[t].page_tokens + 1, budget[t] = kv_budget(f, t, L, st), sel[t] = st->sel_dev ? st->sel_dev : st->sel;
+        any |= budget[t] > 0;
+    }
+    if (any && d->page_select) {
+        d->page_select(be, &a, np, budget, sel);
+        for (int t = 0; t < f->N; t++)
+            if (budget[t]) a.kv[t].pages = sel[t], a.n_keys[t] = (budget[t] - 1) * a.kv[t].page_tokens + a.pos[t] % a.kv[t].page_tokens + 1;
+    }
     int gated = d->attn_gate && d->attn_gate(be, &a); /* core is gated already */
     if (!gated) d->attention(be, &a);
     qf_pre gate = {QF_PRE_SIGMOID, NULL, big + hd, stride, 2 * hd, hd, 0.0f};
@@ -313,7 +380,7 @@ static int dec_layer(fwd *f, int L) {
     qf_moe_dec mo = {t.experts, c->n_experts, c->n_experts_used, f->N, c->hidden, c->expert_ffn, c->shared_ffn, w->ffn_norm, c->norm_eps, rl,
                      (int)w->ffn_in.rows, &w->sh_down, WS(f->ws, x), t.dev, t.chosen, t.cache, {0}, qf_sparsity_min_k(c->n_experts_used)};
     for (int r = 0; r < f->N; r++) {
-        float level = row_level(f, r, L);
+        float level = expert_level(f, r, L);
         mo.drop_tau[r] = level > 0.0f ? qf_sparsity_expert_tau(level, c->n_experts_used) : 0.0f;
     }
     if (w->kind == QF_LAYER_FULL) dec_full_attn(f, L, &an);
@@ -349,7 +416,8 @@ static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_s
         const qf_seq_step *q = &seqs[s];
         if (q->n < 1) return qf_fail(QF_EINVAL, "sequence %d of the batch has no tokens", s);
         if (q->sparsity_set && !(q->sparsity >= 0.0f && q->sparsity <= 1.0f)) return qf_fail(QF_EINVAL, "sparsity level %g is outside 0..1", q->sparsity);
-        if (q->sparsity_set && q->sparsity > 0.0f && m->dev) return qf_fail(QF_EUNSUPPORTED, "sparsity levels above 0 run on the CPU only so far");
+        if (q->sparsity_set && q->sparsity > 0.0f && !qf_model_sparsity_ready(m))
+            return qf_fail(QF_EUNSUPPORTED, "a sparsity level above 0 on this device needs the model loaded with one (its transposed weights)");
         for (int i = 0; i < q->n; i++)
             if (q->tokens[i] < 0 || q->tokens[i] >= m->cfg.vocab)
                 return qf_fail(QF_EINVAL, "token id %d at position %d is outside the vocabulary (0..%d)", q->tokens[i], i, m->cfg.vocab - 1);
@@ -426,9 +494,12 @@ static uint64_t step_key(const qf_model *m, const qf_seq_step *seqs, int n_seqs)
     for (int s = 0; s < n_seqs; s++) {
         uint32_t lv;
         memcpy(&lv, &seqs[s].sparsity, sizeof lv);
-        uint64_t v[6] = {(uint64_t)(uintptr_t)seqs[s].st, (uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, (uint64_t)(uintptr_t)seqs[s].logits,
-                         (uint64_t)(uintptr_t)seqs[s].top1, seqs[s].sparsity_set ? (uint64_t)lv + 1 : 0};
-        for (int i = 0; i < 6; i++) h = (h ^ v[i]) * 1099511628211ull;
+        float level = seqs[s].sparsity;
+        for (int L = 0; !seqs[s].sparsity_set && L < m->cfg.n_layers; L++) level = L == 0 || m->sparsity[L] > level ? m->sparsity[L] : level;
+        int kv_on = seqs[s].n == 1 && qf_sparsity_kv_pages(m, level, seqs[s].st->pos + 1, qf_kv_pool_page_tokens(seqs[s].st->kv)) > 0;
+        uint64_t v[7] = {(uint64_t)(uintptr_t)seqs[s].st, (uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, (uint64_t)(uintptr_t)seqs[s].logits,
+                         (uint64_t)(uintptr_t)seqs[s].top1, seqs[s].sparsity_set ? (uint64_t)lv + 1 : 0, (uint64_t)kv_on}; /* kv_on: the step's page choices */
+        for (int i = 0; i < 7; i++) h = (h ^ v[i]) * 1099511628211ull;
     }
     return h;
 }
@@ -473,6 +544,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     float *x = WS(ws, x), *xn = WS(ws, xn);
     if (m->experts && m->experts->ops->step) m->experts->ops->step(m->experts);
     if (OPS->step_begin) OPS->step_begin(be, step_key(m, seqs, n_seqs), f.N);
+    kv_prepare(&f);
     for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) OPS->embed(be, &m->embed, seqs[s].tokens, seqs[s].n, x + (size_t)r0 * H);
     if (ws->hook && !m->dev) ws->hook(ws->hook_ud, 0, x, f.N, H);
     if (dec_usable(&f)) {

@@ -16,7 +16,8 @@ struct qf_kv_pool {
 static size_t page_floats(const qf_config *c, int page_tokens) {
     int n_full = 0;
     for (int L = 0; L < c->n_layers; L++) n_full += c->layer_kind[L] == QF_LAYER_FULL;
-    return (size_t)n_full * 2 * (size_t)page_tokens * (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    /* per full layer: keys and values, then the keys' summary (min and max per channel) */
+    return (size_t)n_full * 2 * ((size_t)page_tokens + 1) * (size_t)c->n_kv_heads * (size_t)c->head_dim;
 }
 
 size_t qf_kv_pool_page_bytes(const qf_model *m, int page_tokens) { return page_floats(&m->cfg, page_tokens) * sizeof(float); }
@@ -80,9 +81,11 @@ qf_state *qf_state_create_paged(const qf_model *m, qf_kv_pool *kv, int max_ctx) 
     size_t max_pages = (size_t)div_up(max_ctx, kv->page_tokens);
     s->dev = m->dev;
     s->pages = calloc(max_pages, sizeof *s->pages);
-    if (m->dev) s->pages_dev = qf_be_alloc(m->dev, max_pages * sizeof *s->pages);
+    s->sel = calloc(max_pages, sizeof *s->sel);
+    s->score = calloc(max_pages, sizeof *s->score);
+    if (m->dev) s->pages_dev = qf_be_alloc(m->dev, max_pages * sizeof *s->pages), s->sel_dev = qf_be_alloc(m->dev, max_pages * sizeof *s->pages);
     s->block = qf_be_alloc(m->dev, (total ? total : 1) * sizeof(float));
-    if (!s->conv || !s->kv_off || !s->pages || !s->block || (m->dev && !s->pages_dev)) {
+    if (!s->conv || !s->kv_off || !s->pages || !s->sel || !s->score || !s->block || (m->dev && (!s->pages_dev || !s->sel_dev))) {
         qf_state_free(s);
         return NULL;
     }
@@ -91,8 +94,8 @@ qf_state *qf_state_create_paged(const qf_model *m, qf_kv_pool *kv, int max_ctx) 
     size_t off = 0, layer_kv = (size_t)kv->page_tokens * (size_t)c->n_kv_heads * (size_t)c->head_dim;
     for (int L = 0; L < c->n_layers; L++) {
         if (c->layer_kind[L] == QF_LAYER_FULL) {
-            s->kv_off[L] = off; /* keys, then values at off + kv_layer_floats */
-            off += 2 * layer_kv;
+            s->kv_off[L] = off; /* keys, then values at off + kv_layer_floats, then the keys' summary */
+            off += 2 * layer_kv + 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim;
         } else {
             s->conv[L] = p;
             s->ssm[L] = p + conv;
@@ -145,6 +148,7 @@ void qf_state_reset(qf_state *s) {
     qf_be_zero(s->dev, s->block, (s->block_floats ? s->block_floats : 1) * sizeof(float));
     release_pages(s);
     s->pos = 0;
+    s->kv_summarized = 0;
 }
 
 void qf_state_free(qf_state *s) {
@@ -154,13 +158,17 @@ void qf_state_free(qf_state *s) {
     free(s->conv);
     free(s->kv_off);
     free(s->pages);
+    free(s->sel);
+    free(s->score);
     qf_be_free(s->dev, s->pages_dev);
+    qf_be_free(s->dev, s->sel_dev);
     qf_be_free(s->dev, s->block);
     free(s);
 }
 
 qf_kv_view qf_state_kv_view(const qf_state *s, int L) {
     const qf_kv_pool *p = s->kv;
-    qf_kv_view v = {p->mem, s->pages_dev ? s->pages_dev : s->pages, p->page_tokens, p->page_floats, s->kv_off[L], s->kv_off[L] + s->kv_layer_floats};
+    qf_kv_view v = {p->mem, s->pages_dev ? s->pages_dev : s->pages, p->page_tokens, p->page_floats, s->kv_off[L], s->kv_off[L] + s->kv_layer_floats,
+                    s->kv_off[L] + 2 * s->kv_layer_floats};
     return v;
 }

@@ -101,6 +101,7 @@ qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
     CARVE(amax, w->max_logit_rows);
 #undef CARVE
     w->dev = m->dev;
+    w->act_floats = (size_t)R * (size_t)imax(imax(H, vd), imax(c->n_heads * c->head_dim, F));
     w->f = qf_be_alloc(m->dev, total * sizeof(float));
     w->ints = malloc(((size_t)R * K * 2 + (size_t)E + 1 + (size_t)R) * sizeof(int));
     if (!w->f || !w->ints) {
@@ -128,6 +129,7 @@ void qf_workspace_free(qf_workspace *w) {
     qf_be_free(w->dev, w->px);
     qf_be_free(w->dev, w->f);
     free(w->ints);
+    free(w->act_host);
     free(w);
 }
 
@@ -140,9 +142,12 @@ void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud) {
 
 qf_sparsity_counts qf_workspace_sparsity(const qf_workspace *ws) { return ws->sparsity; }
 
-void qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud) {
+int qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud) {
     ws->act_hook = fn;
     ws->act_ud = ud;
+    if (fn && ws->dev && !ws->act_host && !(ws->act_host = malloc(ws->act_floats * sizeof(float))))
+        return ws->act_hook = NULL, qf_fail(QF_ENOMEM, "out of memory for the calibration hook's copy");
+    return QF_OK;
 }
 
 void qf_workspace_set_route_hook(qf_workspace *ws, qf_route_hook fn, void *ud) {

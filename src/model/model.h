@@ -65,6 +65,8 @@ typedef struct qf_model {
     float sparsity[QF_MAX_LAYERS]; /* each layer's sparsity level (qf_model_set_sparsity); 0: exact */
     int sparse;                    /* any level above 0 */
     uint64_t sparsity_gen;         /* counts changes of levels or thresholds (a recorded step holds them) */
+    int sparse_off;                /* the levels kept off (QF_SPARSE_* bits; 0: all act) */
+    int kv_min_ctx;                /* the KV level acts from this context on (0: QF_KV_MIN_CTX) */
     float (*trunk_thr)[QF_ACT_GROUPS][QF_TRUNK_GRID]; /* [n_layers]: |x| thresholds for trunk sparsity 0.1..0.9 (NULL: none) */
     int n_owned, cap_owned;
 } qf_model;
@@ -101,9 +103,23 @@ int qf_model_dec_check(qf_model *m);
  *   calibration text (TEAL's rule), and those products read only the kept columns, through
  *   transposed copies of their weights made when a level above 0 is first set.
  * levels: [n_layers], NULL for 0 everywhere. QF_EUNSUPPORTED on a device whose fused decode ops
- * cannot take it (qf_model_sparsity_ok). */
+ * cannot take it. */
 int qf_model_set_sparsity(qf_model *m, const float *levels);
-int qf_model_sparsity_ok(const qf_model *m);
+/* The three levels of a sparsity level, each of which may be kept off (qf_model_sparse_off). */
+enum { QF_SPARSE_EXPERTS = 1, QF_SPARSE_TRUNK = 2, QF_SPARSE_KV = 4 };
+void qf_model_sparse_off(qf_model *m, int parts);
+/* KV pages: from a context of kv_min_ctx tokens (config_flash.json's kv_page_min_context, default
+ * QF_KV_MIN_CTX) a new token attends to the first page, the newest and the pages of the highest
+ * Quest bounds, ceil((1 - level) x its pages) of them and never fewer than QF_KV_MIN_BUDGET tokens'
+ * worth (qf_ref_page_select). 0: every key. */
+#define QF_KV_MIN_CTX 8192
+#define QF_KV_MIN_BUDGET 1024
+int qf_sparsity_kv_pages(const qf_model *m, float level, int ctx, int page_tokens);
+/* Whether a level above 0 runs now (per request too): on a device, its fused decode ops take it
+ * and the transposed copies exist (a level above 0 was set at load). */
+int qf_model_sparsity_ready(const qf_model *m);
+/* The bytes of the transposed copies a first level above 0 makes (where the weights live). */
+size_t qf_model_sparsity_bytes(const qf_model *m);
 /* The trunk's thresholds, [n_layers][QF_ACT_GROUPS][QF_TRUNK_GRID] (copied; NULL: none). */
 int qf_model_set_trunk_thresholds(qf_model *m, const float *thr);
 /* The |x| threshold of layer L's group at a level: the calibrated grid 0.1..0.9 read at the
@@ -144,7 +160,10 @@ typedef struct qf_state {
     float **conv;  /* per layer (linear only): (K-1, conv_dim) */
     float **ssm;   /* per layer (linear only): (nv, dk, dv) */
     size_t *kv_off;   /* per layer (full only): offset of its keys inside a page */
-    size_t kv_layer_floats; /* one layer's keys in a page; its values follow */
+    size_t kv_layer_floats; /* one layer's keys in a page; its values follow, then the keys' summary */
+    int kv_summarized;      /* full pages whose key summaries are made (sparsity's KV level) */
+    int32_t *sel, *sel_dev; /* a decode step's chosen pages (sparsity's KV level): host, device copy */
+    float *score;           /* the pages' scores for that choice (host) */
     qf_kv_pool *kv;
     int32_t *pages;   /* page table: (max_ctx / page_tokens rounded up) */
     int32_t *pages_dev; /* its copy in device memory (NULL on the host) */
@@ -199,7 +218,7 @@ typedef struct qf_sparsity_counts {
     uint64_t experts, experts_dropped, trunk, trunk_zeroed;
 } qf_sparsity_counts;
 qf_sparsity_counts qf_workspace_sparsity(const qf_workspace *ws);
-void qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud);
+int qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud);
 
 /* TOP1: only the greedy pick of the last token's logits (the first index of the largest), into
  * *top1: where the backend can pick on the device, the logits never travel to the host. */

@@ -1,6 +1,7 @@
 /* Activation-aware sparsity's model state (model.h): the levels per layer, the trunk's
  * thresholds, and the transposed copies of the mixers' products that let a sparse input skip the
  * weight columns it does not use. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -85,7 +86,20 @@ int qf_model_set_sparsity(qf_model *m, const float *levels) {
     return QF_OK;
 }
 
-int qf_model_sparsity_ok(const qf_model *m) { return device_takes_sparsity(m); }
+int qf_model_sparsity_ready(const qf_model *m) {
+    return !m->dev || (device_takes_sparsity(m) && (m->cfg.arch != QF_ARCH_QWEN35_MOE || m->layers[0].in_t.data));
+}
+
+size_t qf_model_sparsity_bytes(const qf_model *m) {
+    size_t bytes = 0;
+    for (int L = 0; m->cfg.arch == QF_ARCH_QWEN35_MOE && L < m->cfg.n_layers; L++) {
+        const qf_layer_w *w = &m->layers[L];
+        const qf_mat *in[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_qkv, &w->w_z, &w->w_b, &w->w_a, &w->w_out};
+        for (int i = w->kind == QF_LAYER_FULL ? 0 : 4; i < (w->kind == QF_LAYER_FULL ? 4 : 9); i++)
+            bytes += (size_t)(in[i]->rows * in[i]->cols) * qf_dtype_size(in[i]->dtype);
+    }
+    return bytes;
+}
 
 int qf_model_set_trunk_thresholds(qf_model *m, const float *thr) {
     size_t n = (size_t)m->cfg.n_layers * QF_ACT_GROUPS * QF_TRUNK_GRID;
@@ -101,8 +115,22 @@ int qf_model_set_trunk_thresholds(qf_model *m, const float *thr) {
     return QF_OK;
 }
 
+void qf_model_sparse_off(qf_model *m, int parts) {
+    m->sparse_off = parts;
+    m->sparsity_gen++;
+}
+
+int qf_sparsity_kv_pages(const qf_model *m, float level, int ctx, int page_tokens) {
+    int min_ctx = m->kv_min_ctx > 0 ? m->kv_min_ctx : QF_KV_MIN_CTX;
+    if (level <= 0.0f || (m->sparse_off & QF_SPARSE_KV) || ctx < min_ctx) return 0;
+    int pages = (ctx + page_tokens - 1) / page_tokens, least = (QF_KV_MIN_BUDGET + page_tokens - 1) / page_tokens;
+    int budget = (int)ceil((double)pages * (1.0 - (double)level));
+    budget = budget < least ? least : budget < 2 ? 2 : budget;
+    return budget < pages ? budget : 0;
+}
+
 float qf_sparsity_trunk_threshold(const qf_model *m, int L, int group, float level) {
-    if (!m->trunk_thr || level <= 0.0f) return 0.0f;
+    if (!m->trunk_thr || level <= 0.0f || (m->sparse_off & QF_SPARSE_TRUNK)) return 0.0f;
     const float *grid = m->trunk_thr[L][group];
     float pos = qf_sparsity_trunk_target(level) * 10.0f;
     if (pos >= QF_TRUNK_GRID) return grid[QF_TRUNK_GRID - 1];

@@ -54,7 +54,8 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         e->text = malloc(e->text_cap);
         if (!e->pool || !e->ws || !e->logits || !e->text) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
     }
-    if (rc == QF_OK && e->on_gpu && stream) rc = qf_flash_gpu(e, opts, cache, free_start, free_trunk);
+    size_t sparse = rc == QF_OK && qf_flash_sparse_wanted(fc, opts, e->model->cfg.n_layers) ? qf_model_sparsity_bytes(e->model) : 0;
+    if (rc == QF_OK && e->on_gpu && stream) rc = qf_flash_gpu(e, opts, cache, free_start, free_trunk, sparse);
     if (rc == QF_OK) rc = qf_flash_sparsity(e, fc, dir, opts);
     free(fc);
     if (rc != QF_OK) {

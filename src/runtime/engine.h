@@ -35,6 +35,7 @@ typedef struct qf_flash_plan {
     int active;                                 /* an expert cache on the device */
     size_t budget, device_total, context, trunk, workspace, reserve, margin, buffer;
     size_t stage;                               /* of the buffer: two layers' experts for prompt chunks (0: none) */
+    size_t sparse;                              /* sparsity's transposed weights, made after the plan */
     size_t host_experts;                        /* host memory the experts take (pinned) */
     size_t slot_bytes;
     int slots, n_experts, n_layers, policy;

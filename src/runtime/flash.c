@@ -25,6 +25,12 @@ size_t qf_flash_wanted(const qf_flash_config *fc, const qf_engine_opts *o) {
     return o->expert_cache ? o->expert_cache : o->gpu_mem ? 0 : fc->buffer_bytes;
 }
 
+int qf_flash_sparse_wanted(const qf_flash_config *fc, const qf_engine_opts *o, int n_layers) {
+    for (int L = 0; L < n_layers; L++)
+        if ((o->sparsity_given ? o->sparsity_level : qf_flash_config_level(fc, L, 0.0f)) > 0.0f) return 1;
+    return 0;
+}
+
 int qf_flash_sparsity(qf_engine *e, const qf_flash_config *fc, const char *dir, const qf_engine_opts *o) {
     float levels[QF_MAX_LAYERS];
     int from_file = 0, rc;
@@ -32,8 +38,8 @@ int qf_flash_sparsity(qf_engine *e, const qf_flash_config *fc, const char *dir, 
         levels[L] = o->sparsity_given ? o->sparsity_level : qf_flash_config_level(fc, L, 0.0f);
         from_file |= !o->sparsity_given && levels[L] > 0;
     }
-    if (from_file && e->on_gpu) { /* the file's schedule where it cannot run yet: dense, and said so */
-        snprintf(e->notice, sizeof e->notice, "config_flash.json's sparsity runs on the CPU only so far: the GPU runs dense (exact)");
+    if (from_file && e->on_gpu && !e->model->dec_ok) { /* the file's schedule where it cannot run: dense, and said so */
+        snprintf(e->notice, sizeof e->notice, "config_flash.json's sparsity needs the fused decode steps, which this model does not run: dense (exact)");
         return QF_OK;
     }
     if (fc->trunk_layers && fc->trunk_layers != e->model->cfg.n_layers)
@@ -89,7 +95,7 @@ static int policy_of(const char *name) {
 
 /* The plan's buffer from the budget (or the flag), checked against the minimum and the device. */
 static int plan_buffer(qf_flash_plan *p, const qf_engine_opts *o, size_t cache_bytes, size_t free_now, int top_k) {
-    size_t fixed = p->context + p->trunk + p->workspace + p->reserve + p->margin;
+    size_t fixed = p->context + p->trunk + p->workspace + p->reserve + p->sparse + p->margin;
     if (cache_bytes) p->buffer = cache_bytes;
     else p->buffer = p->budget > fixed ? p->budget - fixed : 0;
     size_t per_layer = p->slot_bytes * (size_t)p->n_layers, stage = 2 * p->slot_bytes * (size_t)p->n_experts;
@@ -101,11 +107,12 @@ static int plan_buffer(qf_flash_plan *p, const qf_engine_opts *o, size_t cache_b
     if (p->slots < least)
         return qf_fail(QF_EINVAL,
                        "%s leaves %.0f MiB for the expert buffer: %d slots a layer, at least %d (2 x top-%d) are needed: %.0f MiB of buffer, "
-                       "a budget of at least %.2f GiB (context %.0f, trunk %.0f, workspace and scratch %.0f, states and KV %.0f, margin %.0f MiB)",
+                       "a budget of at least %.2f GiB (context %.0f, trunk %.0f, workspace and scratch %.0f, states and KV %.0f, sparsity's "
+                       "transposed weights %.0f, margin %.0f MiB)",
                        cache_bytes ? "--expert-cache" : "the GPU budget", (double)p->buffer / MIB, p->slots, least, top_k,
                        (double)(per_layer * (size_t)least) / MIB, (double)(fixed + per_layer * (size_t)least) / GIB, (double)p->context / MIB,
-                       (double)p->trunk / MIB, (double)p->workspace / MIB, (double)p->reserve / MIB, (double)p->margin / MIB);
-    size_t need = p->buffer + p->reserve + p->margin;
+                       (double)p->trunk / MIB, (double)p->workspace / MIB, (double)p->reserve / MIB, (double)p->sparse / MIB, (double)p->margin / MIB);
+    size_t need = p->buffer + p->reserve + p->sparse + p->margin;
     if (need > free_now)
         return qf_fail(QF_EINVAL, "the expert buffer (%.0f MiB) with states, KV and scratch needs %.0f MiB; the device has %.0f MiB free", (double)p->buffer / MIB,
                        (double)need / MIB, (double)free_now / MIB);
@@ -115,7 +122,7 @@ static int plan_buffer(qf_flash_plan *p, const qf_engine_opts *o, size_t cache_b
 
 /* The experts pinned at home and the model warmed up without slots, the memory everything else
  * takes is measured, and the expert buffer gets what the budget leaves. */
-int qf_flash_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk) {
+int qf_flash_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk, size_t sparse_bytes) {
     qf_model *m = e->model;
     const qf_config *c = &m->cfg;
     qf_flash_plan *p = &e->plan;
@@ -144,7 +151,7 @@ int qf_flash_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size
     if ((rc = warm_up(e, 1)) != QF_OK) return rc;
     e->be.ops->mem_info(&e->be, &free_now, &total);
     p->context = total - free_start, p->trunk = free_start - free_trunk, p->workspace = free_trunk - free_now;
-    p->reserve = reserve_bytes(m, o), p->margin = (size_t)64 << 20;
+    p->reserve = reserve_bytes(m, o), p->sparse = sparse_bytes, p->margin = (size_t)64 << 20;
     if ((rc = plan_buffer(p, o, cache_bytes, free_now, c->n_experts_used)) != QF_OK) return rc;
     if ((rc = qf_es_devcache_set_slots(s, p->slots, policy, p->stage > 0)) != QF_OK) return rc;
     if ((rc = warm_up(e, 0)) != QF_OK) return rc; /* the step graph again, with the cache's kernels */
@@ -159,6 +166,7 @@ void qf_flash_print(FILE *f, const qf_flash_plan *p) {
                "margin %.0f, expert buffer %.0f",
             (double)p->context / MIB, (double)p->trunk / MIB, (double)p->workspace / MIB, (double)p->reserve / MIB, (double)p->margin / MIB,
             (double)p->buffer / MIB);
+    if (p->sparse) fprintf(f, ", sparsity's transposed weights %.0f", (double)p->sparse / MIB);
     if (p->budget) fprintf(f, " of a budget of %.0f", (double)p->budget / MIB);
     fprintf(f, "\n  %d of %d experts a layer in device slots (%.1f%% resident, %s), the rest read from %.1f GiB of pinned host memory; ",
             p->slots, p->n_experts, 100.0 * p->slots / p->n_experts, qf_policy_name(p->policy), (double)p->host_experts / GIB);

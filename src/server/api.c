@@ -94,7 +94,8 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
     json_t *sl = json_object_get(b, "sparsity_level"); /* qflash's extension: this request's level, every layer */
     if (sl && !json_is_null(sl)) {
         if (opt_num(ao, b, "sparsity_level", 0, 1, &g->p.sparsity)) return -1;
-        if (g->p.sparsity > 0 && s->e->on_gpu) return bad(ao, "'sparsity_level' above 0 runs on the CPU only so far");
+        if (g->p.sparsity > 0 && !qf_model_sparsity_ready(s->e->model))
+            return bad(ao, "'sparsity_level' above 0 on this GPU needs the server started with a level above 0 (--sparsity-level or config_flash.json)");
         g->p.sparsity_set = 1;
     }
     sp->top_k = top_k < 0 ? 0 : (int)top_k; /* -1 means off, as in vLLM */

@@ -13,6 +13,7 @@ void qf_ref_rope(qf_backend *be, float *x, int stride, int head_stride, int T, i
                  int pos0, const float *inv_freq);
 void qf_ref_conv_silu(qf_backend *be, const float *x, int x_stride, int T, int C, int K, const float *w,
                       float *state, float *y);
+void qf_ref_kv_summarize(qf_backend *be, const qf_kv_view *kv, int p0, int p1, int nkv, int hd);
 void qf_ref_kv_store(qf_backend *be, const qf_kv_view *kv, const float *k, const float *v, int T, int pos0, int nkv, int hd);
 void qf_ref_swiglu(qf_backend *be, const float *g, const float *u, int stride, int n, int d, float *y);
 void qf_ref_sigmoid_mul(qf_backend *be, float *x, int x_stride, const float *g, int g_stride, int n, int d);

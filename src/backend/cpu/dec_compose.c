@@ -111,9 +111,32 @@ static void c_attention(qf_backend *be, const qf_attn_dec *a) {
         o->rmsnorm(be, k, a->hd, a->k_norm, a->nkv, a->hd, a->eps, k, a->hd);
         o->rope(be, q, qd, 2 * a->hd, 1, a->nh, a->rot, a->pos[t], a->inv_freq);
         o->rope(be, k, kd, a->hd, 1, a->nkv, a->rot, a->pos[t], a->inv_freq);
-        o->kv_store(be, &a->kv[t], k, r + a->v_off, 1, a->pos[t], a->nkv, a->hd);
-        qf_attn_args at = {q, qd, 2 * a->hd, a->kv[t], a->out + (size_t)t * a->nh * a->hd, 1, a->pos[t], a->nh, a->nkv, a->hd, a->scale, NULL, 0};
+        int j = a->n_keys[t] ? a->n_keys[t] - 1 : a->pos[t]; /* the new token's place in the view */
+        o->kv_store(be, &a->kv[t], k, r + a->v_off, 1, j, a->nkv, a->hd);
+        qf_attn_args at = {q, qd, 2 * a->hd, a->kv[t], a->out + (size_t)t * a->nh * a->hd, 1, j, a->nh, a->nkv, a->hd, a->scale, NULL, 0};
         o->attention(be, &at);
+    }
+}
+
+static void c_page_select(qf_backend *be, const qf_attn_dec *a, const int *n_pages, const int *budget, int32_t *const *sel) {
+    const qf_ops *o = BASE(be);
+    int qd = a->nh * 2 * a->hd, nkv = a->nkv, hd = a->hd;
+    if (!fits(be, (size_t)qd)) return;
+    float *q = CTX(be)->scratch, score[4096];
+    for (int t = 0; t < a->n; t++) {
+        const qf_kv_view *kv = &a->kv[t];
+        int np = n_pages[t];
+        if (!budget[t] || np > 4096) continue;
+        memcpy(q, a->qkv + (size_t)t * a->stride, (size_t)qd * sizeof(float));
+        o->rmsnorm(be, q, 2 * hd, a->q_norm, a->nh, hd, a->eps, q, 2 * hd);
+        o->rope(be, q, qd, 2 * hd, 1, a->nh, a->rot, a->pos[t], a->inv_freq);
+        for (int p = 0; p < np - 1; p++) {
+            const float *sum = kv->base + (size_t)kv->pages[p] * kv->page_stride + kv->s_off;
+            score[p] = qf_ref_page_score(q, a->nh, 2 * hd, nkv, sum, sum + (size_t)nkv * hd, hd);
+        }
+        score[np - 1] = 0.0f;
+        int n = qf_ref_page_select(score, np, budget[t], sel[t]);
+        for (int i = 0; i < n; i++) sel[t][i] = kv->pages[sel[t][i]];
     }
 }
 
@@ -151,7 +174,7 @@ static void c_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *o
     for (int t = 0; t < n; t++) out[t] = qf_argmax_f32(x + (size_t)t * cols, cols);
 }
 
-static const qf_dec_ops k_compose = {c_matmul, c_gdn, c_attention, c_moe, c_argmax, NULL, NULL, c_matmul_sparse};
+static const qf_dec_ops k_compose = {c_matmul, c_gdn, c_attention, c_moe, c_argmax, NULL, NULL, c_matmul_sparse, NULL, c_page_select};
 
 int qf_cpu_dec_compose_init(qf_backend *be, const qf_ops *base, size_t scratch_floats) {
     compose *c = calloc(1, sizeof *c);

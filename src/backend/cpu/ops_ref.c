@@ -255,7 +255,17 @@ float qf_ref_page_bound(const float *q, const float *kmin, const float *kmax, in
     return b;
 }
 
-int qf_ref_page_select(const float *q, const float *kmin, const float *kmax, int n_pages, int hd, int budget, int32_t *out) {
+float qf_ref_page_score(const float *q, int nh, int q_hstride, int nkv, const float *kmin, const float *kmax, int hd) {
+    float best = -INFINITY;
+    for (int h = 0; h < nh; h++) {
+        int g = h / (nh / nkv);
+        float b = qf_ref_page_bound(q + (size_t)h * q_hstride, kmin + (size_t)g * hd, kmax + (size_t)g * hd, hd);
+        best = b > best ? b : best;
+    }
+    return best;
+}
+
+int qf_ref_page_select(const float *score, int n_pages, int budget, int32_t *out) {
     if (budget >= n_pages || n_pages <= 2) {
         for (int p = 0; p < n_pages; p++) out[p] = p;
         return n_pages;
@@ -263,18 +273,25 @@ int qf_ref_page_select(const float *q, const float *kmin, const float *kmax, int
     if (budget < 2) budget = 2;
     int n = 0;
     for (int p = 1; p < n_pages - 1; p++) { /* a middle page is in when fewer than budget - 2 others come before it */
-        float bp = qf_ref_page_bound(q, kmin + (size_t)p * hd, kmax + (size_t)p * hd, hd);
         int ahead = 0;
-        for (int o = 1; o < n_pages - 1 && ahead < budget - 2; o++) {
-            if (o == p) continue;
-            float bo = qf_ref_page_bound(q, kmin + (size_t)o * hd, kmax + (size_t)o * hd, hd);
-            ahead += bo > bp || (bo == bp && o < p); /* the higher bound first, then the lower page */
-        }
+        for (int o = 1; o < n_pages - 1 && ahead < budget - 2; o++)
+            ahead += o != p && (score[o] > score[p] || (score[o] == score[p] && o < p)); /* the higher score first, then the lower page */
         if (ahead < budget - 2) out[1 + n++] = p;
     }
     out[0] = 0;
     out[1 + n] = n_pages - 1;
     return n + 2;
+}
+
+/* Pages p0..p1-1 of the view, each kv head's keys summarised. */
+void qf_ref_kv_summarize(qf_backend *be, const qf_kv_view *kv, int p0, int p1, int nkv, int hd) {
+    (void)be;
+    for (int p = p0; p < p1; p++) {
+        float *page = kv->base + (size_t)kv->pages[p] * kv->page_stride;
+        for (int h = 0; h < nkv; h++)
+            qf_ref_page_summary(page + kv->k_off + (size_t)h * hd, kv->page_tokens, nkv * hd, hd, page + kv->s_off + (size_t)h * hd,
+                                page + kv->s_off + (size_t)(nkv + h) * hd);
+    }
 }
 
 const qf_ops qf_cpu_ops_ref = {
@@ -288,6 +305,7 @@ const qf_ops qf_cpu_ops_ref = {
     .gdn = ref_gdn,
     .attention = ref_attention,
     .kv_store = qf_ref_kv_store,
+    .kv_summarize = qf_ref_kv_summarize,
     .swiglu = qf_ref_swiglu,
     .sigmoid_mul = qf_ref_sigmoid_mul,
     .axpy = qf_ref_axpy,

@@ -244,6 +244,8 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device, const qf_cuda_op
     cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH);
     apply_opts(c, opts ? opts : &def);
     if (cudaMalloc(&c->moe_cnt, 64) != cudaSuccess || cudaMemset(c->moe_cnt, 0, 64) != cudaSuccess) c->moe_cnt = NULL;
+    if (cudaMalloc(&c->sp_ctr, 32) != cudaSuccess || cudaMemset(c->sp_ctr, 0, 32) != cudaSuccess) c->sp_ctr = NULL;
+    if (cudaMalloc(&c->sp_count, 4096) != cudaSuccess || cudaMemset(c->sp_count, 0, 4096) != cudaSuccess) c->sp_count = NULL;
     if (cudaMalloc(&c->att_cnt, ATT_MAX_HEADS * 4) != cudaSuccess || cudaMemset(c->att_cnt, 0, ATT_MAX_HEADS * 4) != cudaSuccess) c->att_cnt = NULL;
     if (cudaMalloc(&c->amax, argmax_scratch_bytes()) != cudaSuccess || cudaMemset(c->amax, 0, argmax_scratch_bytes()) != cudaSuccess) c->amax = NULL;
     c->gs.argbuf = (unsigned char *)malloc(G_ARG_BYTES); // NULL: every replayed node is re-set
@@ -280,7 +282,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->sp), cudaFree(c->mg_buf), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->att_cnt);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->sp), cudaFree(c->mg_buf), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->sp_ctr), cudaFree(c->sp_count), cudaFree(c->att_cnt);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);

@@ -86,6 +86,8 @@ struct ctx {
     int early;                    // decode kernels issue their first weight loads before waiting (option early, default 1)
     int moe1;                     // one-row MoE blocks in one kernel, gate/up and down a grid count apart (option moe1, default 1)
     unsigned *moe_cnt;            // grid counts, zero between launches: [0..1] the one-kernel MoE's
+    unsigned long long *sp_ctr;   // ops.h sparse_counts' four counts, zeroed at start
+    unsigned *sp_count;           // the sparse products' finished blocks per output slice, zero between launches (1024)
     int att1;                     // the decode attention in one kernel, keys loaded before its wait (option att1)
     int att_gate;                 // the decode attention applies the output gate, o_proj none (option att_gate)
     int comb;                     // the attention's combine loads every split at once (attn_combine_head PAR; option comb=0: off)

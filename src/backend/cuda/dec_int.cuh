@@ -19,6 +19,7 @@ int dec_gdn_gn(qf_backend *be, const qf_gdn_dec *a, const qf_pre *gn);
 void dec_attention(qf_backend *be, const qf_attn_dec *a);
 int dec_attn_gate(qf_backend *be, const qf_attn_dec *a);
 void dec_moe(qf_backend *be, const qf_moe_dec *a);
+void dec_sparse_counts(qf_backend *be, uint64_t out[4]);
 void dec_matmul_sparse(qf_backend *be, const qf_mat *wt, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, const float *thr,
                        float *y);
 

@@ -272,7 +272,8 @@ struct dn_row {
 // Blocks of column 0 write slot k's expert and weight (the down kernel reads them when early is off).
 // early: x (the kernel two back wrote it) is staged before the wait; only the routing waits.
 template <int HL>
-__global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw, int early) {
+__global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw, int early,
+                                                   unsigned long long *ctr) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], tw[MOE_MAX_K];
     __shared__ int ti[MOE_MAX_K];
@@ -292,6 +293,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_mo
     int kk = route_keep(tw, K, a.drop_tau[t], a.min_k), e = k < kk ? ti[k] : -1, lane = tid & 31, j = blockIdx.y * (blockDim.x / 32) + tid / 32;
     if (blockIdx.y == 0 && tid == 0) topi[t * K + k] = e, topw[t * K + k] = tw[k];
     if (blockIdx.y == 0 && tid == 0 && a.chosen) a.chosen[t * K + k] = e; // for the expert store
+    if (blockIdx.y == 0 && tid == 0 && ctr && a.drop_tau[t] > 0.0f) atomicAdd(ctr + 2, 1ull), atomicAdd(ctr + 3, e < 0 ? 1ull : 0ull);
     if (e < 0) return; // dropped by sparsity
     for (; j < I; j += gridDim.y * (blockDim.x / 32)) {
         float h = gu_row<HL>(tab, E, e, j, H, xs, inv, lane);
@@ -400,7 +402,8 @@ __device__ __forceinline__ const void *const *moe_pf_table(const void *const *ta
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
 // other: the grid is never larger than what the SMs hold at once.
 template <int HL, int PL, int ROUTE, bool TB = false> // ROUTE 2: route_pairs, 3: route_sort (the default); TB: moe_pf_table
-__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt) {
+__global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt,
+                                                    unsigned long long *ctr) {
     extern __shared__ float4 dyn[];
     __shared__ float red[32], wk[MOE_MAX_K + 1];
     __shared__ int ti[MOE_MAX_K];
@@ -417,6 +420,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     int kk = route_keep(wk, K, a.drop_tau[0], a.min_k); // the experts kept (sparsity drops the last ranks)
     if (tid < kk) dp[tid] = (const uint16_t *)tab[2 * E + ti[tid]];
     if (blockIdx.x == 0 && tid < K && a.chosen) a.chosen[tid] = tid < kk ? ti[tid] : -1; // for the expert store
+    if (blockIdx.x == 0 && tid == 0 && ctr && a.drop_tau[0] > 0.0f) atomicAdd(ctr + 2, (unsigned long long)K), atomicAdd(ctr + 3, (unsigned long long)(K - kk));
     shared_slot(a, a.rl, sh_down, wk, dp, kk);
     __syncthreads();
     for (int r = gw; r < kk * I; r += nw) {
@@ -443,7 +447,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
 // blocks wait for each other, so the grid is what the SMs hold of it at once.
 static int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
     int H = a->hidden, I = a->ffn, S = a->sh_ffn;
-    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *);
+    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, unsigned long long *);
     int mc = I > S ? I : S;
     int f = c->route == 3 && (a->n_experts > 256 || a->top_k > 8) ? 2 : c->route; // route_sort's shapes, else route_pairs
     int tb = c->moe_pf && H <= 2048 && mc <= 512;
@@ -457,7 +461,7 @@ static int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
     size_t smem = (size_t)(H + a->top_k * I + S) * sizeof(float) + (tb ? (size_t)3 * a->n_experts * sizeof(void *) : 0);
     int grid = resident(c, (const void *)k, 256, smem) * (c->sms > 0 ? c->sms : 1);
     // after an expert cache's fill, a plain launch: the kernel reads the table before its wait
-    launch(c, "k_moe_one", a->cache ? 0 : 1, k, dim3((unsigned)grid), dim3(256), (unsigned)smem, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, c->moe_cnt);
+    launch(c, "k_moe_one", a->cache ? 0 : 1, k, dim3((unsigned)grid), dim3(256), (unsigned)smem, tab, *a, (const uint16_t *)a->sh_down->data, hbuf, c->moe_cnt, c->sp_ctr);
     return 1;
 }
 
@@ -483,7 +487,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     int HL = H <= 256 ? 1 : H <= 512 ? 2 : H <= 1024 ? 4 : H <= 2048 ? 8 : 16, mc = I > a->sh_ffn ? I : a->sh_ffn;
     int PL = mc <= 256 ? 1 : mc <= 512 ? 2 : mc <= 1024 ? 4 : 8;
     if (H > 4096 || mc > 2048) return dev_fail(c, "fused moe: hidden %d > 4096 or expert width %d > 2048 is not supported", H, mc);
-    typedef void (*gu_fn)(const void *const *, qf_moe_dec, float *, int *, float *, int);
+    typedef void (*gu_fn)(const void *const *, qf_moe_dec, float *, int *, float *, int, unsigned long long *);
     typedef void (*dn_fn)(const void *const *, qf_moe_dec, const uint16_t *, const float *, const int *, const float *, int);
     gu_fn gu = HL == 1 ? k_moe_gu<1> : HL == 2 ? k_moe_gu<2> : HL == 4 ? k_moe_gu<4> : HL == 8 ? k_moe_gu<8> : k_moe_gu<16>;
     dn_fn dn = PL == 1 ? k_moe_down<1> : PL == 2 ? k_moe_down<2> : PL == 4 ? k_moe_down<4> : k_moe_down<8>;
@@ -493,7 +497,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     gy = gy < 1 ? 1 : gy > (I + 7) / 8 ? (I + 7) / 8 : gy;
     dx = dx < 1 ? 1 : dx > (H + 7) / 8 ? (H + 7) / 8 : dx;
     int pdl = a->cache ? 0 : 1, early = a->cache ? 0 : c->early; // an expert cache's table is read only after its fill
-    launch(c, "k_moe_gu", pdl, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, early);
+    launch(c, "k_moe_gu", pdl, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, early, c->sp_ctr);
     launch(c, "k_moe_down", 1, dn, dim3(dx, n), dim3(256), (unsigned)sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, (const float *)hbuf,
            (const int *)topi, (const float *)topw, early);
 }

@@ -1,16 +1,19 @@
 // Trunk sparsity's decode products (ops.h dec matmul_sparse): each row's pre(x) masked by its
-// threshold, the columns some row keeps listed in order, then only those rows of W^T read.
-// Three kernels: the mask and list (one block), the products over slices of the list (partial
-// sums per slice, so the order of every sum is fixed and the result does not vary run to run),
-// and the sum of the slices with the epilogue.
+// threshold, the columns some row keeps listed in order, and only those rows of W^T read. One
+// kernel: every block stages and masks the rows and lists the kept columns itself (a few KB of x
+// against the MB of weights it reads), takes its slice of the list for its 256 outputs, writes
+// the slice's partial sums, and the last block of an output slice to finish adds the partials in
+// slice order and applies the epilogue (so every sum has a fixed order and the result does not
+// vary run to run).
 #include "backend/cuda/dec_int.cuh"
 
 namespace qfc {
 
-#define SP_THREADS 1024
 #define SP_MAX_COLS 8192 // inputs the list holds (the widest mixer input of this family is 4096)
-#define SP_OUT 256       // outputs a block of the product covers: 32 lanes x 8
-#define SP_NT 4          // rows a product kernel carries at once (more rows: passes)
+#define SP_OUT 256       // outputs a block covers: 32 lanes x 8
+#define SP_NT 4          // rows a launch carries (more rows: passes)
+#define SP_SLICES 1024   // output slices the counters hold (out <= 262144)
+#define SP_U 4           // listed columns a warp has in flight (16 lost: docs/performance.md)
 
 struct sp_thr {
     float v[QF_DEC_ROWS];
@@ -38,28 +41,50 @@ __device__ int block_scan(int v, int *wsum, int *total) {
     return wsum[warp] + s - v;
 }
 
-// One block: xm[t] = mask_t(pre(x[t])) for every row; idx = the columns some row keeps, ascending;
-// cnt[0] their count.
-__global__ void __launch_bounds__(SP_THREADS) k_sp_mask(const float *x, int n, int cols, dpre p, sp_thr thr, float *xm, int *idx, int *cnt) {
-    extern __shared__ float4 dyn[];
-    __shared__ float red[QF_DEC_ROWS * PRE_MAX_HEADS];
+// Outputs o0..o0+7 of row i of wt (out wide), bf16: one 16-byte load where rows are 16-byte
+// aligned (VEC: out % 8 == 0), else element by element up to out (zeros past it).
+template <bool VEC>
+__device__ __forceinline__ uint4 ld8(const uint16_t *__restrict__ wt, int i, int out, int o0) {
+    if constexpr (VEC) {
+        return __ldcs((const uint4 *)(wt + (int64_t)i * out + o0));
+    } else {
+        uint16_t h[8];
+#pragma unroll
+        for (int q = 0; q < 8; q++) h[q] = o0 + q < out ? wt[(int64_t)i * out + o0 + q] : 0;
+        return make_uint4(h[0] | (unsigned)h[1] << 16, h[2] | (unsigned)h[3] << 16, h[4] | (unsigned)h[5] << 16, h[6] | (unsigned)h[7] << 16);
+    }
+}
+
+// a[q] += xv * the 8 bf16 of w
+__device__ __forceinline__ void fma8(float a[8], uint4 w, float xv) {
+    const uint32_t p[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int q = 0; q < 4; q++) a[2 * q] += xv * bf16f(p[q] & 0xffff), a[2 * q + 1] += xv * bf16f(p[q] >> 16);
+}
+
+// The block's copy of rows t0..t0+nt-1 of mask_t(pre(x[t])) into xm [nt][cols], and the columns
+// some of them keep into idx (ascending); returns their count. counts: block (0, 0) adds the
+// entries it masked and zeroed (ops.h sparse_counts).
+__device__ int sp_stage(const float *x, int nt, int t0, int cols, const dpre &p, const sp_thr &thr, float *xm, int *idx, unsigned long long *counts) {
+    __shared__ float red[PRE_MAX_HEADS];
     __shared__ unsigned char keep[SP_MAX_COLS];
     __shared__ int wsum[32], total;
-    float *xs = (float *)dyn;
-    int tid = threadIdx.x;
+    __shared__ unsigned zeroed;
+    int tid = threadIdx.x, z = 0;
     for (int i = tid; i < cols; i += blockDim.x) keep[i] = 0;
-    pdl_wait();
-    pdl_launch();
-    for (int t = 0; t < n; t++) {
+    if (tid == 0) zeroed = 0;
+    for (int t = 0; t < nt; t++) {
         dpre pt = p;
-        if (pt.g) pt.g += (int64_t)t * p.g_stride;
-        stage<1>(x + (int64_t)t * cols, 1, cols, pt, xs, red);
-        float sc = row_scale(pt, red, 0, cols);
+        if (pt.g) pt.g += (int64_t)(t0 + t) * p.g_stride;
+        float *xs = xm + (int64_t)t * cols;
+        stage<1>(x + (int64_t)(t0 + t) * cols, 1, cols, pt, xs, red);
+        float sc = row_scale(pt, red, 0, cols), th = thr.v[t0 + t];
         for (int i = tid; i < cols; i += blockDim.x) {
             float v = xs[i] * sc;
-            int k = !(fabsf(v) < thr.v[t]);
-            xm[(int64_t)t * cols + i] = k ? v : 0.0f;
+            int k = !(fabsf(v) < th);
+            xs[i] = k ? v : 0.0f;
             keep[i] |= (unsigned char)k;
+            z += !k;
         }
         __syncthreads();
     }
@@ -68,97 +93,90 @@ __global__ void __launch_bounds__(SP_THREADS) k_sp_mask(const float *x, int n, i
     int at = block_scan(mine, wsum, &total);
     for (int i = c0; i < c0 + per && i < cols; i++)
         if (keep[i]) idx[at++] = i;
-    if (tid == 0) cnt[0] = total;
+    if (counts && blockIdx.x == 0 && blockIdx.y == 0) atomicAdd(&zeroed, (unsigned)z);
+    __syncthreads();
+    if (counts && blockIdx.x == 0 && blockIdx.y == 0 && tid == 0) atomicAdd(counts, (unsigned long long)nt * cols), atomicAdd(counts + 1, (unsigned long long)zeroed);
+    return total;
 }
 
-// Block (output slice, list slice s of S): partial[s][t][o] = sum over the slice's listed columns
-// i of xm[t][i] * wt[i][o], for NT rows from t0. Warp w takes the slice's columns w, w + 8, ...;
-// lane l holds outputs 8 l .. 8 l + 7 of the block's 256; the warps' sums meet in shared memory.
-template <int NT>
-__global__ void __launch_bounds__(256) k_sp_cols(const uint16_t *__restrict__ wt, int out, int cols, const float *__restrict__ xm, int n, int t0,
-                                                 const int *idx, const int *cnt, float *partial) {
+// Block (output slice, list slice s of S) for rows t0..t0+NT-1: warp w takes the slice's listed
+// columns w, w + 8, ... (SP_U loads in flight); lane l holds outputs 8 l .. 8 l + 7 of the block's
+// 256. The warps' sums meet in shared memory, the slices' in partial [S][NT][out]; the last block
+// of an output slice (count) sums them in order into y, through the epilogue.
+template <int NT, bool VEC>
+__global__ void __launch_bounds__(256) k_sp(const uint16_t *__restrict__ wt, int out, int cols, const float *__restrict__ x, int n, int t0, dpre p, sp_thr thr,
+                                            depi e, int acc, float *y, float *partial, unsigned *count, unsigned long long *counts) {
+    extern __shared__ float4 dyn[];
     __shared__ float sums[8][NT][SP_OUT];
+    __shared__ int last;
+    float *xm = (float *)dyn;
+    int *idx = (int *)(xm + NT * cols);
     int lane = threadIdx.x & 31, warp = threadIdx.x / 32, S = gridDim.y, s = blockIdx.y;
     int o0 = blockIdx.x * SP_OUT + lane * 8, nt = min(NT, n - t0);
     pdl_wait();
     pdl_launch();
-    int m = cnt[0], j0 = (int)((int64_t)m * s / S), j1 = (int)((int64_t)m * (s + 1) / S);
+    int m = sp_stage(x, nt, t0, cols, p, thr, xm, idx, counts), j0 = (int)((int64_t)m * s / S), j1 = (int)((int64_t)m * (s + 1) / S);
     float a[NT][8];
 #pragma unroll
     for (int t = 0; t < NT; t++)
 #pragma unroll
         for (int q = 0; q < 8; q++) a[t][q] = 0.0f;
-    if (o0 < out) {
-        int j = j0 + warp;
-        for (; j + 8 < j1; j += 16) { // two columns' loads in flight per warp
-            int i0 = idx[j], i1 = idx[j + 8];
-            uint4 w0 = __ldcs((const uint4 *)(wt + (int64_t)i0 * out + o0)), w1 = __ldcs((const uint4 *)(wt + (int64_t)i1 * out + o0));
+    for (int j = j0 + warp; o0 < out && j < j1; j += 8 * SP_U) { // up to SP_U columns' loads in flight per warp
+        int i[SP_U];
+        uint4 w[SP_U];
 #pragma unroll
-            for (int t = 0; t < NT; t++) {
-                if (t >= nt) break;
-                float x0 = xm[(int64_t)(t0 + t) * cols + i0], x1 = xm[(int64_t)(t0 + t) * cols + i1];
-                const uint32_t p0[4] = {w0.x, w0.y, w0.z, w0.w}, p1[4] = {w1.x, w1.y, w1.z, w1.w};
+        for (int u = 0; u < SP_U; u++) i[u] = j + 8 * u < j1 ? idx[j + 8 * u] : -1;
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    a[t][2 * q] += x0 * bf16f(p0[q] & 0xffff) + x1 * bf16f(p1[q] & 0xffff);
-                    a[t][2 * q + 1] += x0 * bf16f(p0[q] >> 16) + x1 * bf16f(p1[q] >> 16);
-                }
-            }
-        }
-        for (; j < j1; j += 8) {
-            int i0 = idx[j];
-            uint4 w0 = __ldcs((const uint4 *)(wt + (int64_t)i0 * out + o0));
-            const uint32_t p0[4] = {w0.x, w0.y, w0.z, w0.w};
+        for (int u = 0; u < SP_U; u++)
+            if (i[u] >= 0) w[u] = ld8<VEC>(wt, i[u], out, o0);
 #pragma unroll
-            for (int t = 0; t < NT; t++) {
-                if (t >= nt) break;
-                float x0 = xm[(int64_t)(t0 + t) * cols + i0];
+        for (int u = 0; u < SP_U; u++)
 #pragma unroll
-                for (int q = 0; q < 4; q++) a[t][2 * q] += x0 * bf16f(p0[q] & 0xffff), a[t][2 * q + 1] += x0 * bf16f(p0[q] >> 16);
-            }
-        }
+            for (int t = 0; t < NT; t++)
+                if (i[u] >= 0 && t < nt) fma8(a[t], w[u], xm[t * cols + i[u]]);
     }
 #pragma unroll
     for (int t = 0; t < NT; t++)
 #pragma unroll
         for (int q = 0; q < 8; q++) sums[warp][t][lane * 8 + q] = a[t][q];
     __syncthreads();
-    for (int e = threadIdx.x; e < nt * SP_OUT; e += blockDim.x) {
-        int t = e / SP_OUT, o = e - t * SP_OUT, go = blockIdx.x * SP_OUT + o;
+    for (int k = threadIdx.x; k < nt * SP_OUT; k += blockDim.x) {
+        int t = k / SP_OUT, o = k - t * SP_OUT, go = blockIdx.x * SP_OUT + o;
         float v = 0.0f;
         for (int w = 0; w < 8; w++) v += sums[w][t][o];
-        if (go < out) partial[((int64_t)s * n + t0 + t) * out + go] = v;
+        if (go < out) partial[((int64_t)s * NT + t) * out + go] = v;
     }
-}
-
-// y[t][o] (= or +=) the slices' sum in order, through the epilogue.
-__global__ void k_sp_sum(const float *partial, int S, int n, int out, depi e, int acc, float *y) {
-    pdl_wait();
-    pdl_launch();
-    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < (int64_t)n * out; k += (int64_t)gridDim.x * blockDim.x) {
-        int t = (int)(k / out), o = (int)(k - (int64_t)t * out);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&count[blockIdx.x], 1u) == (unsigned)S - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int k = threadIdx.x; k < nt * SP_OUT; k += blockDim.x) {
+        int t = k / SP_OUT, go = blockIdx.x * SP_OUT + k - t * SP_OUT;
+        if (go >= out) continue;
         float v = 0.0f;
-        for (int s = 0; s < S; s++) v += partial[((int64_t)s * n + t) * out + o];
-        if (e.on) v = epi_value(e, t, o, v);
-        y[k] = acc ? y[k] + v : v;
+        for (int r = 0; r < S; r++) v += __ldcg(partial + ((int64_t)r * NT + t) * out + go);
+        if (e.on) v = epi_value(e, t0 + t, go, v);
+        float *yo = y + (int64_t)(t0 + t) * out + go;
+        *yo = acc ? *yo + v : v;
     }
+    if (threadIdx.x == 0) count[blockIdx.x] = 0;
 }
 
 void dec_matmul_sparse(qf_backend *be, const qf_mat *wt, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, const float *thr,
                        float *y) {
     ctx *c = C(be);
-    int cols = (int)wt->rows, out = (int)wt->cols, sms = c->sms > 0 ? c->sms : 1;
-    if (wt->dtype != QF_DT_BF16 || out % 8 || cols % 4 || cols > SP_MAX_COLS || n > QF_DEC_ROWS || (uintptr_t)wt->data % 16)
-        return dev_fail(c, "sparse product: needs bf16 W^T with outputs a multiple of 8 and at most %d inputs (has %d x %d)", SP_MAX_COLS, cols, out);
+    int cols = (int)wt->rows, out = (int)wt->cols, sms = c->sms > 0 ? c->sms : 1, slices = (out + SP_OUT - 1) / SP_OUT;
+    if (wt->dtype != QF_DT_BF16 || cols % 4 || cols > SP_MAX_COLS || n > QF_DEC_ROWS || slices > SP_SLICES || (uintptr_t)wt->data % 16 || !c->sp_count)
+        return dev_fail(c, "sparse product: needs bf16 W^T of at most %d inputs (a multiple of 4) and %d outputs (has %d x %d)", SP_MAX_COLS,
+                        SP_SLICES * SP_OUT, cols, out);
     if (pre && (pre->kind == QF_PRE_GATED_NORM || pre->kind == QF_PRE_SIGMOID) && (pre->head < 1 || cols / pre->head > PRE_MAX_HEADS))
         return dev_fail(c, "sparse product: more than %d heads per row", PRE_MAX_HEADS);
-    int slices = (out + SP_OUT - 1) / SP_OUT, S = (2 * sms + slices - 1) / slices;
+    int S = (2 * sms + slices - 1) / slices; // about two blocks an SM
     S = S < 1 ? 1 : S > 64 ? 64 : S;
-    size_t xm_bytes = ((size_t)n * cols * 4 + 255) & ~(size_t)255, idx_bytes = ((size_t)cols * 4 + 4 + 255) & ~(size_t)255;
-    char *s = (char *)scratch(c, &c->sp, &c->sp_cap, xm_bytes + idx_bytes + (size_t)S * n * out * 4);
-    if (!s) return dev_fail(c, "sparse product: out of device memory");
-    float *xm = (float *)s, *partial = (float *)(s + xm_bytes + idx_bytes);
-    int *idx = (int *)(s + xm_bytes), *cnt = idx + cols;
+    float *partial = (float *)scratch(c, &c->sp, &c->sp_cap, (size_t)S * SP_NT * out * 4);
+    if (!partial) return dev_fail(c, "sparse product: out of device memory");
     sp_thr th = {};
     for (int t = 0; t < n; t++) th.v[t] = thr[t];
     depi e = {};
@@ -166,16 +184,23 @@ void dec_matmul_sparse(qf_backend *be, const qf_mat *wt, const float *x, int n, 
         e = {1, epi->conv_dim, epi->z_dim, epi->nv, epi->conv_k, epi->conv_w, epi->dt_bias, epi->neg_A, {}};
         for (int t = 0; t < QF_DEC_ROWS; t++) e.st[t] = epi->conv_state[t];
     }
-    resident(c, (const void *)k_sp_mask, SP_THREADS, (size_t)cols * 4);
-    launch(c, "k_sp_mask", 1, k_sp_mask, dim3(1), dim3(SP_THREADS), (unsigned)(cols * 4), x, n, cols, dpre_of(pre), th, xm, idx, cnt);
+    typedef void (*fn)(const uint16_t *, int, int, const float *, int, int, dpre, sp_thr, depi, int, float *, float *, unsigned *, unsigned long long *);
+    int vec = out % 8 == 0;
     for (int t0 = 0; t0 < n; t0 += SP_NT) {
-        if (n - t0 == 1) launch(c, "k_sp_cols", 1, k_sp_cols<1>, dim3(slices, S), dim3(256), 0u, (const uint16_t *)wt->data, out, cols, (const float *)xm, n, t0,
-                                (const int *)idx, (const int *)cnt, partial);
-        else launch(c, "k_sp_cols", 1, k_sp_cols<SP_NT>, dim3(slices, S), dim3(256), 0u, (const uint16_t *)wt->data, out, cols, (const float *)xm, n, t0,
-                    (const int *)idx, (const int *)cnt, partial);
+        int one = n - t0 == 1;
+        fn k = one ? (vec ? k_sp<1, true> : k_sp<1, false>) : (vec ? k_sp<SP_NT, true> : k_sp<SP_NT, false>);
+        size_t smem = (size_t)((one ? 1 : SP_NT) + 1) * cols * 4;
+        resident(c, (const void *)k, 256, smem);
+        launch(c, "k_sp", 1, k, dim3(slices, S), dim3(256), (unsigned)smem, (const uint16_t *)wt->data, out, cols, x, n, t0, dpre_of(pre), th, e, acc, y,
+               partial, c->sp_count, c->sp_ctr);
     }
-    int blocks = (int)(((int64_t)n * out + 255) / 256);
-    launch(c, "k_sp_sum", 1, k_sp_sum, dim3(blocks < 4 * sms ? blocks : 4 * sms), dim3(256), 0u, (const float *)partial, S, n, out, e, acc, y);
+}
+
+void dec_sparse_counts(qf_backend *be, uint64_t out[4]) {
+    ctx *c = C(be);
+    unsigned long long v[4] = {0, 0, 0, 0};
+    if (c->sp_ctr && cudaMemcpy(v, c->sp_ctr, sizeof v, cudaMemcpyDeviceToHost) != cudaSuccess) v[0] = v[1] = v[2] = v[3] = 0;
+    for (int i = 0; i < 4; i++) out[i] = v[i];
 }
 
 } // namespace qfc
