@@ -23,7 +23,8 @@ typedef struct bench_opts {
     int conc[16], n_conc;
     float levels[16]; /* --levels: sparsity levels run one after another on the loaded model */
     int n_levels;
-    int experts_only; /* --experts-only: no trunk thresholds calibrated (the experts' level alone) */
+    int only; /* --only experts|trunk|kv: that level alone acts (QF_SPARSE_* bit; 0: all) */
+    int warmup; /* --warmup N: runs dropped before the measured ones (default 1) */
     double bw;
 } bench_opts;
 
@@ -243,7 +244,8 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
     o->experts = x->G > 1 ? (double)(es1.acquires - es0.acquires) / (x->G - 1) : 0;
     o->hits = (double)(es1.hits - es0.hits), o->misses = (double)(es1.misses - es0.misses), o->loaded = (double)(es1.bytes_loaded - es0.bytes_loaded);
     qf_sparsity_counts sp1 = sparsity_now(e);
-    o->sp = (qf_sparsity_counts){sp1.experts - sp0.experts, sp1.experts_dropped - sp0.experts_dropped, sp1.trunk - sp0.trunk, sp1.trunk_zeroed - sp0.trunk_zeroed};
+    o->sp = (qf_sparsity_counts){sp1.experts - sp0.experts, sp1.experts_dropped - sp0.experts_dropped, sp1.trunk - sp0.trunk, sp1.trunk_zeroed - sp0.trunk_zeroed,
+                                 sp1.kv_pages - sp0.kv_pages, sp1.kv_skipped - sp0.kv_skipped};
     return QF_OK;
 }
 
@@ -279,9 +281,10 @@ static void summarize(bench_cfg *c, run_out *ro, int R) {
     for (int i = 0; i < c->n_itl; i++) sum += c->itl_ms[i];
     for (int r = 0; r < R; r++) ex += ro[r].experts / R, hits += ro[r].hits, uses += ro[r].hits + ro[r].misses, loaded += ro[r].loaded;
     c->expert_hit_rate = uses > 0 ? hits / uses : 0;
-    double spx = 0, spxd = 0, spt = 0, sptz = 0;
+    double spx = 0, spxd = 0, spt = 0, sptz = 0, spk = 0, spks = 0;
     for (int r = 0; r < R; r++) spx += (double)ro[r].sp.experts, spxd += (double)ro[r].sp.experts_dropped, spt += (double)ro[r].sp.trunk, sptz += (double)ro[r].sp.trunk_zeroed;
-    c->inactive_experts = spx > 0 ? spxd / spx : 0, c->inactive_trunk = spt > 0 ? sptz / spt : 0;
+    for (int r = 0; r < R; r++) spk += (double)ro[r].sp.kv_pages, spks += (double)ro[r].sp.kv_skipped;
+    c->inactive_experts = spx > 0 ? spxd / spx : 0, c->inactive_trunk = spt > 0 ? sptz / spt : 0, c->inactive_kv = spk > 0 ? spks / spk : 0;
     c->streaming_loads = uses - hits;
     c->streamed_per_token = c->decode_steps > 0 ? loaded / ((double)R * c->concurrency * c->decode_steps) : 0;
     double *sorted = malloc((size_t)(c->n_itl ? c->n_itl : 1) * sizeof *sorted);
@@ -308,7 +311,7 @@ static int bench_cfg_run(qf_engine *e, const bench_opts *o, int C, bench_cfg *c,
         make_prompt(e, s, P, x.prompts + (size_t)s * P);
         if (!(x.st[s] = qf_state_create(e->model, P + G + 1))) rc = qf_fail(QF_ENOMEM, "out of memory for %d states", C);
     }
-    for (int r = -1; rc == QF_OK && r < R; r++) { /* run -1 warms caches and pages up, and is dropped */
+    for (int r = -o->warmup; rc == QF_OK && r < R; r++) { /* runs before 0 warm caches and pages up, and are dropped */
         atomic_store(&tr->phase, r < 0 ? "warm-up" : "measure");
         run_out out;
         rc = one_run(&x, itl, &out);
@@ -371,7 +374,12 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         else if (cli_is(&a, NULL, "--bw")) o->bw = cli_num(&a, 0.001, 1e6);
         else if (cli_is(&a, NULL, "--json")) o->json = cli_value(&a);
         else if (cli_is(&a, NULL, "--plot")) o->plot = cli_value(&a);
-        else if (cli_is(&a, NULL, "--experts-only")) o->experts_only = 1;
+        else if (cli_is(&a, NULL, "--warmup")) o->warmup = cli_int(&a, 0, 8);
+        else if (cli_is(&a, NULL, "--only")) {
+            const char *v = cli_value(&a);
+            o->only = !v ? 0 : !strcmp(v, "experts") ? QF_SPARSE_EXPERTS : !strcmp(v, "trunk") ? QF_SPARSE_TRUNK : !strcmp(v, "kv") ? QF_SPARSE_KV : -1;
+            if (v && o->only < 0) fprintf(stderr, "error: --only takes experts, trunk or kv\n"), a.bad = 1;
+        }
         else if (cli_is(&a, NULL, "--levels")) {
             const char *v = cli_value(&a);
             if (v && (o->n_levels = parse_levels(v, o->levels, 16)) < 1) {
@@ -392,7 +400,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
     if (!a.bad && (o->help || !o->model == !(o->synthetic || o->config))) {
         fprintf(stderr, "usage: qflash bench (-m DIR | --synthetic %s [--layers N] | --config FILE [--layers N])\n"
                         "       [--prompt-len 128] [--gen-len 64] [--concurrency 1,16] [--runs 3] [--prefill-chunk 512] [--bw GB/s]\n"
-                        "       [--levels 0,0.3,0.6 (sparsity levels, one after another on the loaded model)] [--experts-only]\n"
+                        "       [--levels 0,0.3,0.6 (sparsity levels, one after another on the loaded model)] [--only experts|trunk|kv] [--warmup 1]\n"
                         "       [-t THREADS] [--json FILE] [--plot FILE.svg] [--device cpu|cuda[:N]]\n", qf_synth_presets());
         a.bad = !o->help;
     }
@@ -481,7 +489,7 @@ static int calibrate_on_prompts(qf_engine *e) {
 }
 
 int cmd_bench(int argc, char **argv) {
-    bench_opts o = {.prompt_len = 128, .gen_len = 64, .runs = 3, .prefill_chunk = 512, .conc = {1, 16}, .n_conc = 2};
+    bench_opts o = {.prompt_len = 128, .gen_len = 64, .runs = 3, .prefill_chunk = 512, .conc = {1, 16}, .n_conc = 2, .warmup = 1};
     int prc = parse_bench(argc, argv, &o);
     if (prc) return prc == 1 ? 0 : 2; /* 1: --help */
     enum { TRACE_CAP = 1 << 16 };
@@ -491,7 +499,8 @@ int cmd_bench(int argc, char **argv) {
     bench_result r = {0};
     qf_engine *e = NULL;
     int rc = open_model(&o, &e, &r.load_s);
-    if (rc == QF_OK && e->model->sparse && !e->model->trunk_thr && !o.experts_only) rc = calibrate_on_prompts(e);
+    if (rc == QF_OK && o.only) qf_model_sparse_off(e->model, (QF_SPARSE_EXPERTS | QF_SPARSE_TRUNK | QF_SPARSE_KV) & ~o.only);
+    if (rc == QF_OK && e->model->sparse && !e->model->trunk_thr && (!o.only || o.only == QF_SPARSE_TRUNK)) rc = calibrate_on_prompts(e);
     if (rc == QF_OK) {
         atomic_store(&tr.phase, "bandwidth probe");
         r.bw_measured = o.bw <= 0;
@@ -504,7 +513,7 @@ int cmd_bench(int argc, char **argv) {
     for (int l = 0; rc == QF_OK && l < (o.n_levels ? o.n_levels : 1); l++) {
         if (o.n_levels) rc = set_levels(e, o.levels[l]);
         for (int i = 0; rc == QF_OK && i < o.n_conc; i++, r.n_cfgs++) {
-            fprintf(stderr, "bench: concurrency %d: prompt %d, %d tokens, 1 warm-up + %d runs\n", o.conc[i], o.prompt_len, o.gen_len, o.runs);
+            fprintf(stderr, "bench: concurrency %d: prompt %d, %d tokens, %d warm-up + %d runs\n", o.conc[i], o.prompt_len, o.gen_len, o.warmup, o.runs);
             rc = bench_cfg_run(e, &o, o.conc[i], &r.cfgs[r.n_cfgs], &tr);
             r.cfgs[r.n_cfgs].sparse = e->model->sparse, r.cfgs[r.n_cfgs].level = o.n_levels ? o.levels[l] : e->model->sparsity[0];
         }

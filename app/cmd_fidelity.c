@@ -18,6 +18,7 @@ typedef struct fid_opts {
     const char *model, *file;
     float levels[MAX_LEVELS];
     int n_levels, window, windows, prompts, prompt_len, max_gen, threads;
+    int only; /* --only experts|trunk|kv: that level alone acts (QF_SPARSE_* bit; 0: all) */
 } fid_opts;
 
 typedef struct fid_row {
@@ -162,6 +163,10 @@ static int parse_fidelity(int argc, char **argv, fid_opts *o) {
         else if (cli_is(&a, NULL, "--sparsity-level")) {
             const char *v = cli_value(&a);
             if (v && parse_levels(v, o)) fprintf(stderr, "error: --sparsity-level takes levels 0..1 separated by commas, not '%s'\n", v), a.bad = 1;
+        } else if (cli_is(&a, NULL, "--only")) {
+            const char *v = cli_value(&a);
+            o->only = !v ? 0 : !strcmp(v, "experts") ? QF_SPARSE_EXPERTS : !strcmp(v, "trunk") ? QF_SPARSE_TRUNK : !strcmp(v, "kv") ? QF_SPARSE_KV : -1;
+            if (v && o->only < 0) fprintf(stderr, "error: --only takes experts, trunk or kv\n"), a.bad = 1;
         } else if (cli_is(&a, NULL, "--window")) o->window = cli_int(&a, 2, 1 << 20);
         else if (cli_is(&a, NULL, "--windows")) o->windows = cli_int(&a, 1, 1 << 20);
         else if (cli_is(&a, NULL, "--prompts")) o->prompts = cli_int(&a, 0, 1 << 16);
@@ -173,7 +178,7 @@ static int parse_fidelity(int argc, char **argv, fid_opts *o) {
     }
     if (a.bad || !o->model || !o->file) {
         fprintf(stderr, "usage: qflash fidelity -m DIR -f TEXT [--sparsity-level 0,0.3,0.45,0.6,0.7] [--window 512] [--windows K]\n"
-                        "                       [--prompts 16] [--prompt-len 32] [--max-gen 256]\n");
+                        "                       [--prompts 16] [--prompt-len 32] [--max-gen 256] [--only experts|trunk|kv]\n");
         return 2;
     }
     return 0;
@@ -189,6 +194,7 @@ int cmd_fidelity(int argc, char **argv) {
     fid_row rows[MAX_LEVELS];
     memset(rows, 0, sizeof rows);
     if (cli_open_on_text(o.model, o.file, o.threads, &e, &ids, &n) != QF_OK) goto out;
+    if (o.only) qf_model_sparse_off(e->model, (QF_SPARSE_EXPERTS | QF_SPARSE_TRUNK | QF_SPARSE_KV) & ~o.only);
     if (!o.windows || o.windows > n / o.window) o.windows = n / o.window;
     if (o.prompts > o.windows) o.prompts = o.windows;
     if (o.windows < 1 || o.prompt_len >= o.window) {

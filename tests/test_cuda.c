@@ -737,6 +737,71 @@ static void routing_checks(void) {
     test_dec_moe(1, 512, 32, 256, 64, 64, 0, 1);
 }
 
+/* Sparsity's KV level for rows at pos (pages of 64, a budget of `budget` pages): the device's
+ * summaries and page choices are the reference's exactly, and attention through a view of the
+ * chosen pages (the new key stored in the last, rope at its real position) is the reference's
+ * attention over the same view. */
+static void test_dec_page_select(int n, const int *pos, int budget) {
+    int nh = 16, nkv = 2, hd = 256, rot = 64, pt = 64, stride = nh * 2 * hd + 2 * nkv * hd, koff = nh * 2 * hd, voff = koff + nkv * hd, per = 0;
+    for (int t = 0; t < n; t++) per = pos[t] / pt + 1 > per ? pos[t] / pt + 1 : per;
+    int np = n * per;
+    size_t layer = (size_t)pt * nkv * hd, pstride = 2 * layer + 2 * (size_t)nkv * hd;
+    float *pool = qt_rnd((size_t)np * pstride, 1.0f), *qkv = qt_rnd((size_t)n * stride, 1.0f), *qn = qt_rnd(hd, 1.0f), *kn = qt_rnd(hd, 1.0f);
+    float *inv = malloc((size_t)(rot / 2) * 4), *out = malloc((size_t)n * nh * hd * 4), *qw = malloc((size_t)nh * 2 * hd * 4), *kw = malloc((size_t)nkv * hd * 4);
+    float *score = malloc((size_t)per * 4), *got_out = malloc((size_t)n * nh * hd * 4), *got_pool = malloc((size_t)np * pstride * 4);
+    for (int i = 0; i < rot / 2; i++) inv[i] = 1.0f / powf(1e7f, (float)(2 * i) / (float)rot);
+    int32_t *pages = malloc((size_t)np * 4), *want = malloc((size_t)np * 4), *got = malloc((size_t)np * 4);
+    for (int i = 0; i < np; i++) pages[i] = (i * 7 + 3) % np;
+    float *dpool = up_f(pool, (size_t)np * pstride), *dqkv = up_f(qkv, (size_t)n * stride), *dqn = up_f(qn, hd), *dkn = up_f(kn, hd), *dinv = up_f(inv, rot / 2);
+    int32_t *dpages = up(pages, (size_t)np * 4), *dsel = gpu.ops->alloc(&gpu, (size_t)np * 4);
+    float *dout = gpu.ops->alloc(&gpu, (size_t)n * nh * hd * 4), scale = 1.0f / sqrtf((float)hd);
+    qf_attn_dec a = {dqkv, stride, koff, voff, n, nh, nkv, hd, rot, dqn, dkn, dinv, 1e-6f, scale, {{0}}, {0}, dout, {0}};
+    int n_pages[QF_DEC_ROWS], budgets[QF_DEC_ROWS], bad_sel = 0;
+    int32_t *sel[QF_DEC_ROWS];
+    for (int t = 0; t < n; t++) {
+        int npt = pos[t] / pt + 1;
+        qf_kv_view kv = {pool, pages + t * per, pt, pstride, 0, layer, 2 * layer};
+        a.kv[t] = (qf_kv_view){dpool, dpages + t * per, pt, pstride, 0, layer, 2 * layer}, a.pos[t] = pos[t];
+        ref.ops->kv_summarize(&ref, &kv, 0, npt - 1, nkv, hd);
+        gpu.ops->kv_summarize(&gpu, &a.kv[t], 0, npt - 1, nkv, hd);
+        n_pages[t] = npt, budgets[t] = budget, sel[t] = dsel + t * per;
+        const float *r = qkv + (size_t)t * stride;
+        memcpy(qw, r, (size_t)nh * 2 * hd * 4);
+        ref.ops->rmsnorm(&ref, qw, 2 * hd, qn, nh, hd, 1e-6f, qw, 2 * hd);
+        ref.ops->rope(&ref, qw, nh * 2 * hd, 2 * hd, 1, nh, rot, pos[t], inv);
+        for (int p = 0; p < npt - 1; p++) {
+            const float *sum = pool + (size_t)pages[t * per + p] * pstride + 2 * layer;
+            score[p] = qf_ref_page_score(qw, nh, 2 * hd, nkv, sum, sum + (size_t)nkv * hd, hd);
+        }
+        score[npt - 1] = 0.0f;
+        int m = qf_ref_page_select(score, npt, budget, want + t * per);
+        for (int i = 0; i < m; i++) want[t * per + i] = pages[t * per + want[t * per + i]];
+        /* the reference attention through the view of the chosen pages */
+        memcpy(kw, r + koff, (size_t)nkv * hd * 4);
+        ref.ops->rmsnorm(&ref, kw, hd, kn, nkv, hd, 1e-6f, kw, hd);
+        ref.ops->rope(&ref, kw, nkv * hd, hd, 1, nkv, rot, pos[t], inv);
+        kv.pages = want + t * per;
+        int at = (m - 1) * pt + pos[t] % pt;
+        ref.ops->kv_store(&ref, &kv, kw, r + voff, 1, at, nkv, hd);
+        qf_attn_args at_args = {qw, nh * 2 * hd, 2 * hd, kv, out + (size_t)t * nh * hd, 1, at, nh, nkv, hd, scale, NULL, 0};
+        ref.ops->attention(&ref, &at_args);
+    }
+    gpu.ops->dec->page_select(&gpu, &a, n_pages, budgets, sel);
+    gpu.ops->download(&gpu, got, dsel, (size_t)np * 4);
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < budget; i++) bad_sel += got[t * per + i] != want[t * per + i];
+    char s[80];
+    snprintf(s, sizeof s, "n=%d at %d.., %d of %d pages", n, pos[0], budget, pos[0] / pt + 1);
+    CHECK(bad_sel == 0, "dec page_select %s: %d chosen pages differ from the reference", s, bad_sel);
+    for (int t = 0; t < n; t++) a.kv[t].pages = sel[t], a.n_keys[t] = (budget - 1) * pt + pos[t] % pt + 1;
+    gpu.ops->dec->attention(&gpu, &a);
+    report("dec attention (chosen pages)", s, cmp(dout, out, (size_t)n * nh * hd), 1e-5);
+    report("dec attention kv+summary", s, cmp(dpool, pool, (size_t)np * pstride), 1e-6);
+    free(pool), free(qkv), free(qn), free(kn), free(inv), free(out), free(qw), free(kw), free(score), free(got_out), free(got_pool), free(pages), free(want), free(got);
+    void *d[] = {dpool, dqkv, dqn, dkn, dinv, dpages, dsel, dout};
+    for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
+}
+
 /* Sparsity in the fused decode ops: experts dropped by the expert rule (one-kernel and two-kernel
  * MoE), and the trunk's masked products through transposed weights at the real shapes (in_proj
  * with its epilogue, q/k/v, out_proj and o_proj with their pres, += into the residual), one row and
@@ -763,6 +828,10 @@ static void sparsity_checks(void) {
         test_dec_matmul(QF_PRE_RMSNORM, 100, 192, 1, 2, 0);
     }
     sparse_share = 0;
+    const int at[3] = {3000, 5000, 130};
+    test_dec_page_select(1, at, 16);
+    test_dec_page_select(2, at, 20);
+    test_dec_page_select(1, at + 1, 3);
 }
 
 /* The MoE op grouped by expert (on a backend whose option mg_min lets 16 rows take it):

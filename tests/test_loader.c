@@ -329,6 +329,8 @@ static void case_bad_config_flash(void) {
     char args[800], out[8192];
     snprintf(args, sizeof args, "--no-hash '%s'", dir);
     CHECK(run_verify(args, out, sizeof out) == 1 && strstr(out, "problem: ") && strstr(out, "sparsity_schedule[1] (layers 2-3) overlaps"), "%s", out);
+    write_text(dst, "{\"kv_page_min_context\": 0}");
+    CHECK(run_verify(args, out, sizeof out) == 1 && strstr(out, "field \"kv_page_min_context\" is 0; it must be at least 1"), "%s", out);
 }
 
 /* A tokenizer with more ids than the model has rows: verify says so, and the engine refuses it. */

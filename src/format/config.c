@@ -300,9 +300,15 @@ int qf_flash_config_load(const char *dir, qf_flash_config *out) {
             read_schedule(&r, v, out);
         } else if (strcmp(key, "trunk_thresholds") == 0) {
             read_trunk(&r, v, out);
+        } else if (strcmp(key, "kv_page_min_context") == 0) {
+            double t = get_num(&r, j, key, 0);
+            if (!json_is_null(v)) check_range(&r, key, t, 1, 1 << 30, 0);
+            if (r.rc == QF_OK) out->kv_min_ctx = (int)t;
         } else {
-            r.rc = qf_fail(QF_EFORMAT, "%s: unknown field \"%s\" (known: streaming_buffer_size, sparsity_level, sparsity_schedule, trunk_thresholds)", path,
-                           key);
+            r.rc = qf_fail(QF_EFORMAT,
+                           "%s: unknown field \"%s\" (known: streaming_buffer_size, sparsity_level, sparsity_schedule, trunk_thresholds, "
+                           "kv_page_min_context)",
+                           path, key);
         }
     }
     json_decref(j);

@@ -52,6 +52,7 @@ typedef struct qf_flash_config {
     } ranges[QF_MAX_SPARSITY_RANGES];
     int trunk_layers; /* trunk_thresholds: [layers][QF_ACT_GROUPS][QF_TRUNK_GRID] (0: absent) */
     float trunk[QF_MAX_LAYERS][QF_ACT_GROUPS][QF_TRUNK_GRID];
+    int kv_min_ctx; /* kv_page_min_context: the KV level acts from this context on (0: the default) */
 } qf_flash_config;
 int qf_flash_config_load(const char *dir, qf_flash_config *out);
 /* Layer's level (from 0): its range's, else sparsity_level, else dflt. */

@@ -84,6 +84,13 @@ static void kv_prepare(fwd *f) {
     }
 }
 
+/* A generated token's pages in a full layer, and those its choice of budget (0: all) skips. */
+static void kv_count(fwd *f, const qf_seq_step *q, int budget) {
+    if (q->n != 1) return;
+    int np = q->st->pos / qf_kv_pool_page_tokens(q->st->kv) + 1;
+    f->ws->sparsity.kv_pages += (uint64_t)np, f->ws->sparsity.kv_skipped += budget ? (uint64_t)(np - budget) : 0;
+}
+
 /* On the host path: the budget pages of st a token's query heads q (stride 2 hd) choose in layer
  * L, as a view of them (st->sel its page table); *last gets the new token's place in it. */
 static qf_kv_view kv_choose(fwd *f, int L, qf_state *st, const float *q, int budget, int *last) {
@@ -183,6 +190,7 @@ static void full_attn(fwd *f, int L, const float *xn, float *out) {
         OPS->kv_store(be, &kv, ks, vb + (size_t)r0 * nkv * hd, q->n, pos0, nkv, hd);
         int budget = q->n == 1 && !m->dev ? kv_budget(f, r0, L, q->st) : 0, at = pos0;
         if (budget) kv = kv_choose(f, L, q->st, qs, budget, &at);
+        kv_count(f, q, budget);
         qf_attn_args a = {qs, nh * 2 * hd, 2 * hd, kv, core + (size_t)r0 * nh * hd, q->n, at, nh, nkv, hd, 1.0f / sqrtf((float)hd),
                           WS(ws, att), (size_t)ATT_SCRATCH_ROWS * 16 * (size_t)(hd + 2)};
         OPS->attention(be, &a);
@@ -334,6 +342,7 @@ static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
         a.kv[t] = qf_state_kv_view(st, L), a.pos[t] = st->pos;
         np[t] = st->pos / a.kv[t].page_tokens + 1, budget[t] = kv_budget(f, t, L, st), sel[t] = st->sel_dev ? st->sel_dev : st->sel;
         any |= budget[t] > 0;
+        kv_count(f, &f->seqs[t], any && d->page_select ? budget[t] : 0);
     }
     if (any && d->page_select) {
         d->page_select(be, &a, np, budget, sel);

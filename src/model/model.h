@@ -213,9 +213,10 @@ void qf_workspace_set_route_hook(qf_workspace *ws, qf_route_hook fn, void *ud);
  * mask, x [rows][dim] (group: QF_ACT_*). */
 typedef void (*qf_act_hook)(void *ud, int layer, int group, const float *x, int rows, int dim);
 /* What sparsity skipped since the workspace was made: routed experts (row, slot) chosen and
- * dropped; trunk projection inputs entries seen and zeroed (host path). */
+ * dropped; trunk projection inputs entries seen and zeroed (host path); KV pages a generated
+ * token's attention had (full layers) and skipped. */
 typedef struct qf_sparsity_counts {
-    uint64_t experts, experts_dropped, trunk, trunk_zeroed;
+    uint64_t experts, experts_dropped, trunk, trunk_zeroed, kv_pages, kv_skipped;
 } qf_sparsity_counts;
 qf_sparsity_counts qf_workspace_sparsity(const qf_workspace *ws);
 int qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud);

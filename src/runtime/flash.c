@@ -45,6 +45,7 @@ int qf_flash_sparsity(qf_engine *e, const qf_flash_config *fc, const char *dir, 
     if (fc->trunk_layers && fc->trunk_layers != e->model->cfg.n_layers)
         return qf_fail(QF_EFORMAT, "%s/config_flash.json: trunk_thresholds has %d layers; the model has %d", dir, fc->trunk_layers, e->model->cfg.n_layers);
     if (fc->trunk_layers && (rc = qf_model_set_trunk_thresholds(e->model, &fc->trunk[0][0][0])) != QF_OK) return rc;
+    if (fc->kv_min_ctx) e->model->kv_min_ctx = fc->kv_min_ctx;
     return qf_model_set_sparsity(e->model, levels);
 }
 

@@ -526,10 +526,11 @@ static void log_skips(qf_sched *s, uint64_t step_no, qf_expert_store *es, const 
         }
     }
     qf_sparsity_counts sp1 = qf_workspace_sparsity(s->e->ws);
-    if (sp1.experts_dropped > sp0->experts_dropped || sp1.trunk_zeroed > sp0->trunk_zeroed)
-        LOG(s, "step %llu: sparsity dropped %llu of %llu routed experts, zeroed %.1f%% of trunk projection inputs\n", (unsigned long long)step_no,
-            (unsigned long long)(sp1.experts_dropped - sp0->experts_dropped), (unsigned long long)(sp1.experts - sp0->experts),
-            sp1.trunk > sp0->trunk ? 100.0 * (double)(sp1.trunk_zeroed - sp0->trunk_zeroed) / (double)(sp1.trunk - sp0->trunk) : 0.0);
+    if (sp1.experts_dropped > sp0->experts_dropped || sp1.trunk_zeroed > sp0->trunk_zeroed || sp1.kv_skipped > sp0->kv_skipped)
+        LOG(s, "step %llu: sparsity dropped %llu of %llu routed experts, zeroed %.1f%% of trunk projection inputs, skipped %llu of %llu KV pages\n",
+            (unsigned long long)step_no, (unsigned long long)(sp1.experts_dropped - sp0->experts_dropped), (unsigned long long)(sp1.experts - sp0->experts),
+            sp1.trunk > sp0->trunk ? 100.0 * (double)(sp1.trunk_zeroed - sp0->trunk_zeroed) / (double)(sp1.trunk - sp0->trunk) : 0.0,
+            (unsigned long long)(sp1.kv_skipped - sp0->kv_skipped), (unsigned long long)(sp1.kv_pages - sp0->kv_pages));
 }
 
 /* Returns 0 when there was nothing it could run. */

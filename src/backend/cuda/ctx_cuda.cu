@@ -282,7 +282,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->sp), cudaFree(c->mg_buf), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->sp_ctr), cudaFree(c->sp_count), cudaFree(c->att_cnt);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->sp), cudaFree(c->ps), cudaFree(c->mg_buf), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->sp_ctr), cudaFree(c->sp_count), cudaFree(c->att_cnt);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);

@@ -26,15 +26,15 @@ __device__ void norm_rope(const float *x, const float *w, int hd, int rot, int p
 // After the wait for the qkv product: warp 0 normalises and rotates head h's query into qs; in the
 // split that holds the new position warp 1 prepares the new key and value (kn, vn) of kv head kvh,
 // and the kv group's first head stores them.
-__device__ __forceinline__ void attn_new_token(const qf_attn_dec &a, const float *row, int h, int kvh, int pos, int fresh, const qf_kv_view &kv, float *qs,
-                                               float *kn, float *vn) {
+__device__ __forceinline__ void attn_new_token(const qf_attn_dec &a, const float *row, int h, int kvh, int pos, int at, int fresh, const qf_kv_view &kv,
+                                               float *qs, float *kn, float *vn) {
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31, hd = a.hd;
     if (warp == 0) norm_rope(row + (int64_t)h * 2 * hd, a.q_norm, hd, a.rot, pos, a.inv_freq, a.eps, qs);
     else if (warp == 1 && fresh) {
         norm_rope(row + a.k_off + kvh * hd, a.k_norm, hd, a.rot, pos, a.inv_freq, a.eps, kn);
         for (int d = lane; d < hd; d += 32) vn[d] = row[a.v_off + kvh * hd + d];
         if (h % (a.nh / a.nkv) == 0) {
-            float *kd = (float *)kv_row(kv, pos, a.nkv, hd, kvh, 0), *vd = (float *)kv_row(kv, pos, a.nkv, hd, kvh, 1);
+            float *kd = (float *)kv_row(kv, at, a.nkv, hd, kvh, 0), *vd = (float *)kv_row(kv, at, a.nkv, hd, kvh, 1);
             for (int d = lane; d < hd; d += 32) kd[d] = kn[d], vd[d] = vn[d];
         }
     }
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(DATT_WARPS * 32) k_attn_dec(qf_attn_dec a, int
     __shared__ float qs[ATT_DPL * 32], kn[ATT_DPL * 32], vn[ATT_DPL * 32];
     __shared__ int last;
     int th = blockIdx.x, sp = blockIdx.y, t = th / a.nh, h = th % a.nh, kvh = h / (a.nh / a.nkv);
-    int warp = threadIdx.x / 32, hd = a.hd, pos = a.pos[t];
+    int warp = threadIdx.x / 32, hd = a.hd, rpos = a.pos[t], pos = a.n_keys[t] ? a.n_keys[t] - 1 : rpos; // rope at rpos; the new key at pos of the view
     int j0 = sp * chunk, j1 = min(pos + 1, j0 + chunk), fresh = j0 <= pos && pos < j1;
     qf_kv_view kv = a.kv[t];
     const float *row = a.qkv + (int64_t)t * a.stride;
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(DATT_WARPS * 32) k_attn_dec(qf_attn_dec a, int
     }
     pdl_wait();
     pdl_launch();
-    attn_new_token(a, row, h, kvh, pos, fresh, kv, qs, kn, vn);
+    attn_new_token(a, row, h, kvh, rpos, pos, fresh, kv, qs, kn, vn);
     float qr[ATT_DPL], o[ATT_DPL], m = -INFINITY, l = 0.0f;
     attn_start(qs, hd, qr, o);
 #pragma unroll
@@ -110,7 +110,10 @@ static void attention_dec(ctx *c, const qf_attn_dec *a, int gate) {
                 a->nkv);
     }
     int max_keys = 0, rows = a->n * a->nh, chunk;
-    for (int t = 0; t < a->n; t++) max_keys = a->pos[t] + 1 > max_keys ? a->pos[t] + 1 : max_keys;
+    for (int t = 0; t < a->n; t++) {
+        int keys = a->n_keys[t] ? a->n_keys[t] : a->pos[t] + 1;
+        max_keys = keys > max_keys ? keys : max_keys;
+    }
     // enough blocks for every SM, and splits of at most ~256 keys (32 per warp) while 64 allow
     int sms = c->sms > 0 ? c->sms : 132, splits = (2 * sms + rows - 1) / rows, by_len = (max_keys + 255) / 256;
     splits = splits < by_len ? by_len : splits;
@@ -138,5 +141,107 @@ int dec_attn_gate(qf_backend *be, const qf_attn_dec *a) {
     return 1;
 }
 
+// ---- sparsity's KV level: the pages a new token attends to (ops.h dec page_select) ----
+
+#define PS_MAX_PAGES 8192 // pages a row's choice holds in shared memory (512K tokens at 64 a page)
+#define PS_MAX_QD 4096    // query floats (heads x head_dim) staged
+
+struct ps_rows {
+    int n_pages[QF_DEC_ROWS], budget[QF_DEC_ROWS];
+    int32_t *sel[QF_DEC_ROWS];
+};
+
+#define PS_WARPS 8 // pages a scoring block takes at once (a warp each)
+
+// Block (pages blockIdx.x * PS_WARPS.., row t): the row's query heads normalised and rotated
+// (norm_rope, as the attention; a few KB each block stages for itself), then a warp a page: its
+// summary's channels in registers (all loads at once: one memory latency a page), the largest of
+// its heads' Quest bounds into score[t][p]. The last page needs none.
+__global__ void __launch_bounds__(PS_WARPS * 32) k_page_score(qf_attn_dec a, ps_rows r, float *score) {
+    __shared__ float qs[PS_MAX_QD];
+    int t = blockIdx.y, np = r.n_pages[t], hd = a.hd, warp = threadIdx.x / 32, lane = threadIdx.x & 31, p = blockIdx.x * PS_WARPS + warp;
+    if (!r.budget[t] || blockIdx.x * PS_WARPS >= np - 1) return;
+    const qf_kv_view kv = a.kv[t];
+    float mn[2][ATT_DPL], mx[2][ATT_DPL]; // kv groups g0, g0 + 1 of the lane's channels lane + 32 i
+    int g0 = -2; // no group loaded yet
+    pdl_wait();
+    pdl_launch();
+    for (int h = warp; h < a.nh; h += PS_WARPS) norm_rope(a.qkv + (int64_t)t * a.stride + (int64_t)h * 2 * hd, a.q_norm, hd, a.rot, a.pos[t], a.inv_freq, a.eps, qs + h * hd);
+    __syncthreads();
+    if (p >= np - 1) return;
+    const float *sum = kv.base + (size_t)kv.pages[p] * kv.page_stride + kv.s_off;
+    float best = -INFINITY;
+    for (int h = 0; h < a.nh; h++) {
+        int g = h / (a.nh / a.nkv);
+        if (g != g0 && g != g0 + 1) { // the next two kv groups' summaries, loaded together
+            g0 = g;
+#pragma unroll
+            for (int k = 0; k < 2; k++)
+#pragma unroll
+                for (int i = 0; i < ATT_DPL; i++) {
+                    int c = lane + 32 * i, gk = g0 + k;
+                    bool in = c < hd && gk < a.nkv;
+                    mn[k][i] = in ? sum[(size_t)gk * hd + c] : 0.0f, mx[k][i] = in ? sum[(size_t)(a.nkv + gk) * hd + c] : 0.0f;
+                }
+        }
+        const float *q = qs + h * hd;
+        float b = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ATT_DPL; i++) {
+            int c = lane + 32 * i;
+            if (c < hd) b += g == g0 ? fmaxf(q[c] * mn[0][i], q[c] * mx[0][i]) : fmaxf(q[c] * mn[1][i], q[c] * mx[1][i]);
+        }
+        b = warp_sum(b);
+        best = b > best ? b : best;
+    }
+    if (lane == 0) score[(int64_t)t * PS_MAX_PAGES + p] = best;
+}
+
+// Block (row t): each middle page ranked against the others (higher score first, then the lower
+// page: the reference's order); the first, the last and the budget - 2 best written ascending as
+// physical page ids.
+__global__ void __launch_bounds__(1024) k_page_pick(qf_attn_dec a, ps_rows r, const float *scores) {
+    extern __shared__ float score[];
+    __shared__ int wsum[32], total;
+    int t = blockIdx.x, np = r.n_pages[t], budget = r.budget[t];
+    if (!budget) return;
+    pdl_wait();
+    pdl_launch();
+    for (int p = threadIdx.x; p < np - 1; p += blockDim.x) score[p] = scores[(int64_t)t * PS_MAX_PAGES + p];
+    __syncthreads();
+    int per = (np + blockDim.x - 1) / blockDim.x, p0 = threadIdx.x * per, mine = 0;
+    unsigned keep = 0; // bit i: page p0 + i is chosen (per <= 8)
+    for (int i = 0; i < per && p0 + i < np; i++) {
+        int p = p0 + i, in = p == 0 || p == np - 1;
+        if (!in) {
+            float v = score[p];
+            int ahead = 0;
+            for (int o = 1; o < np - 1 && ahead < budget - 2; o++) ahead += o != p && (score[o] > v || (score[o] == v && o < p));
+            in = ahead < budget - 2;
+        }
+        keep |= (unsigned)in << i, mine += in;
+    }
+    int at = block_scan(mine, wsum, &total);
+    for (int i = 0; i < per && p0 + i < np; i++)
+        if (keep >> i & 1) r.sel[t][at++] = a.kv[t].pages[p0 + i];
+}
+
+void dec_page_select(qf_backend *be, const qf_attn_dec *a, const int *n_pages, const int *budget, int32_t *const *sel) {
+    ctx *c = C(be);
+    ps_rows r = {};
+    int most = 1;
+    for (int t = 0; t < a->n; t++) {
+        r.n_pages[t] = n_pages[t], r.budget[t] = budget[t], r.sel[t] = sel[t];
+        most = budget[t] && n_pages[t] > most ? n_pages[t] : most;
+    }
+    if (most > PS_MAX_PAGES || a->nh * a->hd > PS_MAX_QD || a->hd > 32 * ATT_DPL)
+        return dev_fail(c, "page choice: %d pages (at most %d) or %d query floats (at most %d)", most, PS_MAX_PAGES, a->nh * a->hd, PS_MAX_QD);
+    float *scores = (float *)scratch(c, &c->ps, &c->ps_cap, (size_t)QF_DEC_ROWS * PS_MAX_PAGES * sizeof(float));
+    if (!scores) return dev_fail(c, "page choice: out of device memory");
+    size_t smem = (size_t)PS_MAX_PAGES * sizeof(float); // one size: the opt-in is set once
+    resident(c, (const void *)k_page_pick, 1024, smem);
+    launch(c, "k_page_score", 1, k_page_score, dim3((most + PS_WARPS - 1) / PS_WARPS, a->n), dim3(PS_WARPS * 32), 0u, *a, r, scores);
+    launch(c, "k_page_pick", 1, k_page_pick, dim3(a->n), dim3(1024), (unsigned)smem, *a, r, (const float *)scores);
+}
 
 } // namespace qfc

@@ -20,6 +20,7 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a);
 int dec_attn_gate(qf_backend *be, const qf_attn_dec *a);
 void dec_moe(qf_backend *be, const qf_moe_dec *a);
 void dec_sparse_counts(qf_backend *be, uint64_t out[4]);
+void dec_page_select(qf_backend *be, const qf_attn_dec *a, const int *n_pages, const int *budget, int32_t *const *sel);
 void dec_matmul_sparse(qf_backend *be, const qf_mat *wt, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, const float *thr,
                        float *y);
 
@@ -174,6 +175,28 @@ __device__ void stage(const float *__restrict__ x, int n, int cols, const dpre &
         }
     }
     __syncthreads();
+}
+
+// Block-wide exclusive prefix sum of v (every thread one value); *total gets the sum.
+__device__ inline int block_scan(int v, int *wsum, int *total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x / 32, nw = blockDim.x / 32, s = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        int u = __shfl_up_sync(0xffffffffu, s, o);
+        if (lane >= o) s += u;
+    }
+    if (lane == 31) wsum[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < nw ? wsum[lane] : 0, ws = w;
+        for (int o = 1; o < 32; o <<= 1) {
+            int u = __shfl_up_sync(0xffffffffu, ws, o);
+            if (lane >= o) ws += u;
+        }
+        if (lane < nw) wsum[lane] = ws - w; // exclusive per warp
+        if (lane == 31) *total = ws;
+    }
+    __syncthreads();
+    return wsum[warp] + s - v;
 }
 
 // 1/rms of row t from stage's per-warp sums (1 for the other kinds).

@@ -19,28 +19,6 @@ struct sp_thr {
     float v[QF_DEC_ROWS];
 };
 
-// Block-wide exclusive prefix sum of v (every thread one value); *total gets the sum.
-__device__ int block_scan(int v, int *wsum, int *total) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x / 32, nw = blockDim.x / 32, s = v;
-    for (int o = 1; o < 32; o <<= 1) {
-        int u = __shfl_up_sync(0xffffffffu, s, o);
-        if (lane >= o) s += u;
-    }
-    if (lane == 31) wsum[warp] = s;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < nw ? wsum[lane] : 0, ws = w;
-        for (int o = 1; o < 32; o <<= 1) {
-            int u = __shfl_up_sync(0xffffffffu, ws, o);
-            if (lane >= o) ws += u;
-        }
-        if (lane < nw) wsum[lane] = ws - w; // exclusive per warp
-        if (lane == 31) *total = ws;
-    }
-    __syncthreads();
-    return wsum[warp] + s - v;
-}
-
 // Outputs o0..o0+7 of row i of wt (out wide), bf16: one 16-byte load where rows are 16-byte
 // aligned (VEC: out % 8 == 0), else element by element up to out (zeros past it).
 template <bool VEC>

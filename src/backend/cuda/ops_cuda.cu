@@ -488,6 +488,28 @@ void cu_kv_store(qf_backend *be, const qf_kv_view *kv, const float *k, const flo
     if (n > 0) LAUNCH(c, k_kv_store, blocks(n, 256), 256, *kv, k, v, T, pos0, nkv, hd);
 }
 
+// Block (page p0 + blockIdx.x, kv head blockIdx.y): each channel's min and max over the page's
+// keys into its summary (ops.h qf_kv_view s_off). Launched even for no pages (p1 <= p0), so a
+// recorded step keeps its shape.
+__global__ void k_kv_summarize(qf_kv_view kv, int p0, int p1, int nkv, int hd) {
+    int p = p0 + blockIdx.x, h = blockIdx.y;
+    if (p >= p1) return;
+    float *page = kv.base + (size_t)kv.pages[p] * kv.page_stride;
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float lo = INFINITY, hi = -INFINITY;
+        for (int t = 0; t < kv.page_tokens; t++) {
+            float k = page[kv.k_off + ((size_t)t * nkv + h) * hd + c];
+            lo = k < lo ? k : lo, hi = k > hi ? k : hi;
+        }
+        page[kv.s_off + (size_t)h * hd + c] = lo, page[kv.s_off + (size_t)(nkv + h) * hd + c] = hi;
+    }
+}
+
+void cu_kv_summarize(qf_backend *be, const qf_kv_view *kv, int p0, int p1, int nkv, int hd) {
+    ctx *c = C(be);
+    LAUNCH(c, k_kv_summarize, dim3(p1 > p0 ? p1 - p0 : 1, nkv), 256, *kv, p0, p1, nkv, hd);
+}
+
 __global__ void k_swiglu(const float *g, const float *u, int stride, int n, int d, float *y) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)n * d) return;
@@ -721,7 +743,7 @@ void cu_moe(qf_backend *be, const qf_moe_args *a) {
 
 } // namespace
 
-static const qf_dec_ops k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_gn, dec_attn_gate, dec_matmul_sparse, dec_sparse_counts};
+static const qf_dec_ops k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_gn, dec_attn_gate, dec_matmul_sparse, dec_sparse_counts, dec_page_select};
 
 const qf_ops qfc::k_cuda_ops = {
     "cuda",
@@ -734,6 +756,7 @@ const qf_ops qfc::k_cuda_ops = {
     cu_gdn,
     cu_attention,
     cu_kv_store,
+    cu_kv_summarize,
     cu_swiglu,
     cu_sigmoid_mul,
     cu_axpy,
