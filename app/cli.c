@@ -191,3 +191,10 @@ int cli_open_engine(qf_engine **e, const char *dir, int threads) {
     cli_print_expert_cache(*e);
     return QF_OK;
 }
+
+int cli_sparse_only(cli_args *a) {
+    const char *v = cli_value(a);
+    int bit = !v ? 0 : !strcmp(v, "experts") ? QF_SPARSE_EXPERTS : !strcmp(v, "trunk") ? QF_SPARSE_TRUNK : !strcmp(v, "kv") ? QF_SPARSE_KV : -1;
+    if (v && bit < 0) fprintf(stderr, "error: --only takes experts, trunk or kv, not '%s'\n", v), a->bad = 1;
+    return bit > 0 ? bit : 0;
+}

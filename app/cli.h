@@ -39,6 +39,9 @@ extern const char *cli_expert_policy; /* --expert-policy (NULL: the default) */
 extern int cli_reserve_seqs, cli_reserve_tokens; /* what the command allocates on the device after load (the budget plan) */
 void cli_print_expert_cache(const qf_engine *e);
 int cli_device_flag(cli_args *a, const char **device);
+/* --only experts|trunk|kv (bench, fidelity): the QF_SPARSE_* bit of the one sparsity level to keep
+ * on; sets bad and prints for anything else. */
+int cli_sparse_only(cli_args *a);
 /* The CUDA options' defaults and QFLASH_CUDA_OPTS (diagnosis); 2 when that is malformed. */
 int cli_backend_init(void);
 /* The engine on dir and file's text as its tokens (errors printed; the caller closes and frees). */

@@ -375,11 +375,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         else if (cli_is(&a, NULL, "--json")) o->json = cli_value(&a);
         else if (cli_is(&a, NULL, "--plot")) o->plot = cli_value(&a);
         else if (cli_is(&a, NULL, "--warmup")) o->warmup = cli_int(&a, 0, 8);
-        else if (cli_is(&a, NULL, "--only")) {
-            const char *v = cli_value(&a);
-            o->only = !v ? 0 : !strcmp(v, "experts") ? QF_SPARSE_EXPERTS : !strcmp(v, "trunk") ? QF_SPARSE_TRUNK : !strcmp(v, "kv") ? QF_SPARSE_KV : -1;
-            if (v && o->only < 0) fprintf(stderr, "error: --only takes experts, trunk or kv\n"), a.bad = 1;
-        }
+        else if (cli_is(&a, NULL, "--only")) o->only = cli_sparse_only(&a);
         else if (cli_is(&a, NULL, "--levels")) {
             const char *v = cli_value(&a);
             if (v && (o->n_levels = parse_levels(v, o->levels, 16)) < 1) {
@@ -472,8 +468,8 @@ static int set_levels(qf_engine *e, float level) {
     return qf_model_set_sparsity(e->model, lv);
 }
 
-/* A level above 0 without thresholds (a synthetic model has no config_flash.json): the trunk's
- * thresholds calibrated on 1,024 tokens of bench prompts, and said so. */
+/* The trunk's thresholds of a synthetic model calibrated on 1,024 tokens of bench prompts, and
+ * said so. */
 static int calibrate_on_prompts(qf_engine *e) {
     int n = 1024, layers = e->model->cfg.n_layers;
     int32_t *ids = malloc((size_t)n * sizeof *ids);
@@ -500,7 +496,9 @@ int cmd_bench(int argc, char **argv) {
     qf_engine *e = NULL;
     int rc = open_model(&o, &e, &r.load_s);
     if (rc == QF_OK && o.only) qf_model_sparse_off(e->model, (QF_SPARSE_EXPERTS | QF_SPARSE_TRUNK | QF_SPARSE_KV) & ~o.only);
-    if (rc == QF_OK && e->model->sparse && !e->model->trunk_thr && (!o.only || o.only == QF_SPARSE_TRUNK)) rc = calibrate_on_prompts(e);
+    /* a synthetic model has no config_flash.json: its thresholds from bench prompts; a model
+     * directory's come from qflash calibrate (without them its trunk level does not act, as in run) */
+    if (rc == QF_OK && !o.model && e->model->sparse && !e->model->trunk_thr && (!o.only || o.only == QF_SPARSE_TRUNK)) rc = calibrate_on_prompts(e);
     if (rc == QF_OK) {
         atomic_store(&tr.phase, "bandwidth probe");
         r.bw_measured = o.bw <= 0;

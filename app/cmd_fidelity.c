@@ -164,9 +164,7 @@ static int parse_fidelity(int argc, char **argv, fid_opts *o) {
             const char *v = cli_value(&a);
             if (v && parse_levels(v, o)) fprintf(stderr, "error: --sparsity-level takes levels 0..1 separated by commas, not '%s'\n", v), a.bad = 1;
         } else if (cli_is(&a, NULL, "--only")) {
-            const char *v = cli_value(&a);
-            o->only = !v ? 0 : !strcmp(v, "experts") ? QF_SPARSE_EXPERTS : !strcmp(v, "trunk") ? QF_SPARSE_TRUNK : !strcmp(v, "kv") ? QF_SPARSE_KV : -1;
-            if (v && o->only < 0) fprintf(stderr, "error: --only takes experts, trunk or kv\n"), a.bad = 1;
+            o->only = cli_sparse_only(&a);
         } else if (cli_is(&a, NULL, "--window")) o->window = cli_int(&a, 2, 1 << 20);
         else if (cli_is(&a, NULL, "--windows")) o->windows = cli_int(&a, 1, 1 << 20);
         else if (cli_is(&a, NULL, "--prompts")) o->prompts = cli_int(&a, 0, 1 << 16);

@@ -57,18 +57,24 @@ static void gdn_epi(qf_backend *be, const qf_gdn_epi *e, int t, const float *in,
     o->gdn_gates(be, out + cd + zd, out + cd + zd + e->nv, e->dt_bias, e->neg_A, 1, e->nv);
 }
 
+/* each row's product out[t] (rows floats) into y: through the epilogue, added, or copied */
+static void finish_rows(qf_backend *be, const float *out, int n, int64_t rows, const qf_gdn_epi *epi, int acc, float *y) {
+    for (int t = 0; t < n; t++) {
+        const float *o = out + t * rows;
+        float *yt = y + t * rows;
+        if (epi) gdn_epi(be, epi, t, o, yt);
+        else if (acc) BASE(be)->axpy(be, yt, o, 1.0f, rows);
+        else memcpy(yt, o, (size_t)rows * sizeof(float));
+    }
+}
+
 static void c_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, float *y) {
     int64_t rows = w->rows, cols = w->cols;
     if (!fits(be, (size_t)(n * (cols + rows)))) return;
     float *xin = CTX(be)->scratch, *out = xin + n * cols;
     pre_rows(be, x, n, (int)cols, pre, xin);
     BASE(be)->matmul(be, w, xin, n, out);
-    for (int t = 0; t < n; t++) {
-        float *o = out + t * rows, *yt = y + t * rows;
-        if (epi) gdn_epi(be, epi, t, o, yt);
-        else if (acc) BASE(be)->axpy(be, yt, o, 1.0f, rows);
-        else memcpy(yt, o, (size_t)rows * sizeof(float));
-    }
+    finish_rows(be, out, n, rows, epi, acc, y);
 }
 
 static void c_matmul_sparse(qf_backend *be, const qf_mat *wt, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc,
@@ -81,12 +87,7 @@ static void c_matmul_sparse(qf_backend *be, const qf_mat *wt, const float *x, in
         for (int64_t i = 0; i < cols; i++)
             if (fabsf(xin[t * cols + i]) < thr[t]) xin[t * cols + i] = 0.0f;
     BASE(be)->matmul_cols(be, wt, xin, n, out);
-    for (int t = 0; t < n; t++) {
-        float *o = out + t * rows, *yt = y + t * rows;
-        if (epi) gdn_epi(be, epi, t, o, yt);
-        else if (acc) BASE(be)->axpy(be, yt, o, 1.0f, rows);
-        else memcpy(yt, o, (size_t)rows * sizeof(float));
-    }
+    finish_rows(be, out, n, rows, epi, acc, y);
 }
 
 static void c_gdn(qf_backend *be, const qf_gdn_dec *a) {
