@@ -54,6 +54,11 @@ static int run_template(const char *root, const char *name, json_t *tokens, int 
         else ok += r != QF_OK; /* jinja2 raised */
         if (getenv("QT_VERBOSE") && (want ? r != QF_OK || strcmp(got, want) : r == QF_OK))
             fprintf(stderr, "  %s / %s: %s\n", name, cases[c], r != QF_OK ? qf_last_error() : "output differs");
+        if (getenv("QT_DUMP") && r == QF_OK && want && strcmp(got, want)) {
+            snprintf(path, sizeof path, "/tmp/jinja-%s__%s.txt", name, cases[c]);
+            FILE *f = fopen(path, "w");
+            if (f) fputs(got, f), fclose(f);
+        }
         free(want), free(got), json_decref(ctx), json_decref(cs);
     }
     qf_jinja_free(t);

@@ -143,6 +143,20 @@ static void lex_text(parser *p, const char *s, const char *e, int line, int left
     if (e > s) push(p, T_TEXT, line, s, (size_t)(e - s));
 }
 
+/* The end of a tag that opens at in: the first close outside quoted strings (NULL: none). */
+static const char *tag_close(const char *in, const char *close) {
+    for (const char *c = in; *c; c++) {
+        if (*c == '\'' || *c == '"') {
+            char q = *c;
+            for (c++; *c && *c != q; c++) c += *c == '\\' && c[1];
+            if (!*c) return NULL;
+        } else if (c[0] == close[0] && c[1] == close[1]) {
+            return c;
+        }
+    }
+    return NULL;
+}
+
 static void lex(parser *p, const char *src) {
     const char *s = src;
     int left_dash = 0, after_block = 0, line = 1;
@@ -161,7 +175,7 @@ static void lex(parser *p, const char *src) {
         lex_text(p, s, tag, line, left_dash, after_block, dash, blockish && tag[2] != '+');
         line += lines_to(s, tag);
         const char *in = tag + 2 + (dash || tag[2] == '+');
-        const char *close = strstr(in, kind == '{' ? "}}" : kind == '%' ? "%}" : "#}");
+        const char *close = kind == '#' ? strstr(in, "#}") : tag_close(in, kind == '{' ? "}}" : "%}");
         if (!close) {
             fail(p, line, "a tag is not closed");
             break;

@@ -324,6 +324,11 @@ static val item_of(env *e, const jnode *n, val o, val key) {
     if (o.k == VK_UNDEF) return err(e, n, "an item of an undefined value"), UNDEF;
     if (o.k != VK_JSON || key.k != VK_JSON) return UNDEF;
     if (json_is_object(o.j) && json_is_string(key.j)) return vref(json_object_get(o.j, json_string_value(key.j)));
+    if (json_is_object(o.j) && json_is_integer(key.j)) { /* int keys of dict literals are kept as their digits */
+        char k[24];
+        snprintf(k, sizeof k, "%lld", (long long)json_integer_value(key.j));
+        return vref(json_object_get(o.j, k));
+    }
     if (!json_is_integer(key.j)) return UNDEF;
     long long i = json_integer_value(key.j);
     if (json_is_array(o.j)) {
@@ -474,10 +479,10 @@ static val eval(env *e, const jnode *n) {
     case E_DICT: {
         json_t *d = json_object();
         for (int i = 0; i + 1 < n->nargs; i += 2) {
-            val k = eval(e, n->args[i]), v = eval(e, n->args[i + 1]);
-            if (k.k == VK_JSON && json_is_string(k.j)) json_object_set(d, json_string_value(k.j), v.k == VK_JSON ? v.j : json_null());
-            else err(e, n, "dict keys must be strings here");
-            vfree(k), vfree(v);
+            val k = eval(e, n->args[i]), v = eval(e, n->args[i + 1]), ks = k.k == VK_JSON && (json_is_string(k.j) || json_is_integer(k.j)) ? to_str(e, k) : UNDEF;
+            if (ks.k == VK_JSON) json_object_set(d, json_string_value(ks.j), v.k == VK_JSON ? v.j : json_null()); /* an int key as its digits */
+            else err(e, n, "dict keys must be strings or integers here");
+            vfree(k), vfree(v), vfree(ks);
         }
         return vj(d);
     }
