@@ -189,7 +189,7 @@ int cmd_chat(int argc, char **argv) {
     if (parse_chat(argc, argv, &o, &user)) return 2;
     qf_engine *e;
     if (cli_open_engine(&e, o.model, o.threads) != QF_OK) return 1;
-    qf_chat_tmpl ct;
+    qf_chat_tmpl ct = {0};
     int rc = 1;
     if (!e->tok) fprintf(stderr, "error: %s has no tokenizer.json\n", o.model);
     else if (qf_chat_tmpl_parse(&ct, qf_tok_chat_template(e->tok)) != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
@@ -207,6 +207,7 @@ int cmd_chat(int argc, char **argv) {
         qf_sampler_free(smp);
         qf_state_free(st);
     }
+    qf_chat_tmpl_free(&ct);
     qf_engine_close(e);
     return rc;
 }

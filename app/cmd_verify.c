@@ -30,12 +30,16 @@ static void check_tokenizer(const char *dir, int vocab, qf_diag *d) {
     if (vocab > 0 && qf_tok_vocab_size(t) > vocab)
         qf_diag_report((qf_fail(QF_EFORMAT, "%s: the tokenizer has %d tokens, more than the model's vocab_size %d", path, qf_tok_vocab_size(t), vocab), d));
     const char *tmpl = qf_tok_chat_template(t);
-    qf_chat_tmpl ct;
+    qf_chat_tmpl ct = {0};
     char *text = NULL;
     qf_chat_msg msgs[3] = {{"system", "You are helpful.", NULL}, {"user", "Hi", NULL}, {"assistant", "Hello", NULL}};
-    if (tmpl && (qf_chat_tmpl_parse(&ct, tmpl) != QF_OK || qf_chat_render(&ct, msgs, 3, 1, 1, &text) != QF_OK))
-        qf_diag_report((qf_fail(QF_EFORMAT, "the chat template cannot be used: %s", qf_last_error()), d));
+    if (tmpl && (qf_chat_tmpl_parse(&ct, tmpl) != QF_OK || qf_chat_render(&ct, msgs, 3, 1, 1, &text) != QF_OK)) {
+        char why[512]; /* qf_fail writes where qf_last_error reads */
+        snprintf(why, sizeof why, "%s", qf_last_error());
+        qf_diag_report((qf_fail(QF_EFORMAT, "the chat template cannot be used: %s", why), d));
+    }
     free(text);
+    qf_chat_tmpl_free(&ct);
     qf_tok_free(t);
 }
 

@@ -307,16 +307,17 @@ static void link_model(char *dir, size_t cap, const char *name, const char *from
     }
 }
 
-/* The bundled model with a chat template that is not ChatML: verify says it cannot be used. */
+/* The bundled model with a chat template the engine does not take (an include, on line 3): verify
+ * says it cannot be used and names the construct and line. */
 static void case_bad_template(void) {
     char dir[600], dst[700];
     const char *files[] = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"};
     link_model(dir, sizeof dir, "bad_template", "models/qwen36moe-code-14m", files, 4);
     snprintf(dst, sizeof dst, "%s/tokenizer_config.json", dir);
-    write_text(dst, "{\"chat_template\": \"{% for m in messages %}[{{ m.role }}] {{ m.content }}\\n{% endfor %}\"}");
+    write_text(dst, "{\"chat_template\": \"{% for m in messages %}[{{ m.role }}] {{ m.content }}\\n{% endfor %}\\n{% include 'more.jinja' %}\"}");
     char args[800], out[8192];
     snprintf(args, sizeof args, "--no-hash '%s'", dir);
-    CHECK(run_verify(args, out, sizeof out) == 1 && strstr(out, "chat template cannot be used"), "%s", out);
+    CHECK(run_verify(args, out, sizeof out) == 1 && strstr(out, "chat template cannot be used") && strstr(out, "line 3: the statement 'include'"), "%s", out);
 }
 
 /* A config_flash.json whose schedule overlaps: verify names the field. */

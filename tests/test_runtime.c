@@ -33,20 +33,31 @@ static void test_chat_template(const qf_tokenizer *t) {
     CHECK(qf_chat_render(&ct, m, n, 1, 0, &out) == QF_OK, "%s", qf_last_error());
     CHECK(!strcmp(out, json_string_value(json_object_get(cr, "no_thinking"))), "no-thinking variant:\n%s", out);
     free(out);
-    /* a Qwen3.5-style template opens <think> itself and carries reasoning after the last query */
-    qf_chat_tmpl q35;
-    CHECK(qf_chat_tmpl_parse(&q35, "{{- '<|im_start|>' }}...{%- if enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-                                   "{%- else %}{{- '<think>\\n' }}{%- endif %}{{ reasoning_content }}<|im_end|>") == QF_OK, "q35 parse");
-    qf_chat_msg conv[3] = {{"user", "hi", NULL}, {"assistant", "\nhello", "\nwave\n"}, {"user", "bye", NULL}};
-    CHECK(qf_chat_render(&q35, conv, 2, 1, 1, &out) == QF_OK, "render");
-    CHECK(!strcmp(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nwave\n</think>\n\nhello<|im_end|>\n"
-                       "<|im_start|>assistant\n<think>\n"), "q35 render:\n%s", out);
+    CHECK(!ct.think_prompt, "the bundled template's generation prompt does not open <think>");
+    qf_chat_tmpl_free(&ct);
+    /* Qwen3.6's published template opens <think> itself (closed at once with thinking off) */
+    char *q36 = NULL;
+    qf_chat_tmpl qt = {0};
+    qf_chat_msg hi = {"user", "hi", NULL};
+    CHECK(qf_read_file(qt_path("tests/data/templates/templates/Qwen-Qwen3.6-35B-A3B.jinja"), &q36, NULL) == QF_OK && qf_chat_tmpl_parse(&qt, q36) == QF_OK,
+          "%s", qf_last_error());
+    CHECK(qt.think_prompt && qf_chat_render(&qt, &hi, 1, 1, 0, &out) == QF_OK && !strcmp(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+          "Qwen3.6 without thinking: %s", out ? out : qf_last_error());
+    free(out), free(q36);
+    qf_chat_tmpl_free(&qt);
+    /* any template the engine takes renders (not only ChatML); one it does not take names the construct and line */
+    qf_chat_tmpl other;
+    qf_chat_msg conv[2] = {{"user", "hi", NULL}, {"assistant", "hello", NULL}};
+    CHECK(qf_chat_tmpl_parse(&other, "{% for m in messages %}[INST] {{ m.content }}{% endfor %}") == QF_OK, "%s", qf_last_error());
+    CHECK(qf_chat_render(&other, conv, 2, 1, 1, &out) == QF_OK && !strcmp(out, "[INST] hi[INST] hello"), "[INST] render: %s", out ? out : qf_last_error());
     free(out);
-    CHECK(qf_chat_render(&q35, conv, 3, 1, 0, &out) == QF_OK, "render");
-    CHECK(strstr(out, "<|im_start|>assistant\n\nhello<|im_end|>") && strstr(out, "assistant\n<think>\n\n</think>\n\n"), "history:\n%s", out);
-    free(out);
-    CHECK(qf_chat_tmpl_parse(&q35, "{% for m in messages %}[INST] {{ m.content }}{% endfor %}") == QF_EUNSUPPORTED, "non-ChatML accepted");
-    CHECK(strstr(qf_last_error(), "not ChatML") != NULL, "%s", qf_last_error());
+    qf_chat_tmpl_free(&other);
+    CHECK(qf_chat_tmpl_parse(&other, "line one\n{% include 'x' %}") != QF_OK && strstr(qf_last_error(), "line 2") && strstr(qf_last_error(), "include"),
+          "unsupported construct: %s", qf_last_error());
+    CHECK(qf_chat_tmpl_parse(&other, "{{ raise_exception('no system role') }}") == QF_OK && qf_chat_render(&other, conv, 1, 1, 1, &out) != QF_OK &&
+              !strcmp(qf_last_error(), "chat template: no system role"),
+          "raise_exception: %s", qf_last_error());
+    qf_chat_tmpl_free(&other);
 }
 
 static void test_sampler(void) {

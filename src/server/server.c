@@ -250,6 +250,7 @@ static void stop(srv *s) {
     calls_pump(s);                            /* ends the replies of those cancelled calls */
     front_free(s);                            /* closes the clients' connections */
     if (s->http) evhttp_free(s->http);        /* closes connections; close callbacks free calls */
+    qf_chat_tmpl_free(&s->tmpl);
     qf_engine_close(s->e);
     struct event *evs[] = {s->wake, s->loaded, s->drain_timer, s->sigint, s->sigterm, s->accept_pause};
     for (size_t i = 0; i < sizeof evs / sizeof *evs; i++)

@@ -1,29 +1,29 @@
-/* ChatML chat templates (Qwen2/3/3.5/3.6 family) rendered without a Jinja engine.
- *
- * Supported: any sequence of system/user/assistant(/other role) turns rendered as
- * "<|im_start|>ROLE\nCONTENT<|im_end|>\n"; the generation prompt "<|im_start|>assistant\n";
- * enable_thinking=false as "<think>\n\n</think>\n\n" when the template has that switch; a
- * thinking generation prompt ("<think>\n") when the template opens one; Qwen3.5-style reasoning
- * in assistant turns after the last user message when the template reads reasoning_content.
- * Not supported (a clear error): templates that are not ChatML; tools and tool calls. */
+/* Chat templates as the model publishes them (tokenizer_config.json chat_template or
+ * chat_template.jinja), rendered by the Jinja engine (tokenizer/jinja.h) with the variables
+ * transformers' apply_chat_template gives: messages, add_generation_prompt, enable_thinking,
+ * tools (none so far), bos_token / eos_token. */
 #ifndef QF_TOKENIZER_CHAT_H
 #define QF_TOKENIZER_CHAT_H
+
+#include "tokenizer/jinja.h"
 
 typedef struct qf_chat_msg {
     const char *role;
     const char *content;
-    const char *reasoning; /* assistant turns only; may be NULL */
+    const char *reasoning; /* assistant turns only (reasoning_content); may be NULL */
 } qf_chat_msg;
 
 typedef struct qf_chat_tmpl {
-    int think_prompt;      /* generation prompt opens "<think>\n" */
-    int thinking_switch;   /* enable_thinking=false emits an empty think block */
-    int reasoning_history; /* assistant turns carry <think>reasoning</think> */
+    qf_jinja *j;
+    int think_prompt; /* the generation prompt opens "<think>\n" (with thinking on) */
+    char bos[64], eos[64];
 } qf_chat_tmpl;
 
-/* Recognises the template's features; QF_EUNSUPPORTED (with a message) when it is not ChatML. */
+/* Compiles the template (NULL: the model has none); a construct the engine does not take fails
+ * with it and its line named. qf_chat_tmpl_free releases it. */
 int qf_chat_tmpl_parse(qf_chat_tmpl *ct, const char *template_text);
-/* Renders into a heap string the caller frees. */
+void qf_chat_tmpl_free(qf_chat_tmpl *ct);
+/* Renders into a heap string the caller frees; the template's raise_exception fails with its message. */
 int qf_chat_render(const qf_chat_tmpl *ct, const qf_chat_msg *msgs, int n, int add_generation_prompt,
                    int enable_thinking, char **out);
 
