@@ -66,8 +66,42 @@ static int run_template(const char *root, const char *name, json_t *tokens, int 
     return ok;
 }
 
+/* src rendered with no variables: want (NULL: a failure whose message holds err) */
+static void expect(const char *src, const char *want, const char *err) {
+    qf_jinja *t = NULL;
+    char *got = NULL;
+    int rc = qf_jinja_parse(src, &t);
+    json_t *vars = json_object();
+    if (rc == QF_OK) rc = qf_jinja_render_at(t, vars, 0, &got);
+    if (want) CHECK(rc == QF_OK && !strcmp(got, want), "%s -> [%s], want [%s] (%s)", src, got ? got : "", want, rc ? qf_last_error() : "");
+    else CHECK(rc != QF_OK && strstr(qf_last_error(), err), "%s: wanted a failure with '%s', got %s", src, err, rc ? qf_last_error() : got);
+    free(got), qf_jinja_free(t), json_decref(vars);
+}
+
+/* Python's semantics where templates see them, and the limits on hostile templates. */
+static void test_semantics(void) {
+    expect("{{ 7 // -2 }} {{ -7 % 3 }} {{ 7 / 2 }} {{ 2 * 3 }} {{ 'ab' * 2 }}", "-4 2 3.5 6 abab", NULL);
+    expect("{{ 0.1 + 0.2 }} {{ 1e20 }} {{ 1.0 }} {{ 1.5e-7 }} {{ 123456789.0 }}", "0.30000000000000004 1e+20 1.0 1.5e-07 123456789.0", NULL);
+    expect("{{ [1, 'a', none, true, \"it's\"] }} {{ {'k': [1]} }}", "[1, 'a', None, True, \"it's\"] {'k': [1]}", NULL);
+    expect("{{ {'a': 1, 'b': 'é\\n'}|tojson }} {{ [1, 2]|tojson(indent=2) }}", "{\"a\": 1, \"b\": \"é\\n\"} [\n  1,\n  2\n]", NULL);
+    expect("{{ 'hello'[::-1] }} {{ [1,2,3,4][1:3] }} {{ 'a,b,,c'.split(',') }} {{ '  x '.strip() }}|", "olleh [2, 3] ['a', 'b', '', 'c'] x|", NULL);
+    expect("{% for k, v in {'x': 1, 'y': 2}|items %}{{ loop.index }}{{ k }}={{ v }}{% if not loop.last %},{% endif %}{% endfor %}", "1x=1,2y=2", NULL);
+    expect("{% set ns = namespace(n=0) %}{% for i in range(5) if i is odd %}{% set ns.n = ns.n + i %}{% endfor %}{{ ns.n }}", "4", NULL);
+    expect("  {%- if true %}\n  a\n  {%- endif %}\n{% if false %}x{% else %}b{% endif %}\n", "  ab", NULL);
+    expect("{{ undefined_thing }}|{{ undefined_thing is defined }}|{{ none is none }}", "|False|True", NULL);
+    expect("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", NULL, "nest deeper");
+    expect("{% for i in range(3000000) %}{% endfor %}", NULL, "range of");
+    expect("{{ 'x' * 100000000 }}", NULL, "MiB");
+    expect("{{ x.y }}", NULL, "undefined");
+    expect("{{ 1 | nosuchfilter }}", NULL, "line 1: the filter 'nosuchfilter' is not supported");
+    expect("a\n{{ 1 + }}", NULL, "line 2");
+    expect("{% if true %}never closed", NULL, "'endif' is missing");
+    expect("{{ [1].append(2) }}", NULL, "immutable");
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
+    test_semantics();
     char root[1024], path[1200];
     snprintf(root, sizeof root, "%s", qt_path("tests/data/templates"));
     snprintf(path, sizeof path, "%s/templates/TOKENS.json", root);

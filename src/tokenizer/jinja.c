@@ -589,7 +589,9 @@ static int body(parser *p, jnode ***out, int *n, const char *const *ends) {
     while (p->rc == QF_OK) {
         tok *k = cur(p);
         if (k->t == T_EOF) {
-            if (ends) fail(p, k->line, "'%s' is missing", ends[0]);
+            int last = 0;
+            while (ends && ends[last + 1]) last++;
+            if (ends) fail(p, k->line, "'%s' is missing", ends[last]); /* the closing tag: the last of ends */
             return -1;
         }
         if (k->t == T_TEXT) {
