@@ -109,60 +109,93 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
     return 0;
 }
 
-/* "content" as a string or a list of text parts, joined as the chat template joins them. */
-static int message_text(api_out *ao, json_t *m, size_t i, const char *key, char **out) {
+/* A message's content as the template reads it: a string (a list of text parts joined into one,
+ * as templates that take lists join them, so templates that take only strings work too). */
+static int check_content(api_out *ao, json_t *m, size_t i, const char *key) {
     json_t *c = json_object_get(m, key);
-    *out = NULL;
-    if (!c || json_is_null(c)) return 0;
-    if (json_is_string(c)) {
-        *out = strndup(json_string_value(c), json_string_length(c));
-        return 0;
-    }
+    if (!c || json_is_string(c)) return 0;
     if (!json_is_array(c)) return bad(ao, "'messages[%zu].%s' must be a string or a list of text parts", i, key);
-    size_t total = 1;
+    size_t total = 0;
     for (size_t k = 0; k < json_array_size(c); k++) {
         json_t *part = json_array_get(c, k), *type = json_object_get(part, "type"), *text = json_object_get(part, "text");
         if (!json_is_object(part) || !json_is_string(type) || strcmp(json_string_value(type), "text") != 0 || !json_is_string(text))
             return bad(ao, "'messages[%zu].%s[%zu]' must be {\"type\": \"text\", \"text\": \"...\"} (only text is supported)", i, key, k);
         total += json_string_length(text);
     }
-    char *s = malloc(total);
+    char *s = malloc(total + 1);
     if (!s) return bad(ao, "out of memory");
     size_t at = 0;
     for (size_t k = 0; k < json_array_size(c); k++) {
         json_t *text = json_object_get(json_array_get(c, k), "text");
-        memcpy(s + at, json_string_value(text), json_string_length(text));
-        at += json_string_length(text);
+        memcpy(s + at, json_string_value(text), json_string_length(text)), at += json_string_length(text);
     }
-    s[at] = 0;
-    *out = s;
+    json_object_set_new(m, key, json_stringn(s, at));
+    free(s);
     return 0;
 }
 
-static int parse_messages(api_out *ao, json_t *b, qf_chat_msg **msgs, char ***texts, size_t *n) {
+/* The tool calls of message i as the templates read them: each function's arguments an object
+ * (OpenAI clients send a JSON string; one that does not parse stays a string). */
+static int normalise_tool_calls(api_out *ao, json_t *m, size_t i) {
+    json_t *tc = json_object_get(m, "tool_calls");
+    if (!tc || json_is_null(tc)) return 0;
+    if (!json_is_array(tc)) return bad(ao, "'messages[%zu].tool_calls' must be a list", i);
+    for (size_t k = 0; k < json_array_size(tc); k++) {
+        json_t *tcall = json_array_get(tc, k), *fn = json_object_get(tcall, "function"), *args = json_object_get(fn, "arguments");
+        if (!json_is_object(tcall) || (fn && !json_is_object(fn))) return bad(ao, "'messages[%zu].tool_calls[%zu]' must be an object with a 'function' object", i, k);
+        if (!json_is_string(args)) continue;
+        json_t *parsed = json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, NULL);
+        if (json_is_object(parsed)) json_object_set(fn, "arguments", parsed);
+        json_decref(parsed);
+    }
+    return 0;
+}
+
+/* The request's messages as the template's `messages` (a copy): roles as given (the template
+ * decides which it takes), content checked, keys whose value is null dropped and `reasoning`
+ * given as `reasoning_content` (as transformers and vLLM pass them), tool calls normalised. */
+static int template_messages(api_out *ao, json_t *b, json_t **out) {
     json_t *ms = json_object_get(b, "messages");
     if (!json_is_array(ms) || json_array_size(ms) == 0) return bad(ao, "'messages' must be a non-empty list");
     if (json_array_size(ms) > 100000) return bad(ao, "'messages' has too many entries");
-    *n = json_array_size(ms);
-    *msgs = calloc(*n, sizeof **msgs);
-    *texts = calloc(*n * 2, sizeof **texts);
-    if (!*msgs || !*texts) return bad(ao, "out of memory");
-    for (size_t i = 0; i < *n; i++) {
-        json_t *m = json_array_get(ms, i), *role = json_object_get(m, "role");
+    json_t *copy = json_deep_copy(ms);
+    *out = copy;
+    if (!copy) return bad(ao, "out of memory");
+    for (size_t i = 0; i < json_array_size(copy); i++) {
+        json_t *m = json_array_get(copy, i), *role = json_object_get(m, "role");
         if (!json_is_object(m)) return bad(ao, "'messages[%zu]' must be an object", i);
-        if (!json_is_string(role)) return bad(ao, "'messages[%zu].role' must be a string", i);
-        const char *r = json_string_value(role);
-        if (strcmp(r, "developer") == 0) r = "system";
-        if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant"))
-            return bad(ao, "'messages[%zu].role' is '%.40s'; supported roles are system, developer, user and assistant", i, r);
-        if (json_object_get(m, "tool_calls") && !json_is_null(json_object_get(m, "tool_calls")))
-            return bad(ao, "'messages[%zu].tool_calls': tools are not supported", i);
-        if (message_text(ao, m, i, "content", &(*texts)[2 * i])) return -1;
-        if (!(*texts)[2 * i] && strcmp(r, "assistant") != 0) return bad(ao, "'messages[%zu].content' is missing", i);
-        const char *rk = json_object_get(m, "reasoning_content") ? "reasoning_content" : "reasoning";
-        if (strcmp(r, "assistant") == 0 && message_text(ao, m, i, rk, &(*texts)[2 * i + 1])) return -1;
-        (*msgs)[i] = (qf_chat_msg){r, (*texts)[2 * i] ? (*texts)[2 * i] : "", (*texts)[2 * i + 1]};
+        if (!json_is_string(role) || json_string_length(role) == 0) return bad(ao, "'messages[%zu].role' must be a non-empty string", i);
+        const char *key;
+        json_t *v;
+        void *tmp;
+        json_object_foreach_safe(m, tmp, key, v) if (json_is_null(v)) json_object_del(m, key);
+        json_t *r = json_object_get(m, "reasoning");
+        if (r && !json_object_get(m, "reasoning_content")) json_object_set(m, "reasoning_content", r);
+        if (check_content(ao, m, i, "content") || check_content(ao, m, i, "reasoning_content") ||
+            normalise_tool_calls(ao, m, i))
+            return -1;
+        if (!json_object_get(m, "content") && !json_object_get(m, "tool_calls")) return bad(ao, "'messages[%zu].content' is missing", i);
     }
+    return 0;
+}
+
+/* The template's variables: messages, tools, the generation prompt, the caller's template kwargs. */
+static int template_vars(api_out *ao, json_t *b, json_t **vars) {
+    json_t *msgs = NULL, *tools = json_object_get(b, "tools"), *kw = json_object_get(b, "chat_template_kwargs");
+    *vars = NULL;
+    if (tools && !json_is_null(tools) && !json_is_array(tools)) return bad(ao, "'tools' must be a list");
+    for (size_t i = 0; json_is_array(tools) && i < json_array_size(tools); i++)
+        if (!json_is_object(json_array_get(tools, i))) return bad(ao, "'tools[%zu]' must be an object", i);
+    if (kw && !json_is_null(kw) && !json_is_object(kw)) return bad(ao, "'chat_template_kwargs' must be an object");
+    int thinking = 1;
+    if (kw && !json_is_null(kw) && opt_bool(ao, kw, "enable_thinking", &thinking)) return -1;
+    if (template_messages(ao, b, &msgs)) return json_decref(msgs), -1;
+    json_t *v = json_is_object(kw) ? json_deep_copy(kw) : json_object();
+    json_object_set_new(v, "messages", msgs);
+    json_object_set(v, "tools", json_is_array(tools) && json_array_size(tools) ? tools : json_null());
+    json_object_set_new(v, "add_generation_prompt", json_true());
+    json_object_set_new(v, "enable_thinking", json_boolean(thinking));
+    *vars = v;
     return 0;
 }
 
@@ -192,33 +225,20 @@ static int parse_logprobs_chat(api_out *ao, json_t *b, gen_req *g) {
 int api_parse_chat(srv *s, api_out *ao, json_t *b, gen_req *g) {
     g->p.logprobs = -1;
     if (parse_common(s, ao, b, g) || parse_logprobs_chat(ao, b, g)) return -1;
-    json_t *tools = json_object_get(b, "tools");
-    if (tools && !json_is_null(tools) && !(json_is_array(tools) && json_array_size(tools) == 0))
-        return bad(ao, "'tools' are not supported by this server");
     json_t *rf = json_object_get(b, "response_format"), *rft = json_object_get(rf, "type");
     if (rf && !json_is_null(rf) && !(json_is_string(rft) && strcmp(json_string_value(rft), "text") == 0))
         return bad(ao, "'response_format' other than text is not supported");
-    int thinking = 1;
-    json_t *kw = json_object_get(b, "chat_template_kwargs");
-    if (kw && !json_is_null(kw)) {
-        if (!json_is_object(kw)) return bad(ao, "'chat_template_kwargs' must be an object");
-        if (opt_bool(ao, kw, "enable_thinking", &thinking)) return -1;
-    }
     if (!s->has_tmpl) return bad(ao, "this model has no chat template; use /v1/completions");
-    qf_chat_msg *msgs = NULL;
-    char **texts = NULL, *text = NULL;
-    size_t n = 0;
-    int rc = parse_messages(ao, b, &msgs, &texts, &n);
-    if (rc == 0 && qf_chat_render(&s->tmpl, msgs, (int)n, 1, thinking, &text) != QF_OK)
-        rc = bad(ao, "cannot render the chat: %s", qf_last_error());
+    json_t *vars = NULL;
+    char *text = NULL;
+    int rc = template_vars(ao, b, &vars);
+    if (rc == 0 && qf_chat_render_vars(&s->tmpl, vars, &text) != QF_OK) rc = bad(ao, "cannot render the chat: %s", qf_last_error());
     if (rc == 0) {
         size_t tl = strlen(text);
         g->think_prompt = tl >= 8 && memcmp(text + tl - 8, "<think>\n", 8) == 0;
         rc = encode(s, ao, text, g, !g->tokenize_only);
     }
-    for (size_t i = 0; texts && i < 2 * n; i++) free(texts[i]);
-    free(texts);
-    free(msgs);
+    json_decref(vars);
     free(text);
     return rc;
 }

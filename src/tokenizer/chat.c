@@ -22,6 +22,14 @@ static json_t *vars_of(const qf_chat_tmpl *ct, const qf_chat_msg *msgs, int n, i
     return v;
 }
 
+int qf_chat_render_vars(const qf_chat_tmpl *ct, json_t *vars, char **out) {
+    *out = NULL;
+    if (!ct->j) return qf_fail(QF_EUNSUPPORTED, "the model has no chat template (tokenizer_config.json chat_template or chat_template.jinja)");
+    if (!json_object_get(vars, "bos_token")) json_object_set_new(vars, "bos_token", json_string(ct->bos));
+    if (!json_object_get(vars, "eos_token")) json_object_set_new(vars, "eos_token", json_string(ct->eos));
+    return qf_jinja_render(ct->j, vars, out);
+}
+
 int qf_chat_render(const qf_chat_tmpl *ct, const qf_chat_msg *msgs, int n, int add_gen, int enable_thinking, char **out) {
     *out = NULL;
     if (!ct->j) return qf_fail(QF_EUNSUPPORTED, "the model has no chat template (tokenizer_config.json chat_template or chat_template.jinja)");

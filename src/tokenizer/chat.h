@@ -23,6 +23,9 @@ typedef struct qf_chat_tmpl {
  * with it and its line named. qf_chat_tmpl_free releases it. */
 int qf_chat_tmpl_parse(qf_chat_tmpl *ct, const char *template_text);
 void qf_chat_tmpl_free(qf_chat_tmpl *ct);
+/* Renders vars (messages, tools, add_generation_prompt, the caller's template kwargs; bos_token
+ * and eos_token added) into a heap string the caller frees. */
+int qf_chat_render_vars(const qf_chat_tmpl *ct, json_t *vars, char **out);
 /* Renders into a heap string the caller frees; the template's raise_exception fails with its message. */
 int qf_chat_render(const qf_chat_tmpl *ct, const qf_chat_msg *msgs, int n, int add_generation_prompt,
                    int enable_thinking, char **out);

@@ -335,3 +335,34 @@ def test_expert_cache_serves_the_same():
         assert m["qflash:expert_cache_bytes_loaded_total"] >= m["qflash:expert_cache_misses_total"] * 36864
         assert any("expert cache: 4 of 64 experts a layer" in line for line in s.log)
         assert any("[FLASH-SCHEDULER] step" in line and "experts missed" in line and "MB over the link" in line for line in s.log)
+
+
+def test_tools_through_qwen36_template(tmp_path):
+    """With Qwen3.6's published template, a request with tools, an assistant tool call whose
+    arguments come as the JSON string OpenAI clients send, and a tool result renders as Python's
+    jinja2 renders the same talk with the arguments as an object (jinja2 itself raises on the
+    string: the template iterates it with |items), token for token."""
+    from qfserver import ROOT
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in os.listdir(MODEL):
+        if f != "tokenizer_config.json":
+            os.symlink(os.path.join(MODEL, f), d / f)
+    corpus = os.path.join(ROOT, "tests", "data", "templates")
+    with open(os.path.join(MODEL, "tokenizer_config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(corpus, "templates", "Qwen-Qwen3.6-35B-A3B.jinja")) as f:
+        cfg["chat_template"] = f.read()
+    with open(d / "tokenizer_config.json", "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(corpus, "cases", "tools_str_args.json")) as f:
+        inputs = json.load(f)["apply_chat_template_inputs"]
+    with open(os.path.join(corpus, "expected", "Qwen-Qwen3.6-35B-A3B__tools_dict_args.txt")) as f:
+        want = f.read()
+    with Server(model=str(d)) as s:
+        code, _, got = post(s, "/tokenize", {"messages": inputs["conversation"], "tools": inputs["tools"]})
+        assert code == 200, got
+        code, _, ref = post(s, "/tokenize", {"prompt": want})
+        assert code == 200 and json.loads(got)["tokens"] == json.loads(ref)["tokens"]
+        code, _, err = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}], "max_tokens": 2})
+        assert code == 400 and "Unexpected message role." in json.loads(err)["error"]["message"]
