@@ -238,6 +238,8 @@ int api_parse_chat(srv *s, api_out *ao, json_t *b, gen_req *g) {
         g->think_prompt = tl >= 8 && memcmp(text + tl - 8, "<think>\n", 8) == 0;
         rc = encode(s, ao, text, g, !g->tokenize_only);
     }
+    json_t *tools = json_object_get(vars, "tools"), *choice = json_object_get(b, "tool_choice");
+    if (rc == 0 && json_is_array(tools) && !(json_is_string(choice) && !strcmp(json_string_value(choice), "none"))) g->tools = json_incref(tools);
     json_decref(vars);
     free(text);
     return rc;
@@ -291,6 +293,8 @@ int api_parse_completion(srv *s, api_out *ao, json_t *b, gen_req *g, int native)
 void gen_req_clear(gen_req *g) {
     free(g->prompt);
     g->prompt = NULL;
+    json_decref(g->tools);
+    g->tools = NULL;
 }
 
 /* ---- /tokenize, /detokenize (vLLM's and llama-server's field names both work) ---- */

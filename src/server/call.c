@@ -9,6 +9,7 @@
 
 #include "base/utf8.h"
 #include "server/srv_int.h"
+#include "server/toolcall.h"
 
 static const char *finish_name(int f) { return f == QF_FINISH_LENGTH ? "length" : f == QF_FINISH_CANCELLED ? "abort" : "stop"; }
 
@@ -168,12 +169,35 @@ static void stream_delta(call *c, delta *d, const char *finish) {
     send_sse(c, ch);
 }
 
+/* A stream whose reply may call tools: content goes out up to where a call could start; at the
+ * end the held text is parsed, and goes out as tool_calls deltas (one per call, whole) or as
+ * content. */
+static void stream_held(call *c, delta *d, int final) {
+    acc_add(&c->acc_c, &c->len_c, &c->cap_c, d->content ? d->content : "", d->len_c);
+    size_t upto = final ? c->len_c : tc_safe_len(c->acc_c ? c->acc_c : "", c->len_c), keep_len = d->len_c;
+    json_t *calls = NULL;
+    if (final) tc_parse(c->acc_c ? c->acc_c : "", c->len_c, c->tools, c->id, &calls, &upto);
+    char *keep = d->content;
+    d->content = c->acc_c + c->sent_c, d->len_c = upto > c->sent_c ? upto - c->sent_c : 0;
+    if (d->len_c || d->len_r || (d->lp && json_array_size(d->lp))) stream_delta(c, d, NULL);
+    c->sent_c = upto > c->sent_c ? upto : c->sent_c;
+    d->content = keep, d->len_c = keep_len;
+    for (size_t i = 0; calls && i < json_array_size(calls); i++) {
+        json_t *tc = json_deep_copy(json_array_get(calls, i)), *ch = chunk_head(c);
+        json_object_set_new(tc, "index", json_integer((json_int_t)i));
+        json_object_set_new(ch, "choices", json_pack("[{s:i,s:{s:[o]},s:n,s:n}]", "index", 0, "delta", "tool_calls", tc, "logprobs", "finish_reason"));
+        send_sse(c, ch);
+    }
+    if (calls) c->tool_called = 1;
+    json_decref(calls);
+}
+
 static void stream_end(call *c, const qf_req_status *st) {
     if (c->kind != CALL_GENERATE) {
         if (st->finish == QF_FINISH_ERROR) {
             send_sse(c, json_pack("{s:{s:s,s:s,s:i}}", "error", "message", st->error, "type", "server_error", "code", 500));
         } else {
-            stream_delta(c, &(delta){c, NULL, NULL, 0, 0, 0, 0, NULL}, finish_name(st->finish));
+            stream_delta(c, &(delta){c, NULL, NULL, 0, 0, 0, 0, NULL}, c->tool_called ? "tool_calls" : finish_name(st->finish));
             if (c->include_usage) {
                 json_t *u = chunk_head(c);
                 json_object_set_new(u, "choices", json_array());
@@ -197,11 +221,15 @@ static void reply_whole(call *c, const qf_req_status *st) {
         srv_send_error(c->http, 500, "server_error", "%s", st->error);
         return;
     }
+    const char *finish = finish_name(st->finish);
     json_t *body = chunk_head(c), *ch = json_pack("{s:i}", "index", 0);
     if (c->kind == CALL_CHAT) {
         json_object_set_new(body, "object", json_string("chat.completion"));
-        json_t *msg = json_pack("{s:s}", "role", "assistant");
-        json_object_set_new(msg, "content", jstr_lossy(c->acc_c ? c->acc_c : "", c->len_c));
+        json_t *msg = json_pack("{s:s}", "role", "assistant"), *calls = NULL;
+        size_t clen = c->len_c;
+        if (c->tools) tc_parse(c->acc_c ? c->acc_c : "", c->len_c, c->tools, c->id, &calls, &clen);
+        json_object_set_new(msg, "content", calls && !clen ? json_null() : jstr_lossy(c->acc_c ? c->acc_c : "", clen));
+        if (calls) json_object_set_new(msg, "tool_calls", calls), finish = "tool_calls";
         json_object_set_new(msg, "reasoning_content", c->len_r ? jstr_lossy(c->acc_r, c->len_r) : json_null());
         json_object_set_new(msg, "reasoning", c->len_r ? jstr_lossy(c->acc_r, c->len_r) : json_null());
         json_object_set_new(ch, "message", msg);
@@ -210,7 +238,7 @@ static void reply_whole(call *c, const qf_req_status *st) {
         json_object_set_new(ch, "text", jstr_lossy(c->acc_c ? c->acc_c : "", c->len_c));
         json_object_set_new(ch, "logprobs", c->lp ? json_incref(c->lp) : json_null());
     }
-    json_object_set_new(ch, "finish_reason", json_string(finish_name(st->finish)));
+    json_object_set_new(ch, "finish_reason", json_string(finish));
     json_object_set_new(body, "choices", json_pack("[o]", ch));
     json_object_set_new(body, "usage", usage(st));
     srv_count(c->s, 200);
@@ -227,6 +255,7 @@ static void call_free(call *c) {
     s->n_calls--;
     qf_req_release(c->r);
     json_decref(c->lp);
+    json_decref(c->tools);
     free(c->acc_c);
     free(c->acc_r);
     free(c);
@@ -262,6 +291,8 @@ static void call_pump(call *c) {
     if (!c->stream) {
         acc_add(&c->acc_c, &c->len_c, &c->cap_c, d.content ? d.content : "", d.len_c);
         acc_add(&c->acc_r, &c->len_r, &c->cap_r, d.reasoning ? d.reasoning : "", d.len_r);
+    } else if (c->tools) {
+        stream_held(c, &d, st.finish != QF_FINISH_NONE && st.finish != QF_FINISH_ERROR);
     } else if (d.len_c || d.len_r || (d.lp && json_array_size(c->kind == CALL_CHAT ? d.lp : json_object_get(d.lp, "tokens")))) {
         stream_delta(c, &d, NULL);
     }
@@ -321,6 +352,7 @@ void call_start(srv *s, struct evhttp_request *req, gen_req *g, int kind) {
     c->s = s, c->http = req, c->kind = kind, c->stream = g->stream, c->include_usage = g->include_usage && g->stream;
     c->logprobs = g->logprobs_on;
     c->think.in_think = g->think_prompt;
+    c->tools = g->tools, g->tools = NULL;
     c->created = (long long)time(NULL);
     snprintf(c->id, sizeof c->id, "%s-%llx%06llx", kind == CALL_CHAT ? "chatcmpl" : "cmpl", c->created, ++counter);
     if (c->logprobs && !c->stream) c->lp = new_lp(c);

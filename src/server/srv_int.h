@@ -32,6 +32,9 @@ typedef struct call {
     char *acc_c, *acc_r;
     size_t len_c, cap_c, len_r, cap_r;
     json_t *lp;                  /* logprobs entries (chat: content array; completion: object) */
+    json_t *tools;               /* the request's tools when the reply may call them (else NULL) */
+    size_t sent_c;               /* a stream with tools: content bytes of acc_c sent (the rest may be a call) */
+    int tool_called;             /* the stream sent tool_calls */
     struct call *prev, *next;
 } call;
 
@@ -96,6 +99,7 @@ typedef struct gen_req {
     int32_t *prompt;            /* heap */
     int stream, include_usage, logprobs_on, top_logprobs, think_prompt;
     int tokenize_only;          /* /tokenize: no limit from the context */
+    json_t *tools;              /* tools the reply may call (a reference; NULL: none, or tool_choice none) */
 } gen_req;
 /* Each returns 0, or -1 with ao->code 400 and the message naming the field. */
 int api_parse_chat(srv *s, api_out *ao, json_t *body, gen_req *g);

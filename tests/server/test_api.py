@@ -366,3 +366,22 @@ def test_tools_through_qwen36_template(tmp_path):
         assert code == 200 and json.loads(got)["tokens"] == json.loads(ref)["tokens"]
         code, _, err = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}], "max_tokens": 2})
         assert code == 400 and "Unexpected message role." in json.loads(err)["error"]["message"]
+
+
+def test_tools_without_a_call(client):
+    """Tools in the request and a reply that calls none (the bundled model's template ignores tools,
+    so the prompt is the same): the same content, streamed (held back only where a call could
+    start) and whole, as without tools, and finish_reason stop, no tool_calls."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}]
+    kw = dict(model="m", messages=[{"role": "user", "content": "Write a function that adds two numbers."}], max_tokens=40, temperature=0)
+    plain = client.chat.completions.create(**kw)
+    whole = client.chat.completions.create(tools=tools, **kw)
+    parts, finish, calls = [], None, False
+    for ev in client.chat.completions.create(tools=tools, stream=True, **kw):
+        for ch in ev.choices:
+            parts.append(ch.delta.content or "")
+            calls |= bool(ch.delta.tool_calls)
+            finish = ch.finish_reason or finish
+    assert whole.choices[0].message.content == plain.choices[0].message.content == "".join(parts)
+    assert whole.choices[0].message.tool_calls is None and not calls
+    assert whole.choices[0].finish_reason == finish == plain.choices[0].finish_reason
