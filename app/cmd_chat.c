@@ -191,8 +191,10 @@ int cmd_chat(int argc, char **argv) {
     if (cli_open_engine(&e, o.model, o.threads) != QF_OK) return 1;
     qf_chat_tmpl ct = {0};
     int rc = 1;
+    int parsed = e->tok && qf_chat_tmpl_parse(&ct, qf_tok_chat_template(e->tok)) == QF_OK;
+    if (parsed) qf_chat_tmpl_tokens(&ct, qf_tok_bos_text(e->tok), qf_tok_eos_text(e->tok));
     if (!e->tok) fprintf(stderr, "error: %s has no tokenizer.json\n", o.model);
-    else if (qf_chat_tmpl_parse(&ct, qf_tok_chat_template(e->tok)) != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
+    else if (!parsed) fprintf(stderr, "error: %s\n", qf_last_error());
     else if (cli_prepare_sampling(e, &user, o.seed_set, &s) == 0) {
         chat_ctx c = {e, qf_tok_lookup(e->tok, "<think>"), qf_tok_lookup(e->tok, "</think>"), qf_tok_lookup(e->tok, "<|im_end|>"), 0,
                       isatty(1), {0}, NULL, 0, 0};

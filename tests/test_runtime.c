@@ -34,6 +34,14 @@ static void test_chat_template(const qf_tokenizer *t) {
     CHECK(!strcmp(out, json_string_value(json_object_get(cr, "no_thinking"))), "no-thinking variant:\n%s", out);
     free(out);
     CHECK(!ct.think_prompt, "the bundled template's generation prompt does not open <think>");
+    CHECK(!strcmp(qf_tok_bos_text(t), "") && !strcmp(qf_tok_eos_text(t), "<|endoftext|>"), "bos/eos texts: [%s] [%s]", qf_tok_bos_text(t), qf_tok_eos_text(t));
+    qf_chat_tmpl te = {0};
+    qf_chat_msg one = {"user", "x", NULL};
+    CHECK(qf_chat_tmpl_parse(&te, "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}") == QF_OK, "%s", qf_last_error());
+    qf_chat_tmpl_tokens(&te, qf_tok_bos_text(t), qf_tok_eos_text(t));
+    CHECK(qf_chat_render(&te, &one, 1, 1, 1, &out) == QF_OK && !strcmp(out, "x<|endoftext|>"), "tokens in a template: %s", out);
+    free(out);
+    qf_chat_tmpl_free(&te);
     qf_chat_tmpl_free(&ct);
     /* Qwen3.6's published template opens <think> itself (closed at once with thinking off) */
     char *q36 = NULL;

@@ -29,6 +29,7 @@ static void *load_main(void *arg) {
     if (rc == QF_OK) s->max_piece = qf_tok_max_piece_len(s->e->tok);
     if (rc == QF_OK && qf_tok_chat_template(s->e->tok)) {
         rc = qf_chat_tmpl_parse(&s->tmpl, qf_tok_chat_template(s->e->tok));
+        qf_chat_tmpl_tokens(&s->tmpl, qf_tok_bos_text(s->e->tok), qf_tok_eos_text(s->e->tok));
         s->has_tmpl = rc == QF_OK;
     }
     if (rc == QF_OK) qf_flash_print(stderr, &s->e->plan);

@@ -1,6 +1,7 @@
 /* Chat templates through the Jinja engine (chat.h). */
 #include "tokenizer/chat.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -54,6 +55,11 @@ int qf_chat_tmpl_parse(qf_chat_tmpl *ct, const char *t) {
     }
     free(text);
     return QF_OK;
+}
+
+void qf_chat_tmpl_tokens(qf_chat_tmpl *ct, const char *bos, const char *eos) {
+    snprintf(ct->bos, sizeof ct->bos, "%s", bos ? bos : "");
+    snprintf(ct->eos, sizeof ct->eos, "%s", eos ? eos : "");
 }
 
 void qf_chat_tmpl_free(qf_chat_tmpl *ct) {

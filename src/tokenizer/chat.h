@@ -23,6 +23,8 @@ typedef struct qf_chat_tmpl {
  * with it and its line named. qf_chat_tmpl_free releases it. */
 int qf_chat_tmpl_parse(qf_chat_tmpl *ct, const char *template_text);
 void qf_chat_tmpl_free(qf_chat_tmpl *ct);
+/* The bos_token / eos_token texts the template sees (tokenizer_config.json's; "" by default). */
+void qf_chat_tmpl_tokens(qf_chat_tmpl *ct, const char *bos, const char *eos);
 /* Renders vars (messages, tools, add_generation_prompt, the caller's template kwargs; bos_token
  * and eos_token added) into a heap string the caller frees. */
 int qf_chat_render_vars(const qf_chat_tmpl *ct, json_t *vars, char **out);

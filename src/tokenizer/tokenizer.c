@@ -41,6 +41,7 @@ struct qf_tokenizer {
     pcre2_code *re;
     int nfc;
     char *chat_template;
+    char bos[64], eos[64]; /* tokenizer_config.json's bos_token / eos_token texts ("" when absent) */
 };
 
 static void build_byte_map(qf_tokenizer *t) {
@@ -267,16 +268,26 @@ static int compile_regex(qf_tokenizer *t, const char *pattern, const char *path)
     return QF_OK;
 }
 
+/* tokenizer_config.json's bos_token / eos_token: a string or {"content": ...} */
+static void special_text(json_t *cfg, const char *key, char *out, size_t cap) {
+    json_t *v = json_object_get(cfg, key);
+    if (json_is_object(v)) v = json_object_get(v, "content");
+    snprintf(out, cap, "%s", json_is_string(v) ? json_string_value(v) : "");
+}
+
 static void load_chat_template(qf_tokenizer *t, const char *dir) {
     char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    json_t *cfg = json_load_file(path, 0, NULL);
+    special_text(cfg, "bos_token", t->bos, sizeof t->bos);
+    special_text(cfg, "eos_token", t->eos, sizeof t->eos);
     snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
     char *text = NULL;
     if (qf_read_file(path, &text, NULL) == QF_OK) {
         t->chat_template = text;
+        json_decref(cfg);
         return;
     }
-    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    json_t *cfg = json_load_file(path, 0, NULL);
     json_t *ct = json_object_get(cfg, "chat_template");
     const char *s = json_string_value(ct);
     for (size_t i = 0; !s && i < json_array_size(ct); i++) { /* [{name, template}], take "default" */
@@ -578,3 +589,5 @@ int qf_tok_lookup(const qf_tokenizer *t, const char *token) { return qf_strmap_g
 int qf_tok_is_special(const qf_tokenizer *t, int32_t id) { return id >= 0 && id < t->n_vocab && t->special[id]; }
 
 const char *qf_tok_chat_template(const qf_tokenizer *t) { return t->chat_template; }
+const char *qf_tok_bos_text(const qf_tokenizer *t) { return t->bos; }
+const char *qf_tok_eos_text(const qf_tokenizer *t) { return t->eos; }

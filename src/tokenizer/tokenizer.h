@@ -33,5 +33,8 @@ int qf_tok_lookup(const qf_tokenizer *t, const char *token); /* id of an exact t
 int qf_tok_is_special(const qf_tokenizer *t, int32_t id);
 /* The chat template text, or NULL when the checkpoint has none. */
 const char *qf_tok_chat_template(const qf_tokenizer *t);
+/* tokenizer_config.json's bos_token / eos_token text, as templates get them ("" when absent). */
+const char *qf_tok_bos_text(const qf_tokenizer *t);
+const char *qf_tok_eos_text(const qf_tokenizer *t);
 
 #endif
