@@ -2,6 +2,8 @@
 #ifndef QF_APP_CLI_H
 #define QF_APP_CLI_H
 
+#define QF_VERSION "0.5.0"
+
 #include "runtime/engine.h"
 
 typedef struct cli_args {

@@ -93,6 +93,7 @@ int cmd_verify(int argc, char **argv) {
     for (; a.i < argc && !a.bad; a.i++) {
         if (cli_is(&a, NULL, "--manifest")) manifest = cli_value(&a);
         else if (cli_is(&a, NULL, "--no-hash")) hash = 0;
+        else if (cli_is(&a, "-m", "--model") && !dir) dir = cli_value(&a); /* as the other commands take it */
         else if (argv[a.i][0] != '-' && !dir) dir = argv[a.i];
         else {
             fprintf(stderr, "error: unknown option '%s' for verify\n", argv[a.i]);

@@ -10,17 +10,17 @@ static void usage(void) {
             "  run        -m DIR -p TEXT [-n N] [--temp T] [--top-k K] [--top-p P] [--min-p P] [--seed S] [-t THREADS]\n"
             "             raw completion of TEXT; the generated text goes to stdout\n"
             "  chat       -m DIR [--no-think] [--system TEXT] [sampling flags]  interactive chat\n"
-            "  verify     DIR [--manifest FILE] [--no-hash]  check a model directory\n"
+            "  verify     [-m] DIR [--manifest FILE] [--no-hash]  check a model directory\n"
             "  perplexity -m DIR -f FILE [--window 512] [--windows K]\n"
             "  serve      -m DIR [--host H] [--port P] [--max-batch N] [--ctx N] [--api-key K] ...\n"
             "             OpenAI-compatible HTTP server with continuous batching (serve --help)\n"
             "  bench      (-m DIR | --synthetic qwen3.6-35b-a3b [--layers N]) [--prompt-len P] [--gen-len G]\n"
-            "             [--concurrency 1,16] [--runs R] [--json FILE] [--plot FILE.svg]\n"
+            "             [--concurrency 1,16] [--runs R] [--levels 0,0.3,0.6] [--only experts|trunk|kv] [--json FILE] (bench --help)\n"
             "  route-replay TRACE.safetensors [--slots 8,16,64] [--half-life 64]\n"
             "             expert-cache policies replayed over a recorded routing trace (hit rates)\n"
             "  route-record -m DIR -f TEXT -o TRACE.safetensors [-n TOKENS]  a model's routing on a text\n"
-            "  fidelity   -m DIR -f TEXT [--sparsity-level 0,0.3,0.45,0.6,0.7]  what each sparsity level costs against\n"
-            "             dense: perplexity, KL, top-1 agreement, tokens to a stop, decode speed\n"
+            "  fidelity   -m DIR -f TEXT [--sparsity-level 0,0.3,0.45,0.6,0.7] [--only experts|trunk|kv]  what each sparsity\n"
+            "             level costs against dense: perplexity, KL, top-1 agreement, tokens to a stop, decode speed\n"
             "  calibrate  -m DIR -f TEXT [-n TOKENS]  trunk sparsity thresholds into DIR/config_flash.json\n"
             "  synth-export --synthetic qwen3.6-35b-a3b [--layers N] -o DIR  generated weights as a model directory\n"
             "sampling flags: --temp --top-k --top-p --min-p --repeat-penalty --presence-penalty\n"
@@ -35,8 +35,10 @@ static void usage(void) {
             "                                     cuda, else a RAM pool the CPU reads the checkpoint into as needed\n"
             "                                     (else config_flash.json's streaming_buffer_size, else all resident)\n"
             "  --expert-policy lru|dlfu|dlfu-admit  the expert buffer's policy (default dlfu-admit)\n"
-            "  --sparsity-level L                 0 (exact, the default) to 1: drops low-weight routed experts (CPU;\n"
-            "                                     else config_flash.json's sparsity_level / sparsity_schedule)\n"
+            "  --sparsity-level L                 0 (exact, the default) to 1 on generated tokens: low-weight routed\n"
+            "                                     experts dropped, small trunk inputs skipped (with calibrated\n"
+            "                                     thresholds), KV pages chosen from 8K tokens on (else\n"
+            "                                     config_flash.json's sparsity_level / sparsity_schedule)\n"
             "  --cuda-opt NAME=VALUE              a CUDA backend option, repeatable; these, with defaults:\n");
     qf_cuda_opts_print(stderr, NULL);
 }
@@ -47,7 +49,16 @@ int main(int argc, char **argv) {
         usage();
         return argc < 2 ? 2 : 0;
     }
+    if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "-V")) {
+        printf("qflash %s\n", QF_VERSION);
+        return 0;
+    }
     const char *cmd = argv[1];
+    /* serve and bench print their own detailed help; the others' usage is a line above */
+    if (argc > 2 && (!strcmp(argv[2], "-h") || !strcmp(argv[2], "--help")) && strcmp(cmd, "serve") && strcmp(cmd, "bench")) {
+        usage();
+        return 0;
+    }
     if (!strcmp(cmd, "run")) return cmd_run(argc - 1, argv + 1);
     if (!strcmp(cmd, "chat")) return cmd_chat(argc - 1, argv + 1);
     if (!strcmp(cmd, "verify")) return cmd_verify(argc - 1, argv + 1);

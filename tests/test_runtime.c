@@ -284,6 +284,17 @@ static void test_cli_calibrate(const qf_tokenizer *t) {
 /* route-record on the bundled model's held-out text, then route-replay of the trace: hit rates in
  * range, Belady's optimum at or above every policy, and with a slot for every expert no policy
  * differs (only first uses miss). */
+/* The front end's manners: --version, a command's --help (exit 0), verify -m DIR as the other commands take it. */
+static void test_cli_manners(void) {
+    char cmd[4096], out[8192];
+    snprintf(cmd, sizeof cmd, "'%s' --version 2>&1", qflash_bin);
+    CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && !strncmp(out, "qflash ", 7), "--version: [%s]", out);
+    snprintf(cmd, sizeof cmd, "'%s' run --help 2>&1", qflash_bin);
+    CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && strstr(out, "usage: qflash"), "run --help: [%s]", out);
+    snprintf(cmd, sizeof cmd, "'%s' verify -m '%s' --no-hash 2>&1", qflash_bin, model_dir);
+    CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && strstr(out, "will load"), "verify -m: [%s]", out);
+}
+
 static void test_cli_route(void) {
     char trace[256], cmd[4096], out[8192];
     snprintf(trace, sizeof trace, "/tmp/qflash-route-%d.safetensors", (int)getpid());
@@ -323,6 +334,7 @@ int main(int argc, char **argv) {
     CHECK(ref_json && qf_tok_load(&t, model_dir) == QF_OK, "setup: %s", qf_last_error());
     if (qt_failures) return qt_finish();
     test_chat_template(t);
+    test_cli_manners();
     test_sampler();
     test_cli_run(t);
     test_cli_chat();
