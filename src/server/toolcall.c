@@ -80,8 +80,14 @@ static json_t *one_call(const char *b, size_t n, json_t *tools, const char *id) 
     while (n && is_ws(*b)) b++, n--;
     while (n && is_ws(b[n - 1])) n--;
     char name[256];
-    json_t *args = json_object();
-    int rc = n && b[0] == '{' ? (json_decref(args), parse_json(b, n, name, sizeof name, &args)) : parse_xml(b, n, tools, name, sizeof name, args);
+    json_t *args = NULL;
+    int rc;
+    if (n && b[0] == '{') {
+        rc = parse_json(b, n, name, sizeof name, &args); /* sets args only when it parses */
+    } else {
+        args = json_object();
+        rc = parse_xml(b, n, tools, name, sizeof name, args);
+    }
     if (rc != 0) return json_decref(args), NULL;
     char *s = json_dumps(args, JSON_COMPACT | JSON_ENCODE_ANY);
     json_t *call = s ? json_pack("{s:s,s:s,s:{s:s,s:s}}", "id", id, "type", "function", "function", "name", name, "arguments", s) : NULL;
