@@ -1,6 +1,8 @@
 /* qflash chat: multi-turn chat through the model's ChatML template. Reasoning (<think>...</think>)
  * is printed apart from the answer and kept out of the history, as the template expects. The
  * model state is reused between turns when the new prompt extends what it already holds. */
+#include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,8 +44,16 @@ static void hist_push(chat_ctx *c, int32_t tok) {
     c->hist[c->n_hist++] = tok;
 }
 
+/* Ctrl-C stops the reply being written, not the session (a signal handler can only set a flag). */
+static volatile sig_atomic_t interrupted;
+static void on_sigint(int sig) {
+    (void)sig;
+    interrupted = 1;
+}
+
 static int on_token(void *ud, int32_t tok, const char *text, size_t len) {
     chat_ctx *c = ud;
+    if (interrupted) return 1;
     if (tok >= 0) hist_push(c, tok);
     if (tok == c->im_end_id) return 1;
     if (tok == c->think_id || tok == c->end_think_id) {
@@ -140,6 +150,7 @@ static int chat_turn(chat_ctx *c, const chat_opts *o, const qf_chat_tmpl *ct, hi
     }
     if (c->in_think) fputs(c->tty ? "\033[0m" : "", stdout);
     printf("\n");
+    if (interrupted) fputs("[stopped: Ctrl-C]\n", stderr), interrupted = 0;
     if (rc == QF_OK) {
         history_add(h, "assistant", c->cur.answer ? c->cur.answer : strdup(""), c->cur.reasoning);
         fprintf(stderr, "[%d prompt tokens (%d new) at %.1f tok/s, %d generated at %.1f tok/s]\n", n, n - skip,
@@ -161,9 +172,18 @@ static void chat_loop(chat_ctx *c, const chat_opts *o, const qf_chat_tmpl *ct, q
     if (o->system) history_add(&h, "system", strdup(o->system), NULL);
     char *line = NULL;
     size_t cap = 0;
+    struct sigaction sa = {0}, old;
+    sa.sa_handler = on_sigint; /* no SA_RESTART: Ctrl-C at the prompt interrupts the read */
+    sigaction(SIGINT, &sa, &old);
     for (;;) {
         if (c->tty) fputs("> ", stderr);
         ssize_t len = getline(&line, &cap, stdin);
+        if (len < 0 && errno == EINTR && interrupted) {
+            interrupted = 0;
+            clearerr(stdin);
+            fputs("\n(Ctrl-C stops a reply; /exit or Ctrl-D leaves)\n", stderr);
+            continue;
+        }
         if (len < 0) break;
         while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
         if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
@@ -171,12 +191,14 @@ static void chat_loop(chat_ctx *c, const chat_opts *o, const qf_chat_tmpl *ct, q
             history_free(&h);
             memset(&h, 0, sizeof h);
             if (o->system) history_add(&h, "system", strdup(o->system), NULL);
+            fputs("(conversation reset)\n", stderr);
             continue;
         }
         if (!len) continue;
         history_add(&h, "user", strdup(line), NULL);
         chat_turn(c, o, ct, &h, st, smp);
     }
+    sigaction(SIGINT, &old, NULL);
     free(line);
     history_free(&h);
 }

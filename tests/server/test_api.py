@@ -385,3 +385,21 @@ def test_tools_without_a_call(client):
     assert whole.choices[0].message.content == plain.choices[0].message.content == "".join(parts)
     assert whole.choices[0].message.tool_calls is None and not calls
     assert whole.choices[0].finish_reason == finish == plain.choices[0].finish_reason
+
+
+def test_chat_ctrl_c_stops_the_reply():
+    """qflash chat: Ctrl-C stops the reply being written and the session goes on (/exit ends it)."""
+    import subprocess
+    import time
+    from qfserver import BIN
+    p = subprocess.Popen([BIN, "chat", "-m", MODEL, "-n", "100000", "--temp", "0", "-t", "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdin.write("Write a very long program.\n")
+    p.stdin.flush()
+    time.sleep(1.5)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    p.stdin.write("/reset\n/exit\n")
+    p.stdin.flush()
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and "[stopped: Ctrl-C]" in err and "(conversation reset)" in err, err[-500:]
