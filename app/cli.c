@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 const char *cli_value(cli_args *a) {
@@ -175,6 +176,17 @@ int cli_open_on_text(const char *dir, const char *file, int threads, qf_engine *
     return rc;
 }
 
+/* A hint for a model path that is not a directory: a file, or what looks like a hub id. */
+static void path_hint(const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) == 0 && !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "hint: %s is a file; give the model's directory (the one holding config.json)\n", dir);
+    } else if (stat(dir, &st) != 0 && strchr(dir, '/') == strrchr(dir, '/') && strchr(dir, '/') && dir[0] != '/' && dir[0] != '.') {
+        fprintf(stderr, "hint: '%s' looks like a Hugging Face hub id; qflash reads local directories: download it first "
+                        "(huggingface-cli download %s --local-dir DIR) and give DIR\n", dir, dir);
+    }
+}
+
 int cli_open_engine(qf_engine **e, const char *dir, int threads) {
     qf_engine_opts o = {.n_threads = threads, .progress = cli_progress, .device = cli_device, .cuda = &cli_cuda, .expert_cache = cli_expert_cache,
                         .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy, .reserve_seqs = cli_reserve_seqs, .reserve_tokens = cli_reserve_tokens,
@@ -182,6 +194,7 @@ int cli_open_engine(qf_engine **e, const char *dir, int threads) {
     int rc = qf_engine_open(e, dir, &o);
     if (rc != QF_OK) {
         fprintf(stderr, "\nerror: %s\n", qf_last_error());
+        path_hint(dir);
         return rc;
     }
     fprintf(stderr, "loaded %s in %.2f s: %s, %d layers, vocab %d, ops %s, %d threads\n", dir, (*e)->load_seconds,

@@ -291,6 +291,10 @@ static void test_cli_manners(void) {
     CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && !strncmp(out, "qflash ", 7), "--version: [%s]", out);
     snprintf(cmd, sizeof cmd, "'%s' run --help 2>&1", qflash_bin);
     CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && strstr(out, "usage: qflash"), "run --help: [%s]", out);
+    snprintf(cmd, sizeof cmd, "'%s' run -m Qwen/Qwen3.6-35B-A3B -p hi 2>&1", qflash_bin);
+    CHECK(qt_run_capture(cmd, out, sizeof out) != 0 && strstr(out, "hub id") && strstr(out, "huggingface-cli download Qwen/Qwen3.6-35B-A3B"), "hub id: [%s]", out);
+    snprintf(cmd, sizeof cmd, "'%s' run -m '%s/config.json' -p hi 2>&1", qflash_bin, model_dir);
+    CHECK(qt_run_capture(cmd, out, sizeof out) != 0 && strstr(out, "is a file"), "a file as the model: [%s]", out);
     snprintf(cmd, sizeof cmd, "'%s' verify -m '%s' --no-hash 2>&1", qflash_bin, model_dir);
     CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && strstr(out, "will load"), "verify -m: [%s]", out);
 }
