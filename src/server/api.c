@@ -73,6 +73,8 @@ static int parse_stop(api_out *ao, json_t *b, qf_req_params *p) {
 /* Sampling and limits shared by every generating endpoint; defaults from generation_config.json. */
 static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
     const qf_config *c = &s->e->model->cfg;
+    json_t *model = json_object_get(b, "model"); /* any name is served by the one model (clients send their own); replies name it */
+    if (model && !json_is_null(model) && !json_is_string(model)) return bad(ao, "'model' must be a string");
     qf_sampling *sp = &g->p.sampling;
     *sp = qf_sampling_default();
     sp->temperature = c->gen_temperature;

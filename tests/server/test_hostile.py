@@ -43,7 +43,7 @@ CASES = [
     (CHAT, chat(seed=1.5)), (CHAT, chat(seed=2 ** 70)), (CHAT, chat(presence_penalty=5)), (CHAT, chat(frequency_penalty=-3)),
     (CHAT, chat(repetition_penalty=0)), (CHAT, chat(min_p=2)), (CHAT, chat(chat_template_kwargs="x")),
     (CHAT, chat(chat_template_kwargs={"enable_thinking": "no"})),
-    (CHAT, chat(tools="all")), (CHAT, chat(tools=[5])),
+    (CHAT, chat(tools="all")), (CHAT, chat(tools=[5])), (CHAT, chat(model=5)),
     (CHAT, chat(response_format={"type": "json_object"})),
     (CHAT, b'{"messages":[{"role":"user","content":"\xff\xfe bad utf-8"}]}'),
     (CHAT, b'{"messages":[{"role":"user","content":"nul \\u0000 inside"}]}'),
