@@ -78,6 +78,31 @@ static void expect(const char *src, const char *want, const char *err) {
     free(got), qf_jinja_free(t), json_decref(vars);
 }
 
+/* Templates over two messages, with the output jinja2 3.1 gives them (ImmutableSandboxedEnvironment,
+ * trim_blocks, lstrip_blocks, loopcontrols). */
+static void test_against_jinja2(void) {
+    static const char *const pairs[][2] = {
+        {"a\n  {% if true %}\n  b\n  {% endif %}\nc", "a\n  b\nc"},
+        {"{{ 'a' if false }}|{{ none }}|{{ [] }}|{{ {} }}", "|None|[]|{}"},
+        {"  {{- ' x ' -}}  \n y", " x y"},
+        {"{# comment #}\n  {%- for i in range(2) -%}\n {{ i }} \n{%- endfor %}", "01"},
+        {"{{ 'Hello World'.split() }}{{ 'a-b-c'.split('-', 1) }}", "['Hello', 'World']['a', 'b-c']"},
+        {"{% for m in messages if m.role == 'assistant' %}{{ loop.length }}{{ m.content }}{% else %}none{% endfor %}", "1yo"},
+        {"{{ messages|selectattr('role', 'equalto', 'user')|map(attribute='content')|list }}", "[' hi ']"},
+        {"{{ (messages|first).content|trim|tojson }}{{ messages[0]['content'] ~ 1 ~ none }}", "\"hi\" hi 1None"},
+    };
+    json_t *vars = json_loads("{\"messages\": [{\"role\": \"user\", \"content\": \" hi \"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}", 0, NULL);
+    for (size_t i = 0; i < sizeof pairs / sizeof *pairs; i++) {
+        qf_jinja *t = NULL;
+        char *got = NULL;
+        int rc = qf_jinja_parse(pairs[i][0], &t);
+        if (rc == QF_OK) rc = qf_jinja_render_at(t, vars, 0, &got);
+        CHECK(rc == QF_OK && !strcmp(got, pairs[i][1]), "%s -> [%s], jinja2 [%s]", pairs[i][0], got ? got : qf_last_error(), pairs[i][1]);
+        free(got), qf_jinja_free(t);
+    }
+    json_decref(vars);
+}
+
 /* Python's semantics where templates see them, and the limits on hostile templates. */
 static void test_semantics(void) {
     expect("{{ 7 // -2 }} {{ -7 % 3 }} {{ 7 / 2 }} {{ 2 * 3 }} {{ 'ab' * 2 }}", "-4 2 3.5 6 abab", NULL);
@@ -102,6 +127,7 @@ static void test_semantics(void) {
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     test_semantics();
+    test_against_jinja2();
     char root[1024], path[1200];
     snprintf(root, sizeof root, "%s", qt_path("tests/data/templates"));
     snprintf(path, sizeof path, "%s/templates/TOKENS.json", root);
