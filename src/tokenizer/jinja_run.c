@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include "base/err.h"
@@ -35,6 +36,7 @@ typedef struct env {
     json_t *frames[MAX_FRAMES];
     int nf, base;
     json_t *undef, *nss; /* the marker of an undefined value kept in a frame; the namespaces made */
+    json_t *intkeys;     /* dict literals with integer keys (kept as their digits; read back as integers) */
     const jnode *macros[64];
     int nmac;
     sbuf *out;
@@ -287,12 +289,16 @@ static void assign(env *e, json_t *frame, const char *name, val v) {
     json_object_set(frame, name, v.k == VK_JSON ? v.j : e->undef);
 }
 
-static int is_ns(env *e, json_t *j) {
+static int in_list(json_t *list, json_t *j) {
     size_t i;
     json_t *x;
-    json_array_foreach(e->nss, i, x) if (x == j) return 1;
+    json_array_foreach(list, i, x) if (x == j) return 1;
     return 0;
 }
+static int is_ns(env *e, json_t *j) { return in_list(e->nss, j); }
+
+/* A key of obj as the template sees it: an integer where a dict literal gave one. */
+static json_t *key_of(env *e, json_t *obj, const char *k) { return in_list(e->intkeys, obj) ? json_integer(strtoll(k, NULL, 10)) : json_string(k); }
 
 static val eval(env *e, const jnode *n);
 static void exec(env *e, jnode *const *body, int nbody);
@@ -478,12 +484,15 @@ static val eval(env *e, const jnode *n) {
     }
     case E_DICT: {
         json_t *d = json_object();
+        int ints = 0;
         for (int i = 0; i + 1 < n->nargs; i += 2) {
             val k = eval(e, n->args[i]), v = eval(e, n->args[i + 1]), ks = k.k == VK_JSON && (json_is_string(k.j) || json_is_integer(k.j)) ? to_str(e, k) : UNDEF;
+            ints |= k.k == VK_JSON && json_is_integer(k.j);
             if (ks.k == VK_JSON) json_object_set(d, json_string_value(ks.j), v.k == VK_JSON ? v.j : json_null()); /* an int key as its digits */
             else err(e, n, "dict keys must be strings or integers here");
             vfree(k), vfree(v), vfree(ks);
         }
+        if (ints) json_array_append(e->intkeys, d);
         return vj(d);
     }
     }
@@ -564,7 +573,7 @@ static json_t *iter_items(env *e, const jnode *n, val v) {
     if (json_is_object(v.j)) {
         const char *k;
         json_t *x;
-        json_object_foreach(v.j, k, x) json_array_append_new(out, json_string(k));
+        json_object_foreach(v.j, k, x) json_array_append_new(out, key_of(e, v.j, k));
     } else if (json_is_string(v.j)) {
         const char *s = json_string_value(v.j);
         size_t len = json_string_length(v.j);
@@ -688,9 +697,9 @@ int qf_jinja_render_at(const qf_jinja *t, json_t *vars, long long now, char **ou
     sbuf b = {0};
     env e = {.nf = 1, .out = &b, .rc = QF_OK, .now = (time_t)now};
     e.frames[0] = json_is_object(vars) ? json_copy(vars) : json_object();
-    e.undef = json_object(), e.nss = json_array();
+    e.undef = json_object(), e.nss = json_array(), e.intkeys = json_array();
     exec(&e, t->body, t->nbody);
-    json_decref(e.frames[0]), json_decref(e.undef), json_decref(e.nss);
+    json_decref(e.frames[0]), json_decref(e.undef), json_decref(e.nss), json_decref(e.intkeys);
     if (e.rc != QF_OK) {
         free(b.s);
         return e.rc;
