@@ -1,4 +1,4 @@
-/* qflash chat: multi-turn chat through the model's ChatML template. Reasoning (<think>...</think>)
+/* qflash chat: multi-turn chat through the model's own chat template. Reasoning (<think>...</think>)
  * is printed apart from the answer and kept out of the history, as the template expects. The
  * model state is reused between turns when the new prompt extends what it already holds. */
 #include <errno.h>
