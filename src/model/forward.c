@@ -116,16 +116,19 @@ static void out_product(fwd *f, int L, const qf_mat *w, const qf_mat *wt, float 
     else f->be->ops->matmul(f->be, w, x, f->N, out);
 }
 
-/* The one-row in product of a mixer whose input was masked, into the fused layout (in_proj's rows
- * one after another): 1, or 0 when the dense products are to run. */
-static int in_product_sparse(fwd *f, const qf_layer_w *w, const float *xn, float *y) {
-    if (f->N != 1 || !f->ws->in_masked || !w->in_t.data) return 0;
-    f->be->ops->matmul_cols(f->be, &w->in_t, xn, 1, y);
+/* A mixer's one-row in product into the fused layout (in_proj's rows one after another): through
+ * the transposed copy when the input was masked, else the fused matrix. 0: the separate products
+ * are to run (several rows, or no fused matrix). */
+static int in_product_fused(fwd *f, const qf_layer_w *w, const float *xn, int masked, float *y) {
+    if (f->N != 1) return 0;
+    if (masked && w->in_t.data) f->be->ops->matmul_cols(f->be, &w->in_t, xn, 1, y);
+    else if (w->in_proj.data) f->be->ops->matmul(f->be, &w->in_proj, xn, 1, y);
+    else return 0;
     return 1;
 }
 
 /* ---- Gated DeltaNet (§5) ---- */
-static void linear_attn(fwd *f, int L, const float *xn, float *out) {
+static void linear_attn(fwd *f, int L, const float *xn, int masked, float *out) {
     const qf_model *m = f->m;
     const qf_config *c = &m->cfg;
     const qf_layer_w *w = &m->layers[L];
@@ -135,9 +138,7 @@ static void linear_attn(fwd *f, int L, const float *xn, float *out) {
     int qk = c->lin_k_heads * c->lin_k_dim;
     float *mixed = WS(ws, big), *conv = WS(ws, conv), *z = WS(ws, z), *bb = WS(ws, bb), *aa = WS(ws, aa);
     float *core = WS(ws, core);
-    int sparse = in_product_sparse(f, w, xn, mixed);
-    if (sparse || (N == 1 && w->in_proj.data)) { /* one row: the four products are one, their outputs adjacent */
-        if (!sparse) OPS->matmul(be, &w->in_proj, xn, 1, mixed);
+    if (in_product_fused(f, w, xn, masked, mixed)) { /* one row: the four products are one, their outputs adjacent */
         z = mixed + cd, bb = z + nv * dv, aa = bb + nv;
     } else {
         OPS->matmul(be, &w->w_qkv, xn, N, mixed);
@@ -161,7 +162,7 @@ static void linear_attn(fwd *f, int L, const float *xn, float *out) {
 }
 
 /* ---- gated full attention (§4) ---- */
-static void full_attn(fwd *f, int L, const float *xn, float *out) {
+static void full_attn(fwd *f, int L, const float *xn, int masked, float *out) {
     const qf_model *m = f->m;
     const qf_config *c = &m->cfg;
     const qf_layer_w *w = &m->layers[L];
@@ -169,9 +170,7 @@ static void full_attn(fwd *f, int L, const float *xn, float *out) {
     qf_workspace *ws = f->ws;
     int N = f->N, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim;
     float *qg = WS(ws, big), *kb = WS(ws, kb), *vb = WS(ws, vb), *core = WS(ws, core);
-    int sparse = in_product_sparse(f, w, xn, qg);
-    if (sparse || (N == 1 && w->in_proj.data)) {
-        if (!sparse) OPS->matmul(be, &w->in_proj, xn, 1, qg);
+    if (in_product_fused(f, w, xn, masked, qg)) {
         kb = qg + nh * 2 * hd, vb = kb + nkv * hd;
     } else {
         OPS->matmul(be, &w->wq, xn, N, qg);
@@ -522,9 +521,9 @@ static int prompt_layer(fwd *f, int L, float *x) {
     int H = c->hidden, rc = QF_OK;
     float *xn = WS(f->ws, xn), *tmp = WS(f->ws, tmp);
     OPS->rmsnorm(be, x, H, w->attn_norm, f->N, H, c->norm_eps, xn, H);
-    f->ws->in_masked = trunk_group(f, L, QF_ACT_MIX_IN, xn, f->N, H);
-    if (w->kind == QF_LAYER_FULL) full_attn(f, L, xn, tmp);
-    else linear_attn(f, L, xn, tmp);
+    int masked = trunk_group(f, L, QF_ACT_MIX_IN, xn, f->N, H);
+    if (w->kind == QF_LAYER_FULL) full_attn(f, L, xn, masked, tmp);
+    else linear_attn(f, L, xn, masked, tmp);
     OPS->axpy(be, x, tmp, 1.0f, (int64_t)f->N * H);
     OPS->rmsnorm(be, x, H, w->ffn_norm, f->N, H, c->norm_eps, xn, H);
     if (c->arch == QF_ARCH_QWEN35_MOE) rc = moe(f, L, xn, tmp);

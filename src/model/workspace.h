@@ -30,7 +30,6 @@ struct qf_workspace {
     void *act_ud;
     float *act_host;   /* on a device: the hook's host copy of a group's input (act_floats floats) */
     size_t act_floats;
-    int in_masked;                /* the layer's mixer input was masked (trunk sparsity, host path) */
     qf_sparsity_counts sparsity; /* what sparsity skipped, counted as steps run (host path) */
 };
 

@@ -25,9 +25,12 @@ size_t qf_flash_wanted(const qf_flash_config *fc, const qf_engine_opts *o) {
     return o->expert_cache ? o->expert_cache : o->gpu_mem ? 0 : fc->buffer_bytes;
 }
 
+/* Layer L's sparsity level: the flag, else the file's schedule. */
+static float level_of(const qf_flash_config *fc, const qf_engine_opts *o, int L) { return o->sparsity_given ? o->sparsity_level : qf_flash_config_level(fc, L, 0.0f); }
+
 int qf_flash_sparse_wanted(const qf_flash_config *fc, const qf_engine_opts *o, int n_layers) {
     for (int L = 0; L < n_layers; L++)
-        if ((o->sparsity_given ? o->sparsity_level : qf_flash_config_level(fc, L, 0.0f)) > 0.0f) return 1;
+        if (level_of(fc, o, L) > 0.0f) return 1;
     return 0;
 }
 
@@ -35,7 +38,7 @@ int qf_flash_sparsity(qf_engine *e, const qf_flash_config *fc, const char *dir, 
     float levels[QF_MAX_LAYERS];
     int from_file = 0, rc;
     for (int L = 0; L < e->model->cfg.n_layers; L++) {
-        levels[L] = o->sparsity_given ? o->sparsity_level : qf_flash_config_level(fc, L, 0.0f);
+        levels[L] = level_of(fc, o, L);
         from_file |= !o->sparsity_given && levels[L] > 0;
     }
     if (from_file && e->on_gpu && !e->model->dec_ok) { /* the file's schedule where it cannot run: dense, and said so */

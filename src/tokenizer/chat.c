@@ -7,7 +7,7 @@
 
 #include "base/err.h"
 
-static json_t *vars_of(const qf_chat_tmpl *ct, const qf_chat_msg *msgs, int n, int add_gen, int enable_thinking) {
+static json_t *vars_of(const qf_chat_msg *msgs, int n, int add_gen, int enable_thinking) {
     json_t *m = json_array(), *v = json_object();
     for (int i = 0; i < n && m; i++) {
         json_t *x = json_pack("{s:s,s:s}", "role", msgs[i].role, "content", msgs[i].content);
@@ -18,8 +18,6 @@ static json_t *vars_of(const qf_chat_tmpl *ct, const qf_chat_msg *msgs, int n, i
     json_object_set_new(v, "add_generation_prompt", json_boolean(add_gen));
     json_object_set_new(v, "enable_thinking", json_boolean(enable_thinking));
     json_object_set_new(v, "tools", json_null());
-    json_object_set_new(v, "bos_token", json_string(ct->bos));
-    json_object_set_new(v, "eos_token", json_string(ct->eos));
     return v;
 }
 
@@ -36,8 +34,8 @@ int qf_chat_render(const qf_chat_tmpl *ct, const qf_chat_msg *msgs, int n, int a
     if (!ct->j) return qf_fail(QF_EUNSUPPORTED, "the model has no chat template (tokenizer_config.json chat_template or chat_template.jinja)");
     for (int i = 0; i < n; i++)
         if (!msgs[i].role || !msgs[i].content) return qf_fail(QF_EINVAL, "message %d has no role or content", i);
-    json_t *v = vars_of(ct, msgs, n, add_gen, enable_thinking);
-    int rc = v ? qf_jinja_render(ct->j, v, out) : qf_fail(QF_ENOMEM, "out of memory");
+    json_t *v = vars_of(msgs, n, add_gen, enable_thinking);
+    int rc = v ? qf_chat_render_vars(ct, v, out) : qf_fail(QF_ENOMEM, "out of memory");
     json_decref(v);
     return rc;
 }
