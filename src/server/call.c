@@ -174,7 +174,8 @@ static void stream_delta(call *c, delta *d, const char *finish) {
  * content. */
 static void stream_held(call *c, delta *d, int final) {
     acc_add(&c->acc_c, &c->len_c, &c->cap_c, d->content ? d->content : "", d->len_c);
-    size_t upto = final ? c->len_c : tc_safe_len(c->acc_c ? c->acc_c : "", c->len_c), keep_len = d->len_c;
+    /* only the unsent tail is scanned (what was sent holds no call start): each poll costs its new text */
+    size_t upto = final ? c->len_c : c->sent_c + tc_safe_len(c->acc_c ? c->acc_c + c->sent_c : "", c->len_c - c->sent_c), keep_len = d->len_c;
     json_t *calls = NULL;
     if (final) tc_parse(c->acc_c ? c->acc_c : "", c->len_c, c->tools, c->id, &calls, &upto);
     char *keep = d->content;
