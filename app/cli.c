@@ -211,3 +211,15 @@ int cli_sparse_only(cli_args *a) {
     if (v && bit < 0) fprintf(stderr, "error: --only takes experts, trunk or kv, not '%s'\n", v), a->bad = 1;
     return bit > 0 ? bit : 0;
 }
+
+int cli_parse_levels(const char *s, float *out, int cap) {
+    int n = 0;
+    while (s && *s && n < cap) {
+        char *end;
+        float v = strtof(s, &end);
+        if (end == s || !(v >= 0.0f && v <= 1.0f) || (*end && *end != ',')) return -1;
+        out[n++] = v;
+        s = *end == ',' ? end + 1 : end;
+    }
+    return n;
+}

@@ -44,6 +44,8 @@ int cli_device_flag(cli_args *a, const char **device);
 /* --only experts|trunk|kv (bench, fidelity): the QF_SPARSE_* bit of the one sparsity level to keep
  * on; sets bad and prints for anything else. */
 int cli_sparse_only(cli_args *a);
+/* A comma list of sparsity levels, each 0..1, into out (at most cap): how many, or -1 when malformed. */
+int cli_parse_levels(const char *s, float *out, int cap);
 /* The CUDA options' defaults and QFLASH_CUDA_OPTS (diagnosis); 2 when that is malformed. */
 int cli_backend_init(void);
 /* The engine on dir and file's text as its tokens (errors printed; the caller closes and frees). */

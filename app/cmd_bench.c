@@ -342,18 +342,6 @@ static int parse_list(const char *s, int *out, int cap) {
     return n;
 }
 
-static int parse_levels(const char *s, float *out, int cap) {
-    int n = 0;
-    while (s && *s && n < cap) {
-        char *end;
-        float v = strtof(s, &end);
-        if (end == s || !(v >= 0.0f && v <= 1.0f) || (*end && *end != ',')) return -1;
-        out[n++] = v;
-        s = *end == ',' ? end + 1 : end;
-    }
-    return n;
-}
-
 static int parse_bench(int argc, char **argv, bench_opts *o) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
@@ -378,7 +366,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         else if (cli_is(&a, NULL, "--only")) o->only = cli_sparse_only(&a);
         else if (cli_is(&a, NULL, "--levels")) {
             const char *v = cli_value(&a);
-            if (v && (o->n_levels = parse_levels(v, o->levels, 16)) < 1) {
+            if (v && (o->n_levels = cli_parse_levels(v, o->levels, 16)) < 1) {
                 fprintf(stderr, "error: --levels wants sparsity levels like 0,0.3,0.6 (each 0..1)\n");
                 a.bad = 1;
             }

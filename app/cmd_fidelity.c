@@ -143,18 +143,6 @@ static void print_table(const fid_opts *o, fid_row *rows) {
            o->windows, o->window, o->prompts, o->prompt_len, o->max_gen, o->levels[0]);
 }
 
-static int parse_levels(const char *s, fid_opts *o) {
-    o->n_levels = 0;
-    for (const char *p = s; *p && o->n_levels < MAX_LEVELS;) {
-        char *end;
-        double v = strtod(p, &end);
-        if (end == p || v < 0 || v > 1 || (*end && *end != ',')) return -1;
-        o->levels[o->n_levels++] = (float)v;
-        p = *end ? end + 1 : end;
-    }
-    return o->n_levels ? 0 : -1;
-}
-
 static int parse_fidelity(int argc, char **argv, fid_opts *o) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
@@ -162,7 +150,7 @@ static int parse_fidelity(int argc, char **argv, fid_opts *o) {
         else if (cli_is(&a, "-f", "--file")) o->file = cli_value(&a);
         else if (cli_is(&a, NULL, "--sparsity-level")) {
             const char *v = cli_value(&a);
-            if (v && parse_levels(v, o)) fprintf(stderr, "error: --sparsity-level takes levels 0..1 separated by commas, not '%s'\n", v), a.bad = 1;
+            if (v && (o->n_levels = cli_parse_levels(v, o->levels, MAX_LEVELS)) < 1) fprintf(stderr, "error: --sparsity-level takes levels 0..1 separated by commas, not '%s'\n", v), a.bad = 1;
         } else if (cli_is(&a, NULL, "--only")) {
             o->only = cli_sparse_only(&a);
         } else if (cli_is(&a, NULL, "--window")) o->window = cli_int(&a, 2, 1 << 20);
