@@ -1,0 +1,617 @@
+#include "runtime/grammar.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/err.h"
+
+/* ---- building ---- */
+
+typedef struct balt {
+    int rule, e0, n;
+} balt;
+
+struct qf_gbuild {
+    int n_rules;
+    balt *alts;
+    int n_alts, cap_alts;
+    int32_t *elems;
+    int n_elems, cap_elems;
+    qf_cset *sets;
+    int n_sets, cap_sets;
+    char **specials;
+    int n_specials, cap_specials;
+    int oom;
+};
+
+struct qf_grammar {
+    int n_rules, n_alts, n_sets, root;
+    int *rule_a0, *rule_na; /* alternatives of rule r: rule_a0[r] .. + rule_na[r] */
+    int *alt_e0, *alt_n;    /* elements of alternative a */
+    int *alt_loop;          /* a = [set, call of its own rule]: a byte loop */
+    int32_t *elems;         /* >= 0: a byte set; < 0: rule -(e + 1) */
+    qf_cset *sets;
+    char **specials;
+    int n_specials;
+};
+
+static int grow(void **p, int *cap, int need, size_t size) {
+    if (need <= *cap) return 1;
+    int c = *cap ? *cap * 2 : 16;
+    while (c < need) c *= 2;
+    void *q = realloc(*p, (size_t)c * size);
+    if (!q) return 0;
+    *p = q;
+    *cap = c;
+    return 1;
+}
+
+qf_gbuild *qf_gb_create(void) { return calloc(1, sizeof(qf_gbuild)); }
+
+void qf_gb_free(qf_gbuild *b) {
+    if (!b) return;
+    free(b->alts);
+    free(b->elems);
+    free(b->sets);
+    for (int i = 0; i < b->n_specials; i++) free(b->specials[i]);
+    free(b->specials);
+    free(b);
+}
+
+int qf_gb_rule(qf_gbuild *b) { return b->oom ? -1 : b->n_rules++; }
+
+void qf_gb_alt(qf_gbuild *b, int rule, const qf_gseq *q) {
+    if (q->oom || rule < 0 || !grow((void **)&b->alts, &b->cap_alts, b->n_alts + 1, sizeof *b->alts) ||
+        !grow((void **)&b->elems, &b->cap_elems, b->n_elems + q->n, sizeof *b->elems)) {
+        b->oom = 1;
+        return;
+    }
+    memcpy(b->elems + b->n_elems, q->e, (size_t)q->n * sizeof *q->e);
+    b->alts[b->n_alts++] = (balt){rule, b->n_elems, q->n};
+    b->n_elems += q->n;
+}
+
+static void seq_push(qf_gseq *q, int32_t v) {
+    if (!grow((void **)&q->e, &q->cap, q->n + 1, sizeof *q->e)) {
+        q->oom = 1;
+        return;
+    }
+    q->e[q->n++] = v;
+}
+
+static int set_id(qf_gbuild *b, const qf_cset *s) {
+    for (int i = 0; i < b->n_sets; i++)
+        if (!memcmp(&b->sets[i], s, sizeof *s)) return i;
+    if (!grow((void **)&b->sets, &b->cap_sets, b->n_sets + 1, sizeof *b->sets)) {
+        b->oom = 1;
+        return 0;
+    }
+    b->sets[b->n_sets] = *s;
+    return b->n_sets++;
+}
+
+void qf_gseq_set(qf_gbuild *b, qf_gseq *q, const qf_cset *s) { seq_push(q, set_id(b, s)); }
+
+void qf_gseq_byte(qf_gbuild *b, qf_gseq *q, unsigned char c) {
+    qf_cset s = {{0}};
+    qf_cset_add(&s, c, c);
+    qf_gseq_set(b, q, &s);
+}
+
+void qf_gseq_lit(qf_gbuild *b, qf_gseq *q, const char *text) {
+    for (const unsigned char *p = (const unsigned char *)text; *p; p++) qf_gseq_byte(b, q, *p);
+}
+
+void qf_gseq_ref(qf_gseq *q, int rule) { seq_push(q, -(rule + 1)); }
+void qf_gseq_append(qf_gseq *q, const qf_gseq *more) {
+    for (int i = 0; i < more->n; i++) seq_push(q, more->e[i]);
+}
+void qf_gseq_clear(qf_gseq *q) { q->n = 0; }
+void qf_gseq_free(qf_gseq *q) {
+    free(q->e);
+    *q = (qf_gseq){0};
+}
+
+void qf_gb_special(qf_gbuild *b, const char *text) {
+    for (int i = 0; i < b->n_specials; i++)
+        if (!strcmp(b->specials[i], text)) return;
+    char *t = strdup(text);
+    if (!t || !grow((void **)&b->specials, &b->cap_specials, b->n_specials + 1, sizeof *b->specials)) {
+        free(t);
+        b->oom = 1;
+        return;
+    }
+    b->specials[b->n_specials++] = t;
+}
+
+void qf_grammar_free(qf_grammar *g) {
+    if (!g) return;
+    free(g->rule_a0);
+    free(g->rule_na);
+    free(g->alt_e0);
+    free(g->alt_n);
+    free(g->alt_loop);
+    free(g->elems);
+    free(g->sets);
+    for (int i = 0; i < g->n_specials; i++) free(g->specials[i]);
+    free(g->specials);
+    free(g);
+}
+
+int qf_grammar_rules(const qf_grammar *g) { return g->n_rules; }
+
+/* Alternatives are grouped by rule (in the order they were added). */
+static void order_alts(const qf_gbuild *b, qf_grammar *g) {
+    for (int a = 0; a < b->n_alts; a++) g->rule_na[b->alts[a].rule]++;
+    for (int r = 0, at = 0; r < b->n_rules; r++) g->rule_a0[r] = at, at += g->rule_na[r];
+    int *fill = calloc((size_t)b->n_rules, sizeof *fill);
+    for (int a = 0; fill && a < b->n_alts; a++) {
+        const balt *x = &b->alts[a];
+        int to = g->rule_a0[x->rule] + fill[x->rule]++;
+        g->alt_e0[to] = x->e0;
+        g->alt_n[to] = x->n;
+        g->alt_loop[to] = x->n == 2 && b->elems[x->e0] >= 0 && b->elems[x->e0 + 1] == -(x->rule + 1);
+    }
+    free(fill);
+}
+
+int qf_gb_finish(qf_gbuild *b, int root, qf_grammar **out) {
+    *out = NULL;
+    if (b->oom) return qf_fail(QF_ENOMEM, "out of memory building a grammar");
+    if (root < 0 || root >= b->n_rules) return qf_fail(QF_EINVAL, "grammar: no start rule");
+    qf_grammar *g = calloc(1, sizeof *g);
+    if (!g) return qf_fail(QF_ENOMEM, "out of memory building a grammar");
+    int R = b->n_rules, A = b->n_alts;
+    g->n_rules = R, g->n_alts = A, g->n_sets = b->n_sets, g->root = root;
+    g->rule_a0 = calloc((size_t)R, sizeof(int));
+    g->rule_na = calloc((size_t)R, sizeof(int));
+    g->alt_e0 = calloc((size_t)A + 1, sizeof(int));
+    g->alt_n = calloc((size_t)A + 1, sizeof(int));
+    g->alt_loop = calloc((size_t)A + 1, sizeof(int));
+    g->elems = malloc(((size_t)b->n_elems + 1) * sizeof(int32_t));
+    g->sets = malloc(((size_t)b->n_sets + 1) * sizeof(qf_cset));
+    if (!g->rule_a0 || !g->rule_na || !g->alt_e0 || !g->alt_n || !g->alt_loop || !g->elems || !g->sets) {
+        qf_grammar_free(g);
+        return qf_fail(QF_ENOMEM, "out of memory building a grammar");
+    }
+    memcpy(g->elems, b->elems, (size_t)b->n_elems * sizeof(int32_t));
+    memcpy(g->sets, b->sets, (size_t)b->n_sets * sizeof(qf_cset));
+    order_alts(b, g);
+    for (int r = 0; r < R; r++)
+        if (!g->rule_na[r]) {
+            qf_grammar_free(g);
+            return qf_fail(QF_EINVAL, "grammar: rule %d has no alternatives", r);
+        }
+    g->specials = b->specials, g->n_specials = b->n_specials;
+    b->specials = NULL, b->n_specials = b->cap_specials = 0;
+    *out = g;
+    return QF_OK;
+}
+
+/* ---- the sorted vocabulary ---- */
+
+typedef struct vtok {
+    const unsigned char *p;
+    int len, id;
+} vtok;
+
+/* Tokens in byte order, with each one's common prefix with the one before. */
+typedef struct vlist {
+    vtok *t;
+    int *lcp;
+    int n;
+} vlist;
+
+/* The tokens made only of a loop's bytes (allowed at once) and the list of the others. */
+typedef struct loopcache {
+    qf_cset set;
+    uint32_t *all_in; /* a bit per id */
+    vlist rest;
+    int n_all_in, used;
+    uint64_t stamp;
+} loopcache;
+
+#define N_LOOPCACHE 8
+
+struct qf_vocab_index {
+    int vocab, max_len;
+    vlist all;
+    int32_t *eos;
+    int n_eos;
+    loopcache lc[N_LOOPCACHE];
+    uint64_t clock;
+};
+
+static int vtok_cmp(const void *a, const void *b) {
+    const vtok *x = a, *y = b;
+    int n = x->len < y->len ? x->len : y->len, c = memcmp(x->p, y->p, (size_t)n);
+    return c ? c : x->len - y->len;
+}
+
+static void vlist_free(vlist *l) {
+    free(l->t);
+    free(l->lcp);
+    *l = (vlist){0};
+}
+
+static void vlist_lcp(vlist *l) {
+    for (int i = 0; i < l->n; i++) {
+        int k = 0;
+        if (i > 0) {
+            const vtok *a = &l->t[i - 1], *b = &l->t[i];
+            while (k < a->len && k < b->len && a->p[k] == b->p[k]) k++;
+        }
+        l->lcp[i] = k;
+    }
+}
+
+void qf_vocab_index_free(qf_vocab_index *v) {
+    if (!v) return;
+    vlist_free(&v->all);
+    for (int i = 0; i < N_LOOPCACHE; i++) {
+        free(v->lc[i].all_in);
+        vlist_free(&v->lc[i].rest);
+    }
+    free(v->eos);
+    free(v);
+}
+
+int qf_vocab_index_create(qf_vocab_index **out, const qf_tokenizer *t, int vocab, const int32_t *eos, int n_eos) {
+    *out = NULL;
+    qf_vocab_index *v = calloc(1, sizeof *v);
+    if (!v) return qf_fail(QF_ENOMEM, "out of memory for the vocabulary index");
+    v->vocab = vocab;
+    v->all.t = malloc((size_t)vocab * sizeof(vtok));
+    v->all.lcp = malloc((size_t)vocab * sizeof(int));
+    v->eos = malloc(((size_t)n_eos + 1) * sizeof(int32_t));
+    if (!v->all.t || !v->all.lcp || !v->eos) {
+        qf_vocab_index_free(v);
+        return qf_fail(QF_ENOMEM, "out of memory for the vocabulary index");
+    }
+    memcpy(v->eos, eos, (size_t)n_eos * sizeof(int32_t));
+    v->n_eos = n_eos;
+    for (int id = 0; id < vocab; id++) {
+        size_t len = 0;
+        const char *p = qf_tok_piece(t, id, &len);
+        int skip = !p || !len || qf_tok_is_special(t, id);
+        for (int k = 0; k < n_eos && !skip; k++) skip = eos[k] == id;
+        if (skip) continue;
+        v->all.t[v->all.n++] = (vtok){(const unsigned char *)p, (int)len, id};
+        if ((int)len > v->max_len) v->max_len = (int)len;
+    }
+    qsort(v->all.t, (size_t)v->all.n, sizeof(vtok), vtok_cmp);
+    vlist_lcp(&v->all);
+    *out = v;
+    return QF_OK;
+}
+
+static int all_in(const vtok *t, const qf_cset *s) {
+    for (int i = 0; i < t->len; i++)
+        if (!qf_cset_has(s, t->p[i])) return 0;
+    return 1;
+}
+
+/* The cache entry for a loop's byte set, made on first use (the least recently used is reused). */
+static loopcache *loop_cache(qf_vocab_index *v, const qf_cset *s) {
+    loopcache *victim = &v->lc[0];
+    for (int i = 0; i < N_LOOPCACHE; i++) {
+        loopcache *c = &v->lc[i];
+        if (c->used && !memcmp(&c->set, s, sizeof *s)) {
+            c->stamp = ++v->clock;
+            return c;
+        }
+        if (!c->used || c->stamp < victim->stamp) victim = c;
+    }
+    loopcache *c = victim;
+    if (!c->all_in) {
+        c->all_in = malloc(((size_t)v->vocab + 31) / 32 * sizeof(uint32_t));
+        c->rest.t = malloc((size_t)v->all.n * sizeof(vtok) + 1);
+        c->rest.lcp = malloc((size_t)v->all.n * sizeof(int) + 1);
+        if (!c->all_in || !c->rest.t || !c->rest.lcp) return NULL;
+    }
+    memset(c->all_in, 0, ((size_t)v->vocab + 31) / 32 * sizeof(uint32_t));
+    c->set = *s;
+    c->rest.n = c->n_all_in = 0;
+    for (int i = 0; i < v->all.n; i++) {
+        const vtok *t = &v->all.t[i];
+        if (all_in(t, s)) c->all_in[t->id >> 5] |= 1u << (t->id & 31), c->n_all_in++;
+        else c->rest.t[c->rest.n++] = *t;
+    }
+    vlist_lcp(&c->rest);
+    c->used = 1;
+    c->stamp = ++v->clock;
+    return c;
+}
+
+/* ---- the matcher ---- */
+
+typedef struct gnode {
+    int32_t alt, pos, parent; /* continue alternative alt at element pos, then return to parent */
+} gnode;
+
+#define SET_MAX 256
+#define EXPAND_DEPTH 200
+
+typedef struct gset {
+    int32_t top[SET_MAX];
+    int n, complete;
+} gset;
+
+struct qf_gmatch {
+    const qf_grammar *g;
+    qf_vocab_index *v;
+    gnode *arena;
+    int n_arena, cap_arena, err;
+    gset cur;
+    gset *depth;           /* (max_len + 1) sets for the mask walk */
+    int *depth_mark;       /* the arena's size after each depth's set */
+    int32_t *special_id;   /* the grammar's special tokens, -1 where the tokenizer has none */
+    const qf_tokenizer *t;
+    int32_t free_until;    /* the grammar starts after this token; -1 once it has */
+    gset tmp, tmp2;
+    uint32_t *allowed;     /* a bit per id */
+    int32_t *remap, *chain; /* compaction */
+    gnode *arena2;
+    int n2;
+};
+
+static int32_t push_node(qf_gmatch *m, int32_t alt, int32_t pos, int32_t parent) {
+    if (m->n_arena >= m->cap_arena) {
+        m->err = 1;
+        return -1;
+    }
+    m->arena[m->n_arena] = (gnode){alt, pos, parent};
+    return m->n_arena++;
+}
+
+static void set_add(qf_gmatch *m, gset *o, int32_t alt, int32_t pos, int32_t parent) {
+    for (int i = 0; i < o->n; i++) {
+        const gnode *x = &m->arena[o->top[i]];
+        if (x->alt == alt && x->pos == pos && x->parent == parent) return;
+    }
+    if (o->n >= SET_MAX) {
+        m->err = 2;
+        return;
+    }
+    int32_t n = push_node(m, alt, pos, parent);
+    if (n >= 0) o->top[o->n++] = n;
+}
+
+/* Adds to o every way to reach a byte set from "alternative alt at pos, then parent". */
+static void expand(qf_gmatch *m, gset *o, int32_t alt, int32_t pos, int32_t parent, int depth) {
+    const qf_grammar *g = m->g;
+    if (depth > EXPAND_DEPTH) {
+        m->err = 3;
+        return;
+    }
+    while (pos == g->alt_n[alt]) {
+        if (parent < 0) {
+            o->complete = 1;
+            return;
+        }
+        const gnode *p = &m->arena[parent];
+        alt = p->alt, pos = p->pos + 1, parent = p->parent;
+    }
+    int32_t el = g->elems[g->alt_e0[alt] + pos];
+    if (el >= 0) {
+        set_add(m, o, alt, pos, parent);
+        return;
+    }
+    int r = -el - 1;
+    int32_t ret = pos + 1 == g->alt_n[alt] ? parent : push_node(m, alt, pos, parent); /* a last call returns straight to parent */
+    if (m->err) return;
+    for (int a = g->rule_a0[r]; a < g->rule_a0[r] + g->rule_na[r]; a++) expand(m, o, a, 0, ret, depth + 1);
+}
+
+static void advance(qf_gmatch *m, const gset *in, unsigned char c, gset *o) {
+    o->n = o->complete = 0;
+    for (int i = 0; i < in->n && !m->err; i++) {
+        const gnode *x = &m->arena[in->top[i]];
+        if (qf_cset_has(&m->g->sets[m->g->elems[m->g->alt_e0[x->alt] + x->pos]], c)) expand(m, o, x->alt, x->pos + 1, x->parent, 0);
+    }
+}
+
+/* Copies node idx and the part of its chain not yet copied into arena2 (m->n2 nodes so far). */
+static int32_t copy_chain(qf_gmatch *m, int32_t idx) {
+    int n = 0;
+    for (int32_t i = idx; i >= 0 && m->remap[i] < 0; i = m->arena[i].parent) m->chain[n++] = i;
+    for (int k = n - 1; k >= 0; k--) {
+        gnode x = m->arena[m->chain[k]];
+        x.parent = x.parent >= 0 ? m->remap[x.parent] : -1;
+        m->arena2[m->n2] = x;
+        m->remap[m->chain[k]] = m->n2++;
+    }
+    return m->remap[idx];
+}
+
+/* Keeps only the nodes the current stacks use. */
+static void compact(qf_gmatch *m) {
+    for (int i = 0; i < m->n_arena; i++) m->remap[i] = -1;
+    m->n2 = 0;
+    for (int i = 0; i < m->cur.n; i++) m->cur.top[i] = copy_chain(m, m->cur.top[i]);
+    gnode *a = m->arena;
+    m->arena = m->arena2;
+    m->arena2 = a;
+    m->n_arena = m->n2;
+}
+
+void qf_gmatch_free(qf_gmatch *m) {
+    if (!m) return;
+    free(m->arena);
+    free(m->arena2);
+    free(m->remap);
+    free(m->chain);
+    free(m->allowed);
+    free(m->depth);
+    free(m->depth_mark);
+    free(m->special_id);
+    free(m);
+}
+
+static int start(qf_gmatch *m) {
+    const qf_grammar *g = m->g;
+    m->n_arena = 0;
+    m->err = 0;
+    m->cur.n = m->cur.complete = 0;
+    for (int a = g->rule_a0[g->root]; a < g->rule_a0[g->root] + g->rule_na[g->root]; a++) expand(m, &m->cur, a, 0, -1, 0);
+    return m->err ? qf_fail(QF_EINVAL, "grammar: left recursion or too many parses at the start") : QF_OK;
+}
+
+int qf_gmatch_create(qf_gmatch **out, const qf_grammar *g, qf_vocab_index *v, const qf_tokenizer *t, int32_t free_until) {
+    *out = NULL;
+    qf_gmatch *m = calloc(1, sizeof *m);
+    if (!m) return qf_fail(QF_ENOMEM, "out of memory for a grammar matcher");
+    m->g = g, m->v = v, m->t = t, m->free_until = free_until;
+    m->cap_arena = 1 << 16;
+    m->arena = malloc((size_t)m->cap_arena * sizeof(gnode));
+    m->arena2 = malloc((size_t)m->cap_arena * sizeof(gnode));
+    m->remap = malloc((size_t)m->cap_arena * sizeof(int32_t));
+    m->chain = malloc((size_t)m->cap_arena * sizeof(int32_t));
+    m->allowed = malloc(((size_t)v->vocab + 31) / 32 * sizeof(uint32_t));
+    m->depth = malloc(((size_t)v->max_len + 2) * sizeof(gset));
+    m->depth_mark = malloc(((size_t)v->max_len + 2) * sizeof(int));
+    m->special_id = malloc(((size_t)g->n_specials + 1) * sizeof(int32_t));
+    if (!m->arena || !m->arena2 || !m->remap || !m->chain || !m->allowed || !m->depth || !m->depth_mark || !m->special_id) {
+        qf_gmatch_free(m);
+        return qf_fail(QF_ENOMEM, "out of memory for a grammar matcher");
+    }
+    for (int i = 0; i < g->n_specials; i++) m->special_id[i] = t ? qf_tok_lookup(t, g->specials[i]) : -1;
+    int rc = start(m);
+    if (rc != QF_OK) {
+        qf_gmatch_free(m);
+        return rc;
+    }
+    *out = m;
+    return QF_OK;
+}
+
+int qf_gmatch_complete(const qf_gmatch *m) { return m->free_until < 0 && m->cur.complete; }
+
+/* Matches bytes from the current stacks; the stacks after them end in m->tmp (the arena grows:
+ * the caller keeps or resets it). */
+static int match_from_cur(qf_gmatch *m, const unsigned char *p, size_t n) {
+    const gset *in = &m->cur;
+    gset *a = &m->tmp, *b = &m->tmp2;
+    for (size_t i = 0; i < n; i++) {
+        advance(m, in, p[i], a);
+        if (m->err || (!a->n && !(i + 1 == n && a->complete))) return 0;
+        in = a;
+        gset *t = a;
+        a = b, b = t;
+    }
+    if (in != &m->tmp) m->tmp = *in;
+    return 1;
+}
+
+int qf_gmatch_try_bytes(qf_gmatch *m, const char *bytes, size_t n) {
+    int mark = m->n_arena;
+    int ok = match_from_cur(m, (const unsigned char *)bytes, n);
+    m->n_arena = mark;
+    m->err = 0;
+    return ok;
+}
+
+int qf_gmatch_accept_bytes(qf_gmatch *m, const char *bytes, size_t n) {
+    int mark = m->n_arena;
+    if (!match_from_cur(m, (const unsigned char *)bytes, n)) {
+        int err = m->err;
+        m->n_arena = mark;
+        m->err = 0;
+        return err ? qf_fail(QF_EINVAL, "grammar: the parse outgrew its limits") : qf_fail(QF_EINVAL, "grammar: the text is not allowed here");
+    }
+    m->cur = m->tmp;
+    if (m->n_arena > m->cap_arena / 2) compact(m);
+    return QF_OK;
+}
+
+int qf_gmatch_accept(qf_gmatch *m, int32_t tok) {
+    if (m->free_until >= 0) {
+        if (tok == m->free_until) m->free_until = -1;
+        return QF_OK;
+    }
+    size_t len = 0;
+    const char *p = qf_tok_piece(m->t, tok, &len);
+    if (!p || !len) return qf_fail(QF_EINVAL, "grammar: token %d has no text", tok);
+    return qf_gmatch_accept_bytes(m, p, len);
+}
+
+static void disallow(float *logits, const uint32_t *allowed, int vocab) {
+    for (int i = 0; i < vocab; i++)
+        if (!((allowed[i >> 5] >> (i & 31)) & 1u)) logits[i] = -INFINITY;
+}
+
+/* Marks in allowed every token of l that the current stacks accept. */
+static int walk(qf_gmatch *m, const vlist *l, uint32_t *allowed) {
+    int base = m->n_arena, count = 0;
+    m->depth[0] = m->cur;
+    m->depth_mark[0] = base;
+    for (int i = 0; i < l->n;) {
+        const vtok *t = &l->t[i];
+        int d = l->lcp[i]; /* depth[d] holds the stacks after t's first d bytes */
+        m->n_arena = m->depth_mark[d];
+        int ok = 1;
+        for (; d < t->len; d++) {
+            advance(m, &m->depth[d], t->p[d], &m->depth[d + 1]);
+            if (m->err) return -1;
+            m->depth_mark[d + 1] = m->n_arena;
+            if (!m->depth[d + 1].n && !(d + 1 == t->len && m->depth[d + 1].complete)) {
+                ok = 0;
+                break;
+            }
+        }
+        if (ok) {
+            allowed[t->id >> 5] |= 1u << (t->id & 31);
+            count++;
+            i++;
+            continue;
+        }
+        /* every following token sharing the first d + 1 bytes fails the same way */
+        for (i++; i < l->n && l->lcp[i] > d; i++) {}
+    }
+    m->n_arena = base;
+    return count;
+}
+
+/* The widest byte loop the parse sits in, or NULL. */
+static const qf_cset *loop_set(const qf_gmatch *m) {
+    const qf_cset *best = NULL;
+    int best_n = -1;
+    for (int i = 0; i < m->cur.n; i++) {
+        const gnode *x = &m->arena[m->cur.top[i]];
+        if (x->pos != 0 || !m->g->alt_loop[x->alt]) continue;
+        const qf_cset *s = &m->g->sets[m->g->elems[m->g->alt_e0[x->alt]]];
+        int n = 0;
+        for (int w = 0; w < 8; w++) n += __builtin_popcount(s->w[w]);
+        if (n > best_n) best = s, best_n = n;
+    }
+    return best;
+}
+
+int qf_gmatch_mask(qf_gmatch *m, float *logits) {
+    qf_vocab_index *v = m->v;
+    if (m->free_until >= 0) return v->vocab;
+    uint32_t *allowed = m->allowed;
+    size_t words = ((size_t)v->vocab + 31) / 32;
+    memset(allowed, 0, words * sizeof(uint32_t));
+    const qf_cset *ls = loop_set(m);
+    loopcache *lc = ls ? loop_cache(v, ls) : NULL;
+    int count = 0;
+    if (lc) {
+        for (size_t w = 0; w < words; w++) allowed[w] = lc->all_in[w];
+        count = lc->n_all_in;
+    }
+    int got = walk(m, lc ? &lc->rest : &v->all, allowed);
+    m->err = 0;
+    if (got < 0) return qf_fail(QF_EINVAL, "grammar: the parse outgrew its limits");
+    count += got;
+    for (int i = 0; i < m->g->n_specials; i++) {
+        int32_t id = m->special_id[i];
+        if (id < 0 || id >= v->vocab) continue;
+        if (qf_gmatch_try_bytes(m, m->g->specials[i], strlen(m->g->specials[i]))) allowed[id >> 5] |= 1u << (id & 31), count++;
+    }
+    if (m->cur.complete)
+        for (int k = 0; k < v->n_eos; k++) allowed[v->eos[k] >> 5] |= 1u << (v->eos[k] & 31), count++;
+    disallow(logits, allowed, v->vocab);
+    return count;
+}

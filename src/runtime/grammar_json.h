@@ -1,0 +1,35 @@
+/* Grammars for structured output: JSON from a JSON schema, and tool calls in the forms the Qwen
+ * templates teach.
+ *
+ * Supported schema keywords: type (one or a list), enum, const, anyOf / oneOf (as alternatives),
+ * allOf of one schema, $ref within the document (#, #/$defs/..., #/definitions/..., recursion
+ * allowed), properties / required / additionalProperties (declared properties come in their
+ * order, optional ones may be left out; extra properties are generated only for an object with no
+ * declared properties), items, prefixItems, minItems / maxItems, minLength / maxLength, pattern
+ * (a regular-expression subset: literals, escapes \d \w \s \D \W \S, classes, ., groups,
+ * alternation, * + ? {n} {n,} {n,m}, ^ and $), format date / time / date-time / uuid / ipv4 /
+ * email, integer minimum / maximum / exclusiveMinimum / exclusiveMaximum, and number bounds that
+ * are integers. Annotations (title, description, default, examples, $schema, $id, $comment,
+ * deprecated, readOnly, writeOnly) are ignored; any other keyword is refused, naming it and
+ * where it is (a JSON pointer). Numbers have at most 15 integer and 15 fraction digits; white
+ * space between tokens is at most a newline and 24 spaces, so a reply cannot run on in blanks. */
+#ifndef QF_RUNTIME_GRAMMAR_JSON_H
+#define QF_RUNTIME_GRAMMAR_JSON_H
+
+#include <jansson.h>
+
+#include "runtime/grammar.h"
+
+/* schema NULL: any JSON object (response_format json_object). QF_EINVAL names what is refused. */
+int qf_grammar_json(qf_grammar **out, json_t *schema);
+
+enum { QF_TOOLS_XML, QF_TOOLS_JSON };
+
+/* One or more tool calls (parallel: more than one allowed), nothing else: tools is the request's
+ * array ({type: function, function: {name, parameters}}), name restricts to one function
+ * (NULL: any). XML: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...
+ * </function>\n</tool_call>, a string value as raw text without "</"; JSON:
+ * <tool_call>\n{"name": "NAME", "arguments": {...}}\n</tool_call>. */
+int qf_grammar_tools(qf_grammar **out, json_t *tools, const char *name, int form, int parallel);
+
+#endif
