@@ -10,12 +10,14 @@
 static void serve_usage(void) {
     fprintf(stderr,
             "usage: qflash serve -m DIR [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--model-name NAME]\n"
+            "                    [--chat-template FILE]\n"
             "                    [--max-batch 16] [--ctx 4096] [--kv-pages N | --kv-mem MIB] [--page-tokens 16]\n"
             "                    [--prefill-chunk 256] [--max-queue 256] [--max-body MIB] [--shutdown-timeout S]\n"
             "                    [--max-conns 512] [--header-timeout 60] [--body-timeout 120] [--idle-timeout 75]\n"
             "                    [-t THREADS] [--device cpu|cuda[:N]] [--precision bf16x2|fp32|bf16] [--cuda-opt NAME=V]\n"
             "                    [--gpu-mem SIZE] [--expert-cache SIZE] [--expert-policy lru|dlfu|dlfu-admit]\n"
             "                    [--synthetic PRESET] [--verbose]\n"
+            "--chat-template: a Jinja file used instead of the model's own template.\n"
             "--synthetic: generated weights of a real checkpoint's shapes (qwen3.6-35b-a3b) with DIR's tokenizer (load tests).\n"
             "Defaults from the environment: QFLASH_MODEL, QFLASH_HOST, QFLASH_PORT, QFLASH_API_KEY (flags win).\n");
 }
@@ -42,6 +44,7 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
         else if (cli_is(&a, NULL, "--port")) o->port = cli_int(&a, 0, 65535);
         else if (cli_is(&a, NULL, "--api-key")) o->api_key = cli_value(&a);
         else if (cli_is(&a, NULL, "--model-name")) o->model_name = cli_value(&a);
+        else if (cli_is(&a, NULL, "--chat-template")) o->chat_template = cli_value(&a);
         else if (cli_is(&a, NULL, "--max-batch")) o->sched.max_batch = cli_int(&a, 1, 1024);
         else if (cli_is(&a, "-c", "--ctx")) o->sched.ctx = cli_int(&a, 16, 1 << 24);
         else if (cli_is(&a, NULL, "--kv-pages")) o->sched.kv_pages = cli_int(&a, 1, 1 << 30);

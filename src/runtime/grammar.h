@@ -63,7 +63,8 @@ int qf_grammar_rules(const qf_grammar *g);
 /* ---- the vocabulary, sorted once per tokenizer ---- */
 
 typedef struct qf_vocab_index qf_vocab_index;
-/* Every token with bytes, except special tokens and the ids in eos[0..n_eos). */
+/* Ids 0..vocab-1 (the logits' rows): every token with bytes, except special tokens and the ids
+ * in eos[0..n_eos); ids without a token are never allowed. */
 int qf_vocab_index_create(qf_vocab_index **out, const qf_tokenizer *t, int vocab, const int32_t *eos, int n_eos);
 void qf_vocab_index_free(qf_vocab_index *v);
 

@@ -353,6 +353,19 @@ typedef struct rx {
 
 static int rx_alt(rx *x);
 
+/* Any characters (a raw, unquoted text's free part). */
+static int anychar_loop(jc *c) {
+    int r = newrule(c);
+    qf_gseq q = {0};
+    qf_gseq_ref(&q, anychar_rule(c));
+    qf_gseq_ref(&q, r);
+    qf_gb_alt(c->b, r, &q);
+    qf_gseq_clear(&q);
+    qf_gb_alt(c->b, r, &q);
+    qf_gseq_free(&q);
+    return r;
+}
+
 static void rx_utf8(rx *x, qf_gseq *q) {
     const unsigned char *p = (const unsigned char *)x->p;
     int n = *p < 0x80 ? 1 : *p < 0xe0 ? 2 : *p < 0xf0 ? 3 : 4;
@@ -571,8 +584,9 @@ static int rx_alt(rx *x) {
     return x->c->failed ? -1 : r;
 }
 
-/* A JSON string whose decoded text matches pattern somewhere (anchors pin it to an end). */
-static int pattern_rule(jc *c, const char *pat, const char *path) {
+/* A JSON string whose decoded text matches pattern somewhere (anchors pin it to an end); quoted 0:
+ * the text alone (a tool call's raw parameter). */
+static int pattern_rule(jc *c, const char *pat, const char *path, int quoted) {
     size_t n = strlen(pat);
     int head = n && pat[0] == '^', tail = n > (size_t)head && pat[n - 1] == '$' && (n < 2 || pat[n - 2] != '\\');
     rx x = {c, pat + head, pat + n - tail, path};
@@ -580,11 +594,11 @@ static int pattern_rule(jc *c, const char *pat, const char *path) {
     if (body < 0) return -1;
     if (x.p != x.end) return jfail(c, path, "pattern: unbalanced parentheses");
     qf_gseq q = {0};
-    qf_gseq_byte(c->b, &q, '"');
-    if (!head) qf_gseq_ref(&q, content_rule(c));
+    if (quoted) qf_gseq_byte(c->b, &q, '"');
+    if (!head) qf_gseq_ref(&q, quoted ? content_rule(c) : anychar_loop(c));
     qf_gseq_ref(&q, body);
-    if (!tail) qf_gseq_ref(&q, content_rule(c));
-    qf_gseq_byte(c->b, &q, '"');
+    if (!tail) qf_gseq_ref(&q, quoted ? content_rule(c) : anychar_loop(c));
+    if (quoted) qf_gseq_byte(c->b, &q, '"');
     int r = rule_of(c, &q);
     qf_gseq_free(&q);
     return r;
@@ -732,7 +746,7 @@ static int type_string(jc *c, json_t *node, const char *path) {
     if ((pat || fp) && (lo > 0 || hi >= 0)) return jfail(c, path, "'pattern' or 'format' together with minLength / maxLength is not supported");
     if (pat && fp) return jfail(c, path, "'pattern' together with a 'format' is not supported");
     if (hi >= 0 && hi < lo) return jfail(c, path, "maxLength is below minLength");
-    if (pat || fp) return pattern_rule(c, pat ? json_string_value(pat) : fp, path);
+    if (pat || fp) return pattern_rule(c, pat ? json_string_value(pat) : fp, path, 1);
     if (lo > 0 || hi >= 0) return counted_string(c, lo, hi, path);
     return string_rule(c);
 }
@@ -803,7 +817,7 @@ static int is_required(json_t *req, const char *key) {
 static int member_rule(jc *c, const member *m, const char *path) {
     json_t *k = json_string(m->key);
     char sub[512];
-    subpath(sub, sizeof sub, path, m->key);
+    snprintf(sub, sizeof sub, "%s/properties/%s", path, m->key);
     int kr = literal_rule(c, k, path), vr = m->schema ? compile(c, m->schema, sub) : any_value(c);
     json_decref(k);
     if (kr < 0 || vr < 0) return -1;
@@ -1144,13 +1158,9 @@ int qf_grammar_json(qf_grammar **out, json_t *schema) {
 
 /* ---- tool calls ---- */
 
-/* A parameter's value in the XML form: raw text for a string, JSON for anything else. */
-static int xml_value(jc *c, json_t *sch, const char *path) {
-    json_t *t = json_is_object(sch) ? json_object_get(sch, "type") : NULL;
-    int is_str = json_is_string(t) && !strcmp(json_string_value(t), "string") && !json_object_get(sch, "enum") && !json_object_get(sch, "pattern") &&
-                 !json_object_get(sch, "format");
-    if (!is_str) return sch ? compile(c, sch, path) : any_value(c);
-    int r = newrule(c); /* text ::= [^<] text | "<" [^/<] text | empty */
+/* Free raw text: text ::= [^<] text | "<" [^/<t] text | empty (no tag closes or opens in it). */
+static int xml_text(jc *c) {
+    int r = newrule(c);
     qf_gseq q = {0};
     qf_cset s = cset_range(0x01, 0xff);
     cset_del(&s, '<');
@@ -1159,12 +1169,39 @@ static int xml_value(jc *c, json_t *sch, const char *path) {
     qf_gb_alt(c->b, r, &q);
     qf_gseq_clear(&q);
     cset_del(&s, '/');
+    cset_del(&s, 't');
     qf_gseq_byte(c->b, &q, '<');
     qf_gseq_set(c->b, &q, &s);
     qf_gseq_ref(&q, r);
     qf_gb_alt(c->b, r, &q);
     qf_gseq_clear(&q);
     qf_gb_alt(c->b, r, &q);
+    qf_gseq_free(&q);
+    return r;
+}
+
+/* A parameter's value in the XML form, as the parser reads it back: JSON for a parameter whose
+ * type is given and is not "string"; else raw text (an enum's or const's values as written, a
+ * pattern's text unquoted). */
+static int xml_value(jc *c, json_t *sch, const char *path) {
+    json_t *t = json_is_object(sch) ? json_object_get(sch, "type") : NULL;
+    if (json_is_string(t) && strcmp(json_string_value(t), "string")) return compile(c, sch, path);
+    json_t *en = json_is_object(sch) ? json_object_get(sch, "enum") : NULL, *cn = json_is_object(sch) ? json_object_get(sch, "const") : NULL;
+    json_t *pat = json_is_object(sch) ? json_object_get(sch, "pattern") : NULL, *fmt = json_is_object(sch) ? json_object_get(sch, "format") : NULL;
+    const char *fp = json_is_string(fmt) ? format_pattern(json_string_value(fmt)) : NULL;
+    if (json_is_string(pat) || fp) return pattern_rule(c, json_is_string(pat) ? json_string_value(pat) : fp, path, 0);
+    if (!json_is_array(en) && !cn) return xml_text(c);
+    int r = newrule(c);
+    qf_gseq q = {0};
+    size_t n = cn ? 1 : json_array_size(en);
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = cn ? cn : json_array_get(en, i);
+        char *text = json_is_string(v) ? strdup(json_string_value(v)) : json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+        if (text) qf_gseq_lit(c->b, &q, text);
+        free(text);
+        qf_gb_alt(c->b, r, &q);
+        qf_gseq_clear(&q);
+    }
     qf_gseq_free(&q);
     return r;
 }

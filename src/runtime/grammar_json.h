@@ -28,7 +28,8 @@ enum { QF_TOOLS_XML, QF_TOOLS_JSON };
 /* One or more tool calls (parallel: more than one allowed), nothing else: tools is the request's
  * array ({type: function, function: {name, parameters}}), name restricts to one function
  * (NULL: any). XML: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...
- * </function>\n</tool_call>, a string value as raw text without "</"; JSON:
+ * </function>\n</tool_call>, a string value as raw text without "</" or "<t" (so no tag closes
+ * or opens inside it); JSON:
  * <tool_call>\n{"name": "NAME", "arguments": {...}}\n</tool_call>. */
 int qf_grammar_tools(qf_grammar **out, json_t *tools, const char *name, int form, int parallel);
 

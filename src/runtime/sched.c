@@ -27,6 +27,9 @@ struct qf_req {
     size_t stop_len[QF_MAX_STOP], max_stop;
     int n_stop;
     qf_sampler *smp;
+    qf_grammar *grammar;
+    qf_gmatch *gm;
+    int32_t grammar_after;
     qf_utf8_stream us;
     char *hold;
     size_t hold_len;
@@ -54,6 +57,7 @@ struct qf_sched {
     qf_engine *e;
     qf_sched_opts o;
     qf_kv_pool *kv;
+    qf_vocab_index *vix;  /* the sorted vocabulary for grammar masks, made on first use */
     char log_buf[4096];   /* the expert store's step description (--verbose) */
     slot *slots;
     qf_seq_step *steps;
@@ -85,6 +89,8 @@ struct qf_sched {
 
 static void req_free(qf_req *r) {
     qf_sampler_free(r->smp);
+    qf_gmatch_free(r->gm);
+    qf_grammar_free(r->grammar);
     free(r->toks);
     free(r->hold);
     free(r->chan);
@@ -147,6 +153,7 @@ static qf_req *req_new(qf_sched *s, const qf_req_params *p) {
     r->logprobs = p->logprobs;
     r->ignore_eos = p->ignore_eos;
     r->sparsity_set = p->sparsity_set, r->sparsity = p->sparsity;
+    r->grammar = p->grammar, r->grammar_after = p->grammar_after;
     r->notify = p->notify;
     r->notify_ud = p->notify_ud;
     r->slot = -1;
@@ -158,9 +165,12 @@ static qf_req *req_new(qf_sched *s, const qf_req_params *p) {
 int qf_sched_submit(qf_sched *s, const qf_req_params *p, qf_req **out) {
     *out = NULL;
     int rc = check_params(s, p);
-    if (rc != QF_OK) return rc;
-    qf_req *r = req_new(s, p);
-    if (!r) return qf_fail(QF_ENOMEM, "out of memory for a request");
+    if (rc == QF_OK && p->grammar && !s->e->tok) rc = qf_fail(QF_EINVAL, "constrained output needs the model's tokenizer");
+    qf_req *r = rc == QF_OK ? req_new(s, p) : NULL;
+    if (!r) {
+        qf_grammar_free(p->grammar);
+        return rc != QF_OK ? rc : qf_fail(QF_ENOMEM, "out of memory for a request");
+    }
     pthread_mutex_lock(&s->mu);
     if (s->stop || s->n_waiting >= s->o.max_queue) {
         int stopping = s->stop;
@@ -359,6 +369,19 @@ static int free_slot(const qf_sched *s) {
     return -1;
 }
 
+/* The request's grammar matcher (and, the first time, the sorted vocabulary). */
+static int grammar_start(qf_sched *s, qf_req *r) {
+    if (!s->vix) {
+        int V = s->e->model->cfg.vocab, n = 0;
+        int32_t eos[16];
+        for (int32_t t = 0; t < V && n < 16; t++)
+            if (qf_engine_is_eos(s->e, t)) eos[n++] = t;
+        int rc = qf_vocab_index_create(&s->vix, s->e->tok, V, eos, n); /* every row of the logits: ids without text are masked */
+        if (rc != QF_OK) return rc;
+    }
+    return qf_gmatch_create(&r->gm, r->grammar, s->vix, s->e->tok, r->grammar_after);
+}
+
 static void admit(qf_sched *s) {
     for (;;) {
         qf_req *cancelled = NULL;
@@ -375,6 +398,10 @@ static void admit(qf_sched *s) {
         r->slot = fs;
         r->n_fed = 0;
         s->slots[fs].req = r;
+        if (!r->primed && r->grammar && grammar_start(s, r) != QF_OK) {
+            finish(s, r, QF_FINISH_ERROR, qf_last_error());
+            continue;
+        }
         if (!r->primed) {
             for (int i = 0; i < r->n_prompt; i++) qf_sampler_accept(r->smp, r->toks[i], 0);
             r->primed = 1;
@@ -432,7 +459,7 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
                 if (take <= 0) continue;
                 sl->batch_n = take;
                 /* a plain greedy pick without logprobs: picked where the logits are (on a GPU, only the id comes back) */
-                int mode = take < left ? QF_LOGITS_NONE : r->logprobs < 0 && qf_sampler_is_greedy(r->smp) ? QF_LOGITS_TOP1 : QF_LOGITS_LAST;
+                int mode = take < left ? QF_LOGITS_NONE : r->logprobs < 0 && !r->gm && qf_sampler_is_greedy(r->smp) ? QF_LOGITS_TOP1 : QF_LOGITS_LAST;
                 s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, mode, sl->logits, &sl->top1, r->sparsity_set, r->sparsity};
                 s->step_slot[n++] = i;
                 rows += take;
@@ -447,13 +474,27 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
     }
 }
 
+/* Masks the tokens the request's grammar does not allow next. */
+static int apply_grammar(qf_sched *s, qf_req *r, float *logits) {
+    double t0 = qf_now();
+    int n = qf_gmatch_mask(r->gm, logits);
+    double dt = qf_now() - t0;
+    pthread_mutex_lock(&s->mu);
+    s->stats.masks++;
+    s->stats.mask_seconds += dt;
+    pthread_mutex_unlock(&s->mu);
+    if (n < 0) return n;
+    return n == 0 ? qf_fail(QF_EINVAL, "the output grammar allows no next token (a dead end of the schema)") : QF_OK;
+}
+
 /* Samples the next token of a sequence whose logits are ready and routes its text. Returns a
  * finish reason, or QF_FINISH_NONE to go on. */
 static int emit_token(qf_sched *s, qf_req *r, float *logits, const int32_t *top1) {
     const qf_engine *e = s->e;
     int V = e->model->cfg.vocab;
     qf_token_lp lp;
-    if (r->logprobs >= 0) memcpy(s->lp_scratch, logits, (size_t)V * sizeof(float));
+    if (r->logprobs >= 0) memcpy(s->lp_scratch, logits, (size_t)V * sizeof(float)); /* the model's own distribution */
+    if (r->gm && apply_grammar(s, r, logits) != QF_OK) return QF_FINISH_ERROR;
     int32_t tok = top1 ? *top1 : qf_sampler_sample(r->smp, logits);
     if (r->logprobs >= 0) fill_logprobs(s->lp_scratch, V, r->logprobs, tok, &lp);
     double now = qf_now();
@@ -471,8 +512,9 @@ static int emit_token(qf_sched *s, qf_req *r, float *logits, const int32_t *top1
     pthread_mutex_unlock(&s->mu);
     r->t_last = now;
     r->n_gen++;
-    int eos = qf_engine_is_eos(e, tok) && !r->ignore_eos;
+    int eos = qf_engine_is_eos(e, tok) && (!r->ignore_eos || r->gm); /* a grammar allows an end only where it is complete */
     size_t len = 0;
+    if (!eos && r->gm && qf_gmatch_accept(r->gm, tok) != QF_OK) return QF_FINISH_ERROR;
     if (!eos) {
         qf_sampler_accept(r->smp, tok, 1);
         r->toks[r->n_toks++] = tok;
@@ -564,7 +606,7 @@ static int run_step(qf_sched *s) {
                 sl->st->n_pages, qf_kv_pool_free_pages(s->kv));
         int why = QF_FINISH_NONE;
         if (r->n_fed == r->n_toks) why = emit_token(s, r, sl->logits, s->steps[j].logits_mode == QF_LOGITS_TOP1 ? &sl->top1 : NULL);
-        if (why != QF_FINISH_NONE) finish(s, r, why, NULL);
+        if (why != QF_FINISH_NONE) finish(s, r, why, why == QF_FINISH_ERROR ? qf_last_error() : NULL);
         else if (r->n_fed + 1 == r->n_toks && r->notify) r->notify(r->notify_ud);
     }
     return 1;
@@ -673,6 +715,7 @@ void qf_sched_destroy(qf_sched *s) {
         finish(s, r, QF_FINISH_CANCELLED, NULL);
     }
     qf_kv_pool_free(s->kv);
+    qf_vocab_index_free(s->vix);
     free(s->slots);
     free(s->steps);
     free(s->step_slot);

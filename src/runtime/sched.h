@@ -17,6 +17,7 @@
 #include <stdio.h>
 
 #include "runtime/engine.h"
+#include "runtime/grammar.h"
 #include "runtime/sampler.h"
 
 #define QF_MAX_STOP 16
@@ -51,6 +52,8 @@ typedef struct qf_req_params {
     int ignore_eos;
     int sparsity_set;      /* this request's sparsity level instead of the model's */
     float sparsity;
+    qf_grammar *grammar;   /* the reply follows it (constrained decoding); submit takes it, even when it fails */
+    int32_t grammar_after; /* the grammar starts after this token (a reasoning block's end); -1: at once */
     void (*notify)(void *ud); /* called from the scheduler thread when output is ready */
     void *notify_ud;
 } qf_req_params;
@@ -100,6 +103,8 @@ typedef struct qf_sched_stats {
     /* cumulative histogram counts at the bucket bounds of qf_sched_*_buckets */
     uint64_t ttft_hist[16], itl_hist[16], ttft_n, itl_n;
     double ttft_sum, itl_sum;
+    uint64_t masks;        /* grammar masks computed, and their time */
+    double mask_seconds;
 } qf_sched_stats;
 
 extern const double qf_sched_ttft_buckets[15];

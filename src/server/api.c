@@ -224,12 +224,48 @@ static int parse_logprobs_chat(api_out *ao, json_t *b, gen_req *g) {
     return 0;
 }
 
+/* response_format: the grammar of a JSON reply (none for text). */
+static int parse_response_format(api_out *ao, json_t *b, gen_req *g) {
+    json_t *rf = json_object_get(b, "response_format");
+    if (!rf || json_is_null(rf)) return 0;
+    const char *t = json_string_value(json_object_get(rf, "type"));
+    if (!json_is_object(rf) || !t) return bad(ao, "'response_format' must be an object with a 'type'");
+    if (!strcmp(t, "text")) return 0;
+    json_t *schema = NULL;
+    if (!strcmp(t, "json_schema")) {
+        json_t *js = json_object_get(rf, "json_schema");
+        schema = json_object_get(js, "schema");
+        if (!json_is_object(js)) return bad(ao, "'response_format.json_schema' must be an object");
+        if (!json_is_object(schema) && !json_is_boolean(schema)) return bad(ao, "'response_format.json_schema.schema' must be a JSON schema (an object)");
+    } else if (strcmp(t, "json_object")) return bad(ao, "'response_format.type' must be text, json_object or json_schema");
+    if (qf_grammar_json(&g->p.grammar, schema) != QF_OK) return bad(ao, "'response_format.json_schema.schema': %s", qf_last_error());
+    return 0;
+}
+
+/* tool_choice "required" or a named function: the reply is tool calls only, by grammar. */
+static int parse_tool_choice(srv *s, api_out *ao, json_t *b, json_t *tools, gen_req *g) {
+    json_t *choice = json_object_get(b, "tool_choice");
+    int parallel = 1;
+    if (opt_bool(ao, b, "parallel_tool_calls", &parallel)) return -1;
+    if (!choice || json_is_null(choice)) return 0;
+    const char *name = NULL, *cs = json_string_value(choice);
+    if (cs && (!strcmp(cs, "none") || !strcmp(cs, "auto"))) return 0;
+    if (cs && strcmp(cs, "required")) return bad(ao, "'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+    if (!cs) {
+        name = json_string_value(json_object_get(json_object_get(choice, "function"), "name"));
+        if (!name) return bad(ao, "'tool_choice.function.name' must be a string");
+    }
+    if (!json_is_array(tools) || !json_array_size(tools)) return bad(ao, "'tool_choice' %s needs 'tools'", cs ? cs : "naming a function");
+    qf_grammar_free(g->p.grammar); /* a forced call wins over response_format */
+    g->p.grammar = NULL;
+    if (qf_grammar_tools(&g->p.grammar, tools, name, s->tool_form, parallel) != QF_OK) return bad(ao, "'tool_choice': %s", qf_last_error());
+    return 0;
+}
+
 int api_parse_chat(srv *s, api_out *ao, json_t *b, gen_req *g) {
     g->p.logprobs = -1;
-    if (parse_common(s, ao, b, g) || parse_logprobs_chat(ao, b, g)) return -1;
-    json_t *rf = json_object_get(b, "response_format"), *rft = json_object_get(rf, "type");
-    if (rf && !json_is_null(rf) && !(json_is_string(rft) && strcmp(json_string_value(rft), "text") == 0))
-        return bad(ao, "'response_format' other than text is not supported");
+    g->p.grammar_after = -1;
+    if (parse_common(s, ao, b, g) || parse_logprobs_chat(ao, b, g) || parse_response_format(ao, b, g)) return -1;
     if (!s->has_tmpl) return bad(ao, "this model has no chat template; use /v1/completions");
     json_t *vars = NULL;
     char *text = NULL;
@@ -242,6 +278,8 @@ int api_parse_chat(srv *s, api_out *ao, json_t *b, gen_req *g) {
     }
     json_t *tools = json_object_get(vars, "tools"), *choice = json_object_get(b, "tool_choice");
     if (rc == 0 && json_is_array(tools) && !(json_is_string(choice) && !strcmp(json_string_value(choice), "none"))) g->tools = json_incref(tools);
+    if (rc == 0) rc = parse_tool_choice(s, ao, b, tools, g);
+    if (rc == 0 && g->p.grammar && g->think_prompt) g->p.grammar_after = qf_tok_lookup(s->e->tok, "</think>");
     json_decref(vars);
     free(text);
     return rc;
@@ -276,7 +314,8 @@ static int parse_prompt(srv *s, api_out *ao, json_t *b, gen_req *g) {
 
 int api_parse_completion(srv *s, api_out *ao, json_t *b, gen_req *g, int native) {
     g->p.logprobs = -1;
-    if (parse_common(s, ao, b, g)) return -1;
+    g->p.grammar_after = -1;
+    if (parse_common(s, ao, b, g) || parse_response_format(ao, b, g)) return -1;
     long long lp = -1;
     int echo = 0;
     if (opt_int(ao, b, "logprobs", 0, QF_MAX_TOP_LOGPROBS, &lp) || opt_bool(ao, b, "echo", &echo)) return -1;
@@ -293,6 +332,8 @@ int api_parse_completion(srv *s, api_out *ao, json_t *b, gen_req *g, int native)
 }
 
 void gen_req_clear(gen_req *g) {
+    qf_grammar_free(g->p.grammar);
+    g->p.grammar = NULL;
     free(g->prompt);
     g->prompt = NULL;
     json_decref(g->tools);

@@ -360,6 +360,7 @@ void call_start(srv *s, struct evhttp_request *req, gen_req *g, int kind) {
     g->p.notify = call_notify;
     g->p.notify_ud = s;
     int rc = qf_sched_submit(s->sched, &g->p, &c->r);
+    g->p.grammar = NULL; /* the scheduler's now */
     if (rc != QF_OK) {
         int code = rc == QF_EBUSY ? 503 : rc == QF_EINVAL ? 400 : 500;
         srv_count(s, code);

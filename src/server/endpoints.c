@@ -47,6 +47,8 @@ void ep_metrics(srv *s, struct evhttp_request *req) {
     metric(b, "qflash:expert_cache_hits_total", "counter", "Routed experts found in the expert cache (all resident: every use).", (double)st.expert_hits);
     metric(b, "qflash:expert_cache_misses_total", "counter", "Routed experts loaded into the expert cache.", (double)st.expert_misses);
     metric(b, "qflash:expert_cache_bytes_loaded_total", "counter", "Bytes of routed experts loaded.", (double)st.expert_bytes_loaded);
+    metric(b, "qflash:grammar_masks_total", "counter", "Token masks computed for constrained output (response_format, forced tool calls).", (double)st.masks);
+    metric(b, "qflash:grammar_mask_seconds_total", "counter", "Time spent computing those masks.", st.mask_seconds);
     histogram(b, "qflash:time_to_first_token_seconds", "Time from request to its first generated token.", st.ttft_hist,
               qf_sched_ttft_buckets, st.ttft_n, st.ttft_sum);
     histogram(b, "qflash:inter_token_latency_seconds", "Time between consecutive generated tokens of a request.", st.itl_hist,

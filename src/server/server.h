@@ -15,6 +15,7 @@ typedef struct qf_server_opts {
     int port;
     const char *model_name;   /* id in /v1/models; default: the directory's name */
     const char *api_key;      /* NULL: no auth */
+    const char *chat_template; /* a Jinja file used instead of the model's template (NULL: the model's) */
     size_t max_body;          /* bytes */
     int max_conns;            /* open connections; beyond them the longest-idle one closes, or 503 */
     double header_timeout;    /* seconds from a request's first byte to the end of its head */

@@ -11,6 +11,7 @@
 #include <stdatomic.h>
 
 #include "server/server.h"
+#include "runtime/grammar_json.h"
 #include "server/think.h"
 #include "tokenizer/chat.h"
 
@@ -49,6 +50,7 @@ struct srv {
     qf_sched *sched;
     qf_chat_tmpl tmpl;
     int has_tmpl;
+    int tool_form;             /* QF_TOOLS_XML when the template teaches <function=...>, else QF_TOOLS_JSON */
     char model_name[256];
     int port; /* the bound port (o->port may be 0: any free port) */
     int draining;
