@@ -4,6 +4,8 @@ completions of G tokens each (ignore_eos), for each C in --concurrency; prints t
 per-stream tokens/s, TTFT and inter-token latency (mean, p50, p99). Standard library only.
 
   bench/serve_load.py --url http://127.0.0.1:8080 --concurrency 1,4,16 --gen 128 --prompt-len 64
+  bench/serve_load.py ... --response-format json_object (or a JSON schema file): constrained output,
+  which ends where the grammar is complete (compare per-stream tok/s and ITL, not totals)
 """
 import argparse
 import http.client
@@ -14,10 +16,15 @@ import time
 import urllib.parse
 
 
+RESPONSE_FORMAT = None
+
+
 def one_stream(url, prompt, gen, out):
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
     body = {"prompt": prompt, "max_tokens": gen, "temperature": 0, "stream": True, "ignore_eos": True}
+    if RESPONSE_FORMAT:
+        body["response_format"] = RESPONSE_FORMAT
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -65,7 +72,14 @@ def main():
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64, help="approximate prompt tokens")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--response-format", help="json_object, or a JSON schema file")
     a = ap.parse_args()
+    global RESPONSE_FORMAT
+    if a.response_format == "json_object":
+        RESPONSE_FORMAT = {"type": "json_object"}
+    elif a.response_format:
+        with open(a.response_format) as f:
+            RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "s", "schema": json.load(f)}}
     prompt = "def f(x):\n    return x + 1\n" * max(1, a.prompt_len // 12)
     run(a.url, 2, 8, prompt)  # warm-up
     print("%5s %9s %12s %10s %10s %10s %9s %9s %9s" % ("conc", "tokens", "total tok/s", "per-stream", "ttft ms", "ttft p99",

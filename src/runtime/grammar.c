@@ -200,6 +200,7 @@ typedef struct vtok {
 typedef struct vlist {
     vtok *t;
     int *lcp;
+    int *first_end; /* the index past the last token with the same first byte */
     int n;
 } vlist;
 
@@ -232,6 +233,7 @@ static int vtok_cmp(const void *a, const void *b) {
 static void vlist_free(vlist *l) {
     free(l->t);
     free(l->lcp);
+    free(l->first_end);
     *l = (vlist){0};
 }
 
@@ -244,6 +246,7 @@ static void vlist_lcp(vlist *l) {
         }
         l->lcp[i] = k;
     }
+    for (int i = l->n - 1; i >= 0; i--) l->first_end[i] = i + 1 < l->n && l->lcp[i + 1] > 0 ? l->first_end[i + 1] : i + 1;
 }
 
 void qf_vocab_index_free(qf_vocab_index *v) {
@@ -257,33 +260,49 @@ void qf_vocab_index_free(qf_vocab_index *v) {
     free(v);
 }
 
-int qf_vocab_index_create(qf_vocab_index **out, const qf_tokenizer *t, int vocab, const int32_t *eos, int n_eos) {
+int qf_vocab_index_create_raw(qf_vocab_index **out, const char *const *pieces, const size_t *lens, int vocab, const int32_t *eos, int n_eos) {
     *out = NULL;
     qf_vocab_index *v = calloc(1, sizeof *v);
     if (!v) return qf_fail(QF_ENOMEM, "out of memory for the vocabulary index");
     v->vocab = vocab;
-    v->all.t = malloc((size_t)vocab * sizeof(vtok));
-    v->all.lcp = malloc((size_t)vocab * sizeof(int));
+    v->all.t = malloc((size_t)vocab * sizeof(vtok) + 1);
+    v->all.lcp = malloc((size_t)vocab * sizeof(int) + 1);
+    v->all.first_end = malloc((size_t)vocab * sizeof(int) + 1);
     v->eos = malloc(((size_t)n_eos + 1) * sizeof(int32_t));
-    if (!v->all.t || !v->all.lcp || !v->eos) {
+    if (!v->all.t || !v->all.lcp || !v->all.first_end || !v->eos) {
         qf_vocab_index_free(v);
         return qf_fail(QF_ENOMEM, "out of memory for the vocabulary index");
     }
     memcpy(v->eos, eos, (size_t)n_eos * sizeof(int32_t));
     v->n_eos = n_eos;
     for (int id = 0; id < vocab; id++) {
-        size_t len = 0;
-        const char *p = qf_tok_piece(t, id, &len);
-        int skip = !p || !len || qf_tok_is_special(t, id);
-        for (int k = 0; k < n_eos && !skip; k++) skip = eos[k] == id;
-        if (skip) continue;
-        v->all.t[v->all.n++] = (vtok){(const unsigned char *)p, (int)len, id};
-        if ((int)len > v->max_len) v->max_len = (int)len;
+        if (!pieces[id] || !lens[id]) continue;
+        v->all.t[v->all.n++] = (vtok){(const unsigned char *)pieces[id], (int)lens[id], id};
+        if ((int)lens[id] > v->max_len) v->max_len = (int)lens[id];
     }
     qsort(v->all.t, (size_t)v->all.n, sizeof(vtok), vtok_cmp);
     vlist_lcp(&v->all);
     *out = v;
     return QF_OK;
+}
+
+int qf_vocab_index_create(qf_vocab_index **out, const qf_tokenizer *t, int vocab, const int32_t *eos, int n_eos) {
+    const char **pieces = calloc((size_t)vocab + 1, sizeof *pieces);
+    size_t *lens = calloc((size_t)vocab + 1, sizeof *lens);
+    if (!pieces || !lens) {
+        free(pieces);
+        free(lens);
+        return qf_fail(QF_ENOMEM, "out of memory for the vocabulary index");
+    }
+    for (int id = 0; id < vocab; id++) {
+        int skip = qf_tok_is_special(t, id);
+        for (int k = 0; k < n_eos && !skip; k++) skip = eos[k] == id;
+        if (!skip) pieces[id] = qf_tok_piece(t, id, &lens[id]);
+    }
+    int rc = qf_vocab_index_create_raw(out, pieces, lens, vocab, eos, n_eos);
+    free(pieces);
+    free(lens);
+    return rc;
 }
 
 static int all_in(const vtok *t, const qf_cset *s) {
@@ -308,7 +327,8 @@ static loopcache *loop_cache(qf_vocab_index *v, const qf_cset *s) {
         c->all_in = malloc(((size_t)v->vocab + 31) / 32 * sizeof(uint32_t));
         c->rest.t = malloc((size_t)v->all.n * sizeof(vtok) + 1);
         c->rest.lcp = malloc((size_t)v->all.n * sizeof(int) + 1);
-        if (!c->all_in || !c->rest.t || !c->rest.lcp) return NULL;
+        c->rest.first_end = malloc((size_t)v->all.n * sizeof(int) + 1);
+        if (!c->all_in || !c->rest.t || !c->rest.lcp || !c->rest.first_end) return NULL;
     }
     memset(c->all_in, 0, ((size_t)v->vocab + 31) / 32 * sizeof(uint32_t));
     c->set = *s;
@@ -537,8 +557,17 @@ int qf_gmatch_accept(qf_gmatch *m, int32_t tok) {
 }
 
 static void disallow(float *logits, const uint32_t *allowed, int vocab) {
-    for (int i = 0; i < vocab; i++)
-        if (!((allowed[i >> 5] >> (i & 31)) & 1u)) logits[i] = -INFINITY;
+    for (int w = 0; w * 32 < vocab; w++) {
+        uint32_t bits = allowed[w];
+        int n = vocab - w * 32 < 32 ? vocab - w * 32 : 32;
+        float *l = logits + w * 32;
+        if (bits == 0xffffffffu) continue;
+        if (!bits)
+            for (int k = 0; k < n; k++) l[k] = -INFINITY;
+        else
+            for (int k = 0; k < n; k++)
+                if (!((bits >> k) & 1u)) l[k] = -INFINITY;
+    }
 }
 
 /* Marks in allowed every token of l that the current stacks accept. */
@@ -567,7 +596,9 @@ static int walk(qf_gmatch *m, const vlist *l, uint32_t *allowed) {
             continue;
         }
         /* every following token sharing the first d + 1 bytes fails the same way */
-        for (i++; i < l->n && l->lcp[i] > d; i++) {}
+        if (d == 0) i = l->first_end[i];
+        else
+            for (i++; i < l->n && l->lcp[i] > d; i++) {}
     }
     m->n_arena = base;
     return count;

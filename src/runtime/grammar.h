@@ -66,6 +66,9 @@ typedef struct qf_vocab_index qf_vocab_index;
 /* Ids 0..vocab-1 (the logits' rows): every token with bytes, except special tokens and the ids
  * in eos[0..n_eos); ids without a token are never allowed. */
 int qf_vocab_index_create(qf_vocab_index **out, const qf_tokenizer *t, int vocab, const int32_t *eos, int n_eos);
+/* The same from the tokens' bytes (pieces[id], lens[id]; NULL or empty: never allowed), which the
+ * caller keeps while the index lives. */
+int qf_vocab_index_create_raw(qf_vocab_index **out, const char *const *pieces, const size_t *lens, int vocab, const int32_t *eos, int n_eos);
 void qf_vocab_index_free(qf_vocab_index *v);
 
 /* ---- matching ---- */
