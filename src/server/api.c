@@ -332,6 +332,9 @@ int api_parse_completion(srv *s, api_out *ao, json_t *b, gen_req *g, int native)
 }
 
 void gen_req_clear(gen_req *g) {
+    json_decref(g->xbody);
+    json_decref(g->orig);
+    g->xbody = g->orig = NULL;
     qf_grammar_free(g->p.grammar);
     g->p.grammar = NULL;
     free(g->prompt);

@@ -14,7 +14,7 @@
 static const char *finish_name(int f) { return f == QF_FINISH_LENGTH ? "length" : f == QF_FINISH_CANCELLED ? "abort" : "stop"; }
 
 /* A JSON string from bytes that may not be valid UTF-8 (a token's piece): bad bytes become U+FFFD. */
-static json_t *jstr_lossy(const char *p, size_t n) {
+json_t *jstr_lossy(const char *p, size_t n) {
     if (qf_utf8_valid_prefix(p, n) == n) return json_stringn(p, n);
     char small[256], *buf = 3 * n + 1 <= sizeof small ? small : malloc(3 * n + 1);
     if (!buf) return json_string("");
@@ -34,7 +34,7 @@ static json_t *jstr_lossy(const char *p, size_t n) {
     return j;
 }
 
-static void acc_add(char **buf, size_t *len, size_t *cap, const char *p, size_t n) {
+void acc_add(char **buf, size_t *len, size_t *cap, const char *p, size_t n) {
     if (*len + n + 1 > *cap) {
         size_t nc = (*cap ? *cap * 2 : 256);
         while (nc < *len + n + 1) nc *= 2;
@@ -164,6 +164,11 @@ static void stream_delta(call *c, delta *d, const char *finish) {
         }
         return;
     }
+    if (c->api != API_CHAT) {
+        dl_stream_text(c, 1, d->reasoning, d->len_r);
+        dl_stream_text(c, 0, d->content, d->len_c);
+        return;
+    }
     json_t *ch = chunk_head(c);
     json_object_set_new(ch, "choices", json_pack("[o]", choice_delta(c, d, finish)));
     send_sse(c, ch);
@@ -183,7 +188,8 @@ static void stream_held(call *c, delta *d, int final) {
     if (d->len_c || d->len_r || (d->lp && json_array_size(d->lp))) stream_delta(c, d, NULL);
     c->sent_c = upto > c->sent_c ? upto : c->sent_c;
     d->content = keep, d->len_c = keep_len;
-    for (size_t i = 0; calls && i < json_array_size(calls); i++) {
+    if (calls && c->api != API_CHAT) dl_stream_calls(c, calls);
+    for (size_t i = 0; calls && c->api == API_CHAT && i < json_array_size(calls); i++) {
         json_t *tc = json_deep_copy(json_array_get(calls, i)), *ch = chunk_head(c);
         json_object_set_new(tc, "index", json_integer((json_int_t)i));
         json_object_set_new(ch, "choices", json_pack("[{s:i,s:{s:[o]},s:n,s:n}]", "index", 0, "delta", "tool_calls", tc, "logprobs", "finish_reason"));
@@ -194,6 +200,10 @@ static void stream_held(call *c, delta *d, int final) {
 }
 
 static void stream_end(call *c, const qf_req_status *st) {
+    if (c->api != API_CHAT) {
+        dl_stream_end(c, st);
+        return;
+    }
     if (c->kind != CALL_GENERATE) {
         if (st->finish == QF_FINISH_ERROR) {
             send_sse(c, json_pack("{s:{s:s,s:s,s:i}}", "error", "message", st->error, "type", "server_error", "code", 500));
@@ -229,6 +239,11 @@ static void reply_whole(call *c, const qf_req_status *st) {
         json_t *msg = json_pack("{s:s}", "role", "assistant"), *calls = NULL;
         size_t clen = c->len_c;
         if (c->tools) tc_parse(c->acc_c ? c->acc_c : "", c->len_c, c->tools, c->id, &calls, &clen);
+        if (c->api != API_CHAT) {
+            json_decref(body), json_decref(ch), json_decref(msg);
+            dl_reply_whole(c, st, c->acc_c, clen, calls);
+            return;
+        }
         json_object_set_new(msg, "content", calls && !clen ? json_null() : jstr_lossy(c->acc_c ? c->acc_c : "", clen));
         if (calls) json_object_set_new(msg, "tool_calls", calls), finish = "tool_calls";
         json_object_set_new(msg, "reasoning_content", c->len_r ? jstr_lossy(c->acc_r, c->len_r) : json_null());
@@ -257,6 +272,7 @@ static void call_free(call *c) {
     qf_req_release(c->r);
     json_decref(c->lp);
     json_decref(c->tools);
+    dl_free(c);
     free(c->acc_c);
     free(c->acc_r);
     free(c);
@@ -334,7 +350,8 @@ static void stream_begin(call *c) {
     evhttp_add_header(h, "X-Accel-Buffering", "no");
     evhttp_send_reply_start(c->http, 200, "OK");
     srv_count(c->s, 200);
-    if (c->kind == CALL_CHAT) {
+    if (c->api != API_CHAT) dl_stream_begin(c);
+    else if (c->kind == CALL_CHAT) {
         json_t *ch = chunk_head(c);
         json_object_set_new(ch, "choices", json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", 0, "delta", "role", "assistant", "content", "",
                                                      "logprobs", "finish_reason"));
@@ -354,8 +371,11 @@ void call_start(srv *s, struct evhttp_request *req, gen_req *g, int kind) {
     c->logprobs = g->logprobs_on;
     c->think.in_think = g->think_prompt;
     c->tools = g->tools, g->tools = NULL;
+    c->api = g->api;
+    c->orig = g->orig, g->orig = NULL;
     c->created = (long long)time(NULL);
-    snprintf(c->id, sizeof c->id, "%s-%llx%06llx", kind == CALL_CHAT ? "chatcmpl" : "cmpl", c->created, ++counter);
+    static const char *const prefix[] = {"chatcmpl-", "resp_", "msg_"};
+    snprintf(c->id, sizeof c->id, "%s%llx%06llx", kind == CALL_CHAT ? prefix[c->api] : "cmpl-", c->created, ++counter);
     if (c->logprobs && !c->stream) c->lp = new_lp(c);
     g->p.notify = call_notify;
     g->p.notify_ud = s;

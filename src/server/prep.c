@@ -57,6 +57,8 @@ static void run_job(srv *s, job *j) {
     case PREP_CHAT: api_parse_chat(s, &j->out, j->body, &j->g); break;
     case PREP_COMPLETION: api_parse_completion(s, &j->out, j->body, &j->g, 0); break;
     case PREP_GENERATE: api_parse_completion(s, &j->out, j->body, &j->g, 1); break;
+    case PREP_RESPONSES: api_parse_responses(s, &j->out, j->body, &j->g); break;
+    case PREP_MESSAGES: api_parse_messages(s, &j->out, j->body, &j->g); break;
     case PREP_TOKENIZE: api_tokenize(s, &j->out, j->body); break;
     default: api_detokenize(s, &j->out, j->body); break;
     }
@@ -107,17 +109,17 @@ static void job_free(job *j) {
     free(j);
 }
 
-static const int k_call_kind[] = {CALL_CHAT, CALL_COMPLETION, CALL_GENERATE};
+static const int k_call_kind[] = {CALL_CHAT, CALL_COMPLETION, CALL_GENERATE, CALL_CHAT, CALL_CHAT};
 
 /* On the loop: the finished job's answer, or the call it starts. */
 static void answer(srv *s, job *j) {
     struct evhttp_connection *evcon = evhttp_request_get_connection(j->req);
     if (evcon) evhttp_connection_set_closecb(evcon, NULL, NULL);
-    if (j->out.code == 0 && j->what <= PREP_GENERATE && s->draining) { /* the signal came while it was prepared */
+    if (j->out.code == 0 && j->what <= PREP_LAST_CALL && s->draining) { /* the signal came while it was prepared */
         srv_count(s, 503);
         evhttp_add_header(evhttp_request_get_output_headers(j->req), "Retry-After", "5");
         srv_send_error(j->req, 503, "unavailable_error", "the server is shutting down");
-    } else if (j->out.code == 0 && j->what <= PREP_GENERATE) {
+    } else if (j->out.code == 0 && j->what <= PREP_LAST_CALL) {
         call_start(s, j->req, &j->g, k_call_kind[j->what]);
     } else if (j->out.code == 200 && j->out.text) {
         srv_count(s, 200);

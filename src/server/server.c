@@ -134,11 +134,13 @@ static void on_signal(evutil_socket_t sig, short what, void *arg) {
 
 /* ---- routing ---- */
 
+/* Authorization: Bearer KEY, or x-api-key: KEY (Anthropic's clients). */
 static int authorized(srv *s, struct evhttp_request *req) {
     if (!s->o->api_key || !*s->o->api_key) return 1;
     const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
-    if (!h || strncmp(h, "Bearer ", 7) != 0) return 0;
-    const char *k = h + 7, *want = s->o->api_key;
+    const char *x = evhttp_find_header(evhttp_request_get_input_headers(req), "x-api-key");
+    if ((!h || strncmp(h, "Bearer ", 7) != 0) && !x) return 0;
+    const char *k = h && !strncmp(h, "Bearer ", 7) ? h + 7 : x, *want = s->o->api_key;
     size_t n = strlen(want), m = strlen(k);
     unsigned diff = (unsigned)(n ^ m); /* constant time over the key's length */
     for (size_t i = 0; i < n; i++) diff |= (unsigned char)want[i] ^ (unsigned char)(i < m ? k[i] : 0);
@@ -153,12 +155,14 @@ typedef struct route {
     int id;
 } route;
 
-enum { R_CHAT, R_COMPL, R_GENERATE, R_MODELS, R_HEALTH, R_METRICS, R_TOKENIZE, R_DETOKENIZE, R_WEBUI };
+enum { R_CHAT, R_COMPL, R_GENERATE, R_RESPONSES, R_MESSAGES, R_MODELS, R_HEALTH, R_METRICS, R_TOKENIZE, R_DETOKENIZE, R_WEBUI };
 
 static const route ROUTES[] = {
     {"/v1/chat/completions", EVHTTP_REQ_POST, 1, 1, R_CHAT},
     {"/v1/completions", EVHTTP_REQ_POST, 1, 1, R_COMPL},
     {"/generate", EVHTTP_REQ_POST, 1, 1, R_GENERATE},
+    {"/v1/responses", EVHTTP_REQ_POST, 1, 1, R_RESPONSES},
+    {"/v1/messages", EVHTTP_REQ_POST, 1, 1, R_MESSAGES},
     {"/v1/models", EVHTTP_REQ_GET, 0, 1, R_MODELS},
     {"/health", EVHTTP_REQ_GET, 0, 0, R_HEALTH},
     {"/metrics", EVHTTP_REQ_GET, 0, 1, R_METRICS},
@@ -170,7 +174,8 @@ static const route ROUTES[] = {
 
 /* The body goes to the preparation workers as it came (they parse it). */
 static void dispatch_body(srv *s, struct evhttp_request *req, int id) {
-    int what = id == R_CHAT ? PREP_CHAT : id == R_COMPL ? PREP_COMPLETION : id == R_GENERATE ? PREP_GENERATE : id == R_TOKENIZE ? PREP_TOKENIZE : PREP_DETOKENIZE;
+    int what = id == R_CHAT ? PREP_CHAT : id == R_COMPL ? PREP_COMPLETION : id == R_GENERATE ? PREP_GENERATE : id == R_RESPONSES ? PREP_RESPONSES
+             : id == R_MESSAGES ? PREP_MESSAGES : id == R_TOKENIZE ? PREP_TOKENIZE : PREP_DETOKENIZE;
     prep_submit(s, req, what);
 }
 

@@ -16,6 +16,19 @@
 #include "tokenizer/chat.h"
 
 enum call_kind { CALL_CHAT, CALL_COMPLETION, CALL_GENERATE };
+/* The wire format of a chat call: OpenAI chat completions, OpenAI Responses, Anthropic Messages. */
+enum call_api { API_CHAT, API_RESPONSES, API_MESSAGES };
+
+/* A Responses or Messages reply being streamed (dialect.c). */
+typedef struct dialect_state {
+    int seq;          /* Responses: the next event's sequence_number */
+    int open;         /* the open output item / content block: -1 none, 0 text, 1 reasoning */
+    int index;        /* the next item / block index */
+    char *all_c, *all_r; /* everything sent, for the final object */
+    size_t len_c, cap_c, len_r, cap_r;
+    size_t block_at;  /* where the open block's text starts in all_c / all_r */
+    json_t *calls;    /* the tool calls sent (OpenAI form) */
+} dialect_state;
 
 typedef struct srv srv;
 typedef struct prep prep;
@@ -36,6 +49,9 @@ typedef struct call {
     json_t *tools;               /* the request's tools when the reply may call them (else NULL) */
     size_t sent_c;               /* a stream with tools: content bytes of acc_c sent (the rest may be a call) */
     int tool_called;             /* the stream sent tool_calls */
+    int api;                     /* enum call_api */
+    json_t *orig;                /* a Responses request's body (echoed in its reply) */
+    dialect_state dl;
     struct call *prev, *next;
 } call;
 
@@ -102,11 +118,16 @@ typedef struct gen_req {
     int stream, include_usage, logprobs_on, top_logprobs, think_prompt;
     int tokenize_only;          /* /tokenize: no limit from the context */
     json_t *tools;              /* tools the reply may call (a reference; NULL: none, or tool_choice none) */
+    int api;                    /* enum call_api */
+    json_t *xbody, *orig;       /* Responses / Messages: the translated chat body, and the request's own */
 } gen_req;
 /* Each returns 0, or -1 with ao->code 400 and the message naming the field. */
 int api_parse_chat(srv *s, api_out *ao, json_t *body, gen_req *g);
 int api_parse_completion(srv *s, api_out *ao, json_t *body, gen_req *g, int native);
 void gen_req_clear(gen_req *g);
+/* api_compat.c: /v1/responses and /v1/messages bodies, translated to a chat body and parsed. */
+int api_parse_responses(srv *s, api_out *ao, json_t *body, gen_req *g);
+int api_parse_messages(srv *s, api_out *ao, json_t *body, gen_req *g);
 /* POST /tokenize and /detokenize */
 void api_tokenize(srv *s, api_out *ao, json_t *body);
 void api_detokenize(srv *s, api_out *ao, json_t *body);
@@ -114,7 +135,8 @@ void api_detokenize(srv *s, api_out *ao, json_t *body);
 /* prep.c: a request's body is parsed, rendered and tokenized on one of a few worker threads, so
  * no request's preprocessing holds the event loop; the loop is woken to answer or start the call.
  * route: the server.c route id, kind: the call kind for generation routes. */
-enum { PREP_CHAT, PREP_COMPLETION, PREP_GENERATE, PREP_TOKENIZE, PREP_DETOKENIZE };
+enum { PREP_CHAT, PREP_COMPLETION, PREP_GENERATE, PREP_RESPONSES, PREP_MESSAGES, PREP_TOKENIZE, PREP_DETOKENIZE };
+#define PREP_LAST_CALL PREP_MESSAGES /* the kinds up to here start a call */
 int prep_create(srv *s, int n_workers);
 void prep_submit(srv *s, struct evhttp_request *req, int what); /* takes the request's body */
 void prep_destroy(srv *s); /* joins the workers; queued requests are dropped with their connections */
@@ -124,6 +146,16 @@ void call_start(srv *s, struct evhttp_request *req, gen_req *g, int kind);
 void call_notify(void *ud);      /* scheduler thread */
 void calls_pump(srv *s);          /* event thread: drain every call's output */
 void calls_cancel_all(srv *s);
+
+/* dialect.c: Responses and Messages replies (c->api != API_CHAT) */
+void dl_stream_begin(call *c);
+void dl_stream_text(call *c, int reasoning, const char *p, size_t n);
+void dl_stream_calls(call *c, json_t *calls); /* OpenAI-form tool calls */
+void dl_stream_end(call *c, const qf_req_status *st);
+void dl_reply_whole(call *c, const qf_req_status *st, const char *content, size_t clen, json_t *calls);
+void dl_free(call *c);
+json_t *jstr_lossy(const char *p, size_t n);
+void acc_add(char **buf, size_t *len, size_t *cap, const char *p, size_t n);
 
 /* endpoints.c */
 void ep_models(srv *s, struct evhttp_request *req);
