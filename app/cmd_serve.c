@@ -12,12 +12,13 @@ static void serve_usage(void) {
             "usage: qflash serve -m DIR [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--model-name NAME]\n"
             "                    [--chat-template FILE]\n"
             "                    [--max-batch 16] [--ctx 4096] [--kv-pages N | --kv-mem MIB] [--page-tokens 16]\n"
-            "                    [--prefill-chunk 256] [--max-queue 256] [--max-body MIB] [--shutdown-timeout S]\n"
+            "                    [--prefill-chunk 256] [--prefix-cache-mem MIB] [--max-queue 256] [--max-body MIB] [--shutdown-timeout S]\n"
             "                    [--max-conns 512] [--header-timeout 60] [--body-timeout 120] [--idle-timeout 75]\n"
             "                    [-t THREADS] [--device cpu|cuda[:N]] [--precision bf16x2|fp32|bf16] [--cuda-opt NAME=V]\n"
             "                    [--gpu-mem SIZE] [--expert-cache SIZE] [--expert-policy lru|dlfu|dlfu-admit]\n"
             "                    [--synthetic PRESET] [--verbose]\n"
             "--chat-template: a Jinja file used instead of the model's own template.\n"
+            "--prefix-cache-mem: snapshots for prefix reuse across requests, MiB (default 1024 on the CPU, 0 = off on a GPU; 0 turns it off).\n"
             "--synthetic: generated weights of a real checkpoint's shapes (qwen3.6-35b-a3b) with DIR's tokenizer (load tests).\n"
             "Defaults from the environment: QFLASH_MODEL, QFLASH_HOST, QFLASH_PORT, QFLASH_API_KEY (flags win).\n");
 }
@@ -27,7 +28,7 @@ static const char *env_or(const char *name, const char *dflt) {
     return v && *v ? v : dflt;
 }
 
-static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib, double *body_mib) {
+static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib, double *body_mib, double *prefix_mib) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
         if (cli_is(&a, "-h", "--help")) {
@@ -51,6 +52,7 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
         else if (cli_is(&a, NULL, "--kv-mem")) *kv_mib = cli_num(&a, 1, 1 << 30);
         else if (cli_is(&a, NULL, "--page-tokens")) o->sched.page_tokens = cli_int(&a, 1, 4096);
         else if (cli_is(&a, NULL, "--prefill-chunk")) o->sched.prefill_chunk = cli_int(&a, 1, 1 << 16);
+        else if (cli_is(&a, NULL, "--prefix-cache-mem")) *prefix_mib = cli_num(&a, 0, 1 << 24);
         else if (cli_is(&a, NULL, "--max-queue")) o->sched.max_queue = cli_int(&a, 0, 1 << 20);
         else if (cli_is(&a, NULL, "--max-body")) *body_mib = cli_num(&a, 0.001, 4096);
         else if (cli_is(&a, NULL, "--max-conns")) o->max_conns = cli_int(&a, 1, 1 << 20);
@@ -84,13 +86,16 @@ int cmd_serve(int argc, char **argv) {
     o.max_conns = 512;
     o.header_timeout = 60, o.body_timeout = 120, o.idle_timeout = 75; /* nginx's, and a body deadline */
     o.sched = (qf_sched_opts){.max_batch = 16, .ctx = 4096, .page_tokens = 16, .prefill_chunk = 256, .max_queue = 256, .log = stderr};
-    double kv_mib = 0, body_mib = 8;
-    int prc = parse_serve(argc, argv, &o, &kv_mib, &body_mib);
+    double kv_mib = 0, body_mib = 8, prefix_mib = -1;
+    int prc = parse_serve(argc, argv, &o, &kv_mib, &body_mib, &prefix_mib);
     if (prc) return prc == 1 ? 0 : 2; /* 1: --help */
     o.max_body = (size_t)(body_mib * 1048576.0);
     o.engine.max_batch = o.sched.max_batch + o.sched.prefill_chunk; /* rows of one step */
     o.engine.progress = NULL;
     o.sched.kv_mib = kv_mib;
+    int on_gpu = o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0;
+    if (prefix_mib < 0) prefix_mib = on_gpu ? 0 : 1024; /* on a GPU the snapshots take device memory the plan does not hold */
+    o.sched.prefix_cache_bytes = (size_t)(prefix_mib * 1048576.0);
     o.engine.cuda = &cli_cuda;
     o.engine.expert_cache = cli_expert_cache;
     o.engine.gpu_mem = cli_gpu_mem, o.engine.expert_policy = cli_expert_policy;

@@ -30,4 +30,9 @@ void qf_be_zero(qf_backend *be, void *p, size_t bytes) {
     else memset(p, 0, bytes);
 }
 
+void qf_be_copy(qf_backend *be, void *dst, const void *src, size_t bytes) {
+    if (be && be->ops->copy) be->ops->copy(be, dst, src, bytes);
+    else memcpy(dst, src, bytes);
+}
+
 int qf_be_sync(qf_backend *be) { return be && be->ops->sync ? be->ops->sync(be) : 0; }

@@ -309,6 +309,8 @@ typedef struct qf_ops {
      * wait for the copies staged into buffer buf (0 or 1) until then. Never inside a recorded step. */
     void (*stage)(qf_backend *be, int buf, int n, void *const *dst, const void *const *src, const size_t *bytes);
     void (*stage_wait)(qf_backend *be, int buf);
+    /* Backend memory to backend memory, in order with the ops (NULL: host memory, memcpy). */
+    void (*copy)(qf_backend *be, void *dst, const void *src, size_t bytes);
 } qf_ops;
 
 struct qf_backend {
@@ -323,6 +325,7 @@ void qf_be_free(qf_backend *be, void *p);
 void qf_be_upload(qf_backend *be, void *dst, const void *src, size_t bytes);
 void qf_be_download(qf_backend *be, void *dst, const void *src, size_t bytes);
 void qf_be_zero(qf_backend *be, void *p, size_t bytes);
+void qf_be_copy(qf_backend *be, void *dst, const void *src, size_t bytes);
 /* Waits for the backend's queued ops; QF_OK, or the failure of one of them. */
 int qf_be_sync(qf_backend *be);
 

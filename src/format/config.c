@@ -103,6 +103,7 @@ static int read_text_config(reader *r, qf_config *c) {
     }
     if (r->rc != QF_OK) return r->rc;
     if (c->n_layers < 1 || c->n_layers > QF_MAX_LAYERS) return qf_fail(QF_EFORMAT, "%s: num_hidden_layers %d out of range 1..%d", r->path, c->n_layers, QF_MAX_LAYERS);
+    if (c->head_dim > QF_MAX_HEAD_DIM) return qf_fail(QF_EUNSUPPORTED, "%s: head_dim %d is over %d", r->path, c->head_dim, QF_MAX_HEAD_DIM);
     if (!c->hidden || !c->vocab || !c->n_heads || !c->n_kv_heads || c->n_heads % c->n_kv_heads || !c->head_dim)
         return qf_fail(QF_EFORMAT, "%s: inconsistent attention sizes (heads %d, kv heads %d, head_dim %d)", r->path, c->n_heads, c->n_kv_heads, c->head_dim);
     if (!c->lin_k_heads || !c->lin_v_heads || c->lin_v_heads % c->lin_k_heads || !c->lin_k_dim || !c->lin_v_dim || c->conv_kernel < 1)

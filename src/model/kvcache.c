@@ -11,6 +11,7 @@ struct qf_kv_pool {
     size_t page_floats;
     float *mem;
     int32_t *free_stack;
+    int32_t *refs; /* holders of each page: sequences and prefix snapshots */
 };
 
 static size_t page_floats(const qf_config *c, int page_tokens) {
@@ -32,7 +33,8 @@ qf_kv_pool *qf_kv_pool_create(const qf_model *m, int page_tokens, int n_pages) {
     p->dev = m->dev;
     p->mem = qf_be_alloc(p->dev, (size_t)n_pages * (p->page_floats ? p->page_floats : 1) * sizeof(float));
     p->free_stack = malloc((size_t)n_pages * sizeof *p->free_stack);
-    if (!p->mem || !p->free_stack) {
+    p->refs = calloc((size_t)n_pages, sizeof *p->refs);
+    if (!p->mem || !p->free_stack || !p->refs) {
         qf_kv_pool_free(p);
         return NULL;
     }
@@ -44,12 +46,25 @@ void qf_kv_pool_free(qf_kv_pool *p) {
     if (!p) return;
     qf_be_free(p->dev, p->mem);
     free(p->free_stack);
+    free(p->refs);
     free(p);
 }
 
 int qf_kv_pool_pages(const qf_kv_pool *p) { return p->n_pages; }
 int qf_kv_pool_free_pages(const qf_kv_pool *p) { return p->n_free; }
 int qf_kv_pool_page_tokens(const qf_kv_pool *p) { return p->page_tokens; }
+
+static int32_t page_take(qf_kv_pool *p) {
+    int32_t pg = p->free_stack[--p->n_free];
+    p->refs[pg] = 1;
+    return pg;
+}
+
+void qf_kv_pool_ref(qf_kv_pool *p, int32_t page) { p->refs[page]++; }
+
+void qf_kv_pool_unref(qf_kv_pool *p, int32_t page) {
+    if (--p->refs[page] == 0) p->free_stack[p->n_free++] = page;
+}
 
 /* ---- per-sequence state ---- */
 
@@ -133,14 +148,61 @@ int qf_state_reserve(qf_state *s, int n) {
     int need = qf_state_pages_needed(s, n);
     if (need > s->kv->n_free) return qf_fail(QF_ENOMEM, "KV cache full: %d pages needed, %d free", need, s->kv->n_free);
     int first = s->n_pages;
-    while (need-- > 0) s->pages[s->n_pages++] = s->kv->free_stack[--s->kv->n_free];
+    while (need-- > 0) s->pages[s->n_pages++] = page_take(s->kv);
     if (s->pages_dev && s->n_pages > first)
         qf_be_upload(s->dev, s->pages_dev + first, s->pages + first, (size_t)(s->n_pages - first) * sizeof *s->pages);
     return QF_OK;
 }
 
 static void release_pages(qf_state *s) {
-    while (s->n_pages > 0) s->kv->free_stack[s->kv->n_free++] = s->pages[--s->n_pages];
+    while (s->n_pages > 0) qf_kv_pool_unref(s->kv, s->pages[--s->n_pages]);
+}
+
+int qf_state_adopt(qf_state *s, const qf_state_snap *snap) {
+    int pt = s->kv->page_tokens, full = snap->pos / pt, part = snap->pos % pt != 0;
+    if (s->pos || s->n_pages) return qf_fail(QF_EINVAL, "adopt: the state is not empty");
+    if (snap->pos > s->max_ctx) return qf_fail(QF_EINVAL, "adopt: %d tokens exceed the context of %d", snap->pos, s->max_ctx);
+    if (part && s->kv->n_free < 1) return qf_fail(QF_ENOMEM, "KV cache full: no page to copy a partial page into");
+    for (int i = 0; i < full; i++) qf_kv_pool_ref(s->kv, s->pages[i] = snap->pages[i]);
+    s->n_pages = full;
+    if (part) { /* the last page is written on from here: this sequence's own copy */
+        int32_t pg = page_take(s->kv);
+        qf_be_copy(s->dev, s->kv->mem + (size_t)pg * s->kv->page_floats, s->kv->mem + (size_t)snap->pages[full] * s->kv->page_floats,
+                   s->kv->page_floats * sizeof(float));
+        s->pages[s->n_pages++] = pg;
+    }
+    if (s->pages_dev) qf_be_upload(s->dev, s->pages_dev, s->pages, (size_t)s->n_pages * sizeof *s->pages);
+    qf_be_copy(s->dev, s->block, snap->block, (s->block_floats ? s->block_floats : 1) * sizeof(float));
+    s->pos = snap->pos;
+    s->kv_summarized = snap->kv_summarized < full ? snap->kv_summarized : full;
+    return QF_OK;
+}
+
+int qf_state_snap_take(const qf_state *s, qf_state_snap *snap) {
+    memset(snap, 0, sizeof *snap);
+    int n = (s->pos + s->kv->page_tokens - 1) / s->kv->page_tokens;
+    snap->pages = malloc(((size_t)n + 1) * sizeof *snap->pages);
+    snap->block = qf_be_alloc(s->dev, (s->block_floats ? s->block_floats : 1) * sizeof(float));
+    if (!snap->pages || !snap->block) {
+        free(snap->pages);
+        qf_be_free(s->dev, snap->block);
+        return qf_fail(QF_ENOMEM, "out of memory for a prefix snapshot");
+    }
+    for (int i = 0; i < n; i++) qf_kv_pool_ref(s->kv, snap->pages[i] = s->pages[i]);
+    qf_be_copy(s->dev, snap->block, s->block, (s->block_floats ? s->block_floats : 1) * sizeof(float));
+    snap->n_pages = n;
+    snap->pos = s->pos;
+    snap->kv_summarized = s->kv_summarized;
+    snap->kv = s->kv;
+    snap->dev = s->dev;
+    return QF_OK;
+}
+
+void qf_state_snap_drop(qf_state_snap *snap) {
+    for (int i = 0; i < snap->n_pages; i++) qf_kv_pool_unref(snap->kv, snap->pages[i]);
+    free(snap->pages);
+    qf_be_free(snap->dev, snap->block);
+    memset(snap, 0, sizeof *snap);
 }
 
 void qf_state_reset(qf_state *s) {

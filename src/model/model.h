@@ -185,6 +185,22 @@ int qf_state_pages_needed(const qf_state *s, int n);
 /* Back to an empty sequence; its pages return to the pool. */
 void qf_state_reset(qf_state *s);
 void qf_state_free(qf_state *s);
+/* A copy of a state after pos tokens, for prefix reuse: the DeltaNet states copied (in backend
+ * memory), the KV pages shared (each page referenced; a page is free once nobody holds it). */
+typedef struct qf_state_snap {
+    int pos, n_pages, kv_summarized;
+    int32_t *pages;
+    float *block;
+    qf_kv_pool *kv;
+    qf_backend *dev;
+} qf_state_snap;
+int qf_state_snap_take(const qf_state *s, qf_state_snap *snap);
+void qf_state_snap_drop(qf_state_snap *snap);
+/* An empty state continues from snap: full pages shared, a partial last page copied (QF_ENOMEM
+ * when the pool has no page for it), the DeltaNet states copied. */
+int qf_state_adopt(qf_state *s, const qf_state_snap *snap);
+void qf_kv_pool_ref(qf_kv_pool *p, int32_t page);
+void qf_kv_pool_unref(qf_kv_pool *p, int32_t page);
 /* Layer L's (full attention) view of the state's KV pages, for the attention ops. */
 qf_kv_view qf_state_kv_view(const qf_state *s, int L);
 /* Bytes of one state excluding KV pages. */

@@ -9,6 +9,7 @@
 
 #include "base/timer.h"
 #include "base/utf8.h"
+#include "runtime/prefix.h"
 
 const double qf_sched_ttft_buckets[15] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80};
 const double qf_sched_itl_buckets[15] = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5};
@@ -58,6 +59,7 @@ struct qf_sched {
     qf_sched_opts o;
     qf_kv_pool *kv;
     qf_vocab_index *vix;  /* the sorted vocabulary for grammar masks, made on first use */
+    qf_prefix *prefix;    /* prefix snapshots (NULL: off) */
     char log_buf[4096];   /* the expert store's step description (--verbose) */
     slot *slots;
     qf_seq_step *steps;
@@ -321,6 +323,7 @@ static void finish(qf_sched *s, qf_req *r, int why, const char *err) {
     if (r->slot >= 0) {
         slot *sl = &s->slots[r->slot];
         int pages = sl->st->n_pages;
+        if (s->prefix && (why == QF_FINISH_STOP || why == QF_FINISH_LENGTH)) qf_prefix_save(s->prefix, sl->st, r->toks);
         qf_state_reset(sl->st);
         sl->req = NULL;
         LOG(s, "seq %llu finished (%s): %d prompt + %d generated tokens, %d pages freed, %d/%d pages free\n",
@@ -355,6 +358,7 @@ static qf_req *pop_admissible(qf_sched *s, int free_slot, qf_req **cancelled) {
     qf_req *r = s->q_head;
     if (!r || free_slot < 0) return NULL;
     int pt = qf_kv_pool_page_tokens(s->kv), need = (r->n_toks + 1 + pt - 1) / pt;
+    if (need > qf_kv_pool_free_pages(s->kv) && s->prefix) qf_prefix_evict(s->prefix, need);
     if (need > qf_kv_pool_free_pages(s->kv)) return NULL;
     s->q_head = r->next;
     if (!s->q_head) s->q_tail = NULL;
@@ -396,7 +400,8 @@ static void admit(qf_sched *s) {
         }
         if (!r) return;
         r->slot = fs;
-        r->n_fed = 0;
+        r->n_fed = s->prefix ? qf_prefix_restore(s->prefix, s->slots[fs].st, r->toks, r->n_toks) : 0;
+        if (!r->primed) r->status.cached_tokens = r->n_fed;
         s->slots[fs].req = r;
         if (!r->primed && r->grammar && grammar_start(s, r) != QF_OK) {
             finish(s, r, QF_FINISH_ERROR, qf_last_error());
@@ -409,7 +414,7 @@ static void admit(qf_sched *s) {
             s->stats.prompt_tokens += (uint64_t)r->n_prompt;
             pthread_mutex_unlock(&s->mu);
         }
-        LOG(s, "seq %llu admitted to slot %d: %d tokens to prefill\n", (unsigned long long)r->seq_no, fs, r->n_toks);
+        LOG(s, "seq %llu admitted to slot %d: %d tokens to prefill (%d from a prefix snapshot)\n", (unsigned long long)r->seq_no, fs, r->n_toks - r->n_fed, r->n_fed);
     }
 }
 
@@ -455,6 +460,10 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
                 int left = r->n_toks - r->n_fed, decode = left == 1;
                 if (decode != (pass == 0) || chan_room(r) < 2 * s->rec_max) continue;
                 int take = left < s->o.prefill_chunk ? left : s->o.prefill_chunk;
+                if (s->prefix && r->n_fed < r->n_prompt) { /* chunks end on snapshot boundaries */
+                    int to_mark = s->o.prefix_interval - r->n_fed % s->o.prefix_interval;
+                    take = take < to_mark ? take : to_mark;
+                }
                 if (take > s->rows - rows) take = s->rows - rows;
                 if (take <= 0) continue;
                 sl->batch_n = take;
@@ -470,6 +479,7 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
             *rows_out = rows;
             return n;
         }
+        if (s->prefix && qf_prefix_evict(s->prefix, pages) > 0) continue;
         preempt_newest(s);
     }
 }
@@ -550,6 +560,11 @@ static void publish_stats(qf_sched *s) {
     qf_expert_store *es = s->e->model->experts; /* counted on this thread, published under the lock */
     qf_expert_stats st = es ? qf_es_stats(es) : (qf_expert_stats){0};
     s->stats.expert_hits = st.hits, s->stats.expert_misses = st.misses, s->stats.expert_bytes_loaded = st.bytes_loaded;
+    if (s->prefix) {
+        qf_prefix_stats ps = qf_prefix_get_stats(s->prefix);
+        s->stats.prefix_hits = ps.hits, s->stats.prefix_misses = ps.misses, s->stats.prefix_tokens = ps.tokens_reused;
+        s->stats.prefix_evicted = ps.evicted, s->stats.prefix_snapshots = ps.snapshots, s->stats.prefix_bytes = ps.bytes, s->stats.prefix_budget = ps.budget;
+    }
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -601,6 +616,11 @@ static int run_step(qf_sched *s) {
             continue;
         }
         r->n_fed += sl->batch_n;
+        /* snapshots on the interval's marks and at the prompt's end (a partial last page may be
+         * shared while this sequence writes on past it: an adopter copies it and reads only what
+         * lies before the snapshot's end) */
+        if (s->prefix && r->n_fed <= r->n_prompt && (r->n_fed % s->o.prefix_interval == 0 || r->n_fed == r->n_prompt))
+            qf_prefix_save(s->prefix, sl->st, r->toks);
         if (sl->st->n_pages > sl->pages_before)
             LOG(s, "seq %llu: %d KV pages allocated (%d held, %d free)\n", (unsigned long long)r->seq_no, sl->st->n_pages - sl->pages_before,
                 sl->st->n_pages, qf_kv_pool_free_pages(s->kv));
@@ -670,6 +690,12 @@ int qf_sched_create(qf_sched **out, qf_engine *e, const qf_sched_opts *o) {
     s->text_cap = e->text_cap + 16;
     s->rec_max = 1 + sizeof(qf_token_lp) + 5 + QF_MAX_STOP_LEN + s->text_cap;
     s->kv = qf_kv_pool_create(e->model, pt, s->o.kv_pages);
+    if (s->o.prefix_interval <= 0) s->o.prefix_interval = s->o.prefill_chunk;
+    s->o.prefix_interval = (s->o.prefix_interval + pt - 1) / pt * pt; /* whole pages: a snapshot's pages are all full */
+    if (s->kv && s->o.prefix_cache_bytes && qf_prefix_create(&s->prefix, s->kv, qf_state_bytes(e->model), qf_kv_pool_page_bytes(e->model, pt), s->o.prefix_cache_bytes) != QF_OK) {
+        qf_sched_destroy(s);
+        return qf_fail(QF_ENOMEM, "out of memory for the prefix cache");
+    }
     s->slots = calloc((size_t)o->max_batch, sizeof *s->slots);
     s->steps = calloc((size_t)o->max_batch, sizeof *s->steps);
     s->step_slot = calloc((size_t)o->max_batch, sizeof *s->step_slot);
@@ -714,6 +740,7 @@ void qf_sched_destroy(qf_sched *s) {
         s->q_head = r->next;
         finish(s, r, QF_FINISH_CANCELLED, NULL);
     }
+    qf_prefix_free(s->prefix); /* before the pool: it holds pages */
     qf_kv_pool_free(s->kv);
     qf_vocab_index_free(s->vix);
     free(s->slots);

@@ -32,6 +32,8 @@ typedef struct qf_sched_opts {
     int page_tokens;   /* 0 = 16 */
     int prefill_chunk; /* prompt tokens per sequence per step; 0 = 256 */
     int max_queue;     /* waiting requests before submit says busy */
+    size_t prefix_cache_bytes; /* snapshots for prefix reuse (0: off) */
+    int prefix_interval;       /* tokens between snapshots while a prompt is prefilled (0: prefill_chunk) */
     int verbose;       /* [FLASH-SCHEDULER] lines on log */
     FILE *log;
 } qf_sched_opts;
@@ -75,6 +77,7 @@ void qf_sched_kick(qf_sched *s);
 typedef struct qf_req_status {
     int finish;            /* enum qf_finish; NONE while running */
     int prompt_tokens, gen_tokens;
+    int cached_tokens;     /* prompt tokens not prefilled: taken from a prefix snapshot */
     double ttft;           /* seconds from submit to the first token; 0 before it */
     char error[256];
 } qf_req_status;
@@ -103,6 +106,9 @@ typedef struct qf_sched_stats {
     /* cumulative histogram counts at the bucket bounds of qf_sched_*_buckets */
     uint64_t ttft_hist[16], itl_hist[16], ttft_n, itl_n;
     double ttft_sum, itl_sum;
+    uint64_t prefix_hits, prefix_misses, prefix_tokens, prefix_evicted; /* prefix reuse */
+    int prefix_snapshots;
+    size_t prefix_bytes, prefix_budget;
     uint64_t masks;        /* grammar masks computed, and their time */
     double mask_seconds;
 } qf_sched_stats;

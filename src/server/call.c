@@ -124,8 +124,8 @@ static void send_sse(call *c, json_t *obj) {
 }
 
 static json_t *usage(const qf_req_status *st) {
-    return json_pack("{s:i,s:i,s:i}", "prompt_tokens", st->prompt_tokens, "completion_tokens", st->gen_tokens, "total_tokens",
-                     st->prompt_tokens + st->gen_tokens);
+    return json_pack("{s:i,s:i,s:i,s:{s:i}}", "prompt_tokens", st->prompt_tokens, "completion_tokens", st->gen_tokens, "total_tokens",
+                     st->prompt_tokens + st->gen_tokens, "prompt_tokens_details", "cached_tokens", st->cached_tokens);
 }
 
 static json_t *chunk_head(const call *c) {

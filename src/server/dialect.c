@@ -77,7 +77,7 @@ static json_t *responses_object(const call *c, const qf_req_status *st, const ch
     json_t *ptc = json_object_get(b, "parallel_tool_calls");
     json_object_set_new(r, "parallel_tool_calls", json_boolean(!ptc || json_is_true(ptc)));
     json_object_set_new(r, "output", output);
-    json_object_set_new(r, "usage", st ? json_pack("{s:i,s:{s:i},s:i,s:{s:i},s:i}", "input_tokens", st->prompt_tokens, "input_tokens_details", "cached_tokens", 0,
+    json_object_set_new(r, "usage", st ? json_pack("{s:i,s:{s:i},s:i,s:{s:i},s:i}", "input_tokens", st->prompt_tokens, "input_tokens_details", "cached_tokens", st->cached_tokens,
                                                    "output_tokens", st->gen_tokens, "output_tokens_details", "reasoning_tokens", 0, "total_tokens",
                                                    st->prompt_tokens + st->gen_tokens)
                                           : json_null());
@@ -88,7 +88,9 @@ static json_t *messages_object(const call *c, const qf_req_status *st, json_t *c
     json_t *m = json_pack("{s:s,s:s,s:s,s:s,s:o,s:n}", "id", c->id, "type", "message", "role", "assistant", "model", c->s->model_name, "content", content,
                           "stop_sequence");
     json_object_set_new(m, "stop_reason", stop ? json_string(stop) : json_null());
-    json_object_set_new(m, "usage", json_pack("{s:i,s:i}", "input_tokens", st ? st->prompt_tokens : 0, "output_tokens", st ? st->gen_tokens : 0));
+    /* Anthropic counts input_tokens apart from the tokens read from the cache */
+    json_object_set_new(m, "usage", json_pack("{s:i,s:i,s:i,s:i}", "input_tokens", st ? st->prompt_tokens - st->cached_tokens : 0, "output_tokens", st ? st->gen_tokens : 0,
+                                              "cache_read_input_tokens", st ? st->cached_tokens : 0, "cache_creation_input_tokens", 0));
     return m;
 }
 

@@ -47,6 +47,13 @@ void ep_metrics(srv *s, struct evhttp_request *req) {
     metric(b, "qflash:expert_cache_hits_total", "counter", "Routed experts found in the expert cache (all resident: every use).", (double)st.expert_hits);
     metric(b, "qflash:expert_cache_misses_total", "counter", "Routed experts loaded into the expert cache.", (double)st.expert_misses);
     metric(b, "qflash:expert_cache_bytes_loaded_total", "counter", "Bytes of routed experts loaded.", (double)st.expert_bytes_loaded);
+    metric(b, "qflash:prefix_cache_hits_total", "counter", "Requests that started from a prefix snapshot.", (double)st.prefix_hits);
+    metric(b, "qflash:prefix_cache_misses_total", "counter", "Requests that found no prefix snapshot.", (double)st.prefix_misses);
+    metric(b, "qflash:prefix_cache_tokens_total", "counter", "Prompt tokens not prefilled: taken from prefix snapshots.", (double)st.prefix_tokens);
+    metric(b, "qflash:prefix_cache_evictions_total", "counter", "Prefix snapshots dropped (budget or KV pages needed).", (double)st.prefix_evicted);
+    metric(b, "qflash:prefix_cache_snapshots", "gauge", "Prefix snapshots held.", (double)st.prefix_snapshots);
+    metric(b, "qflash:prefix_cache_bytes", "gauge", "Bytes the prefix snapshots hold (DeltaNet copies, KV pages, tokens).", (double)st.prefix_bytes);
+    metric(b, "qflash:prefix_cache_budget_bytes", "gauge", "The prefix snapshots' budget (--prefix-cache-mem).", (double)st.prefix_budget);
     metric(b, "qflash:grammar_masks_total", "counter", "Token masks computed for constrained output (response_format, forced tool calls).", (double)st.masks);
     metric(b, "qflash:grammar_mask_seconds_total", "counter", "Time spent computing those masks.", st.mask_seconds);
     histogram(b, "qflash:time_to_first_token_seconds", "Time from request to its first generated token.", st.ttft_hist,

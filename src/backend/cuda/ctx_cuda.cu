@@ -193,6 +193,11 @@ void cu_zero(qf_backend *be, void *p, size_t n) {
     cudaMemsetAsync(p, 0, n, 0);
 }
 
+void cu_copy(qf_backend *be, void *dst, const void *src, size_t n) {
+    ctx *c = C(be);
+    check(c, cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, 0), "device copy");
+}
+
 } // namespace qfc
 
 using namespace qfc;

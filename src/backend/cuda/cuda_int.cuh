@@ -526,6 +526,7 @@ extern const qf_ops k_cuda_ops;
 void *cu_alloc(qf_backend *be, size_t bytes);
 void cu_free(qf_backend *be, void *p);
 void cu_upload(qf_backend *be, void *dst, const void *src, size_t n);
+void cu_copy(qf_backend *be, void *dst, const void *src, size_t n);
 void cu_download(qf_backend *be, void *dst, const void *src, size_t n);
 void cu_zero(qf_backend *be, void *p, size_t n);
 void cu_step_begin(qf_backend *be, uint64_t key, int rows);

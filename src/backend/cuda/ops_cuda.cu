@@ -779,5 +779,6 @@ const qf_ops qfc::k_cuda_ops = {
     cu_mem_info,
     cu_stage,
     cu_stage_wait,
+    cu_copy,
 };
 

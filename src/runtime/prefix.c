@@ -1,0 +1,131 @@
+#include "runtime/prefix.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/err.h"
+
+#define MAX_SNAPS 4096
+
+typedef struct snap {
+    qf_state_snap st;
+    int32_t *toks;
+    uint64_t hash, stamp;
+    size_t bytes;
+} snap;
+
+struct qf_prefix {
+    qf_kv_pool *kv;
+    size_t state_bytes, page_bytes;
+    snap *s;
+    int n;
+    uint64_t clock;
+    qf_prefix_stats st;
+};
+
+/* FNV-1a over the token ids, extended one token at a time. */
+static uint64_t hash_step(uint64_t h, int32_t t) {
+    for (int b = 0; b < 4; b++) h = (h ^ (uint64_t)((uint32_t)t >> (8 * b) & 0xff)) * 0x100000001b3ull;
+    return h;
+}
+
+int qf_prefix_create(qf_prefix **out, qf_kv_pool *kv, size_t state_bytes, size_t page_bytes, size_t budget) {
+    *out = NULL;
+    qf_prefix *p = calloc(1, sizeof *p);
+    if (!p) return qf_fail(QF_ENOMEM, "out of memory for the prefix cache");
+    p->kv = kv;
+    p->state_bytes = state_bytes;
+    p->page_bytes = page_bytes;
+    p->st.budget = budget;
+    p->s = calloc(MAX_SNAPS, sizeof *p->s);
+    if (!p->s) {
+        free(p);
+        return qf_fail(QF_ENOMEM, "out of memory for the prefix cache");
+    }
+    *out = p;
+    return QF_OK;
+}
+
+static void drop(qf_prefix *p, int i) {
+    snap *e = &p->s[i];
+    p->st.bytes -= e->bytes;
+    qf_state_snap_drop(&e->st);
+    free(e->toks);
+    p->s[i] = p->s[--p->n];
+    p->st.snapshots = p->n;
+    p->st.evicted++;
+}
+
+void qf_prefix_free(qf_prefix *p) {
+    if (!p) return;
+    while (p->n) drop(p, p->n - 1);
+    free(p->s);
+    free(p);
+}
+
+static int lru(const qf_prefix *p) {
+    int best = -1;
+    for (int i = 0; i < p->n; i++)
+        if (best < 0 || p->s[i].stamp < p->s[best].stamp) best = i;
+    return best;
+}
+
+int qf_prefix_restore(qf_prefix *p, qf_state *st, const int32_t *toks, int n) {
+    int best = -1;
+    uint64_t h = 0xcbf29ce484222325ull;
+    /* each prefix length's hash against the snapshots of that length */
+    for (int k = 1; k < n; k++) {
+        h = hash_step(h, toks[k - 1]);
+        for (int i = 0; i < p->n; i++) {
+            const snap *e = &p->s[i];
+            if (e->st.pos == k && e->hash == h && !memcmp(e->toks, toks, (size_t)k * sizeof *toks) && (best < 0 || k > p->s[best].st.pos)) best = i;
+        }
+    }
+    if (best < 0 || qf_state_adopt(st, &p->s[best].st) != QF_OK) {
+        p->st.misses++;
+        return 0;
+    }
+    p->s[best].stamp = ++p->clock;
+    p->st.hits++;
+    p->st.tokens_reused += (uint64_t)p->s[best].st.pos;
+    return p->s[best].st.pos;
+}
+
+void qf_prefix_save(qf_prefix *p, const qf_state *st, const int32_t *toks) {
+    int pos = st->pos;
+    if (pos < 1) return;
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int k = 0; k < pos; k++) h = hash_step(h, toks[k]);
+    for (int i = 0; i < p->n; i++)
+        if (p->s[i].st.pos == pos && p->s[i].hash == h && !memcmp(p->s[i].toks, toks, (size_t)pos * sizeof *toks)) {
+            p->s[i].stamp = ++p->clock;
+            return;
+        }
+    int pt = qf_kv_pool_page_tokens(p->kv);
+    size_t bytes = p->state_bytes + (size_t)((pos + pt - 1) / pt) * p->page_bytes + (size_t)pos * sizeof *toks;
+    if (bytes > p->st.budget) return;
+    while (p->n && (p->st.bytes + bytes > p->st.budget || p->n == MAX_SNAPS)) drop(p, lru(p));
+    snap *e = &p->s[p->n];
+    memset(e, 0, sizeof *e);
+    e->toks = malloc((size_t)pos * sizeof *toks);
+    if (!e->toks || qf_state_snap_take(st, &e->st) != QF_OK) {
+        free(e->toks);
+        return; /* no snapshot: the next request prefills in full */
+    }
+    memcpy(e->toks, toks, (size_t)pos * sizeof *toks);
+    e->hash = h;
+    e->bytes = bytes;
+    e->stamp = ++p->clock;
+    p->n++;
+    p->st.bytes += bytes;
+    p->st.snapshots = p->n;
+    p->st.saved++;
+}
+
+int qf_prefix_evict(qf_prefix *p, int pages) {
+    int dropped = 0;
+    while (p->n && qf_kv_pool_free_pages(p->kv) < pages) drop(p, lru(p)), dropped++;
+    return dropped;
+}
+
+qf_prefix_stats qf_prefix_get_stats(const qf_prefix *p) { return p->st; }
