@@ -1,6 +1,8 @@
 /* qflash chat: multi-turn chat through the model's own chat template. Reasoning (<think>...</think>)
  * is printed apart from the answer and kept out of the history, as the template expects. The
- * model state is reused between turns when the new prompt extends what it already holds. */
+ * model state is reused between turns when the new prompt extends what it already holds, and
+ * otherwise (the template drops the reasoning from the history) from the prefix snapshot kept at
+ * the end of the last prompt, so no turn prefills the conversation again. */
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
@@ -9,6 +11,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "runtime/prefix.h"
 #include "tokenizer/chat.h"
 
 typedef struct turn_buf {
@@ -22,6 +25,7 @@ typedef struct chat_ctx {
     turn_buf cur;
     int32_t *hist; /* tokens the state holds */
     int n_hist, cap_hist;
+    qf_prefix *prefix; /* snapshots at the end of each prompt */
 } chat_ctx;
 
 static void append(char **buf, size_t *n, const char *s, size_t len) {
@@ -69,17 +73,31 @@ static int on_token(void *ud, int32_t tok, const char *text, size_t len) {
     return 0;
 }
 
-/* Feeds only the part of the new prompt the state does not hold yet; restarts otherwise. */
+/* Feeds only the part of the new prompt the state does not hold yet; otherwise starts from the
+ * longest prefix snapshot of it, or from nothing. */
 static void prepare_prompt(chat_ctx *c, qf_state *st, const int32_t *ids, int n, int *skip) {
     int common = 0;
     while (common < n && common < c->n_hist && ids[common] == c->hist[common]) common++;
     if (common < c->n_hist || common == n) {
         qf_state_reset(st);
+        qf_prefix_evict(c->prefix, 1); /* a snapshot's partial page is copied */
+        common = qf_prefix_restore(c->prefix, st, ids, n);
         c->n_hist = 0;
-        common = 0;
+        for (int i = 0; i < common; i++) hist_push(c, ids[i]);
     }
     *skip = common;
     for (int i = common; i < n; i++) hist_push(c, ids[i]);
+}
+
+/* The prompt but its last token, then a snapshot there (the next turn's prompt begins with it). */
+static int prefill_and_keep(chat_ctx *c, qf_state *st, const int32_t *ids, int n, int *skip, int room) {
+    qf_prefix_evict(c->prefix, qf_state_pages_needed(st, n - st->pos + room));
+    if (n - 1 > *skip) {
+        int rc = qf_forward_seq(c->e->model, &c->e->be, c->e->ws, st, ids + *skip, n - 1 - *skip, QF_LOGITS_NONE, NULL);
+        if (rc != QF_OK) return rc;
+        qf_prefix_save(c->prefix, st, ids);
+    }
+    return QF_OK;
 }
 
 typedef struct chat_opts {
@@ -143,9 +161,13 @@ static int chat_turn(chat_ctx *c, const chat_opts *o, const qf_chat_tmpl *ct, hi
     memset(&c->cur, 0, sizeof c->cur);
     qf_sampler_reset(smp);
     qf_gen_stats stats;
+    int room = st->max_ctx - n - 1, fed = skip;
+    room = o->n_predict < room ? o->n_predict : room;
+    if (rc == QF_OK) rc = prefill_and_keep(c, st, ids, n, &fed, room);
     if (rc == QF_OK) {
-        int room = st->max_ctx - n - 1;
-        qf_gen_request req = {ids + skip, n - skip, o->n_predict < room ? o->n_predict : room, smp, on_token, c};
+        int from = fed < n - 1 ? n - 1 : fed;
+        qf_gen_request req = {ids + from, n - from, room, smp, on_token, c};
+        for (int i = 0; i < from; i++) qf_sampler_accept(smp, ids[i], 0);
         rc = qf_engine_generate(c->e, st, &req, &stats);
     }
     if (c->in_think) fputs(c->tty ? "\033[0m" : "", stdout);
@@ -219,17 +241,22 @@ int cmd_chat(int argc, char **argv) {
     else if (!parsed) fprintf(stderr, "error: %s\n", qf_last_error());
     else if (cli_prepare_sampling(e, &user, o.seed_set, &s) == 0) {
         chat_ctx c = {e, qf_tok_lookup(e->tok, "<think>"), qf_tok_lookup(e->tok, "</think>"), qf_tok_lookup(e->tok, "<|im_end|>"), 0,
-                      isatty(1), {0}, NULL, 0, 0};
+                      isatty(1), {0}, NULL, 0, 0, NULL};
         int ctx = o.ctx ? o.ctx : (e->model->cfg.max_pos < 8192 ? e->model->cfg.max_pos : 8192);
-        qf_state *st = qf_state_create(e->model, ctx);
+        /* the context's pages and half as many again for the snapshots, which give pages back when the conversation needs them */
+        qf_kv_pool *pool = qf_kv_pool_create(e->model, 16, (ctx + 15) / 16 * 3 / 2 + 1);
+        qf_state *st = pool ? qf_state_create_paged(e->model, pool, ctx) : NULL;
         qf_sampler *smp = qf_sampler_create(e->model->cfg.vocab, &s);
-        if (st && smp) {
+        if (st && qf_prefix_create(&c.prefix, pool, qf_state_bytes(e->model), qf_kv_pool_page_bytes(e->model, 16), (size_t)512 << 20) != QF_OK) c.prefix = NULL;
+        if (st && smp && c.prefix) {
             chat_loop(&c, &o, &ct, st, smp);
             rc = 0;
         } else fprintf(stderr, "error: out of memory (context %d)\n", ctx);
         free(c.hist);
         qf_sampler_free(smp);
         qf_state_free(st);
+        qf_prefix_free(c.prefix);
+        qf_kv_pool_free(pool);
     }
     qf_chat_tmpl_free(&ct);
     qf_engine_close(e);

@@ -67,7 +67,7 @@ void qf_gb_alt(qf_gbuild *b, int rule, const qf_gseq *q) {
         b->oom = 1;
         return;
     }
-    memcpy(b->elems + b->n_elems, q->e, (size_t)q->n * sizeof *q->e);
+    if (q->n) memcpy(b->elems + b->n_elems, q->e, (size_t)q->n * sizeof *q->e);
     b->alts[b->n_alts++] = (balt){rule, b->n_elems, q->n};
     b->n_elems += q->n;
 }
@@ -175,8 +175,8 @@ int qf_gb_finish(qf_gbuild *b, int root, qf_grammar **out) {
         qf_grammar_free(g);
         return qf_fail(QF_ENOMEM, "out of memory building a grammar");
     }
-    memcpy(g->elems, b->elems, (size_t)b->n_elems * sizeof(int32_t));
-    memcpy(g->sets, b->sets, (size_t)b->n_sets * sizeof(qf_cset));
+    if (b->n_elems) memcpy(g->elems, b->elems, (size_t)b->n_elems * sizeof(int32_t));
+    if (b->n_sets) memcpy(g->sets, b->sets, (size_t)b->n_sets * sizeof(qf_cset));
     order_alts(b, g);
     for (int r = 0; r < R; r++)
         if (!g->rule_na[r]) {
@@ -273,7 +273,7 @@ int qf_vocab_index_create_raw(qf_vocab_index **out, const char *const *pieces, c
         qf_vocab_index_free(v);
         return qf_fail(QF_ENOMEM, "out of memory for the vocabulary index");
     }
-    memcpy(v->eos, eos, (size_t)n_eos * sizeof(int32_t));
+    if (n_eos) memcpy(v->eos, eos, (size_t)n_eos * sizeof(int32_t));
     v->n_eos = n_eos;
     for (int id = 0; id < vocab; id++) {
         if (!pieces[id] || !lens[id]) continue;

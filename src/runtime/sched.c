@@ -60,6 +60,7 @@ struct qf_sched {
     qf_kv_pool *kv;
     qf_vocab_index *vix;  /* the sorted vocabulary for grammar masks, made on first use */
     qf_prefix *prefix;    /* prefix snapshots (NULL: off) */
+    unsigned char *page_mark; /* a byte per KV page (seq_pages) */
     char log_buf[4096];   /* the expert store's step description (--verbose) */
     slot *slots;
     qf_seq_step *steps;
@@ -550,13 +551,28 @@ static void drop_cancelled(qf_sched *s) {
     }
 }
 
+/* Pages the running sequences hold (a page two of them share counts once); the rest of the
+ * pages not free are held by prefix snapshots alone, and are given back when needed. */
+static int seq_pages(qf_sched *s) {
+    memset(s->page_mark, 0, (size_t)qf_kv_pool_pages(s->kv));
+    int n = 0;
+    for (int i = 0; i < s->o.max_batch; i++)
+        for (int k = 0; s->slots[i].req && k < s->slots[i].st->n_pages; k++) {
+            int32_t pg = s->slots[i].st->pages[k];
+            n += !s->page_mark[pg];
+            s->page_mark[pg] = 1;
+        }
+    return n;
+}
+
 static void publish_stats(qf_sched *s) {
     int running = 0;
     for (int i = 0; i < s->o.max_batch; i++) running += s->slots[i].req != NULL;
     pthread_mutex_lock(&s->mu);
     s->stats.running = running;
     s->stats.kv_pages_total = qf_kv_pool_pages(s->kv);
-    s->stats.kv_pages_used = s->stats.kv_pages_total - qf_kv_pool_free_pages(s->kv);
+    s->stats.kv_pages_used = seq_pages(s);
+    s->stats.kv_pages_cached = s->stats.kv_pages_total - qf_kv_pool_free_pages(s->kv) - s->stats.kv_pages_used;
     qf_expert_store *es = s->e->model->experts; /* counted on this thread, published under the lock */
     qf_expert_stats st = es ? qf_es_stats(es) : (qf_expert_stats){0};
     s->stats.expert_hits = st.hits, s->stats.expert_misses = st.misses, s->stats.expert_bytes_loaded = st.bytes_loaded;
@@ -700,8 +716,9 @@ int qf_sched_create(qf_sched **out, qf_engine *e, const qf_sched_opts *o) {
     s->steps = calloc((size_t)o->max_batch, sizeof *s->steps);
     s->step_slot = calloc((size_t)o->max_batch, sizeof *s->step_slot);
     s->lp_scratch = malloc((size_t)V * sizeof(float));
+    s->page_mark = malloc((size_t)s->o.kv_pages);
     s->text = malloc(s->text_cap);
-    int ok = s->kv && s->slots && s->steps && s->step_slot && s->lp_scratch && s->text;
+    int ok = s->kv && s->slots && s->steps && s->step_slot && s->lp_scratch && s->text && s->page_mark;
     for (int i = 0; ok && i < o->max_batch; i++) {
         s->slots[i].st = qf_state_create_paged(e->model, s->kv, o->ctx);
         s->slots[i].logits = malloc((size_t)V * sizeof(float));
@@ -712,6 +729,7 @@ int qf_sched_create(qf_sched **out, qf_engine *e, const qf_sched_opts *o) {
         return qf_fail(QF_ENOMEM, "out of memory for %d sequences and %d KV pages", o->max_batch, s->o.kv_pages);
     }
     s->stats.kv_pages_total = s->o.kv_pages;
+    s->stats.prefix_budget = s->prefix ? s->o.prefix_cache_bytes : 0;
     LOG(s, "%d slots, context %d, %d KV pages of %d tokens (%.1f MiB), prefill chunk %d, %d rows per step\n", o->max_batch, o->ctx,
         s->o.kv_pages, pt, (double)s->o.kv_pages * (double)qf_kv_pool_page_bytes(e->model, pt) / 1048576.0, s->o.prefill_chunk, s->rows);
     if (pthread_create(&s->th, NULL, sched_main, s) != 0) {
@@ -747,6 +765,7 @@ void qf_sched_destroy(qf_sched *s) {
     free(s->steps);
     free(s->step_slot);
     free(s->lp_scratch);
+    free(s->page_mark);
     free(s->text);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);

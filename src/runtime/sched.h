@@ -101,7 +101,7 @@ void qf_req_poll(qf_req *r, const qf_req_sink *sink, qf_req_status *st);
 
 typedef struct qf_sched_stats {
     uint64_t requests, finished, cancelled, preempted, prompt_tokens, gen_tokens, steps;
-    int running, waiting, kv_pages_used, kv_pages_total;
+    int running, waiting, kv_pages_used, kv_pages_total, kv_pages_cached; /* used: by running sequences; cached: by prefix snapshots alone */
     uint64_t expert_hits, expert_misses, expert_bytes_loaded; /* the expert store's counters */
     /* cumulative histogram counts at the bucket bounds of qf_sched_*_buckets */
     uint64_t ttft_hist[16], itl_hist[16], ttft_n, itl_n;

@@ -42,7 +42,8 @@ void ep_metrics(srv *s, struct evhttp_request *req) {
     metric(b, "qflash:scheduler_steps_total", "counter", "Batched forward steps.", (double)st.steps);
     metric(b, "qflash:num_requests_running", "gauge", "Sequences holding a slot.", st.running);
     metric(b, "qflash:num_requests_waiting", "gauge", "Requests in the queue.", st.waiting);
-    metric(b, "qflash:kv_cache_pages_used", "gauge", "KV cache pages in use.", st.kv_pages_used);
+    metric(b, "qflash:kv_cache_pages_used", "gauge", "KV cache pages the running sequences hold.", st.kv_pages_used);
+    metric(b, "qflash:kv_cache_pages_cached", "gauge", "KV cache pages only prefix snapshots hold (given back when needed).", st.kv_pages_cached);
     metric(b, "qflash:kv_cache_pages_total", "gauge", "KV cache pages in the pool.", st.kv_pages_total);
     metric(b, "qflash:expert_cache_hits_total", "counter", "Routed experts found in the expert cache (all resident: every use).", (double)st.expert_hits);
     metric(b, "qflash:expert_cache_misses_total", "counter", "Routed experts loaded into the expert cache.", (double)st.expert_misses);

@@ -139,7 +139,7 @@ def test_messages_tool_use_loop(an):
         {"role": "user", "content": "2 + 3?"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id, "name": "add", "input": uses[0].input}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "5"}]}])
-    assert second.content and second.usage.input_tokens > first.usage.input_tokens
+    assert second.content and second.usage.input_tokens + second.usage.cache_read_input_tokens > first.usage.input_tokens
 
 
 def test_messages_errors(server, an):

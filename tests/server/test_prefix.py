@@ -1,0 +1,101 @@
+"""Prefix reuse across requests on the hybrid model: a conversation's turns prefill only their new
+tokens (DeltaNet snapshots + shared KV pages) and give the same logits, bit for bit, as a server
+without the cache; conversations sharing a system prompt share its prefill; the byte budget and
+the KV pool are respected."""
+import concurrent.futures
+import json
+import http.client
+
+import openai
+import pytest
+
+from qfserver import Server
+
+SYSTEM = ("You are a careful Python programmer. You answer with short, correct code, you name things clearly, you write "
+          "docstrings, you prefer the standard library, and you never use global state. ") * 3
+
+
+def client(s):
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def warm():
+    with Server("--max-batch", "16", "--ctx", "2048", "--prefill-chunk", "32") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def cold():
+    with Server("--max-batch", "16", "--ctx", "2048", "--prefill-chunk", "32", "--prefix-cache-mem", "0") as s:
+        yield s
+
+
+def ask(c, msgs, n=12):
+    r = c.chat.completions.create(model="m", messages=msgs, max_tokens=n, temperature=0, logprobs=True, top_logprobs=5)
+    lp = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in r.choices[0].logprobs.content]
+    return r, lp
+
+
+def test_ten_turns(warm, cold):
+    cw, cc = client(warm), client(cold)
+    msgs = [{"role": "system", "content": SYSTEM}]
+    prev = None
+    for turn in range(10):
+        msgs.append({"role": "user", "content": "Write helper number %d; it adds %d to its argument." % (turn, turn)})
+        rw, lw = ask(cw, msgs)
+        rc, lc = ask(cc, msgs)
+        assert rw.choices[0].message.content == rc.choices[0].message.content
+        assert lw == lc, "turn %d: logprobs differ from a cold prefill" % turn
+        cached = rw.usage.prompt_tokens_details.cached_tokens
+        assert rc.usage.prompt_tokens_details.cached_tokens == 0
+        if prev:
+            # everything the last turn held is reused: only its reply's tail and the new turn are prefilled
+            assert cached >= prev.usage.prompt_tokens, (turn, cached, prev.usage.prompt_tokens)
+            assert rw.usage.prompt_tokens - cached <= prev.usage.completion_tokens + 40
+        prev = rw
+        msgs.append({"role": "assistant", "content": rw.choices[0].message.content})
+    m = warm.metrics()
+    assert m["qflash:prefix_cache_hits_total"] >= 9 and m["qflash:prefix_cache_tokens_total"] > 0
+
+
+def test_shared_system_prompt(warm, cold):
+    cw, cc = client(warm), client(cold)
+    users = ["Task %d: write a function that returns %d squared." % (i, i) for i in range(16)]
+    conv = lambda u: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": u}]
+    conn = http.client.HTTPConnection("127.0.0.1", warm.port, timeout=30)
+    toks = []
+    for u in users[:2]:
+        conn.request("POST", "/tokenize", json.dumps({"messages": conv(u)}), {"Content-Type": "application/json"})
+        toks.append(json.loads(conn.getresponse().read())["tokens"])
+    common = next(i for i, (a, b) in enumerate(zip(*toks)) if a != b)
+    ask(cw, conv("A first conversation, so the system prompt is in the cache."))
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        warm_r = list(ex.map(lambda u: ask(cw, conv(u)), users))
+        cold_r = list(ex.map(lambda u: ask(cc, conv(u)), users))
+    for (rw, lw), (rc, lc) in zip(warm_r, cold_r):
+        assert rw.choices[0].message.content == rc.choices[0].message.content and lw == lc
+        assert rw.usage.prompt_tokens_details.cached_tokens >= common // 32 * 32 > 0
+
+
+def test_budget_and_kv_pool():
+    """A 3 MiB budget (a few snapshots of this model) and a KV pool of 48 pages: snapshots are
+    dropped for the budget and for the pages running sequences need; nothing fails."""
+    with Server("--max-batch", "4", "--ctx", "512", "--kv-pages", "48", "--prefill-chunk", "32", "--prefix-cache-mem", "3") as s:
+        c = client(s)
+        budget = s.metrics()["qflash:prefix_cache_budget_bytes"]
+        assert budget == 3 * 1048576
+
+        def one(i):
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question %d." % i}]
+            return c.chat.completions.create(model="m", messages=msgs, max_tokens=24, temperature=0)
+
+        for round_ in range(3):
+            with concurrent.futures.ThreadPoolExecutor(4) as ex:
+                for r in ex.map(one, range(round_ * 8, round_ * 8 + 8)):
+                    assert r.choices[0].finish_reason in ("stop", "length")
+            m = s.metrics()
+            assert m["qflash:prefix_cache_bytes"] <= budget
+        assert m["qflash:prefix_cache_evictions_total"] > 0 and m["qflash:prefix_cache_hits_total"] > 0
+        assert m["qflash:kv_cache_pages_used"] == 0
+        assert m["qflash:kv_cache_pages_cached"] <= m["qflash:kv_cache_pages_total"]
