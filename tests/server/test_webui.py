@@ -1,5 +1,6 @@
 """The chat page in headless Chromium (Debian's chromium + chromium-driver): type a message, see a
-streamed reply that equals the API's reply, and stop a long one with the stop button."""
+streamed reply that equals the API's reply, stop a long one with the stop button; Markdown,
+live reasoning and the request's controls against a scripted stream."""
 import json
 import os
 import shutil
@@ -56,7 +57,7 @@ def test_type_and_see_streamed_reply(browser):
         # the usage chunk at the end of the stream fills in the stats line
         WebDriverWait(browser, 60).until(lambda d: "tokens" in d.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").text)
         assert browser.find_element(By.ID, "stop").get_attribute("disabled")
-        shown = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .content").get_attribute("textContent")
+        shown = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .content").get_attribute("data-raw")
         stats = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").get_attribute("textContent")
         assert len(shown) > 10 and shown == api_reply(s.url, "write fib in python")
         assert stats.startswith("64 tokens")
@@ -77,3 +78,63 @@ def test_stop_button_cancels(browser):
         WebDriverWait(browser, 20).until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").text == "stopped")
         assert wait_for(lambda: s.metrics()["qflash:num_requests_running"] == 0, timeout=10)
         assert s.metrics()["qflash:requests_cancelled_total"] == 1
+
+
+SCRIPTED = r"""
+window.sent = [];
+window.fetch = (u, o) => {
+  if (!o || !o.body) return Promise.resolve(new Response(JSON.stringify({data: [{id: "scripted"}]})));
+  window.sent.push(JSON.parse(o.body));
+  const parts = [{reasoning_content: "Let me think"}, {reasoning_content: " about it."}, "# Plan\n\nUse `sorted` and **care**:\n\n",
+                 "```python\nprint(1 < 2)\n```\n\n- one\n- two\n\n<b>not bold</b> [docs](https://docs.python.org)"];
+  const enc = new TextEncoder();
+  let i = 0;
+  const body = new ReadableStream({ pull(ctl) {
+    return new Promise((res) => setTimeout(res, 400)).then(() => {
+      if (i < parts.length) {
+        const p = parts[i++], d = typeof p === "string" ? {content: p} : p;
+        ctl.enqueue(enc.encode("data: " + JSON.stringify({choices: [{index: 0, delta: d}]}) + "\n\n"));
+      } else {
+        ctl.enqueue(enc.encode("data: " + JSON.stringify({choices: [], usage: {completion_tokens: 9}}) + "\n\ndata: [DONE]\n\n"));
+        ctl.close();
+      }
+    });
+  }});
+  return Promise.resolve(new Response(body, {status: 200}));
+};
+"""
+
+
+def test_markdown_reasoning_and_controls(browser):
+    with Server("--ctx", "512") as s:
+        browser.get(s.url + "/")
+        browser.execute_script(SCRIPTED)
+        browser.find_element(By.ID, "input").send_keys("sort a list")
+        browser.find_element(By.ID, "send").click()
+        # the reasoning shows while it streams, before any answer
+        WebDriverWait(browser, 20).until(lambda d: "about it" in d.find_element(By.CSS_SELECTOR, ".msg.assistant .reasoning").text)
+        assert browser.find_element(By.CSS_SELECTOR, ".msg.assistant details").get_attribute("open") is not None
+        WebDriverWait(browser, 20).until(lambda d: "tokens" in d.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").text)
+        content = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .content")
+        assert content.find_element(By.TAG_NAME, "h1").text == "Plan"
+        assert content.find_element(By.CSS_SELECTOR, "pre code.lang-python").get_attribute("textContent") == "print(1 < 2)"
+        assert [li.text for li in content.find_elements(By.TAG_NAME, "li")] == ["one", "two"]
+        assert content.find_element(By.CSS_SELECTOR, "p code").text == "sorted"
+        assert content.find_element(By.TAG_NAME, "strong").text == "care"
+        assert not content.find_elements(By.TAG_NAME, "b")  # model text never becomes markup
+        assert "<b>not bold</b>" in content.text
+        assert content.find_element(By.TAG_NAME, "a").get_attribute("href") == "https://docs.python.org/"
+        assert browser.find_element(By.CSS_SELECTOR, ".msg.assistant details").get_attribute("open") is None  # folded once the answer came
+        sent = browser.execute_script("return window.sent")
+        assert sent[0]["max_tokens"] == 1024 and "temperature" not in sent[0]
+        # the controls go into the next request
+        for id_, v in (("maxtok", "77"), ("temp", "0.3")):
+            el = browser.find_element(By.ID, id_)
+            el.clear()
+            el.send_keys(v)
+        browser.find_element(By.ID, "input").send_keys("again")
+        browser.find_element(By.ID, "send").click()
+        WebDriverWait(browser, 20).until(lambda d: len(d.execute_script("return window.sent")) == 2)
+        sent = browser.execute_script("return window.sent")
+        assert sent[1]["max_tokens"] == 77 and sent[1]["temperature"] == 0.3
+        assert [m["role"] for m in sent[1]["messages"]] == ["user", "assistant", "user"]
