@@ -5,6 +5,10 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The widest attention head the backends take (the CPU attention keeps one head's partial on the
+ * stack); a config with a wider one is refused at load. */
+#define QF_MAX_HEAD_DIM 512
+
 static inline float qf_bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

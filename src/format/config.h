@@ -4,9 +4,10 @@
 
 #include <stddef.h>
 
+#include "base/numeric.h"
+
 #define QF_MAX_LAYERS 256
 #define QF_MAX_EOS    8
-#define QF_MAX_HEAD_DIM 512
 
 enum qf_arch { QF_ARCH_QWEN35 = 1, QF_ARCH_QWEN35_MOE = 2 };
 enum qf_layer_kind { QF_LAYER_LINEAR = 0, QF_LAYER_FULL = 1 };
