@@ -1,6 +1,7 @@
 #include "runtime/grammar.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,6 +27,7 @@ struct qf_gbuild {
 };
 
 struct qf_grammar {
+    atomic_int refs;
     int n_rules, n_alts, n_sets, root;
     int *rule_a0, *rule_na; /* alternatives of rule r: rule_a0[r] .. + rule_na[r] */
     int *alt_e0, *alt_n;    /* elements of alternative a */
@@ -125,8 +127,13 @@ void qf_gb_special(qf_gbuild *b, const char *text) {
     b->specials[b->n_specials++] = t;
 }
 
+qf_grammar *qf_grammar_ref(qf_grammar *g) {
+    if (g) atomic_fetch_add(&g->refs, 1);
+    return g;
+}
+
 void qf_grammar_free(qf_grammar *g) {
-    if (!g) return;
+    if (!g || atomic_fetch_sub(&g->refs, 1) > 1) return;
     free(g->rule_a0);
     free(g->rule_na);
     free(g->alt_e0);
@@ -162,6 +169,7 @@ int qf_gb_finish(qf_gbuild *b, int root, qf_grammar **out) {
     if (root < 0 || root >= b->n_rules) return qf_fail(QF_EINVAL, "grammar: no start rule");
     qf_grammar *g = calloc(1, sizeof *g);
     if (!g) return qf_fail(QF_ENOMEM, "out of memory building a grammar");
+    atomic_init(&g->refs, 1);
     int R = b->n_rules, A = b->n_alts;
     g->n_rules = R, g->n_alts = A, g->n_sets = b->n_sets, g->root = root;
     g->rule_a0 = calloc((size_t)R, sizeof(int));

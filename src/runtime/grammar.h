@@ -57,6 +57,8 @@ void qf_gb_special(qf_gbuild *b, const char *text);
 /* The grammar whose start is root; the builder is left empty. QF_ENOMEM or QF_EINVAL (a rule
  * without alternatives, named by number). */
 int qf_gb_finish(qf_gbuild *b, int root, qf_grammar **out);
+/* Grammars are immutable once built and counted: ref adds a holder, free drops one. */
+qf_grammar *qf_grammar_ref(qf_grammar *g);
 void qf_grammar_free(qf_grammar *g);
 int qf_grammar_rules(const qf_grammar *g);
 

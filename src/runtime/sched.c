@@ -31,6 +31,11 @@ struct qf_req {
     qf_grammar *grammar;
     qf_gmatch *gm;
     int32_t grammar_after;
+    /* n > 1: a first choice keeps a copy of its state before the prompt's last token (fork_snap,
+     * fork_state 1 while the later choices have not taken it, 2 once gone); a later one waits on after */
+    int fork, fork_state, fork_waiters;
+    qf_state_snap fork_snap;
+    qf_req *after;
     qf_utf8_stream us;
     char *hold;
     size_t hold_len;
@@ -91,6 +96,7 @@ struct qf_sched {
 /* ---- requests ---- */
 
 static void req_free(qf_req *r) {
+    if (r->after) qf_req_release(r->after);
     qf_sampler_free(r->smp);
     qf_gmatch_free(r->gm);
     qf_grammar_free(r->grammar);
@@ -157,6 +163,13 @@ static qf_req *req_new(qf_sched *s, const qf_req_params *p) {
     r->ignore_eos = p->ignore_eos;
     r->sparsity_set = p->sparsity_set, r->sparsity = p->sparsity;
     r->grammar = p->grammar, r->grammar_after = p->grammar_after;
+    r->fork = p->fork && p->n_prompt > 1;
+    if (p->after) {
+        pthread_mutex_lock(&p->after->mu);
+        p->after->refs++;
+        pthread_mutex_unlock(&p->after->mu);
+        r->after = p->after;
+    }
     r->notify = p->notify;
     r->notify_ud = p->notify_ud;
     r->slot = -1;
@@ -182,6 +195,7 @@ int qf_sched_submit(qf_sched *s, const qf_req_params *p, qf_req **out) {
         return stopping ? qf_fail(QF_EBUSY, "the server is shutting down") : qf_fail(QF_EBUSY, "the request queue is full (%d waiting)", s->o.max_queue);
     }
     r->seq_no = ++s->next_seq_no;
+    if (r->after) r->after->fork_waiters++; /* under s->mu, as the scheduler thread reads it */
     if (s->q_tail) s->q_tail->next = r;
     else s->q_head = r;
     s->q_tail = r;
@@ -319,8 +333,44 @@ void qf_sched_get_stats(qf_sched *s, qf_sched_stats *out) {
 
 /* ---- slots ---- */
 
+/* A later choice no longer needs the first's copy: the last one to leave drops it. */
+static void fork_leave(qf_sched *s, qf_req *r) {
+    if (!r->after || r->fork_state == 3) return;
+    qf_req *L = r->after;
+    r->fork_state = 3; /* left */
+    pthread_mutex_lock(&s->mu);
+    int left = --L->fork_waiters;
+    pthread_mutex_unlock(&s->mu);
+    if (left == 0 && L->fork_state == 1) {
+        qf_state_snap_drop(&L->fork_snap);
+        L->fork_state = 2;
+    }
+}
+
+/* The first choice has fed all but its prompt's last token: the copy the others start from. */
+static void fork_mark(qf_sched *s, qf_req *r, const qf_state *st) {
+    if (!r->fork || r->fork_state || r->n_fed != r->n_prompt - 1) return;
+    r->fork_state = qf_state_snap_take(st, &r->fork_snap) == QF_OK ? 1 : 2;
+    pthread_mutex_lock(&s->mu);
+    int waiting = r->fork_waiters;
+    pthread_mutex_unlock(&s->mu);
+    if (r->fork_state == 1 && waiting == 0) {
+        qf_state_snap_drop(&r->fork_snap);
+        r->fork_state = 2;
+    }
+}
+
+/* A later choice starts from the first's copy (or, when there is none, as any request). */
+static int fork_join(qf_sched *s, qf_req *r, qf_state *st) {
+    int k = 0;
+    if (r->after->fork_state == 1 && qf_state_adopt(st, &r->after->fork_snap) == QF_OK) k = st->pos;
+    fork_leave(s, r);
+    return k;
+}
+
 /* Ends a request: its last status goes to the reader, its slot and pages are freed. */
 static void finish(qf_sched *s, qf_req *r, int why, const char *err) {
+    fork_leave(s, r);
     if (r->slot >= 0) {
         slot *sl = &s->slots[r->slot];
         int pages = sl->st->n_pages;
@@ -347,22 +397,36 @@ static void finish(qf_sched *s, qf_req *r, int why, const char *err) {
 
 /* Takes the next waiting request (s->mu held) when a slot and pages for its tokens are free.
  * Cancelled waiters are finished on the way. */
+/* A later choice of n waits until the first has prefilled its prompt but the last token (or ended). */
+static int waits(const qf_req *r) { return r->after && r->after->fork_state == 0 && r->after->status.finish == QF_FINISH_NONE; }
+
+/* Takes the first waiting request that may start (s->mu held) when a slot and pages for its tokens
+ * are free. Cancelled waiters are finished on the way. */
 static qf_req *pop_admissible(qf_sched *s, int free_slot, qf_req **cancelled) {
-    while (s->q_head && atomic_load(&s->q_head->cancel)) {
-        qf_req *c = s->q_head;
-        s->q_head = c->next;
-        if (!s->q_head) s->q_tail = NULL;
-        s->n_waiting--;
-        c->next = *cancelled;
-        *cancelled = c;
+    qf_req *prev = NULL, *r = s->q_head;
+    while (r) {
+        qf_req *next = r->next;
+        if (atomic_load(&r->cancel) || waits(r)) {
+            if (atomic_load(&r->cancel)) {
+                if (prev) prev->next = next;
+                else s->q_head = next;
+                if (s->q_tail == r) s->q_tail = prev;
+                s->n_waiting--;
+                r->next = *cancelled;
+                *cancelled = r;
+            } else prev = r;
+            r = next;
+            continue;
+        }
+        break;
     }
-    qf_req *r = s->q_head;
     if (!r || free_slot < 0) return NULL;
     int pt = qf_kv_pool_page_tokens(s->kv), need = (r->n_toks + 1 + pt - 1) / pt;
     if (need > qf_kv_pool_free_pages(s->kv) && s->prefix) qf_prefix_evict(s->prefix, need);
     if (need > qf_kv_pool_free_pages(s->kv)) return NULL;
-    s->q_head = r->next;
-    if (!s->q_head) s->q_tail = NULL;
+    if (prev) prev->next = r->next;
+    else s->q_head = r->next;
+    if (s->q_tail == r) s->q_tail = prev;
     s->n_waiting--;
     r->next = NULL;
     return r;
@@ -401,7 +465,9 @@ static void admit(qf_sched *s) {
         }
         if (!r) return;
         r->slot = fs;
-        r->n_fed = s->prefix ? qf_prefix_restore(s->prefix, s->slots[fs].st, r->toks, r->n_toks) : 0;
+        r->n_fed = r->after && r->fork_state != 3 ? fork_join(s, r, s->slots[fs].st) : 0;
+        if (!r->n_fed && s->prefix) r->n_fed = qf_prefix_restore(s->prefix, s->slots[fs].st, r->toks, r->n_toks);
+        fork_mark(s, r, s->slots[fs].st);
         if (!r->primed) r->status.cached_tokens = r->n_fed;
         s->slots[fs].req = r;
         if (!r->primed && r->grammar && grammar_start(s, r) != QF_OK) {
@@ -415,7 +481,7 @@ static void admit(qf_sched *s) {
             s->stats.prompt_tokens += (uint64_t)r->n_prompt;
             pthread_mutex_unlock(&s->mu);
         }
-        LOG(s, "seq %llu admitted to slot %d: %d tokens to prefill (%d from a prefix snapshot)\n", (unsigned long long)r->seq_no, fs, r->n_toks - r->n_fed, r->n_fed);
+        LOG(s, "seq %llu admitted to slot %d: %d tokens to prefill (%d reused)\n", (unsigned long long)r->seq_no, fs, r->n_toks - r->n_fed, r->n_fed);
     }
 }
 
@@ -465,6 +531,7 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
                     int to_mark = s->o.prefix_interval - r->n_fed % s->o.prefix_interval;
                     take = take < to_mark ? take : to_mark;
                 }
+                if (r->fork && !r->fork_state && r->n_fed < r->n_prompt - 1 && take > r->n_prompt - 1 - r->n_fed) take = r->n_prompt - 1 - r->n_fed;
                 if (take > s->rows - rows) take = s->rows - rows;
                 if (take <= 0) continue;
                 sl->batch_n = take;
@@ -632,6 +699,7 @@ static int run_step(qf_sched *s) {
             continue;
         }
         r->n_fed += sl->batch_n;
+        fork_mark(s, r, sl->st);
         /* snapshots on the interval's marks and at the prompt's end (a partial last page may be
          * shared while this sequence writes on past it: an adopter copies it and reads only what
          * lies before the snapshot's end) */

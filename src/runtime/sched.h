@@ -54,6 +54,9 @@ typedef struct qf_req_params {
     int ignore_eos;
     int sparsity_set;      /* this request's sparsity level instead of the model's */
     float sparsity;
+    qf_req *after;         /* n > 1: the first choice of the same prompt; this one waits until that one has
+                            * prefilled all but the prompt's last token and starts from a copy of it */
+    int fork;              /* n > 1: this is the first choice; later ones start from its prompt */
     qf_grammar *grammar;   /* the reply follows it (constrained decoding); submit takes it, even when it fails */
     int32_t grammar_after; /* the grammar starts after this token (a reasoning block's end); -1: at once */
     void (*notify)(void *ud); /* called from the scheduler thread when output is ready */

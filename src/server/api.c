@@ -90,7 +90,7 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
         opt_num(ao, b, "repetition_penalty", 0.01, 10, &sp->repetition_penalty) ||
         opt_int(ao, b, "top_k", -1, 1 << 30, &top_k) || opt_int(ao, b, "seed", INT64_MIN, INT64_MAX, &seed) ||
         opt_int(ao, b, "max_tokens", 1, 1 << 30, &max_tokens) || opt_int(ao, b, "max_completion_tokens", 1, 1 << 30, &max_tokens) ||
-        opt_int(ao, b, "n", 1, 1, &n) || opt_bool(ao, b, "stream", &g->stream) || opt_bool(ao, b, "ignore_eos", &g->p.ignore_eos) ||
+        opt_int(ao, b, "n", 1, QF_MAX_CHOICES, &n) || opt_bool(ao, b, "stream", &g->stream) || opt_bool(ao, b, "ignore_eos", &g->p.ignore_eos) ||
         parse_stop(ao, b, &g->p))
         return -1;
     json_t *sl = json_object_get(b, "sparsity_level"); /* qflash's extension: this request's level, every layer */
@@ -103,6 +103,7 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
     sp->top_k = top_k < 0 ? 0 : (int)top_k; /* -1 means off, as in vLLM */
     if (has_seed) sp->seed = (uint64_t)seed;
     g->p.max_tokens = (int)max_tokens;
+    g->n = (int)n;
     json_t *so = json_object_get(b, "stream_options");
     if (so && !json_is_null(so)) {
         if (!json_is_object(so)) return bad(ao, "'stream_options' must be an object");
@@ -328,6 +329,7 @@ int api_parse_completion(srv *s, api_out *ao, json_t *b, gen_req *g, int native)
     g->top_logprobs = (int)(lp < 0 ? 0 : lp);
     g->p.logprobs = (int)lp;
     if (native) g->stream = 1;
+    if (native && g->n > 1) return bad(ao, "'n' above 1 is for /v1/completions and /v1/chat/completions");
     return parse_prompt(s, ao, b, g);
 }
 

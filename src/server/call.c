@@ -134,7 +134,7 @@ static json_t *chunk_head(const call *c) {
 }
 
 static json_t *choice_delta(const call *c, const delta *d, const char *finish) {
-    json_t *ch = json_pack("{s:i}", "index", 0);
+    json_t *ch = json_pack("{s:i}", "index", c->index);
     if (c->kind == CALL_CHAT) {
         json_t *dl = json_object();
         if (d && d->len_r) {
@@ -192,11 +192,34 @@ static void stream_held(call *c, delta *d, int final) {
     for (size_t i = 0; calls && c->api == API_CHAT && i < json_array_size(calls); i++) {
         json_t *tc = json_deep_copy(json_array_get(calls, i)), *ch = chunk_head(c);
         json_object_set_new(tc, "index", json_integer((json_int_t)i));
-        json_object_set_new(ch, "choices", json_pack("[{s:i,s:{s:[o]},s:n,s:n}]", "index", 0, "delta", "tool_calls", tc, "logprobs", "finish_reason"));
+        json_object_set_new(ch, "choices", json_pack("[{s:i,s:{s:[o]},s:n,s:n}]", "index", c->index, "delta", "tool_calls", tc, "logprobs", "finish_reason"));
         send_sse(c, ch);
     }
     if (calls) c->tool_called = 1;
     json_decref(calls);
+}
+
+/* A choice's last chunk (finish_reason), or the error. */
+static void stream_finish_choice(call *c, const qf_req_status *st) {
+    if (st->finish == QF_FINISH_ERROR) send_sse(c, json_pack("{s:{s:s,s:s,s:i}}", "error", "message", st->error, "type", "server_error", "code", 500));
+    else stream_delta(c, &(delta){c, NULL, NULL, 0, 0, 0, 0, NULL}, c->tool_called ? "tool_calls" : finish_name(st->finish));
+}
+
+/* The usage chunk (all choices' tokens), [DONE], and the end of the reply. */
+static void stream_close(call *c, const qf_req_status *st) {
+    if (c->include_usage && st->finish != QF_FINISH_ERROR) {
+        json_t *u = chunk_head(c);
+        json_object_set_new(u, "choices", json_array());
+        json_object_set_new(u, "usage", usage(st));
+        send_sse(c, u);
+    }
+    struct evbuffer *b = evbuffer_new();
+    if (b) {
+        evbuffer_add(b, "data: [DONE]\n\n", 14);
+        evhttp_send_reply_chunk(c->http, b);
+        evbuffer_free(b);
+    }
+    evhttp_send_reply_end(c->http);
 }
 
 static void stream_end(call *c, const qf_req_status *st) {
@@ -204,45 +227,26 @@ static void stream_end(call *c, const qf_req_status *st) {
         dl_stream_end(c, st);
         return;
     }
-    if (c->kind != CALL_GENERATE) {
-        if (st->finish == QF_FINISH_ERROR) {
-            send_sse(c, json_pack("{s:{s:s,s:s,s:i}}", "error", "message", st->error, "type", "server_error", "code", 500));
-        } else {
-            stream_delta(c, &(delta){c, NULL, NULL, 0, 0, 0, 0, NULL}, c->tool_called ? "tool_calls" : finish_name(st->finish));
-            if (c->include_usage) {
-                json_t *u = chunk_head(c);
-                json_object_set_new(u, "choices", json_array());
-                json_object_set_new(u, "usage", usage(st));
-                send_sse(c, u);
-            }
-        }
-        struct evbuffer *b = evbuffer_new();
-        if (b) {
-            evbuffer_add(b, "data: [DONE]\n\n", 14);
-            evhttp_send_reply_chunk(c->http, b);
-            evbuffer_free(b);
-        }
-    }
-    evhttp_send_reply_end(c->http);
-}
-
-static void reply_whole(call *c, const qf_req_status *st) {
-    if (st->finish == QF_FINISH_ERROR) {
-        srv_count(c->s, 500);
-        srv_send_error(c->http, 500, "server_error", "%s", st->error);
+    if (c->kind == CALL_GENERATE) {
+        evhttp_send_reply_end(c->http);
         return;
     }
+    stream_finish_choice(c, st);
+    stream_close(c, st);
+}
+
+/* A whole choice (index c->index); NULL when the reply is the dialect's own (sent here). */
+static json_t *choice_whole(call *c, const qf_req_status *st) {
     const char *finish = finish_name(st->finish);
-    json_t *body = chunk_head(c), *ch = json_pack("{s:i}", "index", 0);
+    json_t *ch = json_pack("{s:i}", "index", c->index);
     if (c->kind == CALL_CHAT) {
-        json_object_set_new(body, "object", json_string("chat.completion"));
         json_t *msg = json_pack("{s:s}", "role", "assistant"), *calls = NULL;
         size_t clen = c->len_c;
         if (c->tools) tc_parse(c->acc_c ? c->acc_c : "", c->len_c, c->tools, c->id, &calls, &clen);
         if (c->api != API_CHAT) {
-            json_decref(body), json_decref(ch), json_decref(msg);
+            json_decref(ch), json_decref(msg);
             dl_reply_whole(c, st, c->acc_c, clen, calls);
-            return;
+            return NULL;
         }
         json_object_set_new(msg, "content", calls && !clen ? json_null() : jstr_lossy(c->acc_c ? c->acc_c : "", clen));
         if (calls) json_object_set_new(msg, "tool_calls", calls), finish = "tool_calls";
@@ -255,13 +259,40 @@ static void reply_whole(call *c, const qf_req_status *st) {
         json_object_set_new(ch, "logprobs", c->lp ? json_incref(c->lp) : json_null());
     }
     json_object_set_new(ch, "finish_reason", json_string(finish));
-    json_object_set_new(body, "choices", json_pack("[o]", ch));
+    return ch;
+}
+
+/* The whole reply: choices (stolen) and the usage of st. */
+static void send_whole(call *c, json_t *choices, const qf_req_status *st) {
+    json_t *body = chunk_head(c);
+    if (c->kind == CALL_CHAT) json_object_set_new(body, "object", json_string("chat.completion"));
+    json_object_set_new(body, "choices", choices);
     json_object_set_new(body, "usage", usage(st));
     srv_count(c->s, 200);
     srv_send_json(c->http, 200, body);
 }
 
+static void reply_whole(call *c, const qf_req_status *st) {
+    if (st->finish == QF_FINISH_ERROR) {
+        srv_count(c->s, 500);
+        srv_send_error(c->http, 500, "server_error", "%s", st->error);
+        return;
+    }
+    json_t *ch = choice_whole(c, st);
+    if (ch) send_whole(c, json_pack("[o]", ch), st);
+}
+
 /* ---- lifetime ---- */
+
+/* n > 1: the choices of one request, each its own call and sequence, share the HTTP reply. The
+ * calls stay until the last one ends; then the reply is closed (stream) or sent whole. */
+typedef struct group {
+    call *child[QF_MAX_CHOICES];
+    int n, left, failed, cancelled, ended;
+    json_t *choices;          /* non-streamed: each choice where it ends, by index */
+    qf_req_status sum;        /* the usage of all choices (the prompt once) */
+    char err[256];
+} group;
 
 static void call_free(call *c) {
     srv *s = c->s;
@@ -276,6 +307,23 @@ static void call_free(call *c) {
     free(c->acc_c);
     free(c->acc_r);
     free(c);
+}
+
+static void group_free(group *g) {
+    for (int i = 0; i < g->n; i++)
+        if (g->child[i]) call_free(g->child[i]);
+    json_decref(g->choices);
+    free(g);
+}
+
+static void on_close_group(struct evhttp_connection *evcon, void *arg) {
+    (void)evcon;
+    group *g = arg;
+    struct evhttp_request *http = g->child[0]->http;
+    if (http && !evhttp_request_get_connection(http)) evhttp_request_free(http);
+    for (int i = 0; i < g->n; i++) g->child[i]->http = NULL, qf_req_cancel(g->child[i]->r);
+    if (g->child[0]->s->sched) qf_sched_kick(g->child[0]->s->sched);
+    group_free(g);
 }
 
 static void on_close(struct evhttp_connection *evcon, void *arg) {
@@ -299,7 +347,30 @@ void call_notify(void *ud) {
     event_active(s->wake, EV_READ, 0);
 }
 
+/* A choice of a group ended; the last one ends the reply. */
+static void group_end(call *c, const qf_req_status *st) {
+    group *g = c->grp;
+    c->done = 1;
+    if (st->finish == QF_FINISH_ERROR && !g->failed) g->failed = 1, snprintf(g->err, sizeof g->err, "%s", st->error);
+    g->cancelled |= st->finish == QF_FINISH_CANCELLED;
+    g->sum.prompt_tokens = st->prompt_tokens;
+    g->sum.gen_tokens += st->gen_tokens;
+    if (c->index == 0) g->sum.cached_tokens = st->cached_tokens;
+    if (c->stream) stream_finish_choice(c, st);
+    else if (st->finish != QF_FINISH_ERROR) json_array_set_new(g->choices, (size_t)c->index, choice_whole(c, st));
+    if (--g->left) return;
+    call *first = g->child[0];
+    detach(first);
+    g->sum.finish = g->failed ? QF_FINISH_ERROR : QF_FINISH_STOP;
+    if (first->stream) stream_close(first, &g->sum);
+    else if (g->failed) srv_count(first->s, 500), srv_send_error(first->http, 500, "server_error", "%s", g->err);
+    else if (g->cancelled) srv_count(first->s, 503), srv_send_error(first->http, 503, "unavailable_error", "the request was cancelled (server shutting down)");
+    else send_whole(first, json_incref(g->choices), &g->sum);
+    g->ended = 1; /* freed after this pump: other choices of it may be next in the list */
+}
+
 static void call_pump(call *c) {
+    if (c->done) return;
     delta d = {c, NULL, NULL, 0, 0, 0, 0, c->stream && c->logprobs ? new_lp(c) : NULL};
     qf_req_sink sink = {sink_text, c->logprobs ? sink_token : NULL, &d};
     qf_req_status st;
@@ -317,6 +388,10 @@ static void call_pump(call *c) {
     free(d.reasoning);
     json_decref(d.lp);
     if (st.finish == QF_FINISH_NONE) return;
+    if (c->grp) {
+        group_end(c, &st);
+        return;
+    }
     detach(c);
     if (st.finish == QF_FINISH_CANCELLED) { /* server shutdown: a stream ends with finish_reason "abort" and [DONE] */
         if (c->stream) stream_end(c, &st);
@@ -334,6 +409,13 @@ void calls_pump(srv *s) {
         next = c->next;
         call_pump(c);
     }
+    for (;;) { /* groups whose reply ended go now, every choice at once */
+        group *g = NULL;
+        for (call *c = s->calls; c && !g; c = c->next)
+            if (c->grp && c->grp->ended) g = c->grp;
+        if (!g) break;
+        group_free(g);
+    }
 }
 
 /* Calls exist only once the scheduler does; it finishes each cancelled request and the wake-up
@@ -343,7 +425,7 @@ void calls_cancel_all(srv *s) {
     if (s->sched) qf_sched_kick(s->sched);
 }
 
-static void stream_begin(call *c) {
+static void stream_begin(call *c, int n_choices) {
     struct evkeyvalq *h = evhttp_request_get_output_headers(c->http);
     evhttp_add_header(h, "Content-Type", c->kind == CALL_GENERATE ? "text/plain; charset=utf-8" : "text/event-stream");
     evhttp_add_header(h, "Cache-Control", "no-cache");
@@ -351,49 +433,111 @@ static void stream_begin(call *c) {
     evhttp_send_reply_start(c->http, 200, "OK");
     srv_count(c->s, 200);
     if (c->api != API_CHAT) dl_stream_begin(c);
-    else if (c->kind == CALL_CHAT) {
-        json_t *ch = chunk_head(c);
-        json_object_set_new(ch, "choices", json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", 0, "delta", "role", "assistant", "content", "",
-                                                     "logprobs", "finish_reason"));
-        send_sse(c, ch);
+    else if (c->kind == CALL_CHAT)
+        for (int i = 0; i < n_choices; i++) {
+            json_t *ch = chunk_head(c);
+            json_object_set_new(ch, "choices", json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", i, "delta", "role", "assistant", "content", "",
+                                                         "logprobs", "finish_reason"));
+            send_sse(c, ch);
+        }
+}
+
+/* A call for the request (not yet submitted). */
+static call *call_new(srv *s, struct evhttp_request *req, gen_req *g, int kind) {
+    call *c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    static unsigned long long counter;
+    c->s = s, c->http = req, c->kind = kind, c->stream = g->stream, c->include_usage = g->include_usage && g->stream;
+    c->logprobs = g->logprobs_on;
+    c->think.in_think = g->think_prompt;
+    c->tools = json_incref(g->tools);
+    c->api = g->api;
+    c->orig = json_incref(g->orig);
+    c->created = (long long)time(NULL);
+    static const char *const prefix[] = {"chatcmpl-", "resp_", "msg_"};
+    snprintf(c->id, sizeof c->id, "%s%llx%06llx", kind == CALL_CHAT ? prefix[c->api] : "cmpl-", c->created, ++counter);
+    if (c->logprobs && !c->stream) c->lp = new_lp(c);
+    return c;
+}
+
+static void call_link(srv *s, call *c) {
+    c->next = s->calls;
+    if (s->calls) s->calls->prev = c;
+    s->calls = c;
+    s->n_calls++;
+}
+
+static void submit_failed(srv *s, struct evhttp_request *req, int rc) {
+    int code = rc == QF_EBUSY ? 503 : rc == QF_EINVAL ? 400 : 500;
+    srv_count(s, code);
+    if (code == 503) evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", "1");
+    srv_send_error(req, code, code == 400 ? "invalid_request_error" : code == 503 ? "unavailable_error" : "server_error", "%s", qf_last_error());
+}
+
+/* n > 1: a call per choice; the first prefills the prompt, the others start from its copy. */
+static void group_start(srv *s, struct evhttp_request *req, gen_req *g, int kind) {
+    group *grp = calloc(1, sizeof *grp);
+    qf_grammar *gm = g->p.grammar; /* each choice holds a reference */
+    g->p.grammar = NULL;
+    int rc = grp ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
+    if (grp) grp->choices = json_array(), grp->n = grp->left = g->n;
+    g->p.notify = call_notify;
+    g->p.notify_ud = s;
+    for (int i = 0; rc == QF_OK && i < g->n; i++) {
+        json_array_append_new(grp->choices, json_null());
+        call *c = call_new(s, req, g, kind);
+        if (!c) {
+            rc = qf_fail(QF_ENOMEM, "out of memory");
+            break;
+        }
+        c->grp = grp, c->index = i;
+        if (i) memcpy(c->id, grp->child[0]->id, sizeof c->id), c->created = grp->child[0]->created;
+        qf_req_params p = g->p;
+        p.fork = i == 0, p.after = i ? grp->child[0]->r : NULL;
+        p.sampling.seed += (uint64_t)i; /* sampled choices differ; greedy ones are the same */
+        p.grammar = qf_grammar_ref(gm);
+        rc = qf_sched_submit(s->sched, &p, &c->r);
+        grp->child[i] = c;
+        call_link(s, c);
+        if (rc != QF_OK) c->r = NULL;
     }
+    qf_grammar_free(gm);
+    if (rc != QF_OK) {
+        for (int i = 0; grp && i < grp->n; i++)
+            if (grp->child[i] && grp->child[i]->r) qf_req_cancel(grp->child[i]->r);
+        if (s->sched) qf_sched_kick(s->sched);
+        if (grp) group_free(grp);
+        submit_failed(s, req, rc);
+        return;
+    }
+    evhttp_connection_set_closecb(evhttp_request_get_connection(req), on_close_group, grp);
+    if (g->stream) stream_begin(grp->child[0], g->n);
 }
 
 void call_start(srv *s, struct evhttp_request *req, gen_req *g, int kind) {
-    call *c = calloc(1, sizeof *c);
+    if (g->n > 1) {
+        group_start(s, req, g, kind);
+        return;
+    }
+    call *c = call_new(s, req, g, kind);
     if (!c) {
         srv_count(s, 500);
         srv_send_error(req, 500, "server_error", "out of memory");
         return;
     }
-    static unsigned long long counter;
-    c->s = s, c->http = req, c->kind = kind, c->stream = g->stream, c->include_usage = g->include_usage && g->stream;
-    c->logprobs = g->logprobs_on;
-    c->think.in_think = g->think_prompt;
-    c->tools = g->tools, g->tools = NULL;
-    c->api = g->api;
-    c->orig = g->orig, g->orig = NULL;
-    c->created = (long long)time(NULL);
-    static const char *const prefix[] = {"chatcmpl-", "resp_", "msg_"};
-    snprintf(c->id, sizeof c->id, "%s%llx%06llx", kind == CALL_CHAT ? prefix[c->api] : "cmpl-", c->created, ++counter);
-    if (c->logprobs && !c->stream) c->lp = new_lp(c);
     g->p.notify = call_notify;
     g->p.notify_ud = s;
     int rc = qf_sched_submit(s->sched, &g->p, &c->r);
     g->p.grammar = NULL; /* the scheduler's now */
     if (rc != QF_OK) {
-        int code = rc == QF_EBUSY ? 503 : rc == QF_EINVAL ? 400 : 500;
-        srv_count(s, code);
-        if (code == 503) evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", "1");
-        srv_send_error(req, code, code == 400 ? "invalid_request_error" : code == 503 ? "unavailable_error" : "server_error", "%s", qf_last_error());
+        submit_failed(s, req, rc);
         json_decref(c->lp);
+        json_decref(c->tools);
+        json_decref(c->orig);
         free(c);
         return;
     }
-    c->next = s->calls;
-    if (s->calls) s->calls->prev = c;
-    s->calls = c;
-    s->n_calls++;
+    call_link(s, c);
     evhttp_connection_set_closecb(evhttp_request_get_connection(req), on_close, c);
-    if (c->stream) stream_begin(c);
+    if (c->stream) stream_begin(c, 1);
 }

@@ -16,6 +16,8 @@
 #include "tokenizer/chat.h"
 
 enum call_kind { CALL_CHAT, CALL_COMPLETION, CALL_GENERATE };
+#define QF_MAX_CHOICES 16 /* n */
+struct group;
 /* The wire format of a chat call: OpenAI chat completions, OpenAI Responses, Anthropic Messages. */
 enum call_api { API_CHAT, API_RESPONSES, API_MESSAGES };
 
@@ -51,6 +53,9 @@ typedef struct call {
     int tool_called;             /* the stream sent tool_calls */
     int api;                     /* enum call_api */
     json_t *orig;                /* a Responses request's body (echoed in its reply) */
+    int index;                   /* n > 1: this choice's index in the shared reply */
+    int done;                    /* n > 1: this choice has ended (its group's reply may not have) */
+    struct group *grp;           /* n > 1: the choices of one request (NULL: a single one) */
     dialect_state dl;
     struct call *prev, *next;
 } call;
@@ -119,6 +124,7 @@ typedef struct gen_req {
     int tokenize_only;          /* /tokenize: no limit from the context */
     json_t *tools;              /* tools the reply may call (a reference; NULL: none, or tool_choice none) */
     int api;                    /* enum call_api */
+    int n;                      /* choices */
     json_t *xbody, *orig;       /* Responses / Messages: the translated chat body, and the request's own */
 } gen_req;
 /* Each returns 0, or -1 with ao->code 400 and the message naming the field. */

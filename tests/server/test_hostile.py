@@ -35,7 +35,7 @@ CASES = [
     (CHAT, chat(top_p=0)), (CHAT, chat(top_p=2)), (CHAT, chat(top_k="5")), (CHAT, chat(top_k=-5)),
     (CHAT, chat(max_tokens=-1)), (CHAT, chat(max_tokens=0)), (CHAT, chat(max_tokens=1e12)),
     (CHAT, chat(max_tokens=99999999999999)), (CHAT, chat(max_tokens="10")), (CHAT, chat(max_tokens=True)),
-    (CHAT, chat(max_completion_tokens=-7)), (CHAT, chat(n=1000)), (CHAT, chat(n=2)), (CHAT, chat(n=0)),
+    (CHAT, chat(max_completion_tokens=-7)), (CHAT, chat(n=1000)), (CHAT, chat(n=17)), (CHAT, chat(n=0)),
     (CHAT, chat(logprobs=True, top_logprobs=1e9)), (CHAT, chat(logprobs=True, top_logprobs=1000000000)),
     (CHAT, chat(top_logprobs=2)), (CHAT, chat(logprobs="yes")), (CHAT, chat(stop=5)), (CHAT, chat(stop=["a"] * 17)),
     (CHAT, chat(stop=[""])), (CHAT, chat(stop=["x" * 1000])), (CHAT, chat(stop=[1, 2])), (CHAT, chat(stream="true")),

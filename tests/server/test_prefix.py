@@ -99,3 +99,34 @@ def test_budget_and_kv_pool():
         assert m["qflash:prefix_cache_evictions_total"] > 0 and m["qflash:prefix_cache_hits_total"] > 0
         assert m["qflash:kv_cache_pages_used"] == 0
         assert m["qflash:kv_cache_pages_cached"] <= m["qflash:kv_cache_pages_total"]
+
+
+def test_n_choices():
+    """n > 1: one prefill of the prompt (the others start from the first's copy, even with the
+    prefix cache off), each choice sampled with its own seed; streams carry every index."""
+    with Server("--max-batch", "8", "--ctx", "1024", "--prefix-cache-mem", "0") as s:
+        c = client(s)
+        msgs = [{"role": "user", "content": "def fib(n):"}]
+        whole = c.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0.9, seed=5, n=3)
+        assert [ch.index for ch in whole.choices] == [0, 1, 2]
+        assert len({ch.message.content for ch in whole.choices}) > 1
+        chunks = list(c.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0.9, seed=5, n=3, stream=True,
+                                                stream_options={"include_usage": True}))
+        text = {}
+        for ch in chunks:
+            for x in ch.choices:
+                text[x.index] = text.get(x.index, "") + (x.delta.content or "")
+        assert [text[i] for i in range(3)] == [ch.message.content for ch in whole.choices]
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason].count("length") <= 3
+        greedy = c.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0, n=2)
+        assert greedy.choices[0].message.content == greedy.choices[1].message.content
+        cp = c.completions.create(model="m", prompt="import os\n", max_tokens=8, temperature=0.7, n=2, seed=1)
+        assert [x.index for x in cp.choices] == [0, 1] and cp.usage.completion_tokens <= 16
+        admitted = [l for l in s.log if "admitted" in l]
+        reused = [int(l.split("(")[1].split()[0]) for l in admitted]
+        # per request: the first choice prefills everything, every other one only the last token
+        assert reused.count(0) == 4 and len(reused) == 10 and all(r > 0 for r in reused if r)
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="m", messages=msgs, max_tokens=4, n=17)
