@@ -9,7 +9,7 @@ import http.client
 import openai
 import pytest
 
-from qfserver import Server
+from qfserver import Server, wait_for
 
 SYSTEM = ("You are a careful Python programmer. You answer with short, correct code, you name things clearly, you write "
           "docstrings, you prefer the standard library, and you never use global state. ") * 3
@@ -97,7 +97,7 @@ def test_budget_and_kv_pool():
             m = s.metrics()
             assert m["qflash:prefix_cache_bytes"] <= budget
         assert m["qflash:prefix_cache_evictions_total"] > 0 and m["qflash:prefix_cache_hits_total"] > 0
-        assert m["qflash:kv_cache_pages_used"] == 0
+        assert wait_for(lambda: s.metrics()["qflash:kv_cache_pages_used"] == 0)  # stats are published after the step
         assert m["qflash:kv_cache_pages_cached"] <= m["qflash:kv_cache_pages_total"]
 
 
