@@ -14,6 +14,9 @@
 #   bash tools/gpu-check.sh sparsity ARGS  batch 1 at sparsity levels (ARGS: --levels 0,0.3,... and e.g. --gpu-mem 22G)
 #   bash tools/gpu-check.sh flash [ARGS]  bench with ARGS (e.g. --gpu-mem 22G) while nvidia-smi
 #                                     traces device memory every 100 ms into $OUT/mem-*.csv
+#   bash tools/gpu-check.sh prefix    the bundled model served on the GPU with and without prefix
+#                                     snapshots (tools/prefix_check.py: digests must match), and
+#                                     qflash chat's snapshot restore after /reset
 #   bash tools/gpu-check.sh flash-serve [ARGS]  serve the synthetic model (the bundled tokenizer) with
 #                                     ARGS, 16 streams of 64 tokens from bench/serve_load.py, memory traced
 # Results land in $OUT.
@@ -29,6 +32,18 @@ show='^ +[0-9]+ +[0-9]+ +[0-9]+ \||rror|replayed|load:|peak|decoded ids'
 new() { echo "== new | $*"; timeout 150 gpu/qflash $B --cuda-opt steptime=1 "$@" 2>&1 | grep -E "$show"; }
 old() { [ -x gpu/old/qflash ] || return 0; echo "== old | $*"; QFLASH_CUDA_STEPTIME=1 timeout 150 gpu/old/qflash $B "$@" 2>&1 | grep -E "$show"; }
 case "$1" in
+prefix)
+    M=models/qwen36moe-code-14m
+    printf 'hello\nwrite code\n/reset\nhello\n' | timeout 120 gpu/qflash chat -m $M --device cuda -n 16 --temp 0 >"$OUT/chat.txt" 2>"$OUT/chat.err"
+    echo "== chat (the first and the third reply must be the same)"; cat "$OUT/chat.txt"; grep -E "prompt tokens|rror" "$OUT/chat.err"
+    for mem in 256 0; do
+        gpu/qflash serve -m $M --device cuda --port 18080 --prefill-chunk 32 --prefix-cache-mem $mem >"$OUT/serve-$mem.log" 2>&1 &
+        pid=$!
+        for i in $(seq 60); do curl -sf localhost:18080/health >/dev/null && break; sleep 1; done
+        echo "== prefix-cache-mem $mem"; timeout 120 python3 tools/prefix_check.py http://127.0.0.1:18080 6
+        kill $pid; wait $pid 2>/dev/null
+    done
+    ;;
 tests)
     timeout 330 gpu/test_cuda . >"$OUT/test_cuda.log" 2>&1; echo "test_cuda rc=$?"
     grep -E "FAIL|checks|rror|^with" "$OUT/test_cuda.log" | head -60
