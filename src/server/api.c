@@ -11,8 +11,7 @@
 
 #include "server/srv_int.h"
 
-static int bad(api_out *ao, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int bad(api_out *ao, const char *fmt, ...) {
+int api_bad(api_out *ao, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(ao->msg, sizeof ao->msg, fmt, ap);
@@ -25,9 +24,9 @@ static int bad(api_out *ao, const char *fmt, ...) {
 static int opt_num(api_out *ao, json_t *b, const char *key, double lo, double hi, float *out) {
     json_t *v = json_object_get(b, key);
     if (!v || json_is_null(v)) return 0;
-    if (!json_is_number(v)) return bad(ao, "'%s' must be a number", key);
+    if (!json_is_number(v)) return api_bad(ao, "'%s' must be a number", key);
     double x = json_number_value(v);
-    if (!(x >= lo && x <= hi)) return bad(ao, "'%s' must be between %g and %g (got %g)", key, lo, hi, x);
+    if (!(x >= lo && x <= hi)) return api_bad(ao, "'%s' must be between %g and %g (got %g)", key, lo, hi, x);
     *out = (float)x;
     return 0;
 }
@@ -35,9 +34,9 @@ static int opt_num(api_out *ao, json_t *b, const char *key, double lo, double hi
 static int opt_int(api_out *ao, json_t *b, const char *key, long long lo, long long hi, long long *out) {
     json_t *v = json_object_get(b, key);
     if (!v || json_is_null(v)) return 0;
-    if (!json_is_integer(v)) return bad(ao, "'%s' must be an integer", key);
+    if (!json_is_integer(v)) return api_bad(ao, "'%s' must be an integer", key);
     long long x = json_integer_value(v);
-    if (x < lo || x > hi) return bad(ao, "'%s' must be between %lld and %lld (got %lld)", key, lo, hi, x);
+    if (x < lo || x > hi) return api_bad(ao, "'%s' must be between %lld and %lld (got %lld)", key, lo, hi, x);
     *out = x;
     return 0;
 }
@@ -45,7 +44,7 @@ static int opt_int(api_out *ao, json_t *b, const char *key, long long lo, long l
 static int opt_bool(api_out *ao, json_t *b, const char *key, int *out) {
     json_t *v = json_object_get(b, key);
     if (!v || json_is_null(v)) return 0;
-    if (!json_is_boolean(v)) return bad(ao, "'%s' must be true or false", key);
+    if (!json_is_boolean(v)) return api_bad(ao, "'%s' must be true or false", key);
     *out = json_is_true(v);
     return 0;
 }
@@ -55,15 +54,15 @@ static int parse_stop(api_out *ao, json_t *b, qf_req_params *p) {
     if (!v || json_is_null(v)) return 0;
     if (json_is_string(v)) v = json_pack("[O]", v);
     else if (json_is_array(v)) json_incref(v);
-    else return bad(ao, "'stop' must be a string or a list of strings");
+    else return api_bad(ao, "'stop' must be a string or a list of strings");
     int rc = 0;
-    if (json_array_size(v) > QF_MAX_STOP) rc = bad(ao, "'stop' has %zu strings; at most %d", json_array_size(v), QF_MAX_STOP);
+    if (json_array_size(v) > QF_MAX_STOP) rc = api_bad(ao, "'stop' has %zu strings; at most %d", json_array_size(v), QF_MAX_STOP);
     for (size_t i = 0; rc == 0 && i < json_array_size(v); i++) {
         json_t *e = json_array_get(v, i);
         size_t n = json_is_string(e) ? json_string_length(e) : 0;
-        if (!json_is_string(e)) rc = bad(ao, "'stop[%zu]' must be a string", i);
+        if (!json_is_string(e)) rc = api_bad(ao, "'stop[%zu]' must be a string", i);
         else if (n == 0 || n > QF_MAX_STOP_LEN || memchr(json_string_value(e), 0, n))
-            rc = bad(ao, "'stop[%zu]' must be 1 to %d bytes", i, QF_MAX_STOP_LEN);
+            rc = api_bad(ao, "'stop[%zu]' must be 1 to %d bytes", i, QF_MAX_STOP_LEN);
         else p->stop[p->n_stop++] = json_string_value(e); /* lives as long as the body */
     }
     json_decref(v); /* the strings stay owned by the body */
@@ -74,7 +73,7 @@ static int parse_stop(api_out *ao, json_t *b, qf_req_params *p) {
 static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
     const qf_config *c = &s->e->model->cfg;
     json_t *model = json_object_get(b, "model"); /* any name is served by the one model (clients send their own); replies name it */
-    if (model && !json_is_null(model) && !json_is_string(model)) return bad(ao, "'model' must be a string");
+    if (model && !json_is_null(model) && !json_is_string(model)) return api_bad(ao, "'model' must be a string");
     qf_sampling *sp = &g->p.sampling;
     *sp = qf_sampling_default();
     sp->temperature = c->gen_temperature;
@@ -97,7 +96,7 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
     if (sl && !json_is_null(sl)) {
         if (opt_num(ao, b, "sparsity_level", 0, 1, &g->p.sparsity)) return -1;
         if (g->p.sparsity > 0 && !qf_model_sparsity_ready(s->e->model))
-            return bad(ao, "'sparsity_level' above 0 on this GPU needs the server started with a level above 0 (--sparsity-level or config_flash.json)");
+            return api_bad(ao, "'sparsity_level' above 0 on this GPU needs the server started with a level above 0 (--sparsity-level or config_flash.json)");
         g->p.sparsity_set = 1;
     }
     sp->top_k = top_k < 0 ? 0 : (int)top_k; /* -1 means off, as in vLLM */
@@ -106,7 +105,7 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
     g->n = (int)n;
     json_t *so = json_object_get(b, "stream_options");
     if (so && !json_is_null(so)) {
-        if (!json_is_object(so)) return bad(ao, "'stream_options' must be an object");
+        if (!json_is_object(so)) return api_bad(ao, "'stream_options' must be an object");
         if (opt_bool(ao, so, "include_usage", &g->include_usage)) return -1;
     }
     return 0;
@@ -117,16 +116,16 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
 static int check_content(api_out *ao, json_t *m, size_t i, const char *key) {
     json_t *c = json_object_get(m, key);
     if (!c || json_is_string(c)) return 0;
-    if (!json_is_array(c)) return bad(ao, "'messages[%zu].%s' must be a string or a list of text parts", i, key);
+    if (!json_is_array(c)) return api_bad(ao, "'messages[%zu].%s' must be a string or a list of text parts", i, key);
     size_t total = 0;
     for (size_t k = 0; k < json_array_size(c); k++) {
         json_t *part = json_array_get(c, k), *type = json_object_get(part, "type"), *text = json_object_get(part, "text");
         if (!json_is_object(part) || !json_is_string(type) || strcmp(json_string_value(type), "text") != 0 || !json_is_string(text))
-            return bad(ao, "'messages[%zu].%s[%zu]' must be {\"type\": \"text\", \"text\": \"...\"} (only text is supported)", i, key, k);
+            return api_bad(ao, "'messages[%zu].%s[%zu]' must be {\"type\": \"text\", \"text\": \"...\"} (only text is supported)", i, key, k);
         total += json_string_length(text);
     }
     char *s = malloc(total + 1);
-    if (!s) return bad(ao, "out of memory");
+    if (!s) return api_bad(ao, "out of memory");
     size_t at = 0;
     for (size_t k = 0; k < json_array_size(c); k++) {
         json_t *text = json_object_get(json_array_get(c, k), "text");
@@ -142,10 +141,10 @@ static int check_content(api_out *ao, json_t *m, size_t i, const char *key) {
 static int normalise_tool_calls(api_out *ao, json_t *m, size_t i) {
     json_t *tc = json_object_get(m, "tool_calls");
     if (!tc || json_is_null(tc)) return 0;
-    if (!json_is_array(tc)) return bad(ao, "'messages[%zu].tool_calls' must be a list", i);
+    if (!json_is_array(tc)) return api_bad(ao, "'messages[%zu].tool_calls' must be a list", i);
     for (size_t k = 0; k < json_array_size(tc); k++) {
         json_t *tcall = json_array_get(tc, k), *fn = json_object_get(tcall, "function"), *args = json_object_get(fn, "arguments");
-        if (!json_is_object(tcall) || (fn && !json_is_object(fn))) return bad(ao, "'messages[%zu].tool_calls[%zu]' must be an object with a 'function' object", i, k);
+        if (!json_is_object(tcall) || (fn && !json_is_object(fn))) return api_bad(ao, "'messages[%zu].tool_calls[%zu]' must be an object with a 'function' object", i, k);
         if (!json_is_string(args)) continue;
         json_t *parsed = json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, NULL);
         if (json_is_object(parsed)) json_object_set(fn, "arguments", parsed);
@@ -159,15 +158,15 @@ static int normalise_tool_calls(api_out *ao, json_t *m, size_t i) {
  * given as `reasoning_content` (as transformers and vLLM pass them), tool calls normalised. */
 static int template_messages(api_out *ao, json_t *b, json_t **out) {
     json_t *ms = json_object_get(b, "messages");
-    if (!json_is_array(ms) || json_array_size(ms) == 0) return bad(ao, "'messages' must be a non-empty list");
-    if (json_array_size(ms) > 100000) return bad(ao, "'messages' has too many entries");
+    if (!json_is_array(ms) || json_array_size(ms) == 0) return api_bad(ao, "'messages' must be a non-empty list");
+    if (json_array_size(ms) > 100000) return api_bad(ao, "'messages' has too many entries");
     json_t *copy = json_deep_copy(ms);
     *out = copy;
-    if (!copy) return bad(ao, "out of memory");
+    if (!copy) return api_bad(ao, "out of memory");
     for (size_t i = 0; i < json_array_size(copy); i++) {
         json_t *m = json_array_get(copy, i), *role = json_object_get(m, "role");
-        if (!json_is_object(m)) return bad(ao, "'messages[%zu]' must be an object", i);
-        if (!json_is_string(role) || json_string_length(role) == 0) return bad(ao, "'messages[%zu].role' must be a non-empty string", i);
+        if (!json_is_object(m)) return api_bad(ao, "'messages[%zu]' must be an object", i);
+        if (!json_is_string(role) || json_string_length(role) == 0) return api_bad(ao, "'messages[%zu].role' must be a non-empty string", i);
         const char *key;
         json_t *v;
         void *tmp;
@@ -177,7 +176,7 @@ static int template_messages(api_out *ao, json_t *b, json_t **out) {
         if (check_content(ao, m, i, "content") || check_content(ao, m, i, "reasoning_content") ||
             normalise_tool_calls(ao, m, i))
             return -1;
-        if (!json_object_get(m, "content") && !json_object_get(m, "tool_calls")) return bad(ao, "'messages[%zu].content' is missing", i);
+        if (!json_object_get(m, "content") && !json_object_get(m, "tool_calls")) return api_bad(ao, "'messages[%zu].content' is missing", i);
     }
     return 0;
 }
@@ -186,10 +185,10 @@ static int template_messages(api_out *ao, json_t *b, json_t **out) {
 static int template_vars(api_out *ao, json_t *b, json_t **vars) {
     json_t *msgs = NULL, *tools = json_object_get(b, "tools"), *kw = json_object_get(b, "chat_template_kwargs");
     *vars = NULL;
-    if (tools && !json_is_null(tools) && !json_is_array(tools)) return bad(ao, "'tools' must be a list");
+    if (tools && !json_is_null(tools) && !json_is_array(tools)) return api_bad(ao, "'tools' must be a list");
     for (size_t i = 0; json_is_array(tools) && i < json_array_size(tools); i++)
-        if (!json_is_object(json_array_get(tools, i))) return bad(ao, "'tools[%zu]' must be an object", i);
-    if (kw && !json_is_null(kw) && !json_is_object(kw)) return bad(ao, "'chat_template_kwargs' must be an object");
+        if (!json_is_object(json_array_get(tools, i))) return api_bad(ao, "'tools[%zu]' must be an object", i);
+    if (kw && !json_is_null(kw) && !json_is_object(kw)) return api_bad(ao, "'chat_template_kwargs' must be an object");
     int thinking = 1;
     if (kw && !json_is_null(kw) && opt_bool(ao, kw, "enable_thinking", &thinking)) return -1;
     if (template_messages(ao, b, &msgs)) return json_decref(msgs), -1;
@@ -208,8 +207,8 @@ static int encode(srv *s, api_out *ao, const char *text, gen_req *g, int limit) 
     int n = 0;
     size_t len = strlen(text), most = (size_t)s->o->sched.ctx * (s->max_piece > 0 ? s->max_piece : 1);
     if (limit && len > most)
-        return bad(ao, "the prompt has %zu bytes, more than the context of %d tokens can hold (at most %zu bytes)", len, s->o->sched.ctx, most);
-    if (qf_tok_encode(s->e->tok, text, strlen(text), &g->prompt, &n) != QF_OK) return bad(ao, "cannot tokenize the prompt: %s", qf_last_error());
+        return api_bad(ao, "the prompt has %zu bytes, more than the context of %d tokens can hold (at most %zu bytes)", len, s->o->sched.ctx, most);
+    if (qf_tok_encode(s->e->tok, text, strlen(text), &g->prompt, &n) != QF_OK) return api_bad(ao, "cannot tokenize the prompt: %s", qf_last_error());
     g->p.prompt = g->prompt;
     g->p.n_prompt = n;
     return 0;
@@ -219,7 +218,7 @@ static int parse_logprobs_chat(api_out *ao, json_t *b, gen_req *g) {
     long long top = 0;
     if (opt_bool(ao, b, "logprobs", &g->logprobs_on) || opt_int(ao, b, "top_logprobs", 0, QF_MAX_TOP_LOGPROBS, &top)) return -1;
     json_t *t = json_object_get(b, "top_logprobs");
-    if (t && !json_is_null(t) && !g->logprobs_on) return bad(ao, "'top_logprobs' needs 'logprobs': true");
+    if (t && !json_is_null(t) && !g->logprobs_on) return api_bad(ao, "'top_logprobs' needs 'logprobs': true");
     g->top_logprobs = (int)top;
     g->p.logprobs = g->logprobs_on ? (int)top : -1;
     return 0;
@@ -230,16 +229,16 @@ static int parse_response_format(api_out *ao, json_t *b, gen_req *g) {
     json_t *rf = json_object_get(b, "response_format");
     if (!rf || json_is_null(rf)) return 0;
     const char *t = json_string_value(json_object_get(rf, "type"));
-    if (!json_is_object(rf) || !t) return bad(ao, "'response_format' must be an object with a 'type'");
+    if (!json_is_object(rf) || !t) return api_bad(ao, "'response_format' must be an object with a 'type'");
     if (!strcmp(t, "text")) return 0;
     json_t *schema = NULL;
     if (!strcmp(t, "json_schema")) {
         json_t *js = json_object_get(rf, "json_schema");
         schema = json_object_get(js, "schema");
-        if (!json_is_object(js)) return bad(ao, "'response_format.json_schema' must be an object");
-        if (!json_is_object(schema) && !json_is_boolean(schema)) return bad(ao, "'response_format.json_schema.schema' must be a JSON schema (an object)");
-    } else if (strcmp(t, "json_object")) return bad(ao, "'response_format.type' must be text, json_object or json_schema");
-    if (qf_grammar_json(&g->p.grammar, schema) != QF_OK) return bad(ao, "'response_format.json_schema.schema': %s", qf_last_error());
+        if (!json_is_object(js)) return api_bad(ao, "'response_format.json_schema' must be an object");
+        if (!json_is_object(schema) && !json_is_boolean(schema)) return api_bad(ao, "'response_format.json_schema.schema' must be a JSON schema (an object)");
+    } else if (strcmp(t, "json_object")) return api_bad(ao, "'response_format.type' must be text, json_object or json_schema");
+    if (qf_grammar_json(&g->p.grammar, schema) != QF_OK) return api_bad(ao, "'response_format.json_schema.schema': %s", qf_last_error());
     return 0;
 }
 
@@ -251,15 +250,15 @@ static int parse_tool_choice(srv *s, api_out *ao, json_t *b, json_t *tools, gen_
     if (!choice || json_is_null(choice)) return 0;
     const char *name = NULL, *cs = json_string_value(choice);
     if (cs && (!strcmp(cs, "none") || !strcmp(cs, "auto"))) return 0;
-    if (cs && strcmp(cs, "required")) return bad(ao, "'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+    if (cs && strcmp(cs, "required")) return api_bad(ao, "'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}");
     if (!cs) {
         name = json_string_value(json_object_get(json_object_get(choice, "function"), "name"));
-        if (!name) return bad(ao, "'tool_choice.function.name' must be a string");
+        if (!name) return api_bad(ao, "'tool_choice.function.name' must be a string");
     }
-    if (!json_is_array(tools) || !json_array_size(tools)) return bad(ao, "'tool_choice' %s needs 'tools'", cs ? cs : "naming a function");
+    if (!json_is_array(tools) || !json_array_size(tools)) return api_bad(ao, "'tool_choice' %s needs 'tools'", cs ? cs : "naming a function");
     qf_grammar_free(g->p.grammar); /* a forced call wins over response_format */
     g->p.grammar = NULL;
-    if (qf_grammar_tools(&g->p.grammar, tools, name, s->tool_form, parallel) != QF_OK) return bad(ao, "'tool_choice': %s", qf_last_error());
+    if (qf_grammar_tools(&g->p.grammar, tools, name, s->tool_form, parallel) != QF_OK) return api_bad(ao, "'tool_choice': %s", qf_last_error());
     return 0;
 }
 
@@ -267,11 +266,11 @@ int api_parse_chat(srv *s, api_out *ao, json_t *b, gen_req *g) {
     g->p.logprobs = -1;
     g->p.grammar_after = -1;
     if (parse_common(s, ao, b, g) || parse_logprobs_chat(ao, b, g) || parse_response_format(ao, b, g)) return -1;
-    if (!s->has_tmpl) return bad(ao, "this model has no chat template; use /v1/completions");
+    if (!s->has_tmpl) return api_bad(ao, "this model has no chat template; use /v1/completions");
     json_t *vars = NULL;
     char *text = NULL;
     int rc = template_vars(ao, b, &vars);
-    if (rc == 0 && qf_chat_render_vars(&s->tmpl, vars, &text) != QF_OK) rc = bad(ao, "cannot render the chat: %s", qf_last_error());
+    if (rc == 0 && qf_chat_render_vars(&s->tmpl, vars, &text) != QF_OK) rc = api_bad(ao, "cannot render the chat: %s", qf_last_error());
     if (rc == 0) {
         size_t tl = strlen(text);
         g->think_prompt = tl >= 8 && memcmp(text + tl - 8, "<think>\n", 8) == 0;
@@ -292,20 +291,20 @@ static int parse_prompt(srv *s, api_out *ao, json_t *b, gen_req *g) {
     if (json_is_array(p) && json_array_size(p) == 1 && (json_is_string(json_array_get(p, 0)) || json_is_array(json_array_get(p, 0))))
         p = json_array_get(p, 0);
     if (json_is_string(p)) {
-        if (json_string_length(p) == 0) return bad(ao, "'prompt' is empty");
-        if (memchr(json_string_value(p), 0, json_string_length(p))) return bad(ao, "'prompt' contains a NUL character");
+        if (json_string_length(p) == 0) return api_bad(ao, "'prompt' is empty");
+        if (memchr(json_string_value(p), 0, json_string_length(p))) return api_bad(ao, "'prompt' contains a NUL character");
         return encode(s, ao, json_string_value(p), g, 1);
     }
-    if (!json_is_array(p) || json_array_size(p) == 0) return bad(ao, "'prompt' must be a non-empty string or list of token ids (one prompt per request)");
+    if (!json_is_array(p) || json_array_size(p) == 0) return api_bad(ao, "'prompt' must be a non-empty string or list of token ids (one prompt per request)");
     size_t n = json_array_size(p);
-    if (n > (size_t)s->o->sched.ctx) return bad(ao, "the prompt has %zu tokens; the context is %d tokens", n, s->o->sched.ctx);
+    if (n > (size_t)s->o->sched.ctx) return api_bad(ao, "the prompt has %zu tokens; the context is %d tokens", n, s->o->sched.ctx);
     g->prompt = malloc(n * sizeof *g->prompt);
-    if (!g->prompt) return bad(ao, "out of memory");
+    if (!g->prompt) return api_bad(ao, "out of memory");
     int V = s->e->model->cfg.vocab;
     for (size_t i = 0; i < n; i++) {
         json_t *t = json_array_get(p, i);
         if (!json_is_integer(t) || json_integer_value(t) < 0 || json_integer_value(t) >= V)
-            return bad(ao, "'prompt[%zu]' must be a token id between 0 and %d", i, V - 1);
+            return api_bad(ao, "'prompt[%zu]' must be a token id between 0 and %d", i, V - 1);
         g->prompt[i] = (int32_t)json_integer_value(t);
     }
     g->p.prompt = g->prompt;
@@ -320,16 +319,16 @@ int api_parse_completion(srv *s, api_out *ao, json_t *b, gen_req *g, int native)
     long long lp = -1;
     int echo = 0;
     if (opt_int(ao, b, "logprobs", 0, QF_MAX_TOP_LOGPROBS, &lp) || opt_bool(ao, b, "echo", &echo)) return -1;
-    if (echo) return bad(ao, "'echo' is not supported");
+    if (echo) return api_bad(ao, "'echo' is not supported");
     json_t *suffix = json_object_get(b, "suffix"), *best_of = json_object_get(b, "best_of");
-    if (suffix && !json_is_null(suffix)) return bad(ao, "'suffix' is not supported");
+    if (suffix && !json_is_null(suffix)) return api_bad(ao, "'suffix' is not supported");
     if (best_of && !json_is_null(best_of) && !(json_is_integer(best_of) && json_integer_value(best_of) == 1))
-        return bad(ao, "'best_of' must be 1");
+        return api_bad(ao, "'best_of' must be 1");
     g->logprobs_on = lp >= 0;
     g->top_logprobs = (int)(lp < 0 ? 0 : lp);
     g->p.logprobs = (int)lp;
     if (native) g->stream = 1;
-    if (native && g->n > 1) return bad(ao, "'n' above 1 is for /v1/completions and /v1/chat/completions");
+    if (native && g->n > 1) return api_bad(ao, "'n' above 1 is for /v1/completions and /v1/chat/completions");
     return parse_prompt(s, ao, b, g);
 }
 
@@ -357,7 +356,7 @@ void api_tokenize(srv *s, api_out *ao, json_t *b) {
     if (json_object_get(b, "messages")) {
         rc = api_parse_chat(s, ao, b, &g);
     } else if (!json_is_string(text)) {
-        rc = bad(ao, "'prompt' (or 'content') must be a string, or give 'messages'");
+        rc = api_bad(ao, "'prompt' (or 'content') must be a string, or give 'messages'");
     } else {
         rc = encode(s, ao, json_string_value(text), &g, 0);
     }
@@ -374,7 +373,7 @@ void api_detokenize(srv *s, api_out *ao, json_t *b) {
     json_t *t = json_object_get(b, "tokens");
     int V = qf_tok_vocab_size(s->e->tok); /* the model's rows past the tokenizer's ids have no text */
     if (!json_is_array(t) || json_array_size(t) > (size_t)1 << 24) {
-        bad(ao, "'tokens' must be a list of token ids");
+        api_bad(ao, "'tokens' must be a list of token ids");
         return;
     }
     size_t n = json_array_size(t);
@@ -383,7 +382,7 @@ void api_detokenize(srv *s, api_out *ao, json_t *b) {
         json_t *v = json_array_get(t, i);
         if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= V) {
             free(ids);
-            bad(ao, "'tokens[%zu]' must be a token id between 0 and %d", i, V - 1);
+            api_bad(ao, "'tokens[%zu]' must be a token id between 0 and %d", i, V - 1);
             return;
         }
         ids[i] = (int32_t)json_integer_value(v);
@@ -393,7 +392,7 @@ void api_detokenize(srv *s, api_out *ao, json_t *b) {
     int rc = ids ? qf_tok_decode(s->e->tok, ids, (int)n, 0, &text, &len) : QF_ENOMEM;
     if (rc != QF_OK) {
         free(ids);
-        if (rc == QF_EINVAL) bad(ao, "'tokens': %s", qf_last_error());
+        if (rc == QF_EINVAL) api_bad(ao, "'tokens': %s", qf_last_error());
         else ao->code = 500, snprintf(ao->msg, sizeof ao->msg, "cannot decode: out of memory");
         return;
     }

@@ -1,22 +1,11 @@
 /* /v1/responses (OpenAI Responses) and /v1/messages (Anthropic Messages) requests, translated into
  * the chat-completions body that api_parse_chat takes, so both share every check, the template,
  * tools and constrained output. */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "server/srv_int.h"
-
-static int refuse(api_out *ao, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int refuse(api_out *ao, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(ao->msg, sizeof ao->msg, fmt, ap);
-    va_end(ap);
-    ao->code = 400;
-    return -1;
-}
 
 /* Copies the fields whose names are the same in both bodies. */
 static void copy_fields(json_t *from, json_t *to, const char *const *keys) {
@@ -29,14 +18,14 @@ static void copy_fields(json_t *from, json_t *to, const char *const *keys) {
 /* Text parts ([{type: input_text|output_text|text, text}]) or a string, as one string. */
 static json_t *joined_text(api_out *ao, json_t *content, const char *where) {
     if (json_is_string(content)) return json_incref(content);
-    if (!json_is_array(content)) return refuse(ao, "'%s' must be a string or a list of text parts", where), NULL;
+    if (!json_is_array(content)) return api_bad(ao, "'%s' must be a string or a list of text parts", where), NULL;
     size_t i;
     json_t *p, *out = json_string("");
     json_array_foreach(content, i, p) {
         const char *t = json_string_value(json_object_get(p, "type")), *text = json_string_value(json_object_get(p, "text"));
         if (!t || !text || (strcmp(t, "input_text") && strcmp(t, "output_text") && strcmp(t, "text"))) {
             json_decref(out);
-            return refuse(ao, "'%s[%zu]' must be a text part (only text is supported)", where, i), NULL;
+            return api_bad(ao, "'%s[%zu]' must be a text part (only text is supported)", where, i), NULL;
         }
         char *joined = NULL;
         if (asprintf(&joined, "%s%s", json_string_value(out), text) < 0) return json_decref(out), NULL;
@@ -62,10 +51,10 @@ static int responses_item(api_out *ao, json_t *it, size_t i, json_t *msgs) {
     char where[64];
     snprintf(where, sizeof where, "input[%zu]", i);
     const char *type = json_string_value(json_object_get(it, "type"));
-    if (!json_is_object(it)) return refuse(ao, "'%s' must be an object", where);
+    if (!json_is_object(it)) return api_bad(ao, "'%s' must be an object", where);
     if (!type || !strcmp(type, "message")) {
         const char *role = json_string_value(json_object_get(it, "role"));
-        if (!role) return refuse(ao, "'%s.role' must be a string", where);
+        if (!role) return api_bad(ao, "'%s.role' must be a string", where);
         json_t *text = joined_text(ao, json_object_get(it, "content"), where);
         if (!text) return -1;
         json_array_append_new(msgs, json_pack("{s:s,s:o}", "role", role, "content", text));
@@ -73,17 +62,17 @@ static int responses_item(api_out *ao, json_t *it, size_t i, json_t *msgs) {
         json_t *m = last_assistant(msgs), *calls = json_object_get(m, "tool_calls");
         const char *id = json_string_value(json_object_get(it, "call_id")), *name = json_string_value(json_object_get(it, "name"));
         const char *args = json_string_value(json_object_get(it, "arguments"));
-        if (!id || !name || !args) return refuse(ao, "'%s' (a function_call) needs call_id, name and arguments", where);
+        if (!id || !name || !args) return api_bad(ao, "'%s' (a function_call) needs call_id, name and arguments", where);
         if (!calls) json_object_set_new(m, "tool_calls", calls = json_array());
         json_array_append_new(calls, json_pack("{s:s,s:s,s:{s:s,s:s}}", "id", id, "type", "function", "function", "name", name, "arguments", args));
     } else if (!strcmp(type, "function_call_output")) {
         const char *id = json_string_value(json_object_get(it, "call_id"));
         json_t *out = json_object_get(it, "output");
         json_t *text = json_is_string(out) ? json_incref(out) : joined_text(ao, out, where);
-        if (!id || !text) return json_decref(text), refuse(ao, "'%s' (a function_call_output) needs call_id and output", where);
+        if (!id || !text) return json_decref(text), api_bad(ao, "'%s' (a function_call_output) needs call_id and output", where);
         json_array_append_new(msgs, json_pack("{s:s,s:s,s:o}", "role", "tool", "tool_call_id", id, "content", text));
     } else if (strcmp(type, "reasoning")) {
-        return refuse(ao, "'%s.type' %s is not supported (message, function_call, function_call_output, reasoning)", where, type);
+        return api_bad(ao, "'%s.type' %s is not supported (message, function_call, function_call_output, reasoning)", where, type);
     }
     return 0;
 }
@@ -94,7 +83,7 @@ static int responses_tools(api_out *ao, json_t *b, json_t *chat) {
     json_t *t;
     json_array_foreach(tools, i, t) {
         const char *type = json_string_value(json_object_get(t, "type"));
-        if (!type || strcmp(type, "function")) return json_decref(out), refuse(ao, "'tools[%zu].type' must be function (built-in tools are not served)", i);
+        if (!type || strcmp(type, "function")) return json_decref(out), api_bad(ao, "'tools[%zu].type' must be function (built-in tools are not served)", i);
         json_t *fn = json_object();
         copy_fields(t, fn, (const char *const[]){"name", "description", "parameters", "strict", NULL});
         json_array_append_new(out, json_pack("{s:s,s:o}", "type", "function", "function", fn));
@@ -102,7 +91,7 @@ static int responses_tools(api_out *ao, json_t *b, json_t *chat) {
     json_object_set_new(chat, "tools", out);
     if (json_is_object(choice)) { /* {type: function, name} */
         const char *name = json_string_value(json_object_get(choice, "name"));
-        if (!name) return refuse(ao, "'tool_choice.name' must be a string");
+        if (!name) return api_bad(ao, "'tool_choice.name' must be a string");
         json_object_set_new(chat, "tool_choice", json_pack("{s:s,s:{s:s}}", "type", "function", "function", "name", name));
     } else if (choice) json_object_set(chat, "tool_choice", choice);
     return 0;
@@ -113,7 +102,7 @@ static int responses_format(api_out *ao, json_t *b, json_t *chat) {
     json_t *fmt = json_object_get(json_object_get(b, "text"), "format");
     if (!fmt || json_is_null(fmt)) return 0;
     const char *type = json_string_value(json_object_get(fmt, "type"));
-    if (!type) return refuse(ao, "'text.format.type' must be a string");
+    if (!type) return api_bad(ao, "'text.format.type' must be a string");
     if (!strcmp(type, "json_schema")) {
         json_t *js = json_object();
         copy_fields(fmt, js, (const char *const[]){"name", "schema", "strict", NULL});
@@ -126,7 +115,7 @@ static int responses_body(api_out *ao, json_t *b, json_t *chat) {
     static const char *const refused[] = {"previous_response_id", "conversation", "background", "prompt", NULL};
     for (const char *const *k = refused; *k; k++)
         if (json_object_get(b, *k) && !json_is_null(json_object_get(b, *k)))
-            return refuse(ao, "'%s' is not supported: nothing is stored between requests (send the whole input)", *k);
+            return api_bad(ao, "'%s' is not supported: nothing is stored between requests (send the whole input)", *k);
     json_t *msgs = json_array(), *in = json_object_get(b, "input"), *ins = json_object_get(b, "instructions");
     json_object_set_new(chat, "messages", msgs);
     if (json_is_string(ins)) json_array_append_new(msgs, json_pack("{s:s,s:O}", "role", "system", "content", ins));
@@ -135,7 +124,7 @@ static int responses_body(api_out *ao, json_t *b, json_t *chat) {
         size_t i;
         json_t *it;
         json_array_foreach(in, i, it) if (responses_item(ao, it, i, msgs)) return -1;
-    } else return refuse(ao, "'input' must be a string or a list of items");
+    } else return api_bad(ao, "'input' must be a string or a list of items");
     copy_fields(b, chat, (const char *const[]){"model", "temperature", "top_p", "stream", "parallel_tool_calls", "top_logprobs", "seed",
                                                "top_k", "min_p", "chat_template_kwargs", NULL});
     json_t *mx = json_object_get(b, "max_output_tokens"), *rs = json_object_get(b, "reasoning");
@@ -162,7 +151,7 @@ static int messages_user(api_out *ao, json_t *content, size_t i, json_t *msgs) {
     char where[64];
     snprintf(where, sizeof where, "messages[%zu].content", i);
     if (json_is_string(content)) return json_array_append_new(msgs, json_pack("{s:s,s:O}", "role", "user", "content", content)), 0;
-    if (!json_is_array(content)) return refuse(ao, "'%s' must be a string or a list of blocks", where);
+    if (!json_is_array(content)) return api_bad(ao, "'%s' must be a string or a list of blocks", where);
     json_t *text = json_array();
     size_t k;
     json_t *blk;
@@ -172,9 +161,9 @@ static int messages_user(api_out *ao, json_t *content, size_t i, json_t *msgs) {
         else if (type && !strcmp(type, "tool_result")) {
             const char *id = json_string_value(json_object_get(blk, "tool_use_id"));
             json_t *c = json_object_get(blk, "content"), *ct = !c ? json_string("") : joined_text(ao, c, where);
-            if (!id || !ct) return json_decref(text), json_decref(ct), refuse(ao, "'%s[%zu]' (tool_result) needs tool_use_id and text content", where, k);
+            if (!id || !ct) return json_decref(text), json_decref(ct), api_bad(ao, "'%s[%zu]' (tool_result) needs tool_use_id and text content", where, k);
             json_array_append_new(msgs, json_pack("{s:s,s:s,s:o}", "role", "tool", "tool_call_id", id, "content", ct));
-        } else return json_decref(text), refuse(ao, "'%s[%zu].type' %s is not supported (text, tool_result)", where, k, type ? type : "(none)");
+        } else return json_decref(text), api_bad(ao, "'%s[%zu].type' %s is not supported (text, tool_result)", where, k, type ? type : "(none)");
     }
     if (json_array_size(text)) {
         json_t *t = joined_text(ao, text, where);
@@ -190,7 +179,7 @@ static int messages_assistant(api_out *ao, json_t *content, size_t i, json_t *ms
     char where[64];
     snprintf(where, sizeof where, "messages[%zu].content", i);
     if (json_is_string(content)) return json_array_append_new(msgs, json_pack("{s:s,s:O}", "role", "assistant", "content", content)), 0;
-    if (!json_is_array(content)) return refuse(ao, "'%s' must be a string or a list of blocks", where);
+    if (!json_is_array(content)) return api_bad(ao, "'%s' must be a string or a list of blocks", where);
     json_t *m = json_pack("{s:s,s:s}", "role", "assistant", "content", ""), *calls = json_array();
     json_array_append_new(msgs, m);
     size_t k;
@@ -202,17 +191,17 @@ static int messages_assistant(api_out *ao, json_t *content, size_t i, json_t *ms
             const char *t = json_string_value(json_object_get(blk, !strcmp(key, "content") ? "text" : "thinking"));
             const char *had = json_string_value(json_object_get(m, key));
             char *joined = NULL;
-            if (!t || asprintf(&joined, "%s%s", had ? had : "", t) < 0) return json_decref(calls), refuse(ao, "'%s[%zu]' has no text", where, k);
+            if (!t || asprintf(&joined, "%s%s", had ? had : "", t) < 0) return json_decref(calls), api_bad(ao, "'%s[%zu]' has no text", where, k);
             json_object_set_new(m, key, json_string(joined));
             free(joined);
         } else if (type && !strcmp(type, "tool_use")) {
             const char *id = json_string_value(json_object_get(blk, "id")), *name = json_string_value(json_object_get(blk, "name"));
             char *args = json_dumps(json_object_get(blk, "input"), JSON_COMPACT | JSON_ENCODE_ANY);
-            if (!id || !name || !args) return free(args), json_decref(calls), refuse(ao, "'%s[%zu]' (tool_use) needs id, name and input", where, k);
+            if (!id || !name || !args) return free(args), json_decref(calls), api_bad(ao, "'%s[%zu]' (tool_use) needs id, name and input", where, k);
             json_array_append_new(calls, json_pack("{s:s,s:s,s:{s:s,s:s}}", "id", id, "type", "function", "function", "name", name, "arguments", args));
             free(args);
         } else if (!type || strcmp(type, "redacted_thinking")) {
-            return json_decref(calls), refuse(ao, "'%s[%zu].type' %s is not supported (text, thinking, tool_use)", where, k, type ? type : "(none)");
+            return json_decref(calls), api_bad(ao, "'%s[%zu].type' %s is not supported (text, thinking, tool_use)", where, k, type ? type : "(none)");
         }
     }
     if (json_array_size(calls)) json_object_set(m, "tool_calls", calls);
@@ -228,35 +217,35 @@ static int messages_tools(api_out *ao, json_t *b, json_t *chat) {
     json_array_foreach(tools, i, t) {
         const char *name = json_string_value(json_object_get(t, "name"));
         json_t *schema = json_object_get(t, "input_schema");
-        if (!name || !json_is_object(schema)) return refuse(ao, "'tools[%zu]' needs a name and an input_schema (server tools are not served)", i);
+        if (!name || !json_is_object(schema)) return api_bad(ao, "'tools[%zu]' needs a name and an input_schema (server tools are not served)", i);
         json_t *fn = json_pack("{s:s,s:O}", "name", name, "parameters", schema);
         if (json_object_get(t, "description")) json_object_set(fn, "description", json_object_get(t, "description"));
         json_array_append_new(out, json_pack("{s:s,s:o}", "type", "function", "function", fn));
     }
     if (!tc || json_is_null(tc)) return 0;
     const char *type = json_string_value(json_object_get(tc, "type"));
-    if (!type) return refuse(ao, "'tool_choice.type' must be auto, any, tool or none");
+    if (!type) return api_bad(ao, "'tool_choice.type' must be auto, any, tool or none");
     if (json_is_true(json_object_get(tc, "disable_parallel_tool_use"))) json_object_set_new(chat, "parallel_tool_calls", json_false());
     if (!strcmp(type, "tool")) {
         const char *name = json_string_value(json_object_get(tc, "name"));
-        if (!name) return refuse(ao, "'tool_choice.name' must be a string");
+        if (!name) return api_bad(ao, "'tool_choice.name' must be a string");
         json_object_set_new(chat, "tool_choice", json_pack("{s:s,s:{s:s}}", "type", "function", "function", "name", name));
     } else if (!strcmp(type, "any")) json_object_set_new(chat, "tool_choice", json_string("required"));
     else if (!strcmp(type, "auto") || !strcmp(type, "none")) json_object_set_new(chat, "tool_choice", json_string(type));
-    else return refuse(ao, "'tool_choice.type' must be auto, any, tool or none");
+    else return api_bad(ao, "'tool_choice.type' must be auto, any, tool or none");
     return 0;
 }
 
 static int messages_body(api_out *ao, json_t *b, json_t *chat) {
     json_t *msgs = json_array(), *sys = json_object_get(b, "system"), *in = json_object_get(b, "messages");
     json_object_set_new(chat, "messages", msgs);
-    if (!json_is_integer(json_object_get(b, "max_tokens"))) return refuse(ao, "'max_tokens' is required (an integer)");
+    if (!json_is_integer(json_object_get(b, "max_tokens"))) return api_bad(ao, "'max_tokens' is required (an integer)");
     if (sys && !json_is_null(sys)) {
         json_t *t = joined_text(ao, sys, "system");
         if (!t) return -1;
         json_array_append_new(msgs, json_pack("{s:s,s:o}", "role", "system", "content", t));
     }
-    if (!json_is_array(in) || !json_array_size(in)) return refuse(ao, "'messages' must be a non-empty list");
+    if (!json_is_array(in) || !json_array_size(in)) return api_bad(ao, "'messages' must be a non-empty list");
     size_t i;
     json_t *m;
     json_array_foreach(in, i, m) {
@@ -264,7 +253,7 @@ static int messages_body(api_out *ao, json_t *b, json_t *chat) {
         json_t *content = json_object_get(m, "content");
         int rc = role && !strcmp(role, "user") ? messages_user(ao, content, i, msgs)
                : role && !strcmp(role, "assistant") ? messages_assistant(ao, content, i, msgs)
-                                                     : refuse(ao, "'messages[%zu].role' must be user or assistant", i);
+                                                     : api_bad(ao, "'messages[%zu].role' must be user or assistant", i);
         if (rc) return -1;
     }
     copy_fields(b, chat, (const char *const[]){"model", "max_tokens", "temperature", "top_p", "top_k", "stream", "chat_template_kwargs", NULL});

@@ -127,6 +127,8 @@ typedef struct gen_req {
     int n;                      /* choices */
     json_t *xbody, *orig;       /* Responses / Messages: the translated chat body, and the request's own */
 } gen_req;
+/* 400 with the message (ao->msg); returns -1. */
+int api_bad(api_out *ao, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Each returns 0, or -1 with ao->code 400 and the message naming the field. */
 int api_parse_chat(srv *s, api_out *ao, json_t *body, gen_req *g);
 int api_parse_completion(srv *s, api_out *ao, json_t *body, gen_req *g, int native);
