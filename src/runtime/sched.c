@@ -134,7 +134,7 @@ static int check_params(const qf_sched *s, const qf_req_params *p) {
     return qf_sampling_check(&p->sampling);
 }
 
-static qf_req *req_new(qf_sched *s, const qf_req_params *p) {
+static qf_req *req_new(qf_sched *s, const qf_req_params *p, int fork, qf_req *after) {
     qf_req *r = calloc(1, sizeof *r);
     if (!r) return NULL;
     pthread_mutex_init(&r->mu, NULL);
@@ -163,12 +163,12 @@ static qf_req *req_new(qf_sched *s, const qf_req_params *p) {
     r->ignore_eos = p->ignore_eos;
     r->sparsity_set = p->sparsity_set, r->sparsity = p->sparsity;
     r->grammar = p->grammar, r->grammar_after = p->grammar_after;
-    r->fork = p->fork && p->n_prompt > 1;
-    if (p->after) {
-        pthread_mutex_lock(&p->after->mu);
-        p->after->refs++;
-        pthread_mutex_unlock(&p->after->mu);
-        r->after = p->after;
+    r->fork = fork && p->n_prompt > 1;
+    if (after) { /* a reference: the first choice's copy lives in it until every other took it */
+        pthread_mutex_lock(&after->mu);
+        after->refs++;
+        pthread_mutex_unlock(&after->mu);
+        r->after = after;
     }
     r->notify = p->notify;
     r->notify_ud = p->notify_ud;
@@ -178,34 +178,44 @@ static qf_req *req_new(qf_sched *s, const qf_req_params *p) {
     return r;
 }
 
-int qf_sched_submit(qf_sched *s, const qf_req_params *p, qf_req **out) {
-    *out = NULL;
-    int rc = check_params(s, p);
+/* n requests of one prompt, queued together or not at all: the first prefills the prompt, the
+ * others (seeds seed + i) wait for its copy. p->grammar is taken (each gets a reference). */
+int qf_sched_submit_n(qf_sched *s, const qf_req_params *p, int n, qf_req **out) {
+    for (int i = 0; i < n; i++) out[i] = NULL;
+    int rc = n >= 1 ? check_params(s, p) : qf_fail(QF_EINVAL, "no choices");
     if (rc == QF_OK && p->grammar && !s->e->tok) rc = qf_fail(QF_EINVAL, "constrained output needs the model's tokenizer");
-    qf_req *r = rc == QF_OK ? req_new(s, p) : NULL;
-    if (!r) {
-        qf_grammar_free(p->grammar);
-        return rc != QF_OK ? rc : qf_fail(QF_ENOMEM, "out of memory for a request");
+    for (int i = 0; rc == QF_OK && i < n; i++) {
+        qf_req_params q = *p;
+        q.sampling.seed += (uint64_t)i;
+        q.grammar = qf_grammar_ref(p->grammar);
+        out[i] = req_new(s, &q, n > 1 && i == 0, i ? out[0] : NULL);
+        if (!out[i]) qf_grammar_free(q.grammar), rc = qf_fail(QF_ENOMEM, "out of memory for a request");
     }
-    pthread_mutex_lock(&s->mu);
-    if (s->stop || s->n_waiting >= s->o.max_queue) {
-        int stopping = s->stop;
+    qf_grammar_free(p->grammar);
+    if (rc == QF_OK) {
+        pthread_mutex_lock(&s->mu);
+        if (s->stop || s->n_waiting + n > s->o.max_queue)
+            rc = s->stop ? qf_fail(QF_EBUSY, "the server is shutting down") : qf_fail(QF_EBUSY, "the request queue is full (%d waiting)", s->o.max_queue);
+        for (int i = 0; rc == QF_OK && i < n; i++) {
+            qf_req *r = out[i];
+            r->seq_no = ++s->next_seq_no;
+            if (s->q_tail) s->q_tail->next = r;
+            else s->q_head = r;
+            s->q_tail = r;
+            s->n_waiting++;
+            s->stats.requests++;
+        }
+        if (rc == QF_OK) out[0]->fork_waiters = n - 1; /* before the scheduler thread can see it */
+        pthread_cond_signal(&s->cv);
         pthread_mutex_unlock(&s->mu);
-        req_free(r);
-        return stopping ? qf_fail(QF_EBUSY, "the server is shutting down") : qf_fail(QF_EBUSY, "the request queue is full (%d waiting)", s->o.max_queue);
     }
-    r->seq_no = ++s->next_seq_no;
-    if (r->after) r->after->fork_waiters++; /* under s->mu, as the scheduler thread reads it */
-    if (s->q_tail) s->q_tail->next = r;
-    else s->q_head = r;
-    s->q_tail = r;
-    s->n_waiting++;
-    s->stats.requests++;
-    pthread_cond_signal(&s->cv);
-    pthread_mutex_unlock(&s->mu);
-    *out = r;
-    return QF_OK;
+    if (rc != QF_OK)
+        for (int i = n - 1; i >= 0; i--)
+            if (out[i]) req_free(out[i]), out[i] = NULL;
+    return rc;
 }
+
+int qf_sched_submit(qf_sched *s, const qf_req_params *p, qf_req **out) { return qf_sched_submit_n(s, p, 1, out); }
 
 void qf_req_cancel(qf_req *r) { atomic_store(&r->cancel, 1); }
 

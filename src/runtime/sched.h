@@ -54,9 +54,6 @@ typedef struct qf_req_params {
     int ignore_eos;
     int sparsity_set;      /* this request's sparsity level instead of the model's */
     float sparsity;
-    qf_req *after;         /* n > 1: the first choice of the same prompt; this one waits until that one has
-                            * prefilled all but the prompt's last token and starts from a copy of it */
-    int fork;              /* n > 1: this is the first choice; later ones start from its prompt */
     qf_grammar *grammar;   /* the reply follows it (constrained decoding); submit takes it, even when it fails */
     int32_t grammar_after; /* the grammar starts after this token (a reasoning block's end); -1: at once */
     void (*notify)(void *ud); /* called from the scheduler thread when output is ready */
@@ -71,6 +68,10 @@ void qf_sched_destroy(qf_sched *s);
 /* QF_EINVAL: bad parameters or prompt over the context (message gives both counts);
  * QF_EBUSY: the queue is full. On success *out holds a reference the caller releases. */
 int qf_sched_submit(qf_sched *s, const qf_req_params *p, qf_req **out);
+/* n choices of one prompt, queued together or not at all (out[n]): the prompt is prefilled once,
+ * by the first; the others start from a copy of its state before the prompt's last token, with
+ * seeds seed + 1, seed + 2, ... (greedy choices are the same). */
+int qf_sched_submit_n(qf_sched *s, const qf_req_params *p, int n, qf_req **out);
 /* Stops the request; its slot and pages are freed within one step. */
 void qf_req_cancel(qf_req *r);
 void qf_req_release(qf_req *r);

@@ -477,35 +477,24 @@ static void submit_failed(srv *s, struct evhttp_request *req, int rc) {
 /* n > 1: a call per choice; the first prefills the prompt, the others start from its copy. */
 static void group_start(srv *s, struct evhttp_request *req, gen_req *g, int kind) {
     group *grp = calloc(1, sizeof *grp);
-    qf_grammar *gm = g->p.grammar; /* each choice holds a reference */
-    g->p.grammar = NULL;
+    qf_req *r[QF_MAX_CHOICES];
     int rc = grp ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
     if (grp) grp->choices = json_array(), grp->n = grp->left = g->n;
-    g->p.notify = call_notify;
-    g->p.notify_ud = s;
     for (int i = 0; rc == QF_OK && i < g->n; i++) {
         json_array_append_new(grp->choices, json_null());
         call *c = call_new(s, req, g, kind);
-        if (!c) {
-            rc = qf_fail(QF_ENOMEM, "out of memory");
-            break;
-        }
-        c->grp = grp, c->index = i;
-        if (i) memcpy(c->id, grp->child[0]->id, sizeof c->id), c->created = grp->child[0]->created;
-        qf_req_params p = g->p;
-        p.fork = i == 0, p.after = i ? grp->child[0]->r : NULL;
-        p.sampling.seed += (uint64_t)i; /* sampled choices differ; greedy ones are the same */
-        p.grammar = qf_grammar_ref(gm);
-        rc = qf_sched_submit(s->sched, &p, &c->r);
-        grp->child[i] = c;
-        call_link(s, c);
-        if (rc != QF_OK) c->r = NULL;
+        if (!c) rc = qf_fail(QF_ENOMEM, "out of memory");
+        else c->grp = grp, c->index = i, grp->child[i] = c;
+        if (c && i) memcpy(c->id, grp->child[0]->id, sizeof c->id), c->created = grp->child[0]->created;
     }
-    qf_grammar_free(gm);
+    g->p.notify = call_notify;
+    g->p.notify_ud = s;
+    if (rc == QF_OK) rc = qf_sched_submit_n(s->sched, &g->p, g->n, r);
+    else qf_grammar_free(g->p.grammar);
+    g->p.grammar = NULL; /* the scheduler's now */
+    for (int i = 0; grp && i < g->n; i++)
+        if (grp->child[i]) grp->child[i]->r = rc == QF_OK ? r[i] : NULL, call_link(s, grp->child[i]);
     if (rc != QF_OK) {
-        for (int i = 0; grp && i < grp->n; i++)
-            if (grp->child[i] && grp->child[i]->r) qf_req_cancel(grp->child[i]->r);
-        if (s->sched) qf_sched_kick(s->sched);
         if (grp) group_free(grp);
         submit_failed(s, req, rc);
         return;
