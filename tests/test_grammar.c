@@ -49,8 +49,9 @@ static void test_schemas(void) {
                             "{\"name\": \"Al\", \"tags\": [\"c\"]}", "{\"age\": 3, \"name\": \"Al\"}", "{\"name\": \"Al\", \"x\": 1}", NULL});
     expect("{\"type\":\"string\",\"pattern\":\"^[A-Z]{2}-\\\\d{3}$\"}", (const char *[]){"\"AB-123\"", NULL}, (const char *[]){"\"AB-12\"", "\"ab-123\"", "\"AB-1234\"", NULL});
     expect("{\"type\":\"string\",\"pattern\":\"cat|dog\"}", (const char *[]){"\"a cat!\"", "\"dog\"", NULL}, (const char *[]){"\"cow\"", NULL});
-    expect("{\"type\":\"string\",\"minLength\":2,\"maxLength\":3}", (const char *[]){"\"ab\"", "\"\xc3\xa9\xc3\xa9\xc3\xa9\"", "\"a\\nb\"", NULL},
-           (const char *[]){"\"a\"", "\"abcd\"", NULL});
+    /* past minLength, maxLength counts bytes without escapes */
+    expect("{\"type\":\"string\",\"minLength\":2,\"maxLength\":3}", (const char *[]){"\"ab\"", "\"\xc3\xa9\xc3\xa9\"", "\"a\\nb\"", "\"\xc3\xa9\xc3\xa9x\"", NULL},
+           (const char *[]){"\"a\"", "\"abcd\"", "\"\xc3\xa9\xc3\xa9\xc3\xa9\"", "\"ab\\n\"", NULL});
     expect("{\"type\":\"string\",\"format\":\"date\"}", (const char *[]){"\"2026-12-04\"", NULL}, (const char *[]){"\"2026-13-04\"", "\"26-12-04\"", NULL});
     expect("{\"anyOf\":[{\"type\":\"integer\"},{\"type\":\"null\"}]}", (const char *[]){"12", "null", NULL}, (const char *[]){"1.5", "\"1\"", NULL});
     expect("{\"type\":[\"number\",\"boolean\"],\"minimum\":-2,\"maximum\":3}", (const char *[]){"-2", "2.75", "3", "true", "0.5", NULL},
@@ -147,6 +148,9 @@ static void test_masks(void) {
     qf_grammar_free(g);
     g = schema_grammar("{\"type\":\"object\",\"properties\":{\"id\":{\"type\":\"string\",\"pattern\":\"^[a-f0-9]{4,8}$\"},\"n\":{\"type\":\"integer\",\"minimum\":10,\"maximum\":999}},\"required\":[\"id\",\"n\"]}");
     if (g) check_masks(g, "{\"id\": \"beef01\", \"n\": 512}", "pattern and range", 0);
+    qf_grammar_free(g);
+    g = schema_grammar("{\"type\":\"object\",\"properties\":{\"s\":{\"type\":\"string\",\"minLength\":1,\"maxLength\":24},\"t\":{\"type\":\"string\",\"maxLength\":3}},\"required\":[\"s\",\"t\"]}");
+    if (g) check_masks(g, "{\"s\": \"a bounded string, 24 b\", \"t\": \"abc\"}", "counted strings", 0);
     qf_grammar_free(g);
 }
 

@@ -32,6 +32,7 @@ struct qf_grammar {
     int *rule_a0, *rule_na; /* alternatives of rule r: rule_a0[r] .. + rule_na[r] */
     int *alt_e0, *alt_n;    /* elements of alternative a */
     int *alt_loop;          /* a = [set, call of its own rule]: a byte loop */
+    int *alt_chain;         /* a = [set S, call of N] where N goes on with S: how many S bytes in a row (0: none) */
     int32_t *elems;         /* >= 0: a byte set; < 0: rule -(e + 1) */
     qf_cset *sets;
     char **specials;
@@ -139,6 +140,7 @@ void qf_grammar_free(qf_grammar *g) {
     free(g->alt_e0);
     free(g->alt_n);
     free(g->alt_loop);
+    free(g->alt_chain);
     free(g->elems);
     free(g->sets);
     for (int i = 0; i < g->n_specials; i++) free(g->specials[i]);
@@ -163,6 +165,23 @@ static void order_alts(const qf_gbuild *b, qf_grammar *g) {
     free(fill);
 }
 
+/* A counted run (O_k ::= S O_k-1 | ...): alternative a = [S, call of N] where N has [S, call of N']
+ * or [S]: the S bytes it can take in a row. Memoised in alt_chain; chains are short-lived rules
+ * written out by counts, so the depth is bounded by the count (at most a few thousand). */
+static int chain_len(qf_grammar *g, int a, int depth) {
+    if (g->alt_chain[a] || depth > 4096) return g->alt_chain[a];
+    const int32_t *e = g->elems + g->alt_e0[a];
+    if (g->alt_n[a] == 1 && e[0] >= 0) return 1; /* not kept: a one-byte step is no run */
+    if (g->alt_n[a] != 2 || e[0] < 0 || e[1] >= 0 || g->alt_loop[a]) return 0;
+    int N = -e[1] - 1, best = 0;
+    for (int b = g->rule_a0[N]; b < g->rule_a0[N] + g->rule_na[N]; b++)
+        if (g->alt_n[b] >= 1 && g->elems[g->alt_e0[b]] == e[0]) {
+            int k = chain_len(g, b, depth + 1);
+            best = k > best ? k : best;
+        }
+    return g->alt_chain[a] = best ? best + 1 : 0;
+}
+
 int qf_gb_finish(qf_gbuild *b, int root, qf_grammar **out) {
     *out = NULL;
     if (b->oom) return qf_fail(QF_ENOMEM, "out of memory building a grammar");
@@ -177,9 +196,10 @@ int qf_gb_finish(qf_gbuild *b, int root, qf_grammar **out) {
     g->alt_e0 = calloc((size_t)A + 1, sizeof(int));
     g->alt_n = calloc((size_t)A + 1, sizeof(int));
     g->alt_loop = calloc((size_t)A + 1, sizeof(int));
+    g->alt_chain = calloc((size_t)A + 1, sizeof(int));
     g->elems = malloc(((size_t)b->n_elems + 1) * sizeof(int32_t));
     g->sets = malloc(((size_t)b->n_sets + 1) * sizeof(qf_cset));
-    if (!g->rule_a0 || !g->rule_na || !g->alt_e0 || !g->alt_n || !g->alt_loop || !g->elems || !g->sets) {
+    if (!g->rule_a0 || !g->rule_na || !g->alt_e0 || !g->alt_n || !g->alt_loop || !g->alt_chain || !g->elems || !g->sets) {
         qf_grammar_free(g);
         return qf_fail(QF_ENOMEM, "out of memory building a grammar");
     }
@@ -191,6 +211,7 @@ int qf_gb_finish(qf_gbuild *b, int root, qf_grammar **out) {
             qf_grammar_free(g);
             return qf_fail(QF_EINVAL, "grammar: rule %d has no alternatives", r);
         }
+    for (int a = 0; a < A; a++) chain_len(g, a, 0);
     g->specials = b->specials, g->n_specials = b->n_specials;
     b->specials = NULL, b->n_specials = b->cap_specials = 0;
     *out = g;
@@ -216,6 +237,8 @@ typedef struct vlist {
 typedef struct loopcache {
     qf_cset set;
     uint32_t *all_in; /* a bit per id */
+    int32_t *by_len;  /* the ids of all_in, shortest first */
+    int *len_end;     /* by_len[0 .. len_end[k]) are the ones of at most k bytes */
     vlist rest;
     int n_all_in, used;
     uint64_t stamp;
@@ -262,6 +285,8 @@ void qf_vocab_index_free(qf_vocab_index *v) {
     vlist_free(&v->all);
     for (int i = 0; i < N_LOOPCACHE; i++) {
         free(v->lc[i].all_in);
+        free(v->lc[i].by_len);
+        free(v->lc[i].len_end);
         vlist_free(&v->lc[i].rest);
     }
     free(v->eos);
@@ -336,7 +361,9 @@ static loopcache *loop_cache(qf_vocab_index *v, const qf_cset *s) {
         c->rest.t = malloc((size_t)v->all.n * sizeof(vtok) + 1);
         c->rest.lcp = malloc((size_t)v->all.n * sizeof(int) + 1);
         c->rest.first_end = malloc((size_t)v->all.n * sizeof(int) + 1);
-        if (!c->all_in || !c->rest.t || !c->rest.lcp || !c->rest.first_end) return NULL;
+        c->by_len = malloc((size_t)v->all.n * sizeof(int32_t) + 1);
+        c->len_end = calloc((size_t)v->max_len + 2, sizeof(int));
+        if (!c->all_in || !c->rest.t || !c->rest.lcp || !c->rest.first_end || !c->by_len || !c->len_end) return NULL;
     }
     memset(c->all_in, 0, ((size_t)v->vocab + 31) / 32 * sizeof(uint32_t));
     c->set = *s;
@@ -347,6 +374,16 @@ static loopcache *loop_cache(qf_vocab_index *v, const qf_cset *s) {
         else c->rest.t[c->rest.n++] = *t;
     }
     vlist_lcp(&c->rest);
+    /* counting sort of the all-in tokens by length */
+    memset(c->len_end, 0, ((size_t)v->max_len + 2) * sizeof(int));
+    for (int i = 0; i < v->all.n; i++)
+        if (all_in(&v->all.t[i], s)) c->len_end[v->all.t[i].len]++;
+    for (int k = 1; k <= v->max_len + 1; k++) c->len_end[k] += c->len_end[k - 1];
+    int *fill = c->len_end; /* filled from the back so len_end ends as the bounds */
+    for (int i = v->all.n - 1; i >= 0; i--)
+        if (all_in(&v->all.t[i], s)) c->by_len[--fill[v->all.t[i].len]] = v->all.t[i].id;
+    for (int k = 0; k <= v->max_len; k++) c->len_end[k] = c->len_end[k + 1];
+    c->len_end[v->max_len + 1] = c->n_all_in;
     c->used = 1;
     c->stamp = ++v->clock;
     return c;
@@ -627,18 +664,67 @@ static const qf_cset *loop_set(const qf_gmatch *m) {
     return best;
 }
 
+static int popcount(const qf_cset *s) {
+    int n = 0;
+    for (int w = 0; w < 8; w++) n += __builtin_popcount(s->w[w]);
+    return n;
+}
+
+static int same_node(const gnode *a, const gnode *b) { return a->alt == b->alt && a->pos == b->pos && a->parent == b->parent; }
+
+/* The parse is in a counted run of a wide byte set S (a bounded string), and every other live
+ * parse is where the run ends up when it stops: returns the S bytes it can still take when that
+ * continuation takes no byte of S (so a token of more S bytes is refused by every path); else 0. */
+static int run_left(qf_gmatch *m, const qf_cset **set) {
+    const qf_grammar *g = m->g;
+    const gnode *x = NULL;
+    for (int i = 0; i < m->cur.n && !x; i++) {
+        const gnode *y = &m->arena[m->cur.top[i]];
+        if (!y->pos && g->alt_chain[y->alt] >= 2) x = y;
+    }
+    if (!x) return 0;
+    const qf_cset *S = &g->sets[g->elems[g->alt_e0[x->alt]]];
+    if (popcount(S) < 16) return 0;
+    int mark = m->n_arena, ok = 1;
+    gset *after = &m->tmp;
+    after->n = after->complete = 0;
+    if (x->parent >= 0) {
+        const gnode *p = &m->arena[x->parent];
+        expand(m, after, p->alt, p->pos + 1, p->parent, 0);
+    }
+    for (int i = 0; i < after->n && ok && !m->err; i++) {
+        const gnode *t = &m->arena[after->top[i]];
+        const qf_cset *ts = &g->sets[g->elems[g->alt_e0[t->alt] + t->pos]];
+        for (int w = 0; w < 8; w++) ok &= !(ts->w[w] & S->w[w]);
+    }
+    for (int i = 0; i < m->cur.n && ok; i++) { /* every other parse is one of those */
+        const gnode *y = &m->arena[m->cur.top[i]];
+        int known = y == x;
+        for (int k = 0; k < after->n && !known; k++) known = same_node(y, &m->arena[after->top[k]]);
+        ok &= known;
+    }
+    ok &= !m->err;
+    m->n_arena = mark, m->err = 0;
+    *set = S;
+    return ok ? g->alt_chain[x->alt] : 0;
+}
+
 int qf_gmatch_mask(qf_gmatch *m, float *logits) {
     qf_vocab_index *v = m->v;
     if (m->free_until >= 0) return v->vocab;
     uint32_t *allowed = m->allowed;
     size_t words = ((size_t)v->vocab + 31) / 32;
     memset(allowed, 0, words * sizeof(uint32_t));
-    const qf_cset *ls = loop_set(m);
-    loopcache *lc = ls ? loop_cache(v, ls) : NULL;
-    int count = 0;
-    if (lc) {
+    const qf_cset *ls = loop_set(m), *rs = NULL;
+    int run = ls ? 0 : run_left(m, &rs), count = 0;
+    loopcache *lc = ls ? loop_cache(v, ls) : run ? loop_cache(v, rs) : NULL;
+    if (lc && ls) {
         for (size_t w = 0; w < words; w++) allowed[w] = lc->all_in[w];
         count = lc->n_all_in;
+    } else if (lc) { /* the run's tokens that fit what is left of it */
+        int k = run < v->max_len ? run : v->max_len;
+        for (int i = 0; i < lc->len_end[k]; i++) allowed[lc->by_len[i] >> 5] |= 1u << (lc->by_len[i] & 31);
+        count = lc->len_end[k];
     }
     int got = walk(m, lc ? &lc->rest : &v->all, allowed);
     m->err = 0;

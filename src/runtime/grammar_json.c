@@ -723,13 +723,22 @@ static int get_count(jc *c, json_t *node, const char *key, long long dflt, long 
     return 0;
 }
 
-/* '"' then lo..hi characters then '"'. */
+/* '"', lo characters, then up to hi - lo more bytes without escapes (a run the masks take at once;
+ * as characters are never fewer than bytes, every reply keeps to maxLength), then '"'. */
 static int counted_string(jc *c, long long lo, long long hi, const char *path) {
     if (lo > MAX_UNROLL || hi > MAX_UNROLL) return jfail(c, path, "minLength / maxLength over %d are not supported", MAX_UNROLL);
     qf_gseq q = {0}, ch = {0};
     qf_gseq_ref(&ch, cchar_rule(c));
     qf_gseq_byte(c->b, &q, '"');
-    repeat(c, &q, &ch, (int)lo, (int)hi, path);
+    repeat(c, &q, &ch, (int)lo, (int)lo, path);
+    if (hi < 0) qf_gseq_ref(&q, content_rule(c));
+    else {
+        qf_gseq plain = {0};
+        qf_cset s = plain_bytes();
+        qf_gseq_set(c->b, &plain, &s);
+        repeat(c, &q, &plain, 0, (int)(hi - lo), path);
+        qf_gseq_free(&plain);
+    }
     qf_gseq_byte(c->b, &q, '"');
     int r = rule_of(c, &q);
     qf_gseq_free(&q);

@@ -5,7 +5,9 @@
  * allOf of one schema, $ref within the document (#, #/$defs/..., #/definitions/..., recursion
  * allowed), properties / required / additionalProperties (declared properties come in their
  * order, optional ones may be left out; extra properties are generated only for an object with no
- * declared properties), items, prefixItems, minItems / maxItems, minLength / maxLength, pattern
+ * declared properties), items, prefixItems, minItems / maxItems, minLength / maxLength (past
+ * minLength characters, maxLength counts bytes and takes no escapes: a subset that always
+ * validates, and one the masks take fast), pattern
  * (a regular-expression subset: literals, escapes \d \w \s \D \W \S, classes, ., groups,
  * alternation, * + ? {n} {n,} {n,m}, ^ and $), format date / time / date-time / uuid / ipv4 /
  * email, integer minimum / maximum / exclusiveMinimum / exclusiveMaximum, and number bounds that
