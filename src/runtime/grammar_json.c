@@ -353,15 +353,24 @@ typedef struct rx {
 
 static int rx_alt(rx *x);
 
+/* L ::= frag L | empty (a byte loop when frag is one byte set). */
+static int loop_of(jc *c, const qf_gseq *frag) {
+    int L = newrule(c);
+    qf_gseq t = {0};
+    qf_gseq_append(&t, frag);
+    qf_gseq_ref(&t, L);
+    qf_gb_alt(c->b, L, &t);
+    qf_gseq_clear(&t);
+    qf_gb_alt(c->b, L, &t);
+    qf_gseq_free(&t);
+    return L;
+}
+
 /* Any characters (a raw, unquoted text's free part). */
 static int anychar_loop(jc *c) {
-    int r = newrule(c);
     qf_gseq q = {0};
     qf_gseq_ref(&q, anychar_rule(c));
-    qf_gseq_ref(&q, r);
-    qf_gb_alt(c->b, r, &q);
-    qf_gseq_clear(&q);
-    qf_gb_alt(c->b, r, &q);
+    int r = loop_of(c, &q);
     qf_gseq_free(&q);
     return r;
 }
@@ -527,14 +536,8 @@ static int repeat(jc *c, qf_gseq *q, const qf_gseq *frag, int lo, int hi, const 
     for (int i = 0; i < lo; i++)
         qf_gseq_append(q, frag);
     qf_gseq t = {0};
-    if (hi < 0) { /* L ::= frag L | empty: a byte loop when frag is one byte set */
-        int L = newrule(c);
-        qf_gseq_append(&t, frag);
-        qf_gseq_ref(&t, L);
-        qf_gb_alt(c->b, L, &t);
-        qf_gseq_clear(&t);
-        qf_gb_alt(c->b, L, &t);
-        qf_gseq_ref(q, L);
+    if (hi < 0) {
+        qf_gseq_ref(q, loop_of(c, frag));
     } else {
         int next = -1;
         for (int i = lo; i < hi; i++) { /* O ::= frag O' | empty */
