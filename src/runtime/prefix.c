@@ -16,6 +16,8 @@ typedef struct snap {
 
 struct qf_prefix {
     qf_kv_pool *kv;
+    uint64_t *h;   /* a prompt's prefix hashes (grown as prompts need) */
+    int cap_h;
     size_t state_bytes, page_bytes;
     snap *s;
     int n;
@@ -59,6 +61,7 @@ static void drop(qf_prefix *p, int i) {
 void qf_prefix_free(qf_prefix *p) {
     if (!p) return;
     while (p->n) drop(p, p->n - 1);
+    free(p->h);
     free(p->s);
     free(p);
 }
@@ -72,13 +75,17 @@ static int lru(const qf_prefix *p) {
 
 int qf_prefix_restore(qf_prefix *p, qf_state *st, const int32_t *toks, int n) {
     int best = -1;
-    uint64_t h = 0xcbf29ce484222325ull;
-    /* each prefix length's hash against the snapshots of that length */
-    for (int k = 1; k < n; k++) {
-        h = hash_step(h, toks[k - 1]);
+    if (n > p->cap_h) { /* the prompt's prefix hashes, then each snapshot checked against its length's */
+        uint64_t *h = realloc(p->h, (size_t)n * sizeof *h);
+        if (h) p->h = h, p->cap_h = n;
+    }
+    if (p->n && n <= p->cap_h) {
+        uint64_t h = 0xcbf29ce484222325ull;
+        for (int k = 0; k < n; k++) p->h[k] = h = hash_step(h, toks[k]); /* h[k]: tokens 0..k */
         for (int i = 0; i < p->n; i++) {
             const snap *e = &p->s[i];
-            if (e->st.pos == k && e->hash == h && !memcmp(e->toks, toks, (size_t)k * sizeof *toks) && (best < 0 || k > p->s[best].st.pos)) best = i;
+            int k = e->st.pos;
+            if (k < n && e->hash == p->h[k - 1] && (best < 0 || k > p->s[best].st.pos) && !memcmp(e->toks, toks, (size_t)k * sizeof *toks)) best = i;
         }
     }
     if (best < 0 || qf_state_adopt(st, &p->s[best].st) != QF_OK) {
