@@ -338,6 +338,9 @@ int qf_vocab_index_create(qf_vocab_index **out, const qf_tokenizer *t, int vocab
     return rc;
 }
 
+static void allow(uint32_t *bits, int32_t id) { bits[id >> 5] |= 1u << (id & 31); }
+static int allowed_id(const uint32_t *bits, int32_t id) { return (bits[id >> 5] >> (id & 31)) & 1u; }
+
 static int all_in(const vtok *t, const qf_cset *s) {
     for (int i = 0; i < t->len; i++)
         if (!qf_cset_has(s, t->p[i])) return 0;
@@ -368,20 +371,18 @@ static loopcache *loop_cache(qf_vocab_index *v, const qf_cset *s) {
     memset(c->all_in, 0, ((size_t)v->vocab + 31) / 32 * sizeof(uint32_t));
     c->set = *s;
     c->rest.n = c->n_all_in = 0;
+    memset(c->len_end, 0, ((size_t)v->max_len + 2) * sizeof(int));
     for (int i = 0; i < v->all.n; i++) {
         const vtok *t = &v->all.t[i];
-        if (all_in(t, s)) c->all_in[t->id >> 5] |= 1u << (t->id & 31), c->n_all_in++;
+        if (all_in(t, s)) allow(c->all_in, t->id), c->n_all_in++, c->len_end[t->len]++;
         else c->rest.t[c->rest.n++] = *t;
     }
     vlist_lcp(&c->rest);
-    /* counting sort of the all-in tokens by length */
-    memset(c->len_end, 0, ((size_t)v->max_len + 2) * sizeof(int));
-    for (int i = 0; i < v->all.n; i++)
-        if (all_in(&v->all.t[i], s)) c->len_end[v->all.t[i].len]++;
+    /* by_len: a counting sort of the all-in tokens by length */
     for (int k = 1; k <= v->max_len + 1; k++) c->len_end[k] += c->len_end[k - 1];
     int *fill = c->len_end; /* filled from the back so len_end ends as the bounds */
     for (int i = v->all.n - 1; i >= 0; i--)
-        if (all_in(&v->all.t[i], s)) c->by_len[--fill[v->all.t[i].len]] = v->all.t[i].id;
+        if (allowed_id(c->all_in, v->all.t[i].id)) c->by_len[--fill[v->all.t[i].len]] = v->all.t[i].id;
     for (int k = 0; k <= v->max_len; k++) c->len_end[k] = c->len_end[k + 1];
     c->len_end[v->max_len + 1] = c->n_all_in;
     c->used = 1;
@@ -421,6 +422,14 @@ struct qf_gmatch {
     int n2;
 };
 
+static int same_node(const gnode *a, const gnode *b) { return a->alt == b->alt && a->pos == b->pos && a->parent == b->parent; }
+
+static int popcount(const qf_cset *s) {
+    int n = 0;
+    for (int w = 0; w < 8; w++) n += __builtin_popcount(s->w[w]);
+    return n;
+}
+
 static int32_t push_node(qf_gmatch *m, int32_t alt, int32_t pos, int32_t parent) {
     if (m->n_arena >= m->cap_arena) {
         m->err = 1;
@@ -431,10 +440,9 @@ static int32_t push_node(qf_gmatch *m, int32_t alt, int32_t pos, int32_t parent)
 }
 
 static void set_add(qf_gmatch *m, gset *o, int32_t alt, int32_t pos, int32_t parent) {
-    for (int i = 0; i < o->n; i++) {
-        const gnode *x = &m->arena[o->top[i]];
-        if (x->alt == alt && x->pos == pos && x->parent == parent) return;
-    }
+    gnode want = {alt, pos, parent};
+    for (int i = 0; i < o->n; i++)
+        if (same_node(&m->arena[o->top[i]], &want)) return;
     if (o->n >= SET_MAX) {
         m->err = 2;
         return;
@@ -635,7 +643,7 @@ static int walk(qf_gmatch *m, const vlist *l, uint32_t *allowed) {
             }
         }
         if (ok) {
-            allowed[t->id >> 5] |= 1u << (t->id & 31);
+            allow(allowed, t->id);
             count++;
             i++;
             continue;
@@ -657,20 +665,11 @@ static const qf_cset *loop_set(const qf_gmatch *m) {
         const gnode *x = &m->arena[m->cur.top[i]];
         if (x->pos != 0 || !m->g->alt_loop[x->alt]) continue;
         const qf_cset *s = &m->g->sets[m->g->elems[m->g->alt_e0[x->alt]]];
-        int n = 0;
-        for (int w = 0; w < 8; w++) n += __builtin_popcount(s->w[w]);
+        int n = popcount(s);
         if (n > best_n) best = s, best_n = n;
     }
     return best;
 }
-
-static int popcount(const qf_cset *s) {
-    int n = 0;
-    for (int w = 0; w < 8; w++) n += __builtin_popcount(s->w[w]);
-    return n;
-}
-
-static int same_node(const gnode *a, const gnode *b) { return a->alt == b->alt && a->pos == b->pos && a->parent == b->parent; }
 
 /* The parse is in a counted run of a wide byte set S (a bounded string), and every other live
  * parse is where the run ends up when it stops: returns the S bytes it can still take when that
@@ -723,7 +722,7 @@ int qf_gmatch_mask(qf_gmatch *m, float *logits) {
         count = lc->n_all_in;
     } else if (lc) { /* the run's tokens that fit what is left of it */
         int k = run < v->max_len ? run : v->max_len;
-        for (int i = 0; i < lc->len_end[k]; i++) allowed[lc->by_len[i] >> 5] |= 1u << (lc->by_len[i] & 31);
+        for (int i = 0; i < lc->len_end[k]; i++) allow(allowed, lc->by_len[i]);
         count = lc->len_end[k];
     }
     int got = walk(m, lc ? &lc->rest : &v->all, allowed);
@@ -733,10 +732,10 @@ int qf_gmatch_mask(qf_gmatch *m, float *logits) {
     for (int i = 0; i < m->g->n_specials; i++) {
         int32_t id = m->special_id[i];
         if (id < 0 || id >= v->vocab) continue;
-        if (qf_gmatch_try_bytes(m, m->g->specials[i], strlen(m->g->specials[i]))) allowed[id >> 5] |= 1u << (id & 31), count++;
+        if (qf_gmatch_try_bytes(m, m->g->specials[i], strlen(m->g->specials[i]))) allow(allowed, id), count++;
     }
     if (m->cur.complete)
-        for (int k = 0; k < v->n_eos; k++) allowed[v->eos[k] >> 5] |= 1u << (v->eos[k] & 31), count++;
+        for (int k = 0; k < v->n_eos; k++) allow(allowed, v->eos[k]), count++;
     disallow(logits, allowed, v->vocab);
     return count;
 }

@@ -23,7 +23,7 @@ typedef struct jc {
     json_t *root;
     memo *memo;
     int n_memo, cap_memo;
-    int ws, any, str, content, cchar, anychar, num, esc, digit_opt[NUM_DIGITS + 1], failed, unrolled;
+    int ws, any, str, content, cchar, anychar, esc, digit_opt[NUM_DIGITS + 1], failed, unrolled;
     char err[512];
 } jc;
 
@@ -49,6 +49,12 @@ static int newrule(jc *c) {
         return -1;
     }
     return r;
+}
+
+/* q becomes an alternative of rule r, and q is emptied for the next. */
+static void add_alt(jc *c, int r, qf_gseq *q) {
+    qf_gb_alt(c->b, r, q);
+    qf_gseq_clear(q);
 }
 
 /* A rule with one alternative: seq (which is cleared). */
@@ -104,15 +110,13 @@ static int ws_rule(jc *c) {
         qf_gb_alt(c->b, r, &q);
         qf_gseq_byte(c->b, &q, ' ');
         qf_gseq_ref(&q, sp);
-        qf_gb_alt(c->b, r, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, r, &q);
         sp = r;
     }
     c->ws = newrule(c);
     qf_gb_alt(c->b, c->ws, &q);
     qf_gseq_byte(c->b, &q, ' ');
-    qf_gb_alt(c->b, c->ws, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, c->ws, &q);
     qf_gseq_byte(c->b, &q, '\n');
     qf_gseq_ref(&q, sp);
     qf_gb_alt(c->b, c->ws, &q);
@@ -128,8 +132,7 @@ static int esc_rule(jc *c) {
     qf_cset s = {{0}};
     for (const char *p = "\"\\/bfnrt"; *p; p++) qf_cset_add(&s, *p, *p);
     qf_gseq_set(c->b, &q, &s);
-    qf_gb_alt(c->b, c->esc, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, c->esc, &q);
     qf_cset hex = cset_range('0', '9');
     qf_cset_add(&hex, 'a', 'f');
     qf_cset_add(&hex, 'A', 'F');
@@ -156,13 +159,11 @@ static int content_rule(jc *c) {
     qf_cset s = plain_bytes();
     qf_gseq_set(c->b, &q, &s);
     qf_gseq_ref(&q, r);
-    qf_gb_alt(c->b, r, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, r, &q);
     qf_gseq_byte(c->b, &q, '\\');
     qf_gseq_ref(&q, esc_rule(c));
     qf_gseq_ref(&q, r);
-    qf_gb_alt(c->b, r, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, r, &q);
     qf_gb_alt(c->b, r, &q);
     qf_gseq_free(&q);
     return r;
@@ -188,28 +189,9 @@ static void add_multibyte(jc *c, int r) {
         qf_cset l = cset_range(lead[k][0], lead[k][1]);
         qf_gseq_set(c->b, &q, &l);
         for (int i = 0; i <= k; i++) qf_gseq_set(c->b, &q, &cont);
-        qf_gb_alt(c->b, r, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, r, &q);
     }
     qf_gseq_free(&q);
-}
-
-/* One character of a JSON string (counted by minLength / maxLength). */
-static int cchar_rule(jc *c) {
-    if (c->cchar >= 0) return c->cchar;
-    int r = c->cchar = newrule(c);
-    qf_gseq q = {0};
-    qf_cset s = plain_bytes();
-    for (int b = 0x80; b <= 0xff; b++) cset_del(&s, b);
-    qf_gseq_set(c->b, &q, &s);
-    qf_gb_alt(c->b, r, &q);
-    qf_gseq_clear(&q);
-    qf_gseq_byte(c->b, &q, '\\');
-    qf_gseq_ref(&q, esc_rule(c));
-    qf_gb_alt(c->b, r, &q);
-    qf_gseq_free(&q);
-    add_multibyte(c, r);
-    return r;
 }
 
 /* Any character a regular expression's "." stands for (no escapes: those are literal). */
@@ -227,18 +209,30 @@ static int anychar_rule(jc *c) {
     return r;
 }
 
+/* One character of a JSON string (counted by minLength): any plain character or an escape. */
+static int cchar_rule(jc *c) {
+    if (c->cchar >= 0) return c->cchar;
+    int r = c->cchar = newrule(c);
+    qf_gseq q = {0};
+    qf_gseq_ref(&q, anychar_rule(c));
+    add_alt(c, r, &q);
+    qf_gseq_byte(c->b, &q, '\\');
+    qf_gseq_ref(&q, esc_rule(c));
+    add_alt(c, r, &q);
+    qf_gseq_free(&q);
+    return r;
+}
+
 /* -?(0|[1-9][0-9]{0,14}) then, for numbers, an optional fraction and exponent. */
 static int number_rule(jc *c, int integer, int sign) {
     qf_gseq q = {0};
     int ip = newrule(c);
     qf_gseq_byte(c->b, &q, '0');
-    qf_gb_alt(c->b, ip, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, ip, &q);
     qf_cset nz = cset_range('1', '9'), d = cset_range('0', '9');
     qf_gseq_set(c->b, &q, &nz);
     qf_gseq_ref(&q, digits_opt(c, NUM_DIGITS - 1));
-    qf_gb_alt(c->b, ip, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, ip, &q);
     int r = newrule(c);
     for (int neg = 0; neg <= sign; neg++) {
         if (neg) qf_gseq_byte(c->b, &q, '-');
@@ -250,8 +244,7 @@ static int number_rule(jc *c, int integer, int sign) {
             qf_gseq_byte(c->b, &f, '.');
             qf_gseq_set(c->b, &f, &d);
             qf_gseq_ref(&f, digits_opt(c, NUM_DIGITS - 1));
-            qf_gb_alt(c->b, frac, &f);
-            qf_gseq_clear(&f);
+            add_alt(c, frac, &f);
             qf_gb_alt(c->b, ex, &f);
             qf_cset e = {{0}}, pm = {{0}};
             qf_cset_add(&e, 'e', 'e');
@@ -261,8 +254,7 @@ static int number_rule(jc *c, int integer, int sign) {
             int sg = newrule(c);
             qf_gb_alt(c->b, sg, &f);
             qf_gseq_set(c->b, &f, &pm);
-            qf_gb_alt(c->b, sg, &f);
-            qf_gseq_clear(&f);
+            add_alt(c, sg, &f);
             qf_gseq_set(c->b, &f, &e);
             qf_gseq_ref(&f, sg);
             qf_gseq_set(c->b, &f, &d);
@@ -272,8 +264,7 @@ static int number_rule(jc *c, int integer, int sign) {
             qf_gseq_ref(&q, frac);
             qf_gseq_ref(&q, ex);
         }
-        qf_gb_alt(c->b, r, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, r, &q);
     }
     qf_gseq_free(&q);
     return r;
@@ -359,8 +350,7 @@ static int loop_of(jc *c, const qf_gseq *frag) {
     qf_gseq t = {0};
     qf_gseq_append(&t, frag);
     qf_gseq_ref(&t, L);
-    qf_gb_alt(c->b, L, &t);
-    qf_gseq_clear(&t);
+    add_alt(c, L, &t);
     qf_gb_alt(c->b, L, &t);
     qf_gseq_free(&t);
     return L;
@@ -544,8 +534,7 @@ static int repeat(jc *c, qf_gseq *q, const qf_gseq *frag, int lo, int hi, const 
             int O = newrule(c);
             qf_gseq_append(&t, frag);
             if (next >= 0) qf_gseq_ref(&t, next);
-            qf_gb_alt(c->b, O, &t);
-            qf_gseq_clear(&t);
+            add_alt(c, O, &t);
             qf_gb_alt(c->b, O, &t);
             next = O;
         }
@@ -675,22 +664,19 @@ static int any_container(jc *c, int object, int value) {
         qf_gseq_ref(&q, ws);
     }
     qf_gseq_ref(&q, value);
-    qf_gb_alt(c->b, item, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, item, &q);
     qf_gseq_ref(&q, ws); /* loop ::= ws "," ws item loop | empty */
     qf_gseq_byte(c->b, &q, ',');
     qf_gseq_ref(&q, ws);
     qf_gseq_ref(&q, item);
     qf_gseq_ref(&q, loop);
-    qf_gb_alt(c->b, loop, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, loop, &q);
     qf_gb_alt(c->b, loop, &q);
     qf_gb_alt(c->b, body, &q); /* body ::= item loop ws | empty */
     qf_gseq_ref(&q, item);
     qf_gseq_ref(&q, loop);
     qf_gseq_ref(&q, ws);
-    qf_gb_alt(c->b, body, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, body, &q);
     qf_gseq_byte(c->b, &q, object ? '{' : '[');
     qf_gseq_ref(&q, ws);
     qf_gseq_ref(&q, body);
@@ -708,8 +694,7 @@ static int any_value(jc *c) {
                    lit_rule(c, "true"), lit_rule(c, "false"), lit_rule(c, "null")};
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
         qf_gseq_ref(&q, parts[i]);
-        qf_gb_alt(c->b, r, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, r, &q);
     }
     qf_gseq_free(&q);
     return r;
@@ -796,8 +781,7 @@ static int type_number(jc *c, json_t *node, int integer, const char *path) {
     qf_gseq q = {0};
     int r = newrule(c), whole = int_range_rule(c, lo, hi);
     qf_gseq_ref(&q, whole);
-    qf_gb_alt(c->b, r, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, r, &q);
     long long flo = (any & 3) ? lo + 1 : lo, fhi = (any & 12) ? hi - 1 : hi;
     if ((any & 3) && lo <= 0 && hi >= 0 && !(any & 2)) flo = 0; /* 0.x >= 0 */
     if (flo <= fhi) {
@@ -859,19 +843,15 @@ static int members_rule(jc *c, const member *m, int n, const char *path) {
         qf_gseq_ref(&q, ws_rule(c));
         qf_gseq_ref(&q, mr);
         qf_gseq_ref(&q, rest);
-        qf_gb_alt(c->b, rest_k, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, rest_k, &q);
         qf_gseq_ref(&q, mr); /* first_k ::= member_k rest_k+1 | first_k+1 (optional) */
         qf_gseq_ref(&q, rest);
-        qf_gb_alt(c->b, first_k, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, first_k, &q);
         if (!m[k].required) {
             qf_gseq_ref(&q, rest);
-            qf_gb_alt(c->b, rest_k, &q);
-            qf_gseq_clear(&q);
+            add_alt(c, rest_k, &q);
             qf_gseq_ref(&q, first);
-            qf_gb_alt(c->b, first_k, &q);
-            qf_gseq_clear(&q);
+            add_alt(c, first_k, &q);
         }
         rest = rest_k, first = first_k;
     }
@@ -958,14 +938,12 @@ static int type_array(jc *c, json_t *node, const char *path) {
             int it = item_rule(c, each, 1, sub);
             qf_gseq_ref(&q, it);
             qf_gseq_ref(&q, loop);
-            qf_gb_alt(c->b, loop, &q);
-            qf_gseq_clear(&q);
+            add_alt(c, loop, &q);
             qf_gb_alt(c->b, loop, &q);
         }
         qf_gseq_ref(&q, it0);
         qf_gseq_ref(&q, loop);
-        qf_gb_alt(c->b, next, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, next, &q);
         if (explicit_n == 0 || lo <= explicit_n) qf_gb_alt(c->b, next, &q);
     } else qf_gb_alt(c->b, next, &q);
     for (long long i = explicit_n - 1; i >= 0 && !c->failed; i--) {
@@ -973,8 +951,7 @@ static int type_array(jc *c, json_t *node, const char *path) {
         int node_i = newrule(c), it = item_rule(c, s, (int)i, sub);
         qf_gseq_ref(&q, it);
         qf_gseq_ref(&q, next);
-        qf_gb_alt(c->b, node_i, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, node_i, &q);
         if (i >= lo) qf_gb_alt(c->b, node_i, &q);
         next = node_i;
     }
@@ -996,8 +973,7 @@ static int type_rule(jc *c, const char *t, json_t *node, const char *path) {
         int r = newrule(c);
         qf_gseq q = {0};
         qf_gseq_ref(&q, lit_rule(c, "true"));
-        qf_gb_alt(c->b, r, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, r, &q);
         qf_gseq_ref(&q, lit_rule(c, "false"));
         qf_gb_alt(c->b, r, &q);
         qf_gseq_free(&q);
@@ -1066,8 +1042,7 @@ static int compile_into(jc *c, json_t *node, int r, const char *path) {
         json_t *e;
         json_array_foreach(v, i, e) {
             qf_gseq_ref(&q, literal_rule(c, e, path));
-            qf_gb_alt(c->b, r, &q);
-            qf_gseq_clear(&q);
+            add_alt(c, r, &q);
         }
     } else if ((v = json_object_get(node, "anyOf")) || (v = json_object_get(node, "oneOf")) || (v = json_object_get(node, "allOf"))) {
         const char *kw = v == json_object_get(node, "anyOf") ? "anyOf" : v == json_object_get(node, "oneOf") ? "oneOf" : "allOf";
@@ -1082,8 +1057,7 @@ static int compile_into(jc *c, json_t *node, int r, const char *path) {
             int a = compile(c, e, sp);
             if (a < 0) break;
             qf_gseq_ref(&q, a);
-            qf_gb_alt(c->b, r, &q);
-            qf_gseq_clear(&q);
+            add_alt(c, r, &q);
         }
     } else if ((t = json_object_get(node, "type")) && json_is_array(t)) {
         size_t i;
@@ -1091,8 +1065,7 @@ static int compile_into(jc *c, json_t *node, int r, const char *path) {
         json_array_foreach(t, i, e) {
             if (!json_is_string(e)) return jfail(c, path, "'type' must name types");
             qf_gseq_ref(&q, type_rule(c, json_string_value(e), node, path));
-            qf_gb_alt(c->b, r, &q);
-            qf_gseq_clear(&q);
+            add_alt(c, r, &q);
         }
     } else if (t) {
         if (!json_is_string(t)) return jfail(c, path, "'type' must be a string or a list");
@@ -1106,8 +1079,7 @@ static int compile_into(jc *c, json_t *node, int r, const char *path) {
     } else sub = any_value(c);
     if (sub >= 0) {
         qf_gseq_ref(&q, sub);
-        qf_gb_alt(c->b, r, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, r, &q);
     }
     if (json_is_object(node) && json_is_true(json_object_get(node, "nullable"))) {
         qf_gseq_ref(&q, lit_rule(c, "null"));
@@ -1129,7 +1101,7 @@ static int compile(jc *c, json_t *node, const char *path) {
 static void jc_init(jc *c, json_t *root) {
     memset(c, 0, sizeof *c);
     c->root = root;
-    c->ws = c->any = c->str = c->content = c->cchar = c->anychar = c->num = c->esc = -1;
+    c->ws = c->any = c->str = c->content = c->cchar = c->anychar = c->esc = -1;
     for (int i = 0; i <= NUM_DIGITS; i++) c->digit_opt[i] = -1;
     c->b = qf_gb_create();
     if (!c->b) c->failed = 1, snprintf(c->err, sizeof c->err, "out of memory");
@@ -1178,15 +1150,13 @@ static int xml_text(jc *c) {
     cset_del(&s, '<');
     qf_gseq_set(c->b, &q, &s);
     qf_gseq_ref(&q, r);
-    qf_gb_alt(c->b, r, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, r, &q);
     cset_del(&s, '/');
     cset_del(&s, 't');
     qf_gseq_byte(c->b, &q, '<');
     qf_gseq_set(c->b, &q, &s);
     qf_gseq_ref(&q, r);
-    qf_gb_alt(c->b, r, &q);
-    qf_gseq_clear(&q);
+    add_alt(c, r, &q);
     qf_gb_alt(c->b, r, &q);
     qf_gseq_free(&q);
     return r;
@@ -1211,8 +1181,7 @@ static int xml_value(jc *c, json_t *sch, const char *path) {
         char *text = json_is_string(v) ? strdup(json_string_value(v)) : json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
         if (text) qf_gseq_lit(c->b, &q, text);
         free(text);
-        qf_gb_alt(c->b, r, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, r, &q);
     }
     qf_gseq_free(&q);
     return r;
@@ -1239,12 +1208,10 @@ static int xml_params(jc *c, json_t *params, const char *path) {
         qf_gseq_ref(&q, val);
         qf_gseq_lit(c->b, &q, "\n</parameter>\n");
         qf_gseq_ref(&q, next);
-        qf_gb_alt(c->b, r, &q);
-        qf_gseq_clear(&q);
+        add_alt(c, r, &q);
         if (!json_is_array(req) || !is_required(req, keys[i])) {
             qf_gseq_ref(&q, next);
-            qf_gb_alt(c->b, r, &q);
-            qf_gseq_clear(&q);
+            add_alt(c, r, &q);
         }
         next = r;
     }
@@ -1299,8 +1266,7 @@ int qf_grammar_tools(qf_grammar **out, json_t *tools, const char *name, int form
         char path[300];
         snprintf(path, sizeof path, "tools/%zu/function/parameters", i);
         qf_gseq_ref(&q, one_call(&c, fn, form, path));
-        qf_gb_alt(b, call, &q);
-        qf_gseq_clear(&q);
+        add_alt(&c, call, &q);
         found++;
     }
     int root = -1;
@@ -1312,8 +1278,7 @@ int qf_grammar_tools(qf_grammar **out, json_t *tools, const char *name, int form
             qf_gseq_byte(b, &q, '\n');
             qf_gseq_ref(&q, call);
             qf_gseq_ref(&q, more);
-            qf_gb_alt(b, more, &q);
-            qf_gseq_clear(&q);
+            add_alt(&c, more, &q);
         }
         qf_gseq_ref(&q, call);
         qf_gseq_ref(&q, more);
