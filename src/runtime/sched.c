@@ -31,9 +31,9 @@ struct qf_req {
     qf_grammar *grammar;
     qf_gmatch *gm;
     int32_t grammar_after;
-    /* n > 1: a first choice keeps a copy of its state before the prompt's last token (fork_snap,
-     * fork_state 1 while the later choices have not taken it, 2 once gone); a later one waits on after */
-    int fork, fork_state, fork_waiters;
+    /* n > 1: a first choice keeps a copy of its state before the prompt's last token (fork_snap)
+     * until every later choice, waiting on after, has taken it */
+    int fork, fork_state, fork_waiters; /* fork_state: enum fork_state */
     qf_state_snap fork_snap;
     qf_req *after;
     qf_utf8_stream us;
@@ -94,6 +94,10 @@ struct qf_sched {
     } while (0)
 
 /* ---- requests ---- */
+
+/* A first choice's copy: not made yet, kept, gone (dropped, or none could be made); a later
+ * choice that has taken it or given it up is FORK_LEFT. */
+enum fork_state { FORK_NONE, FORK_KEPT, FORK_GONE, FORK_LEFT };
 
 static void req_free(qf_req *r) {
     if (r->after) qf_req_release(r->after);
@@ -343,37 +347,38 @@ void qf_sched_get_stats(qf_sched *s, qf_sched_stats *out) {
 
 /* ---- slots ---- */
 
-/* A later choice no longer needs the first's copy: the last one to leave drops it. */
-static void fork_leave(qf_sched *s, qf_req *r) {
-    if (!r->after || r->fork_state == 3) return;
-    qf_req *L = r->after;
-    r->fork_state = 3; /* left */
+/* The first choice's copy goes once no later choice waits for it. */
+static void fork_drop_unwanted(qf_sched *s, qf_req *first) {
     pthread_mutex_lock(&s->mu);
-    int left = --L->fork_waiters;
+    int waiting = first->fork_waiters;
     pthread_mutex_unlock(&s->mu);
-    if (left == 0 && L->fork_state == 1) {
-        qf_state_snap_drop(&L->fork_snap);
-        L->fork_state = 2;
+    if (waiting == 0 && first->fork_state == FORK_KEPT) {
+        qf_state_snap_drop(&first->fork_snap);
+        first->fork_state = FORK_GONE;
     }
+}
+
+/* A later choice no longer needs the first's copy. */
+static void fork_leave(qf_sched *s, qf_req *r) {
+    if (!r->after || r->fork_state == FORK_LEFT) return;
+    r->fork_state = FORK_LEFT;
+    pthread_mutex_lock(&s->mu);
+    r->after->fork_waiters--;
+    pthread_mutex_unlock(&s->mu);
+    fork_drop_unwanted(s, r->after);
 }
 
 /* The first choice has fed all but its prompt's last token: the copy the others start from. */
 static void fork_mark(qf_sched *s, qf_req *r, const qf_state *st) {
-    if (!r->fork || r->fork_state || r->n_fed != r->n_prompt - 1) return;
-    r->fork_state = qf_state_snap_take(st, &r->fork_snap) == QF_OK ? 1 : 2;
-    pthread_mutex_lock(&s->mu);
-    int waiting = r->fork_waiters;
-    pthread_mutex_unlock(&s->mu);
-    if (r->fork_state == 1 && waiting == 0) {
-        qf_state_snap_drop(&r->fork_snap);
-        r->fork_state = 2;
-    }
+    if (!r->fork || r->fork_state != FORK_NONE || r->n_fed != r->n_prompt - 1) return;
+    r->fork_state = qf_state_snap_take(st, &r->fork_snap) == QF_OK ? FORK_KEPT : FORK_GONE;
+    fork_drop_unwanted(s, r);
 }
 
 /* A later choice starts from the first's copy (or, when there is none, as any request). */
 static int fork_join(qf_sched *s, qf_req *r, qf_state *st) {
     int k = 0;
-    if (r->after->fork_state == 1 && qf_state_adopt(st, &r->after->fork_snap) == QF_OK) k = st->pos;
+    if (r->after->fork_state == FORK_KEPT && qf_state_adopt(st, &r->after->fork_snap) == QF_OK) k = st->pos;
     fork_leave(s, r);
     return k;
 }
@@ -405,10 +410,17 @@ static void finish(qf_sched *s, qf_req *r, int why, const char *err) {
     qf_req_release(r);
 }
 
-/* Takes the next waiting request (s->mu held) when a slot and pages for its tokens are free.
- * Cancelled waiters are finished on the way. */
 /* A later choice of n waits until the first has prefilled its prompt but the last token (or ended). */
-static int waits(const qf_req *r) { return r->after && r->after->fork_state == 0 && r->after->status.finish == QF_FINISH_NONE; }
+static int waits(const qf_req *r) { return r->after && r->after->fork_state == FORK_NONE && r->after->status.finish == QF_FINISH_NONE; }
+
+/* Takes r (after prev, NULL: the head) out of the queue (s->mu held). */
+static void unqueue(qf_sched *s, qf_req *prev, qf_req *r) {
+    if (prev) prev->next = r->next;
+    else s->q_head = r->next;
+    if (s->q_tail == r) s->q_tail = prev;
+    s->n_waiting--;
+    r->next = NULL;
+}
 
 /* Takes the first waiting request that may start (s->mu held) when a slot and pages for its tokens
  * are free. Cancelled waiters are finished on the way. */
@@ -416,29 +428,19 @@ static qf_req *pop_admissible(qf_sched *s, int free_slot, qf_req **cancelled) {
     qf_req *prev = NULL, *r = s->q_head;
     while (r) {
         qf_req *next = r->next;
-        if (atomic_load(&r->cancel) || waits(r)) {
-            if (atomic_load(&r->cancel)) {
-                if (prev) prev->next = next;
-                else s->q_head = next;
-                if (s->q_tail == r) s->q_tail = prev;
-                s->n_waiting--;
-                r->next = *cancelled;
-                *cancelled = r;
-            } else prev = r;
-            r = next;
-            continue;
-        }
-        break;
+        if (atomic_load(&r->cancel)) {
+            unqueue(s, prev, r);
+            r->next = *cancelled;
+            *cancelled = r;
+        } else if (waits(r)) prev = r;
+        else break;
+        r = next;
     }
     if (!r || free_slot < 0) return NULL;
     int pt = qf_kv_pool_page_tokens(s->kv), need = (r->n_toks + 1 + pt - 1) / pt;
     if (need > qf_kv_pool_free_pages(s->kv) && s->prefix) qf_prefix_evict(s->prefix, need);
     if (need > qf_kv_pool_free_pages(s->kv)) return NULL;
-    if (prev) prev->next = r->next;
-    else s->q_head = r->next;
-    if (s->q_tail == r) s->q_tail = prev;
-    s->n_waiting--;
-    r->next = NULL;
+    unqueue(s, prev, r);
     return r;
 }
 
@@ -475,7 +477,7 @@ static void admit(qf_sched *s) {
         }
         if (!r) return;
         r->slot = fs;
-        r->n_fed = r->after && r->fork_state != 3 ? fork_join(s, r, s->slots[fs].st) : 0;
+        r->n_fed = r->after && r->fork_state != FORK_LEFT ? fork_join(s, r, s->slots[fs].st) : 0;
         if (!r->n_fed && s->prefix) r->n_fed = qf_prefix_restore(s->prefix, s->slots[fs].st, r->toks, r->n_toks);
         fork_mark(s, r, s->slots[fs].st);
         if (!r->primed) r->status.cached_tokens = r->n_fed;
@@ -541,7 +543,7 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
                     int to_mark = s->o.prefix_interval - r->n_fed % s->o.prefix_interval;
                     take = take < to_mark ? take : to_mark;
                 }
-                if (r->fork && !r->fork_state && r->n_fed < r->n_prompt - 1 && take > r->n_prompt - 1 - r->n_fed) take = r->n_prompt - 1 - r->n_fed;
+                if (r->fork && r->fork_state == FORK_NONE && r->n_fed < r->n_prompt - 1 && take > r->n_prompt - 1 - r->n_fed) take = r->n_prompt - 1 - r->n_fed;
                 if (take > s->rows - rows) take = s->rows - rows;
                 if (take <= 0) continue;
                 sl->batch_n = take;
