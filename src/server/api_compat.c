@@ -15,6 +15,16 @@ static void copy_fields(json_t *from, json_t *to, const char *const *keys) {
     }
 }
 
+/* The chat body's thinking switch, unless the caller's chat_template_kwargs set one. */
+static void set_thinking(json_t *chat, int on) {
+    if (!json_object_get(chat, "chat_template_kwargs")) json_object_set_new(chat, "chat_template_kwargs", json_pack("{s:b}", "enable_thinking", on));
+}
+
+/* tool_choice naming one function, as the chat body takes it. */
+static void choose_tool(json_t *chat, const char *name) {
+    json_object_set_new(chat, "tool_choice", json_pack("{s:s,s:{s:s}}", "type", "function", "function", "name", name));
+}
+
 /* Text parts ([{type: input_text|output_text|text, text}]) or a string, as one string. */
 static json_t *joined_text(api_out *ao, json_t *content, const char *where) {
     if (json_is_string(content)) return json_incref(content);
@@ -33,6 +43,16 @@ static json_t *joined_text(api_out *ao, json_t *content, const char *where) {
         free(joined);
     }
     return out;
+}
+
+/* body translated by translate into a chat body (kept in g), then parsed as a chat request. */
+static int parse_translated(srv *s, api_out *ao, json_t *body, gen_req *g, int api, int (*translate)(api_out *, json_t *, json_t *)) {
+    json_t *chat = json_object();
+    g->xbody = chat;
+    g->orig = json_incref(body);
+    g->api = api;
+    if (translate(ao, body, chat)) return -1;
+    return api_parse_chat(s, ao, chat, g);
 }
 
 /* ---- Responses ---- */
@@ -92,7 +112,7 @@ static int responses_tools(api_out *ao, json_t *b, json_t *chat) {
     if (json_is_object(choice)) { /* {type: function, name} */
         const char *name = json_string_value(json_object_get(choice, "name"));
         if (!name) return api_bad(ao, "'tool_choice.name' must be a string");
-        json_object_set_new(chat, "tool_choice", json_pack("{s:s,s:{s:s}}", "type", "function", "function", "name", name));
+        choose_tool(chat, name);
     } else if (choice) json_object_set(chat, "tool_choice", choice);
     return 0;
 }
@@ -130,19 +150,11 @@ static int responses_body(api_out *ao, json_t *b, json_t *chat) {
     json_t *mx = json_object_get(b, "max_output_tokens"), *rs = json_object_get(b, "reasoning");
     if (mx) json_object_set(chat, "max_tokens", mx);
     const char *effort = json_string_value(json_object_get(rs, "effort"));
-    if (effort && (!strcmp(effort, "none") || !strcmp(effort, "minimal")) && !json_object_get(chat, "chat_template_kwargs"))
-        json_object_set_new(chat, "chat_template_kwargs", json_pack("{s:b}", "enable_thinking", 0));
+    if (effort && (!strcmp(effort, "none") || !strcmp(effort, "minimal"))) set_thinking(chat, 0);
     return responses_tools(ao, b, chat) || responses_format(ao, b, chat);
 }
 
-int api_parse_responses(srv *s, api_out *ao, json_t *body, gen_req *g) {
-    json_t *chat = json_object();
-    g->xbody = chat;
-    g->orig = json_incref(body);
-    g->api = API_RESPONSES;
-    if (responses_body(ao, body, chat)) return -1;
-    return api_parse_chat(s, ao, chat, g);
-}
+int api_parse_responses(srv *s, api_out *ao, json_t *body, gen_req *g) { return parse_translated(s, ao, body, g, API_RESPONSES, responses_body); }
 
 /* ---- Messages ---- */
 
@@ -229,7 +241,7 @@ static int messages_tools(api_out *ao, json_t *b, json_t *chat) {
     if (!strcmp(type, "tool")) {
         const char *name = json_string_value(json_object_get(tc, "name"));
         if (!name) return api_bad(ao, "'tool_choice.name' must be a string");
-        json_object_set_new(chat, "tool_choice", json_pack("{s:s,s:{s:s}}", "type", "function", "function", "name", name));
+        choose_tool(chat, name);
     } else if (!strcmp(type, "any")) json_object_set_new(chat, "tool_choice", json_string("required"));
     else if (!strcmp(type, "auto") || !strcmp(type, "none")) json_object_set_new(chat, "tool_choice", json_string(type));
     else return api_bad(ao, "'tool_choice.type' must be auto, any, tool or none");
@@ -260,16 +272,8 @@ static int messages_body(api_out *ao, json_t *b, json_t *chat) {
     json_t *stops = json_object_get(b, "stop_sequences"), *th = json_object_get(b, "thinking");
     if (stops) json_object_set(chat, "stop", stops);
     const char *tht = json_string_value(json_object_get(th, "type"));
-    if (tht && !json_object_get(chat, "chat_template_kwargs"))
-        json_object_set_new(chat, "chat_template_kwargs", json_pack("{s:b}", "enable_thinking", strcmp(tht, "disabled") != 0));
+    if (tht) set_thinking(chat, strcmp(tht, "disabled") != 0);
     return messages_tools(ao, b, chat);
 }
 
-int api_parse_messages(srv *s, api_out *ao, json_t *body, gen_req *g) {
-    json_t *chat = json_object();
-    g->xbody = chat;
-    g->orig = json_incref(body);
-    g->api = API_MESSAGES;
-    if (messages_body(ao, body, chat)) return -1;
-    return api_parse_chat(s, ao, chat, g);
-}
+int api_parse_messages(srv *s, api_out *ao, json_t *body, gen_req *g) { return parse_translated(s, ao, body, g, API_MESSAGES, messages_body); }

@@ -294,12 +294,8 @@ typedef struct group {
     char err[256];
 } group;
 
-static void call_free(call *c) {
-    srv *s = c->s;
-    if (c->prev) c->prev->next = c->next;
-    else s->calls = c->next;
-    if (c->next) c->next->prev = c->prev;
-    s->n_calls--;
+/* A call's own memory (one not in the server's list, or taken out of it). */
+static void call_destroy(call *c) {
     qf_req_release(c->r);
     json_decref(c->lp);
     json_decref(c->tools);
@@ -307,6 +303,15 @@ static void call_free(call *c) {
     free(c->acc_c);
     free(c->acc_r);
     free(c);
+}
+
+static void call_free(call *c) {
+    srv *s = c->s;
+    if (c->prev) c->prev->next = c->next;
+    else s->calls = c->next;
+    if (c->next) c->next->prev = c->prev;
+    s->n_calls--;
+    call_destroy(c);
 }
 
 static void group_free(group *g) {
@@ -520,10 +525,7 @@ void call_start(srv *s, struct evhttp_request *req, gen_req *g, int kind) {
     g->p.grammar = NULL; /* the scheduler's now */
     if (rc != QF_OK) {
         submit_failed(s, req, rc);
-        json_decref(c->lp);
-        json_decref(c->tools);
-        json_decref(c->orig);
-        free(c);
+        call_destroy(c);
         return;
     }
     call_link(s, c);

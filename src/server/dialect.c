@@ -10,10 +10,8 @@
 #include "server/srv_int.h"
 
 static void send_event(call *c, const char *name, json_t *data) {
-    if (c->api == API_RESPONSES) {
-        json_object_set_new(data, "type", json_string(name));
-        json_object_set_new(data, "sequence_number", json_integer(c->dl.seq++));
-    } else json_object_set_new(data, "type", json_string(name));
+    json_object_set_new(data, "type", json_string(name));
+    if (c->api == API_RESPONSES) json_object_set_new(data, "sequence_number", json_integer(c->dl.seq++));
     char *text = json_dumps(data, JSON_COMPACT);
     json_decref(data);
     struct evbuffer *b = evbuffer_new();
@@ -34,6 +32,23 @@ static json_t *call_input(json_t *tc) {
     return json_is_object(o) ? o : (json_decref(o), json_object());
 }
 
+/* Messages' id of an OpenAI-form tool call. */
+static void tool_use_id(json_t *tc, char *out, size_t n) { snprintf(out, n, "toolu_%s", json_string_value(json_object_get(tc, "id"))); }
+
+/* A Responses reasoning or message item holding its whole text. */
+static json_t *text_item(int reasoning, const char *id, const char *text, size_t n, const char *status) {
+    if (reasoning) return json_pack("{s:s,s:s,s:[],s:[{s:s,s:o}]}", "type", "reasoning", "id", id, "summary", "content", "type", "reasoning_text", "text", jstr_lossy(text, n));
+    return json_pack("{s:s,s:s,s:s,s:s,s:[{s:s,s:o,s:[]}]}", "type", "message", "id", id, "status", status, "role", "assistant", "content", "type", "output_text",
+                     "text", jstr_lossy(text, n), "annotations");
+}
+
+/* A Responses function_call item of an OpenAI-form tool call (args NULL: the call's own). */
+static json_t *call_item(json_t *tc, const char *id, const char *args, const char *status) {
+    json_t *fn = json_object_get(tc, "function");
+    return json_pack("{s:s,s:s,s:O,s:O,s:o,s:s}", "type", "function_call", "id", id, "call_id", json_object_get(tc, "id"), "name", json_object_get(fn, "name"),
+                     "arguments", args ? json_string(args) : json_incref(json_object_get(fn, "arguments")), "status", status);
+}
+
 /* ---- whole objects ---- */
 
 static const char *stop_reason(int finish, int called) {
@@ -46,19 +61,15 @@ static json_t *responses_output(const call *c, const char *content, size_t clen,
     int i = 0;
     if (rlen) {
         item_id(c, "rs", i++, id, sizeof id);
-        json_array_append_new(out, json_pack("{s:s,s:s,s:[],s:[{s:s,s:o}]}", "type", "reasoning", "id", id, "summary", "content", "type", "reasoning_text",
-                                             "text", jstr_lossy(reasoning, rlen)));
+        json_array_append_new(out, text_item(1, id, reasoning, rlen, "completed"));
     }
     if (clen || (!json_array_size(calls) && !rlen)) {
         item_id(c, "msg", i++, id, sizeof id);
-        json_array_append_new(out, json_pack("{s:s,s:s,s:s,s:s,s:[{s:s,s:o,s:[]}]}", "type", "message", "id", id, "status", "completed", "role", "assistant",
-                                             "content", "type", "output_text", "text", jstr_lossy(content ? content : "", clen), "annotations"));
+        json_array_append_new(out, text_item(0, id, content ? content : "", clen, "completed"));
     }
     for (size_t k = 0; k < json_array_size(calls); k++) {
-        json_t *tc = json_array_get(calls, k), *fn = json_object_get(tc, "function");
         item_id(c, "fc", i++, id, sizeof id);
-        json_array_append_new(out, json_pack("{s:s,s:s,s:O,s:O,s:O,s:s}", "type", "function_call", "id", id, "call_id", json_object_get(tc, "id"), "name",
-                                             json_object_get(fn, "name"), "arguments", json_object_get(fn, "arguments"), "status", "completed"));
+        json_array_append_new(out, call_item(json_array_get(calls, k), id, NULL, "completed"));
     }
     return out;
 }
@@ -94,18 +105,17 @@ static json_t *messages_object(const call *c, const qf_req_status *st, json_t *c
     return m;
 }
 
-static json_t *messages_content(const call *c, const char *content, size_t clen, const char *reasoning, size_t rlen, json_t *calls) {
+static json_t *messages_content(const char *content, size_t clen, const char *reasoning, size_t rlen, json_t *calls) {
     json_t *out = json_array();
     if (rlen) json_array_append_new(out, json_pack("{s:s,s:o,s:s}", "type", "thinking", "thinking", jstr_lossy(reasoning, rlen), "signature", ""));
     if (clen || (!json_array_size(calls) && !rlen)) json_array_append_new(out, json_pack("{s:s,s:o}", "type", "text", "text", jstr_lossy(content ? content : "", clen)));
     for (size_t k = 0; k < json_array_size(calls); k++) {
         json_t *tc = json_array_get(calls, k);
         char id[96];
-        snprintf(id, sizeof id, "toolu_%s", json_string_value(json_object_get(tc, "id")));
+        tool_use_id(tc, id, sizeof id);
         json_array_append_new(out, json_pack("{s:s,s:s,s:O,s:o}", "type", "tool_use", "id", id, "name", json_object_get(json_object_get(tc, "function"), "name"),
                                              "input", call_input(tc)));
     }
-    (void)c;
     return out;
 }
 
@@ -115,7 +125,7 @@ void dl_reply_whole(call *c, const qf_req_status *st, const char *content, size_
         body = responses_object(c, st, st->finish == QF_FINISH_LENGTH ? "incomplete" : "completed",
                                 responses_output(c, content, clen, c->acc_r, c->len_r, calls));
     else
-        body = messages_object(c, st, messages_content(c, content, clen, c->acc_r, c->len_r, calls), stop_reason(st->finish, json_array_size(calls) > 0));
+        body = messages_object(c, st, messages_content(content, clen, c->acc_r, c->len_r, calls), stop_reason(st->finish, json_array_size(calls) > 0));
     json_decref(calls);
     srv_count(c->s, 200);
     srv_send_json(c->http, 200, body);
@@ -133,13 +143,6 @@ void dl_stream_begin(call *c) {
     }
 }
 
-static json_t *text_item(const call *c, int reasoning, const char *id, const char *text, size_t n, const char *status) {
-    if (reasoning) return json_pack("{s:s,s:s,s:[],s:[{s:s,s:o}]}", "type", "reasoning", "id", id, "summary", "content", "type", "reasoning_text", "text", jstr_lossy(text, n));
-    (void)c;
-    return json_pack("{s:s,s:s,s:s,s:s,s:[{s:s,s:o,s:[]}]}", "type", "message", "id", id, "status", status, "role", "assistant", "content", "type", "output_text",
-                     "text", jstr_lossy(text, n), "annotations");
-}
-
 static void close_block(call *c) {
     dialect_state *d = &c->dl;
     if (d->open < 0) return;
@@ -155,7 +158,7 @@ static void close_block(call *c) {
             send_event(c, "response.content_part.done", json_pack("{s:s,s:i,s:i,s:{s:s,s:o,s:[]}}", "item_id", id, "output_index", i, "content_index", 0, "part", "type",
                                                                   "output_text", "text", jstr_lossy(text, n), "annotations"));
         }
-        send_event(c, "response.output_item.done", json_pack("{s:i,s:o}", "output_index", i, "item", text_item(c, r, id, text, n, "completed")));
+        send_event(c, "response.output_item.done", json_pack("{s:i,s:o}", "output_index", i, "item", text_item(r, id, text, n, "completed")));
     } else {
         if (r) send_event(c, "content_block_delta", json_pack("{s:i,s:{s:s,s:s}}", "index", i, "delta", "type", "signature_delta", "signature", ""));
         send_event(c, "content_block_stop", json_pack("{s:i}", "index", i));
@@ -214,18 +217,14 @@ void dl_stream_calls(call *c, json_t *calls) {
         if (c->api == API_RESPONSES) {
             char id[96];
             item_id(c, "fc", i, id, sizeof id);
-            json_t *item = json_pack("{s:s,s:s,s:O,s:O,s:s,s:s}", "type", "function_call", "id", id, "call_id", json_object_get(tc, "id"), "name", json_object_get(fn, "name"),
-                                     "arguments", "", "status", "in_progress");
-            send_event(c, "response.output_item.added", json_pack("{s:i,s:O}", "output_index", i, "item", item));
+            send_event(c, "response.output_item.added", json_pack("{s:i,s:o}", "output_index", i, "item", call_item(tc, id, "", "in_progress")));
             send_event(c, "response.function_call_arguments.delta", json_pack("{s:s,s:i,s:O}", "item_id", id, "output_index", i, "delta", json_object_get(fn, "arguments")));
             send_event(c, "response.function_call_arguments.done", json_pack("{s:s,s:i,s:O,s:O}", "item_id", id, "output_index", i, "name", json_object_get(fn, "name"),
                                                                               "arguments", json_object_get(fn, "arguments")));
-            json_object_set(item, "arguments", json_object_get(fn, "arguments"));
-            json_object_set_new(item, "status", json_string("completed"));
-            send_event(c, "response.output_item.done", json_pack("{s:i,s:o}", "output_index", i, "item", item));
+            send_event(c, "response.output_item.done", json_pack("{s:i,s:o}", "output_index", i, "item", call_item(tc, id, NULL, "completed")));
         } else {
             char id[96];
-            snprintf(id, sizeof id, "toolu_%s", json_string_value(json_object_get(tc, "id")));
+            tool_use_id(tc, id, sizeof id);
             send_event(c, "content_block_start", json_pack("{s:i,s:{s:s,s:s,s:O,s:{}}}", "index", i, "content_block", "type", "tool_use", "id", id, "name",
                                                            json_object_get(fn, "name"), "input"));
             char *args = json_dumps(call_input(tc), JSON_COMPACT); /* the input object, normalised */
