@@ -90,10 +90,10 @@ static void prepare_prompt(chat_ctx *c, qf_state *st, const int32_t *ids, int n,
 }
 
 /* The prompt but its last token, then a snapshot there (the next turn's prompt begins with it). */
-static int prefill_and_keep(chat_ctx *c, qf_state *st, const int32_t *ids, int n, int *skip, int room) {
+static int prefill_and_keep(chat_ctx *c, qf_state *st, const int32_t *ids, int n, int skip, int room) {
     qf_prefix_evict(c->prefix, qf_state_pages_needed(st, n - st->pos + room));
-    if (n - 1 > *skip) {
-        int rc = qf_forward_seq(c->e->model, &c->e->be, c->e->ws, st, ids + *skip, n - 1 - *skip, QF_LOGITS_NONE, NULL);
+    if (n - 1 > skip) {
+        int rc = qf_forward_seq(c->e->model, &c->e->be, c->e->ws, st, ids + skip, n - 1 - skip, QF_LOGITS_NONE, NULL);
         if (rc != QF_OK) return rc;
         qf_prefix_save(c->prefix, st, ids);
     }
@@ -161,11 +161,11 @@ static int chat_turn(chat_ctx *c, const chat_opts *o, const qf_chat_tmpl *ct, hi
     memset(&c->cur, 0, sizeof c->cur);
     qf_sampler_reset(smp);
     qf_gen_stats stats;
-    int room = st->max_ctx - n - 1, fed = skip;
+    int room = st->max_ctx - n - 1;
     room = o->n_predict < room ? o->n_predict : room;
-    if (rc == QF_OK) rc = prefill_and_keep(c, st, ids, n, &fed, room);
+    if (rc == QF_OK) rc = prefill_and_keep(c, st, ids, n, skip, room);
     if (rc == QF_OK) {
-        int from = fed < n - 1 ? n - 1 : fed;
+        int from = skip < n - 1 ? n - 1 : skip;
         qf_gen_request req = {ids + from, n - from, room, smp, on_token, c};
         for (int i = 0; i < from; i++) qf_sampler_accept(smp, ids[i], 0);
         rc = qf_engine_generate(c->e, st, &req, &stats);
@@ -244,10 +244,11 @@ int cmd_chat(int argc, char **argv) {
                       isatty(1), {0}, NULL, 0, 0, NULL};
         int ctx = o.ctx ? o.ctx : (e->model->cfg.max_pos < 8192 ? e->model->cfg.max_pos : 8192);
         /* the context's pages and half as many again for the snapshots, which give pages back when the conversation needs them */
-        qf_kv_pool *pool = qf_kv_pool_create(e->model, 16, (ctx + 15) / 16 * 3 / 2 + 1);
+        enum { PAGE = 16 };
+        qf_kv_pool *pool = qf_kv_pool_create(e->model, PAGE, (ctx + PAGE - 1) / PAGE * 3 / 2 + 1);
         qf_state *st = pool ? qf_state_create_paged(e->model, pool, ctx) : NULL;
         qf_sampler *smp = qf_sampler_create(e->model->cfg.vocab, &s);
-        if (st && qf_prefix_create(&c.prefix, pool, qf_state_bytes(e->model), qf_kv_pool_page_bytes(e->model, 16), (size_t)512 << 20) != QF_OK) c.prefix = NULL;
+        if (st && qf_prefix_create(&c.prefix, pool, qf_state_bytes(e->model), qf_kv_pool_page_bytes(e->model, PAGE), (size_t)512 << 20) != QF_OK) c.prefix = NULL;
         if (st && smp && c.prefix) {
             chat_loop(&c, &o, &ct, st, smp);
             rc = 0;

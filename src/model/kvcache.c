@@ -154,6 +154,9 @@ int qf_state_reserve(qf_state *s, int n) {
     return QF_OK;
 }
 
+/* The DeltaNet states' block (one float at least: a model without linear layers still has one). */
+static size_t block_bytes(const qf_state *s) { return (s->block_floats ? s->block_floats : 1) * sizeof(float); }
+
 static void release_pages(qf_state *s) {
     while (s->n_pages > 0) qf_kv_pool_unref(s->kv, s->pages[--s->n_pages]);
 }
@@ -172,7 +175,7 @@ int qf_state_adopt(qf_state *s, const qf_state_snap *snap) {
         s->pages[s->n_pages++] = pg;
     }
     if (s->pages_dev) qf_be_upload(s->dev, s->pages_dev, s->pages, (size_t)s->n_pages * sizeof *s->pages);
-    qf_be_copy(s->dev, s->block, snap->block, (s->block_floats ? s->block_floats : 1) * sizeof(float));
+    qf_be_copy(s->dev, s->block, snap->block, block_bytes(s));
     s->pos = snap->pos;
     s->kv_summarized = snap->kv_summarized < full ? snap->kv_summarized : full;
     return QF_OK;
@@ -182,14 +185,14 @@ int qf_state_snap_take(const qf_state *s, qf_state_snap *snap) {
     memset(snap, 0, sizeof *snap);
     int n = (s->pos + s->kv->page_tokens - 1) / s->kv->page_tokens;
     snap->pages = malloc(((size_t)n + 1) * sizeof *snap->pages);
-    snap->block = qf_be_alloc(s->dev, (s->block_floats ? s->block_floats : 1) * sizeof(float));
+    snap->block = qf_be_alloc(s->dev, block_bytes(s));
     if (!snap->pages || !snap->block) {
         free(snap->pages);
         qf_be_free(s->dev, snap->block);
         return qf_fail(QF_ENOMEM, "out of memory for a prefix snapshot");
     }
     for (int i = 0; i < n; i++) qf_kv_pool_ref(s->kv, snap->pages[i] = s->pages[i]);
-    qf_be_copy(s->dev, snap->block, s->block, (s->block_floats ? s->block_floats : 1) * sizeof(float));
+    qf_be_copy(s->dev, snap->block, s->block, block_bytes(s));
     snap->n_pages = n;
     snap->pos = s->pos;
     snap->kv_summarized = s->kv_summarized;
@@ -207,7 +210,7 @@ void qf_state_snap_drop(qf_state_snap *snap) {
 
 void qf_state_reset(qf_state *s) {
     /* KV entries past pos are never read, but DeltaNet state must restart from zero */
-    qf_be_zero(s->dev, s->block, (s->block_floats ? s->block_floats : 1) * sizeof(float));
+    qf_be_zero(s->dev, s->block, block_bytes(s));
     release_pages(s);
     s->pos = 0;
     s->kv_summarized = 0;
