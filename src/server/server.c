@@ -14,37 +14,13 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base/mapfile.h"
 #include "base/timer.h"
 #include "base/utf8.h"
 #include "runtime/flash.h"
 #include "server/srv_int.h"
 
 /* ---- loading ---- */
-
-/* --chat-template's file, whole. */
-static int read_template(const char *path, char **out) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return qf_fail(QF_EIO, "cannot open the chat template %s", path);
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap + 1);
-    for (size_t got; buf && (got = fread(buf + n, 1, cap - n, f)) > 0;) {
-        n += got;
-        if (n == cap && n < (64u << 20)) {
-            char *b2 = realloc(buf, 2 * cap + 1);
-            if (!b2) free(buf);
-            buf = b2, cap *= 2;
-        }
-    }
-    int err = ferror(f);
-    fclose(f);
-    if (!buf || err) {
-        free(buf);
-        return qf_fail(QF_EIO, "cannot read the chat template %s", path);
-    }
-    buf[n] = 0;
-    *out = buf;
-    return QF_OK;
-}
 
 static void *load_main(void *arg) {
     srv *s = arg;
@@ -53,7 +29,7 @@ static void *load_main(void *arg) {
     if (rc == QF_OK && !s->e->tok) rc = qf_fail(QF_EINVAL, "%s has no tokenizer.json; the server needs one", o->model_dir);
     if (rc == QF_OK) s->max_piece = qf_tok_max_piece_len(s->e->tok);
     char *own = NULL;
-    if (rc == QF_OK && o->chat_template) rc = read_template(o->chat_template, &own);
+    if (rc == QF_OK && o->chat_template) rc = qf_read_file(o->chat_template, &own, NULL);
     const char *tmpl = own ? own : rc == QF_OK ? qf_tok_chat_template(s->e->tok) : NULL;
     if (tmpl) {
         rc = qf_chat_tmpl_parse(&s->tmpl, tmpl);
