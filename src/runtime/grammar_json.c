@@ -23,7 +23,7 @@ typedef struct jc {
     json_t *root;
     memo *memo;
     int n_memo, cap_memo;
-    int ws, any, str, content, cchar, anychar, esc, digit_opt[NUM_DIGITS + 1], failed, unrolled;
+    int ws, any, str, content, cchar, anychar, anyloop, esc, xtext, digit_opt[NUM_DIGITS + 1], failed, unrolled;
     char err[512];
 } jc;
 
@@ -358,11 +358,12 @@ static int loop_of(jc *c, const qf_gseq *frag) {
 
 /* Any characters (a raw, unquoted text's free part). */
 static int anychar_loop(jc *c) {
+    if (c->anyloop >= 0) return c->anyloop;
     qf_gseq q = {0};
     qf_gseq_ref(&q, anychar_rule(c));
-    int r = loop_of(c, &q);
+    c->anyloop = loop_of(c, &q);
     qf_gseq_free(&q);
-    return r;
+    return c->anyloop;
 }
 
 static void rx_utf8(rx *x, qf_gseq *q) {
@@ -1101,7 +1102,7 @@ static int compile(jc *c, json_t *node, const char *path) {
 static void jc_init(jc *c, json_t *root) {
     memset(c, 0, sizeof *c);
     c->root = root;
-    c->ws = c->any = c->str = c->content = c->cchar = c->anychar = c->esc = -1;
+    c->ws = c->any = c->str = c->content = c->cchar = c->anychar = c->anyloop = c->esc = c->xtext = -1;
     for (int i = 0; i <= NUM_DIGITS; i++) c->digit_opt[i] = -1;
     c->b = qf_gb_create();
     if (!c->b) c->failed = 1, snprintf(c->err, sizeof c->err, "out of memory");
@@ -1144,7 +1145,8 @@ int qf_grammar_json(qf_grammar **out, json_t *schema) {
 
 /* Free raw text: text ::= [^<] text | "<" [^/<t] text | empty (no tag closes or opens in it). */
 static int xml_text(jc *c) {
-    int r = newrule(c);
+    if (c->xtext >= 0) return c->xtext;
+    int r = c->xtext = newrule(c);
     qf_gseq q = {0};
     qf_cset s = cset_range(0x01, 0xff);
     cset_del(&s, '<');
