@@ -2,6 +2,7 @@
 #ifndef QF_BASE_NUMERIC_H
 #define QF_BASE_NUMERIC_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -47,6 +48,20 @@ static inline float qf_f16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+/* Round to nearest even; overflow to infinity, NaN stays NaN. */
+static inline uint16_t qf_f32_to_f16(float f) {
+    uint16_t s = signbit(f) ? 0x8000 : 0;
+    float a = fabsf(f);
+    if (isnan(f)) return 0x7e00;
+    if (a >= 65520.0f) return s | 0x7c00;
+    if (a < ldexpf(1.0f, -14)) return s | (uint16_t)lrintf(a * ldexpf(1.0f, 24)); /* subnormal, to nearest even */
+    int e;
+    float m = frexpf(a, &e); /* a = m * 2^e, m in [0.5, 1) */
+    uint32_t q = (uint32_t)lrintf(ldexpf(m, 11));   /* 11 significant bits, to nearest even */
+    if (q == 2048) q = 1024, e++;
+    return s | (uint16_t)((e + 14) << 10) | (uint16_t)(q & 1023);
 }
 
 /* The greedy pick: the first index of the largest of x[0..n) (NaNs never win). */

@@ -3,6 +3,7 @@
 #include <math.h>
 
 #include "base/err.h"
+#include "base/numeric.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -31,37 +32,16 @@ size_t qf_q_row_bytes(int fmt, int64_t cols) {
     }
 }
 
-/* ---- fp16 (IEEE half) for the block scales ---- */
-
-static float f16_to_f32(uint16_t h) {
-    int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
-    float v = e == 0 ? ldexpf((float)m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexpf((float)(m | 1024), e - 25);
-    return s ? -v : v;
-}
-
-static uint16_t f32_to_f16(float f) {
-    uint16_t s = signbit(f) ? 0x8000 : 0;
-    float a = fabsf(f);
-    if (isnan(f)) return 0x7e00;
-    if (a >= 65520.0f) return s | 0x7c00;
-    if (a < ldexpf(1.0f, -14)) return s | (uint16_t)lrintf(a * ldexpf(1.0f, 24)); /* subnormal, to nearest even */
-    int e;
-    float m = frexpf(a, &e); /* a = m * 2^e, m in [0.5, 1) */
-    uint32_t q = (uint32_t)lrintf(ldexpf(m, 11));   /* 11 significant bits, to nearest even */
-    if (q == 2048) q = 1024, e++;
-    return s | (uint16_t)((e + 14) << 10) | (uint16_t)(q & 1023);
-}
+/* ---- int8 / int4 blocks (fp16 scales) ---- */
 
 static void put16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8); }
 static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 
-/* ---- int8 / int4 blocks ---- */
-
 static void quant_i8(const float *w, uint8_t *b) {
     float amax = 0;
     for (int i = 0; i < QF_Q_BLOCK; i++) amax = fmaxf(amax, fabsf(w[i]));
-    uint16_t dh = f32_to_f16(amax / 127.0f);
-    float d = f16_to_f32(dh), inv = d > 0 ? 1.0f / d : 0.0f;
+    uint16_t dh = qf_f32_to_f16(amax / 127.0f);
+    float d = qf_f16_to_f32(dh), inv = d > 0 ? 1.0f / d : 0.0f;
     put16(b, dh);
     for (int i = 0; i < QF_Q_BLOCK; i++) {
         long q = lrintf(w[i] * inv);
@@ -72,8 +52,8 @@ static void quant_i8(const float *w, uint8_t *b) {
 static void quant_i4(const float *w, uint8_t *b) {
     float lo = w[0], hi = w[0];
     for (int i = 1; i < QF_Q_BLOCK; i++) lo = fminf(lo, w[i]), hi = fmaxf(hi, w[i]);
-    uint16_t dh = f32_to_f16((hi - lo) / 15.0f), mh = f32_to_f16(lo);
-    float d = f16_to_f32(dh), m = f16_to_f32(mh), inv = d > 0 ? 1.0f / d : 0.0f;
+    uint16_t dh = qf_f32_to_f16((hi - lo) / 15.0f), mh = qf_f32_to_f16(lo);
+    float d = qf_f16_to_f32(dh), m = qf_f16_to_f32(mh), inv = d > 0 ? 1.0f / d : 0.0f;
     put16(b, dh), put16(b + 2, mh);
     memset(b + 4, 0, QF_Q_BLOCK / 2);
     for (int i = 0; i < QF_Q_BLOCK; i++) {
@@ -105,11 +85,11 @@ void qf_q_dequantize_row(int fmt, const void *q, int64_t cols, float *out) {
         float *o = out + b * QF_Q_BLOCK;
         if (fmt == QF_Q_I8B32) {
             const uint8_t *blk = p + b * 34;
-            float d = f16_to_f32(get16(blk));
+            float d = qf_f16_to_f32(get16(blk));
             for (int i = 0; i < QF_Q_BLOCK; i++) o[i] = d * (float)((const int8_t *)(blk + 2))[i];
         } else {
             const uint8_t *blk = p + b * 20;
-            float d = f16_to_f32(get16(blk)), m = f16_to_f32(get16(blk + 2));
+            float d = qf_f16_to_f32(get16(blk)), m = qf_f16_to_f32(get16(blk + 2));
             for (int i = 0; i < QF_Q_BLOCK; i++) o[i] = m + d * (float)((blk[4 + i / 2] >> (4 * (i & 1))) & 15);
         }
     }
