@@ -35,7 +35,7 @@ static qf_mat bf16_mat(int64_t rows, int64_t cols, void **host) {
     uint16_t *p = malloc((size_t)(rows * cols) * 2);
     for (int64_t i = 0; i < rows * cols; i++) p[i] = qf_f32_to_bf16(qt_frand() * 0.05f);
     *host = p;
-    return (qf_mat){QF_DT_BF16, p, rows, cols};
+    return (qf_mat){QF_DT_BF16, p, rows, cols, NULL};
 }
 
 static void report(const char *op, const char *shape, double err, double tol) {
@@ -213,8 +213,8 @@ static test_experts make_experts(int E, int I, int H) {
     x.dgu = up(x.hgu, (size_t)E * 2 * I * H * 2), x.ddn = up(x.hd, (size_t)E * H * I * 2);
     for (int e = 0; e < E; e++) {
         size_t og = (size_t)e * 2 * I * H * 2, ou = og + (size_t)I * H * 2, od = (size_t)e * H * I * 2;
-        x.host[e] = (qf_expert){{QF_DT_BF16, (char *)x.hgu + og, I, H}, {QF_DT_BF16, (char *)x.hgu + ou, I, H}, {QF_DT_BF16, (char *)x.hd + od, H, I}};
-        x.dev[e] = (qf_expert){{QF_DT_BF16, x.dgu + og, I, H}, {QF_DT_BF16, x.dgu + ou, I, H}, {QF_DT_BF16, x.ddn + od, H, I}};
+        x.host[e] = (qf_expert){{QF_DT_BF16, (char *)x.hgu + og, I, H, NULL}, {QF_DT_BF16, (char *)x.hgu + ou, I, H, NULL}, {QF_DT_BF16, (char *)x.hd + od, H, I, NULL}};
+        x.dev[e] = (qf_expert){{QF_DT_BF16, x.dgu + og, I, H, NULL}, {QF_DT_BF16, x.dgu + ou, I, H, NULL}, {QF_DT_BF16, x.ddn + od, H, I, NULL}};
     }
     return x;
 }
@@ -329,7 +329,7 @@ static qf_mat up_transposed(const void *hw, int64_t rows, int64_t cols) {
     const uint16_t *w = hw;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < cols; c++) t[c * rows + r] = w[r * cols + c];
-    qf_mat m = {QF_DT_BF16, up(t, (size_t)(rows * cols) * 2), cols, rows};
+    qf_mat m = {QF_DT_BF16, up(t, (size_t)(rows * cols) * 2), cols, rows, NULL};
     free(t);
     return m;
 }
@@ -906,7 +906,7 @@ static void switch_checks(void) {
  * through a step's bracket (eager here: a new step key), and the next step is clean. */
 static void test_device_errors(void) {
     float *dx = gpu.ops->alloc(&gpu, 64 * sizeof(float)), *dy = gpu.ops->alloc(&gpu, 64 * sizeof(float));
-    qf_mat f32 = {QF_DT_F32, dx, 8, 8}; /* the fused products take bf16 rows only */
+    qf_mat f32 = {QF_DT_F32, dx, 8, 8, NULL}; /* the fused products take bf16 rows only */
     gpu.ops->dec->matmul(&gpu, &f32, dx, 1, NULL, NULL, 0, dy);
     int rc = qf_be_sync(&gpu);
     CHECK(rc == QF_EDEVICE && strstr(qf_last_error(), "fused product"), "sync after a refused product: %d, '%s'", rc, qf_last_error());

@@ -8,6 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <math.h>
+
+#include "backend/cpu/cpu_int.h"
 #include "base/mapfile.h"
 #include "format/sha256.h"
 #include "model/model.h"
@@ -20,6 +23,7 @@ static json_t *orig_hdr;   /* the fixture's header */
 static const unsigned char *orig_data;
 static size_t orig_data_len;
 static qf_mapfile orig;
+static const char *cfg_from = "tests/data/qwen35moe-tiny"; /* whose config files make_dir copies */
 
 static void write_bytes(const char *path, const void *a, size_t na, const void *b, size_t nb) {
     FILE *f = fopen(path, "wb");
@@ -42,7 +46,7 @@ static const char *make_dir(const char *name) {
     const char *files[] = {"config.json", "generation_config.json"};
     for (int i = 0; i < 2; i++) {
         char *text, src[600], dst[600];
-        snprintf(src, sizeof src, "tests/data/qwen35moe-tiny/%s", files[i]);
+        snprintf(src, sizeof src, "%s/%s", cfg_from, files[i]);
         if (qf_read_file(qt_path(src), &text, NULL)) exit(2);
         snprintf(dst, sizeof dst, "%s/%s", path, files[i]);
         write_text(dst, text);
@@ -286,6 +290,9 @@ static void case_config_values(void) {
     bad_value("gen_top_p", 0, "top_p", "0", "generation_config.json: field \"top_p\"");
     bad_value("gen_top_k", 0, "top_k", "2.5", "generation_config.json: field \"top_k\"");
     bad_value("gen_eos", 0, "eos_token_id", "[1, \"x\"]", "generation_config.json: field \"eos_token_id\"");
+    bad_value("quant_awq", 1, "quantization_config", "{\"quant_method\": \"awq\"}", "quantization_config.quant_method \"awq\" is not supported");
+    bad_value("quant_block", 1, "quantization_config", "{\"quant_method\": \"fp8\", \"weight_block_size\": [64, 64]}",
+              "quantization_config.weight_block_size must be [128, 128]");
     const char *d = make_dir("gen_malformed");
     char path[700];
     write_subset(d, "model.safetensors", keep_all, NULL);
@@ -352,6 +359,73 @@ static void case_tokenizer_too_big(void) {
     qf_engine_close(e);
 }
 
+/* The official block-FP8 layout (tests/data/qwen35moe-tiny-fp8, made by tools/make_fp8_checkpoint.py
+ * from the bf16 fixture): it loads, each FP8 weight is its bf16 original within half an e4m3 step,
+ * and each broken variant is refused naming the tensor. */
+static void fp8_variant(const char *name, json_t *h, const unsigned char *data, size_t len, const char *want) {
+    const char *d = make_dir(name);
+    write_st(d, "model.safetensors", h, data, len);
+    json_decref(h);
+    expect_failure(d, want);
+}
+
+static void fp8_close_to_bf16(void) {
+    qf_model *q = NULL, *b = NULL;
+    CHECK(qf_model_load(&q, qt_path("tests/data/qwen35moe-tiny-fp8"), NULL) == QF_OK, "fp8 fixture loads: %s", qf_last_error());
+    CHECK(qf_model_load(&b, qt_path("tests/data/qwen35moe-tiny"), NULL) == QF_OK, "bf16 fixture loads");
+    if (!q || !b) return;
+    qf_expert xq, xb;
+    CHECK(q->experts->ops->acquire(q->experts, 1, 2, &xq) == QF_OK && b->experts->ops->acquire(b->experts, 1, 2, &xb) == QF_OK, "expert");
+    const qf_mat *mq[] = {&xq.gate, &xq.down, &q->layers[0].w_qkv, &q->layers[3].wo, &q->layers[0].sh_up};
+    const qf_mat *mb[] = {&xb.gate, &xb.down, &b->layers[0].w_qkv, &b->layers[3].wo, &b->layers[0].sh_up};
+    CHECK(q->layers[0].router.dtype == QF_DT_BF16 && q->layers[0].w_a.dtype == QF_DT_BF16, "router and in_proj_a stay bf16");
+    for (int i = 0; i < 5; i++) {
+        CHECK(mq[i]->dtype == QF_DT_F8_E4M3 && mq[i]->scales, "weight %d is F8_E4M3 with scales", i);
+        int bad = 0;
+        for (int64_t r = 0; r < mq[i]->rows; r++)
+            for (int64_t c = 0; c < mq[i]->cols; c++) {
+                float w = qf_ref_weight(mb[i], r, c), v = qf_ref_weight(mq[i], r, c);
+                float sc = mq[i]->scales[(r / 128) * ((mq[i]->cols + 127) / 128) + c / 128];
+                bad += !(fabsf(v - w) <= fabsf(w) / 16.0f + sc * 0x1p-10f);
+            }
+        CHECK(bad == 0, "fp8 weight %d: %d entries off their bf16 original by more than half an e4m3 step", i, bad);
+    }
+    qf_model_free(q), qf_model_free(b);
+}
+
+static void case_fp8(void) {
+    fp8_close_to_bf16();
+    qf_mapfile f;
+    int opened = qf_mapfile_open(&f, qt_path("tests/data/qwen35moe-tiny-fp8/model.safetensors")) == QF_OK;
+    CHECK(opened, "fp8 fixture opens");
+    if (!opened) return;
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | f.data[i];
+    json_t *h0 = json_loadb((const char *)f.data + 8, hlen, 0, NULL);
+    const unsigned char *data = f.data + 8 + hlen;
+    size_t len = f.size - 8 - hlen;
+    cfg_from = "tests/data/qwen35moe-tiny-fp8";
+    const char *L = "model.language_model.layers.";
+    char sc[200], wt[200];
+    snprintf(sc, sizeof sc, "%s0.linear_attn.in_proj_qkv.weight_scale_inv", L);
+    snprintf(wt, sizeof wt, "%s1.mlp.experts.3.up_proj.weight", L);
+    json_t *h = json_deep_copy(h0);
+    json_object_del(h, sc);
+    fp8_variant("fp8_missing_scale", h, data, len, "missing tensor 'model.language_model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv'");
+    h = json_deep_copy(h0);
+    json_object_set_new(json_object_get(h, sc), "shape", json_pack("[ii]", 1, 2));
+    fp8_variant("fp8_block_count", h, data, len, "in_proj_qkv.weight_scale_inv' has shape [1, 2], expected [2, 1]: one scale per 128 x 128 block");
+    h = json_deep_copy(h0);
+    json_object_set_new(json_object_get(h, sc), "dtype", json_string("I16"));
+    fp8_variant("fp8_scale_dtype", h, data, len, "in_proj_qkv.weight_scale_inv' has dtype I16; block scales must be BF16, F16 or F32");
+    h = json_deep_copy(h0);
+    json_object_set_new(json_object_get(h, wt), "dtype", json_string("I8"));
+    fp8_variant("fp8_weight_dtype", h, data, len, "experts.3.up_proj.weight' has dtype I8; weights must be BF16, F16, F32, F8_E4M3");
+    json_decref(h0);
+    qf_mapfile_close(&f);
+    cfg_from = "tests/data/qwen35moe-tiny";
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     qflash_bin = argc > 2 ? argv[2] : "build/qflash";
@@ -374,6 +448,7 @@ int main(int argc, char **argv) {
     case_tokenizer_too_big();
     case_bad_template();
     case_bad_config_flash();
+    case_fp8();
     json_decref(orig_hdr);
     qf_mapfile_close(&orig);
     char cmd[400];

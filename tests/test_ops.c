@@ -7,6 +7,7 @@
 
 #include "base/dtype.h"
 #include "base/numeric.h"
+#include "base/quant.h"
 #include "backend/ops.h"
 #include "test_util.h"
 
@@ -31,7 +32,7 @@ static qf_mat make_mat(int dtype, int64_t rows, int64_t cols, void **store) {
         }
     }
     *store = p;
-    return (qf_mat){dtype, p, rows, cols};
+    return (qf_mat){dtype, p, rows, cols, NULL};
 }
 
 static void test_matmul(qf_backend *fast, qf_backend *ref) {
@@ -61,6 +62,59 @@ static void test_matmul(qf_backend *fast, qf_backend *ref) {
             }
 }
 
+/* A random weight quantised to fmt (fp8: scales of its 128 x 128 blocks' largest |w| / 448). */
+static qf_mat make_qmat(int fmt, int64_t rows, int64_t cols, void **store, float **scales) {
+    float *w = qt_rnd((size_t)(rows * cols), 1.0f);
+    qf_mat m = {fmt, NULL, rows, cols, NULL};
+    uint8_t *q = malloc(qf_mat_bytes(&m));
+    *scales = NULL;
+    if (fmt == QF_Q_FP8B128) {
+        int64_t br = (rows + 127) / 128, bc = (cols + 127) / 128;
+        float *sc = calloc((size_t)(br * bc), sizeof *sc);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++) sc[r / 128 * bc + c / 128] = fmaxf(sc[r / 128 * bc + c / 128], fabsf(w[r * cols + c]) / 448.0f);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++) q[r * cols + c] = qf_f32_to_fp8(w[r * cols + c] / sc[r / 128 * bc + c / 128]);
+        *scales = sc;
+    } else {
+        for (int64_t r = 0; r < rows; r++) qf_q_quantize_row(fmt, w + r * cols, cols, q + (size_t)r * qf_q_row_bytes(fmt, cols));
+    }
+    free(w);
+    m.data = q, m.scales = *scales;
+    *store = q;
+    return m;
+}
+
+/* Every quantised product against the oracle (dequantise, then multiply: qf_q_matmul_ref), at the
+ * expert shapes, a trunk shape and odd ones (fp8 blocks cut short; rows of one block). */
+static void test_matmul_quant(qf_backend *be) {
+    int fmts[3] = {QF_Q_I8B32, QF_Q_I4B32, QF_Q_FP8B128};
+    int64_t shapes[][2] = {{512, 2048}, {2048, 512}, {40, 4096}, {200, 136}, {3, 32}};
+    int ns[] = {1, 3, 9};
+    for (int f = 0; f < 3; f++)
+        for (int s = 0; s < 5; s++)
+            for (int k = 0; k < 3; k++) {
+                void *store;
+                float *sc;
+                int64_t cols = fmts[f] != QF_Q_FP8B128 && shapes[s][1] % 32 ? shapes[s][1] + 24 : shapes[s][1]; /* int rows: whole blocks */
+                qf_mat w = make_qmat(fmts[f], shapes[s][0], cols, &store, &sc);
+                float *x = qt_rnd((size_t)ns[k] * w.cols, 1.0f), *y0 = calloc((size_t)ns[k] * w.rows, 4), *y1 = calloc((size_t)ns[k] * w.rows, 4);
+                CHECK(qf_q_matmul_ref(fmts[f], w.data, sc, w.rows, w.cols, x, ns[k], y0) == QF_OK, "oracle");
+                be->ops->matmul(be, &w, x, ns[k], y1);
+                double e = qt_rel_err(y1, y0, (size_t)ns[k] * w.rows);
+                CHECK(e < 1e-5, "%s matmul %s [%lld x %lld] n=%d: rel err %.3g against the oracle", be->ops->name, qf_qfmt_name(fmts[f]),
+                      (long long)w.rows, (long long)w.cols, ns[k], e);
+                int same = 1;
+                for (int t = 0; t < ns[k] && same; t += 2) {
+                    be->ops->matmul(be, &w, x + (size_t)t * w.cols, 1, y0);
+                    same = memcmp(y0, y1 + (size_t)t * w.rows, (size_t)w.rows * 4) == 0;
+                }
+                CHECK(same, "%s matmul %s [%lld x %lld] n=%d: a token alone differs from the batch", be->ops->name, qf_qfmt_name(fmts[f]),
+                      (long long)w.rows, (long long)w.cols, ns[k]);
+                free(store), free(sc), free(x), free(y0), free(y1);
+            }
+}
+
 /* W^T of w (same dtype) into a new buffer. */
 static qf_mat transposed(const qf_mat *w, void **store) {
     size_t es = qf_dtype_size(w->dtype);
@@ -68,7 +122,7 @@ static qf_mat transposed(const qf_mat *w, void **store) {
     for (int64_t r = 0; r < w->rows; r++)
         for (int64_t c = 0; c < w->cols; c++) memcpy(t + (size_t)(c * w->rows + r) * es, (const char *)w->data + (size_t)(r * w->cols + c) * es, es);
     *store = t;
-    return (qf_mat){w->dtype, t, w->cols, w->rows};
+    return (qf_mat){w->dtype, t, w->cols, w->rows, NULL};
 }
 
 /* The transposed product of a sparse input against the dense product of the same input: the
@@ -304,6 +358,7 @@ int main(int argc, char **argv) {
         qf_backend fast = {tables[t], pool, NULL};
         test_matmul(&fast, &ref);
         test_matmul_cols(&fast, &ref);
+        test_matmul_quant(&fast);
         test_rmsnorm(&fast, &ref);
         test_gdn(&fast, &ref, 16, 32, 128, 128, 4);
         test_gdn(&fast, &ref, 2, 4, 32, 32, 9);
@@ -321,6 +376,7 @@ int main(int argc, char **argv) {
     test_conv_carry();
     test_page_select();
     test_matmul_cols(&ref, &ref);
+    test_matmul_quant(&ref);
     test_gdn_chunked(&ref, 2, 4, 32, 32, 9, 64, 1.0f);     /* one partial chunk */
     test_gdn_chunked(&ref, 2, 4, 32, 32, 100, 16, 1.0f);   /* 7 chunks, the last partial */
     test_gdn_chunked(&ref, 1, 3, 20, 13, 50, 8, 0.1f);     /* odd widths, weak decay */

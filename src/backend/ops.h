@@ -1,7 +1,7 @@
 /* The backend ops table: the only way model code touches weights or runs compute.
  *
  * Contract for every op: activations are fp32, row-major, caller-owned; weights are qf_mat views
- * (bf16, f16 or f32 as stored). Ops never allocate. A backend may run ops asynchronously only if
+ * (bf16, f16, f32 or a quantised format, as stored). Ops never allocate. A backend may run ops asynchronously only if
  * it also implements sync (the CPU backends are synchronous). The CPU "ref" table is the plain,
  * never-optimised oracle; every faster table is tested against it op by op (tests/test_ops.c). */
 #ifndef QF_BACKEND_OPS_H
@@ -10,14 +10,31 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/dtype.h"
 #include "base/pool.h"
+#include "base/quant.h"
 
 /* A 2-D weight [rows][cols] used as y = x . W^T (PyTorch [out, in]). */
 typedef struct qf_mat {
-    int dtype; /* QF_DT_BF16, QF_DT_F16 or QF_DT_F32 */
+    int dtype; /* QF_DT_BF16, QF_DT_F16, QF_DT_F32 or a quantised format (base/quant.h) */
     const void *data;
     int64_t rows, cols;
+    /* F8_E4M3: the [ceil(rows/128)][ceil(cols/128)] fp32 block scales (NULL otherwise). In
+     * backend memory they always follow the e4m3 bytes at qf_mat_scale_off, so a kernel handed only
+     * the data pointer (an expert table) finds them. */
+    const float *scales;
 } qf_mat;
+
+/* Bytes of the weight's rows (its scales excluded). */
+static inline size_t qf_mat_bytes(const qf_mat *w) {
+    return qf_is_quant(w->dtype) ? (size_t)w->rows * qf_q_row_bytes(w->dtype, w->cols) : (size_t)(w->rows * w->cols) * qf_dtype_size(w->dtype);
+}
+static inline size_t qf_mat_scale_bytes(const qf_mat *w) {
+    return w->dtype == QF_DT_F8_E4M3 ? (size_t)((w->rows + QF_FP8_BLOCK - 1) / QF_FP8_BLOCK * ((w->cols + QF_FP8_BLOCK - 1) / QF_FP8_BLOCK)) * 4 : 0;
+}
+static inline size_t qf_mat_scale_off(const qf_mat *w) { return (qf_mat_bytes(w) + 255) & ~(size_t)255; }
+/* A self-contained copy: the rows, then the scales (if any) at qf_mat_scale_off. */
+static inline size_t qf_mat_packed_bytes(const qf_mat *w) { return qf_mat_scale_bytes(w) ? qf_mat_scale_off(w) + qf_mat_scale_bytes(w) : qf_mat_bytes(w); }
 
 /* Gated DeltaNet core for one sequence of T tokens (model-spec §5.4-5.6). q/k/v point into the
  * conv output rows (row stride `stride` floats): q = [nk][dk], k = [nk][dk], v = [nv][dv].

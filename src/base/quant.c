@@ -59,7 +59,7 @@ static void quant_i4(const float *w, uint8_t *b) {
     for (int i = 0; i < QF_Q_BLOCK; i++) {
         long q = lrintf((w[i] - m) * inv);
         q = q > 15 ? 15 : q < 0 ? 0 : q;
-        b[4 + i / 2] |= (uint8_t)(q << (4 * (i & 1)));
+        b[4 + i % 16] |= (uint8_t)(q << (i < 16 ? 0 : 4));
     }
 }
 
@@ -90,7 +90,7 @@ void qf_q_dequantize_row(int fmt, const void *q, int64_t cols, float *out) {
         } else {
             const uint8_t *blk = p + b * 20;
             float d = qf_f16_to_f32(get16(blk)), m = qf_f16_to_f32(get16(blk + 2));
-            for (int i = 0; i < QF_Q_BLOCK; i++) o[i] = m + d * (float)((blk[4 + i / 2] >> (4 * (i & 1))) & 15);
+            for (int i = 0; i < QF_Q_BLOCK; i++) o[i] = m + d * (float)((blk[4 + i % 16] >> (i < 16 ? 0 : 4)) & 15);
         }
     }
 }
@@ -126,6 +126,19 @@ void qf_fp8_dequantize_row(const uint8_t *w, const float *scales, int64_t r, int
     int64_t nb = (cols + QF_FP8_BLOCK - 1) / QF_FP8_BLOCK;
     const float *sr = scales + (r / QF_FP8_BLOCK) * nb;
     for (int64_t i = 0; i < cols; i++) out[i] = qf_fp8_to_f32(w[r * cols + i]) * sr[i / QF_FP8_BLOCK];
+}
+
+float qf_q_weight(int fmt, const void *w, const float *scales, int64_t cols, int64_t r, int64_t c) {
+    const uint8_t *p = w;
+    if (fmt == QF_Q_FP8B128) {
+        int64_t nb = (cols + QF_FP8_BLOCK - 1) / QF_FP8_BLOCK;
+        return qf_fp8_to_f32(p[r * cols + c]) * scales[(r / QF_FP8_BLOCK) * nb + c / QF_FP8_BLOCK];
+    }
+    const uint8_t *blk = p + (size_t)r * qf_q_row_bytes(fmt, cols) + (size_t)(c / QF_Q_BLOCK) * (fmt == QF_Q_I8B32 ? 34 : 20);
+    int i = (int)(c % QF_Q_BLOCK);
+    float d = qf_f16_to_f32(get16(blk));
+    if (fmt == QF_Q_I8B32) return d * (float)((const int8_t *)(blk + 2))[i];
+    return qf_f16_to_f32(get16(blk + 2)) + d * (float)((blk[4 + i % 16] >> (i < 16 ? 0 : 4)) & 15);
 }
 
 int qf_q_matmul_ref(int fmt, const void *w, const float *scales, int64_t rows, int64_t cols, const float *x, int n, float *y) {

@@ -4,7 +4,8 @@
  *   QF_Q_I8B32  int8, symmetric: per 32 weights of a row an fp16 scale d, w = d * q (q in
  *               -127..127); a block is {fp16 d, int8 q[32]}: 34 bytes, 8.5 bits a weight.
  *   QF_Q_I4B32  int4 with an offset: per 32 weights an fp16 scale d and an fp16 minimum m,
- *               w = m + d * q (q in 0..15, two a byte, the low nibble first); a block is
+ *               w = m + d * q (q in 0..15; byte j holds q[j] in its low nibble and q[j + 16] in
+ *               its high one, so a vector unpacks each half at once); a block is
  *               {fp16 d, fp16 m, uint8 q[16]}: 20 bytes, 5 bits a weight.
  *   QF_Q_FP8B128 FP8 e4m3 (the OCP "fn" variant: no infinities, 0x7f / 0xff NaN, largest 448)
  *               with one fp32 scale per 128 x 128 block, w = e4m3 * scale (the official
@@ -17,7 +18,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum qf_qfmt { QF_Q_NONE = 0, QF_Q_I8B32, QF_Q_I4B32, QF_Q_FP8B128 };
+#include "base/dtype.h"
+
+/* A format is the dtype of a weight that has it. */
+enum qf_qfmt { QF_Q_NONE = 0, QF_Q_I8B32 = QF_DT_Q8_B32, QF_Q_I4B32 = QF_DT_Q4_B32, QF_Q_FP8B128 = QF_DT_F8_E4M3 };
+static inline int qf_is_quant(int dtype) { return dtype == QF_Q_I8B32 || dtype == QF_Q_I4B32 || dtype == QF_Q_FP8B128; }
 
 #define QF_Q_BLOCK 32
 #define QF_FP8_BLOCK 128
@@ -37,6 +42,9 @@ float qf_fp8_to_f32(uint8_t b);
 uint8_t qf_f32_to_fp8(float f);
 /* Row r of an fp8 [rows][cols] weight with its [ceil(rows/128)][ceil(cols/128)] fp32 scales. */
 void qf_fp8_dequantize_row(const uint8_t *w, const float *scales, int64_t r, int64_t cols, float *out);
+
+/* Element (r, c) of a [rows][cols] weight in fmt (fp8: with its scales), as the reference reads it. */
+float qf_q_weight(int fmt, const void *w, const float *scales, int64_t cols, int64_t r, int64_t c);
 
 /* The reference product y[t][o] = sum_i dequant(W)[o][i] * x[t][i], W [rows][cols] in fmt
  * (fp8: scales as above), for n rows of x; dequantise, then multiply in the row's order.

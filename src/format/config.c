@@ -173,6 +173,29 @@ static int read_generation_config(qf_config *c, const char *dir) {
     return r.rc;
 }
 
+/* quantization_config: the official block-FP8 layout (quant_method fp8, e4m3, 128 x 128 blocks) or
+ * qflash's own (quant_method qflash, written by `qflash quantize`); which tensors are quantised is
+ * read from each tensor's dtype at bind time. */
+static int read_quant(qf_config *c, json_t *root, json_t *obj, const char *path) {
+    json_t *q = json_object_get(root, "quantization_config");
+    if (!q) q = json_object_get(obj, "quantization_config");
+    if (!q || json_is_null(q)) return QF_OK;
+    const char *m = json_string_value(json_object_get(q, "quant_method"));
+    if (!json_is_object(q) || !m) return qf_fail(QF_EFORMAT, "%s: quantization_config has no quant_method", path);
+    snprintf(c->quant_method, sizeof c->quant_method, "%s", m);
+    if (!strcmp(m, "qflash")) return QF_OK;
+    if (strcmp(m, "fp8"))
+        return qf_fail(QF_EUNSUPPORTED, "%s: quantization_config.quant_method \"%s\" is not supported (qflash reads fp8 and its own qflash)", path, m);
+    const char *fmt = json_string_value(json_object_get(q, "fmt"));
+    if (fmt && strcmp(fmt, "e4m3"))
+        return qf_fail(QF_EUNSUPPORTED, "%s: quantization_config.fmt \"%s\" is not supported (e4m3 only)", path, fmt);
+    json_t *bs = json_object_get(q, "weight_block_size");
+    if (!json_is_array(bs) || json_array_size(bs) != 2 || json_integer_value(json_array_get(bs, 0)) != 128 ||
+        json_integer_value(json_array_get(bs, 1)) != 128)
+        return qf_fail(QF_EUNSUPPORTED, "%s: quantization_config.weight_block_size must be [128, 128]", path);
+    return QF_OK;
+}
+
 static int from_root(qf_config *c, json_t *root, const char *path) {
     memset(c, 0, sizeof *c);
     c->gen_temperature = 1.0f;
@@ -196,6 +219,7 @@ static int from_root(qf_config *c, json_t *root, const char *path) {
         c->tie_embeddings = json_is_true(tie);
         if (rc == QF_OK) rc = add_eos(c, json_object_get(obj, "eos_token_id"), path);
         if (rc == QF_OK && !c->n_eos) rc = add_eos(c, json_object_get(root, "eos_token_id"), path);
+        if (rc == QF_OK) rc = read_quant(c, root, obj, path);
     }
     return rc;
 }

@@ -31,6 +31,7 @@ typedef struct qf_config {
     int eos_ids[QF_MAX_EOS], n_eos;
     float gen_temperature, gen_top_p;
     int gen_top_k;
+    char quant_method[16]; /* quantization_config.quant_method: "fp8", "qflash" or "" (none) */
 } qf_config;
 
 /* Reads dir/config.json and, when present, dir/generation_config.json. Errors name the file and

@@ -42,6 +42,20 @@ static void *copy_up(mover *mv, const void *src, size_t bytes) {
     return d;
 }
 
+/* A weight with block scales (FP8) gets one device allocation: its bytes, then its scales at
+ * qf_mat_scale_off, where the kernels look for them. */
+static void move_packed(mover *mv, qf_mat *w) {
+    char *d = qf_be_alloc(mv->be, qf_mat_packed_bytes(w));
+    if (!d || !keep(mv, d)) {
+        qf_be_free(mv->be, d);
+        mv->rc = qf_fail(QF_ENOMEM, "out of device memory copying %zu bytes of weights", qf_mat_packed_bytes(w));
+        return;
+    }
+    qf_be_upload(mv->be, d, w->data, qf_mat_bytes(w));
+    qf_be_upload(mv->be, d + qf_mat_scale_off(w), w->scales, qf_mat_scale_bytes(w));
+    w->data = d, w->scales = (const float *)(d + qf_mat_scale_off(w));
+}
+
 static void move_mat(mover *mv, qf_mat *w) {
     if (!w->data || mv->rc != QF_OK) return;
     const char *p = w->data;
@@ -51,7 +65,8 @@ static void move_mat(mover *mv, qf_mat *w) {
         if ((const char *)mv->by_addr[mid]->data <= p) at = mid, lo = mid + 1;
         else hi = mid - 1;
     }
-    size_t bytes = (size_t)(w->rows * w->cols) * qf_dtype_size(w->dtype);
+    size_t bytes = qf_mat_bytes(w);
+    if (w->scales) return move_packed(mv, w);
     const qf_st_tensor *t = at >= 0 ? mv->by_addr[at] : NULL;
     if (t && p + bytes <= (const char *)t->data + t->nbytes) {
         if (!mv->dev[at]) mv->dev[at] = copy_up(mv, t->data, t->nbytes);
@@ -75,10 +90,10 @@ static qf_mat fuse(mover *mv, qf_mat **parts, int n) {
     if (mv->rc != QF_OK || !parts[0]->data) return all;
     int64_t rows = 0;
     for (int i = 0; i < n; i++) {
-        if (!parts[i]->data || parts[i]->dtype != parts[0]->dtype || parts[i]->cols != parts[0]->cols) return all;
+        if (!parts[i]->data || parts[i]->dtype != parts[0]->dtype || parts[i]->cols != parts[0]->cols || parts[i]->scales) return all;
         rows += parts[i]->rows;
     }
-    size_t es = qf_dtype_size(parts[0]->dtype), row_bytes = (size_t)parts[0]->cols * es;
+    size_t row_bytes = qf_mat_bytes(parts[0]) / (size_t)parts[0]->rows;
     char *host = malloc((size_t)rows * row_bytes);
     if (!host) return all;
     size_t at = 0;
@@ -86,7 +101,7 @@ static qf_mat fuse(mover *mv, qf_mat **parts, int n) {
     char *dev = copy_up(mv, host, (size_t)rows * row_bytes);
     free(host);
     if (!dev) return all;
-    all = (qf_mat){parts[0]->dtype, dev, rows, parts[0]->cols};
+    all = (qf_mat){parts[0]->dtype, dev, rows, parts[0]->cols, NULL};
     at = 0;
     for (int i = 0; i < n; i++) parts[i]->data = dev + at, at += (size_t)parts[i]->rows * row_bytes;
     return all;

@@ -28,6 +28,8 @@ static int transpose_parts(qf_model *m, qf_mat *const *parts, int n, qf_mat *out
     for (int i = 0; i < n; i++) {
         if (!parts[i]->data || parts[i]->cols != C || parts[i]->dtype != parts[0]->dtype)
             return qf_fail(QF_EUNSUPPORTED, "trunk sparsity: a mixer's projections differ in type or width");
+        if (!qf_dtype_size(parts[i]->dtype) || qf_is_quant(parts[i]->dtype))
+            return qf_fail(QF_EUNSUPPORTED, "trunk sparsity needs a bf16, f16 or f32 trunk (this one is %s)", qf_dtype_name(parts[i]->dtype));
         R += parts[i]->rows;
     }
     size_t es = qf_dtype_size(parts[0]->dtype), bytes = (size_t)(R * C) * es;
@@ -40,7 +42,7 @@ static int transpose_parts(qf_model *m, qf_mat *const *parts, int n, qf_mat *out
     for (int64_t r = 0; r < R; r++)
         for (int64_t c = 0; c < C; c++) memcpy(dst + (size_t)(c * R + r) * es, src + (size_t)(r * C + c) * es, es);
     free(src);
-    *out = (qf_mat){parts[0]->dtype, dst, C, R};
+    *out = (qf_mat){parts[0]->dtype, dst, C, R, NULL};
     if (!m->dev) return qf_model_own(m, dst);
     void *d = qf_be_alloc(m->dev, bytes);
     if (!d || !keep_dev(m, d)) {
@@ -96,7 +98,7 @@ size_t qf_model_sparsity_bytes(const qf_model *m) {
         const qf_layer_w *w = &m->layers[L];
         const qf_mat *in[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_qkv, &w->w_z, &w->w_b, &w->w_a, &w->w_out};
         for (int i = w->kind == QF_LAYER_FULL ? 0 : 4; i < (w->kind == QF_LAYER_FULL ? 4 : 9); i++)
-            bytes += (size_t)(in[i]->rows * in[i]->cols) * qf_dtype_size(in[i]->dtype);
+            bytes += qf_mat_bytes(in[i]);
     }
     return bytes;
 }

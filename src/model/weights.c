@@ -9,6 +9,7 @@
 
 #include "base/dtype.h"
 #include "base/numeric.h"
+#include "base/quant.h"
 #include "model/model_int.h"
 
 typedef struct binder {
@@ -29,30 +30,112 @@ static void problem(binder *b, int code) {
     qf_diag_report(b->diag);
 }
 
-static const qf_st_tensor *need(binder *b, const char *name, int ndim, const int64_t *shape) {
+static void shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
+    buf[0] = 0;
+    for (int i = 0; i < ndim; i++) snprintf(buf + strlen(buf), cap - strlen(buf), "%s%lld", i ? ", " : "", (long long)shape[i]);
+}
+
+static int same_shape(const qf_st_tensor *t, int ndim, const int64_t *shape) {
+    int ok = t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == shape[i];
+    return ok;
+}
+
+static void bad_shape(binder *b, const qf_st_tensor *t, int ndim, const int64_t *shape, const char *why) {
+    char want[128], got[128];
+    shape_str(want, sizeof want, ndim, shape), shape_str(got, sizeof got, t->ndim, t->shape);
+    problem(b, qf_fail(QF_EFORMAT, "tensor '%s' has shape [%s], expected [%s]%s", t->name, got, want, why));
+}
+
+/* The tensor, made when missing and a maker is set; NULL (reported) when absent. */
+static const qf_st_tensor *find(binder *b, const char *name, int ndim, const int64_t *shape) {
     const qf_st_tensor *t = qf_st_find(&b->m->st, name);
     if (!t && b->make && !(t = b->make(b->m, name, ndim, shape))) {
         problem(b, QF_ENOMEM);
         return NULL;
     }
-    if (!t) {
-        problem(b, qf_fail(QF_EFORMAT, "missing tensor '%s'", name));
+    if (!t) problem(b, qf_fail(QF_EFORMAT, "missing tensor '%s'", name));
+    return t;
+}
+
+static int float_dtype(int dt) { return dt == QF_DT_BF16 || dt == QF_DT_F16 || dt == QF_DT_F32; }
+
+/* A tensor of floats (BF16, F16 or F32) of exactly this shape. */
+static const qf_st_tensor *need(binder *b, const char *name, int ndim, const int64_t *shape) {
+    const qf_st_tensor *t = find(b, name, ndim, shape);
+    if (!t) return NULL;
+    if (!same_shape(t, ndim, shape)) {
+        bad_shape(b, t, ndim, shape, "");
         return NULL;
     }
-    int ok = t->ndim == ndim;
-    for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == shape[i];
-    if (!ok) {
-        char want[128] = "", got[128] = "";
-        for (int i = 0; i < ndim; i++) snprintf(want + strlen(want), sizeof want - strlen(want), "%s%lld", i ? ", " : "", (long long)shape[i]);
-        for (int i = 0; i < t->ndim; i++) snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", i ? ", " : "", (long long)t->shape[i]);
-        problem(b, qf_fail(QF_EFORMAT, "tensor '%s' has shape [%s], expected [%s]", name, got, want));
-        return NULL;
-    }
-    if (t->dtype != QF_DT_BF16 && t->dtype != QF_DT_F16 && t->dtype != QF_DT_F32) {
-        problem(b, qf_fail(QF_EFORMAT, "tensor '%s' has dtype %s; weights must be BF16, F16 or F32", name, qf_dtype_name(t->dtype)));
+    if (!float_dtype(t->dtype)) {
+        problem(b, qf_fail(QF_EFORMAT, "tensor '%s' has dtype %s; it must be BF16, F16 or F32", name, qf_dtype_name(t->dtype)));
         return NULL;
     }
     return t;
+}
+
+static float to_f32(const qf_st_tensor *t, int64_t i) {
+    const unsigned char *p = (const unsigned char *)t->data + (size_t)i * qf_dtype_size(t->dtype);
+    float x;
+    uint16_t h;
+    if (t->dtype == QF_DT_F32) {
+        memcpy(&x, p, 4);
+        return x;
+    }
+    memcpy(&h, p, 2);
+    return t->dtype == QF_DT_BF16 ? qf_bf16_to_f32(h) : qf_f16_to_f32(h);
+}
+
+/* The weight format of matrices [lead x] rows x cols stored in t: as stored (BF16, F16, F32), the
+ * official F8_E4M3 (2-D, with block scales beside it), or qflash's blocked int8 / int4 (U8 rows of
+ * blocks, the format told by the row's bytes). 0 (reported) when t is none of them. */
+static int mat_format(binder *b, const qf_st_tensor *t, int64_t lead, int64_t rows, int64_t cols) {
+    int nd = lead ? 3 : 2;
+    int64_t shape[3] = {lead, rows, cols}, *sh = lead ? shape : shape + 1;
+    if (float_dtype(t->dtype) || t->dtype == QF_DT_F8_E4M3) {
+        if (!same_shape(t, nd, sh)) return bad_shape(b, t, nd, sh, ""), 0;
+        if (t->dtype == QF_DT_F8_E4M3 && lead)
+            return problem(b, qf_fail(QF_EUNSUPPORTED, "tensor '%s': F8_E4M3 experts are read one by one (mlp.experts.N.*), not fused", t->name)), 0;
+        return t->dtype;
+    }
+    if (t->dtype == QF_DT_U8 && cols % QF_Q_BLOCK == 0) {
+        int64_t *last = &sh[nd - 1];
+        for (int f = QF_Q_I8B32; f <= QF_Q_I4B32; f++) {
+            *last = (int64_t)qf_q_row_bytes(f, cols);
+            if (same_shape(t, nd, sh)) return f;
+        }
+        char why[160];
+        snprintf(why, sizeof why, " (qflash int8 rows of %lld weights are %zu bytes, int4 %zu)", (long long)cols, qf_q_row_bytes(QF_Q_I8B32, cols),
+                 qf_q_row_bytes(QF_Q_I4B32, cols));
+        return bad_shape(b, t, nd, sh, why), 0;
+    }
+    problem(b, qf_fail(QF_EFORMAT, "tensor '%s' has dtype %s; weights must be BF16, F16, F32, F8_E4M3 (with block scales) or qflash's U8 blocks of %lld-wide rows",
+                       t->name, qf_dtype_name(t->dtype), (long long)cols));
+    return 0;
+}
+
+/* An F8_E4M3 weight's `<name>_scale_inv`: one finite, non-negative scale per 128 x 128 block
+ * (BF16, F16 or F32), converted to fp32. */
+static const float *fp8_scales(binder *b, const char *name, int64_t rows, int64_t cols) {
+    char sn[600];
+    snprintf(sn, sizeof sn, "%s_scale_inv", name);
+    const qf_st_tensor *t = qf_st_find(&b->m->st, sn);
+    int64_t shape[2] = {(rows + QF_FP8_BLOCK - 1) / QF_FP8_BLOCK, (cols + QF_FP8_BLOCK - 1) / QF_FP8_BLOCK};
+    if (!t) return problem(b, qf_fail(QF_EFORMAT, "missing tensor '%s' (the block scales of the F8_E4M3 weight '%s')", sn, name)), NULL;
+    if (!float_dtype(t->dtype))
+        return problem(b, qf_fail(QF_EFORMAT, "tensor '%s' has dtype %s; block scales must be BF16, F16 or F32", sn, qf_dtype_name(t->dtype))), NULL;
+    if (!same_shape(t, 2, shape)) {
+        char why[200];
+        snprintf(why, sizeof why, ": one scale per 128 x 128 block of '%s' [%lld, %lld]", name, (long long)rows, (long long)cols);
+        return bad_shape(b, t, 2, shape, why), NULL;
+    }
+    float *v = malloc((size_t)t->n_elem * sizeof *v);
+    if (qf_model_own(b->m, v) != QF_OK) return problem(b, QF_ENOMEM), NULL;
+    for (int64_t i = 0; i < t->n_elem; i++)
+        if (!((v[i] = to_f32(t, i)) >= 0.0f) || isinf(v[i]))
+            return problem(b, qf_fail(QF_EFORMAT, "tensor '%s': block scale %lld is %g (must be finite and >= 0)", sn, (long long)i, (double)v[i])), NULL;
+    return v;
 }
 
 int qf_model_own(qf_model *m, void *p) {
@@ -72,12 +155,12 @@ int qf_model_own(qf_model *m, void *p) {
 }
 
 /* A matrix view straight into the map; copied only if the file misaligns it. */
-static qf_mat mat_from(binder *b, const qf_st_tensor *t, int64_t rows, int64_t cols, size_t byte_off) {
-    qf_mat w = {t->dtype, (const unsigned char *)t->data + byte_off, rows, cols};
-    size_t es = qf_dtype_size(t->dtype);
+static qf_mat mat_from(binder *b, const qf_st_tensor *t, int fmt, int64_t rows, int64_t cols, size_t byte_off) {
+    qf_mat w = {fmt, (const unsigned char *)t->data + byte_off, rows, cols, NULL};
+    size_t es = qf_dtype_size(fmt) ? qf_dtype_size(fmt) : 1;
     if ((uintptr_t)w.data % es) {
-        void *copy = malloc((size_t)(rows * cols) * es);
-        if (copy) memcpy(copy, w.data, (size_t)(rows * cols) * es);
+        void *copy = malloc(qf_mat_bytes(&w));
+        if (copy) memcpy(copy, w.data, qf_mat_bytes(&w));
         if (qf_model_own(b->m, copy) != QF_OK) {
             problem(b, QF_ENOMEM);
             return (qf_mat){0};
@@ -89,8 +172,12 @@ static qf_mat mat_from(binder *b, const qf_st_tensor *t, int64_t rows, int64_t c
 
 static qf_mat bind_mat(binder *b, const char *name, int64_t rows, int64_t cols) {
     int64_t shape[2] = {rows, cols};
-    const qf_st_tensor *t = need(b, name, 2, shape);
-    return t ? mat_from(b, t, rows, cols, 0) : (qf_mat){0};
+    const qf_st_tensor *t = find(b, name, 2, shape);
+    int fmt = t ? mat_format(b, t, 0, rows, cols) : 0;
+    if (!fmt) return (qf_mat){0};
+    qf_mat w = mat_from(b, t, fmt, rows, cols, 0);
+    if (fmt == QF_DT_F8_E4M3 && !(w.scales = fp8_scales(b, name, rows, cols))) return (qf_mat){0};
+    return w;
 }
 
 /* A small tensor converted to fp32, optionally transformed (1 + w, -exp(w)). */
@@ -104,16 +191,8 @@ static float *bind_vec(binder *b, const char *name, int ndim, const int64_t *sha
         problem(b, QF_ENOMEM);
         return NULL;
     }
-    qf_mat w = {t->dtype, t->data, 1, t->n_elem};
     for (int64_t i = 0; i < t->n_elem; i++) {
-        float x;
-        const unsigned char *p = (const unsigned char *)w.data + (size_t)i * qf_dtype_size(t->dtype);
-        uint16_t h;
-        if (t->dtype == QF_DT_F32) memcpy(&x, p, 4);
-        else {
-            memcpy(&h, p, 2);
-            x = t->dtype == QF_DT_BF16 ? qf_bf16_to_f32(h) : qf_f16_to_f32(h);
-        }
+        float x = to_f32(t, i);
         v[i] = fn == VEC_PLUS1 ? 1.0f + x : fn == VEC_NEG_EXP ? -expf(x) : x;
     }
     return v;
@@ -163,15 +242,17 @@ static void bind_experts(binder *b, int L) {
     int64_t E = c->n_experts, I = c->expert_ffn, H = c->hidden;
     if (qf_st_find(&b->m->st, lname(b, L, "mlp.experts.gate_up_proj", n, sizeof n)) || b->make) {
         int64_t gu_shape[3] = {E, 2 * I, H}, d_shape[3] = {E, H, I};
-        const qf_st_tensor *gu = need(b, n, 3, gu_shape);
-        const qf_st_tensor *dn = need(b, lname(b, L, "mlp.experts.down_proj", n, sizeof n), 3, d_shape);
-        if (!gu || !dn) return;
-        size_t es_gu = qf_dtype_size(gu->dtype), es_dn = qf_dtype_size(dn->dtype);
+        const qf_st_tensor *gu = find(b, n, 3, gu_shape);
+        const qf_st_tensor *dn = find(b, lname(b, L, "mlp.experts.down_proj", n, sizeof n), 3, d_shape);
+        int fg = gu ? mat_format(b, gu, E, 2 * I, H) : 0, fd = dn ? mat_format(b, dn, E, H, I) : 0;
+        if (!fg || !fd) return;
+        qf_mat g1 = {fg, NULL, I, H, NULL}, d1 = {fd, NULL, H, I, NULL};
+        size_t gb = qf_mat_bytes(&g1), db = qf_mat_bytes(&d1);
         for (int64_t e = 0; e < E; e++) {
             qf_expert x;
-            x.gate = mat_from(b, gu, I, H, (size_t)(e * 2 * I * H) * es_gu);
-            x.up = mat_from(b, gu, I, H, (size_t)((e * 2 + 1) * I * H) * es_gu);
-            x.down = mat_from(b, dn, H, I, (size_t)(e * H * I) * es_dn);
+            x.gate = mat_from(b, gu, fg, I, H, (size_t)(2 * e) * gb);
+            x.up = mat_from(b, gu, fg, I, H, (size_t)(2 * e + 1) * gb);
+            x.down = mat_from(b, dn, fd, H, I, (size_t)e * db);
             b->experts[(int64_t)L * E + e] = x;
         }
         return;

@@ -17,6 +17,16 @@ typedef __m256 V;
 #define VLOAD_BF16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define VLOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+/* W bytes widened to 32-bit lanes, and the few integer ops the quantised loads need */
+typedef __m256i VI;
+#define VLOAD_I8(p)   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define VLOAD_U8I(p)  _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define VI_AND(a, k)  _mm256_and_si256(a, _mm256_set1_epi32(k))
+#define VI_OR(a, b)   _mm256_or_si256(a, b)
+#define VI_SRL(a, n)  _mm256_srli_epi32(a, n)
+#define VI_SLL(a, n)  _mm256_slli_epi32(a, n)
+#define VI_TOPS(a)    _mm256_cvtepi32_ps(a)
+#define VI_CAST(a)    _mm256_castsi256_ps(a)
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -18,6 +18,15 @@ typedef __m512 V;
 #define VLOAD_BF16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define VLOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+typedef __m512i VI;
+#define VLOAD_I8(p)   _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define VLOAD_U8I(p)  _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_AND(a, k)  _mm512_and_si512(a, _mm512_set1_epi32(k))
+#define VI_OR(a, b)   _mm512_or_si512(a, b)
+#define VI_SRL(a, n)  _mm512_srli_epi32(a, n)
+#define VI_SLL(a, n)  _mm512_slli_epi32(a, n)
+#define VI_TOPS(a)    _mm512_cvtepi32_ps(a)
+#define VI_CAST(a)    _mm512_castsi512_ps(a)
 #define SIMD_NAME    avx512
 #define OPS_NAME     "cpu-avx512"
 

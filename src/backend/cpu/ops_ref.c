@@ -6,9 +6,11 @@
 #include "backend/cpu/cpu_int.h"
 #include "base/dtype.h"
 #include "base/numeric.h"
+#include "base/quant.h"
 
 float qf_ref_weight(const qf_mat *w, int64_t r, int64_t c) {
     int64_t i = r * w->cols + c;
+    if (qf_is_quant(w->dtype)) return qf_q_weight(w->dtype, w->data, w->scales, w->cols, r, c);
     switch (w->dtype) {
     case QF_DT_BF16: return qf_bf16_to_f32(((const uint16_t *)w->data)[i]);
     case QF_DT_F16: return qf_f16_to_f32(((const uint16_t *)w->data)[i]);
