@@ -63,5 +63,6 @@ int cmd_route_record(int argc, char **argv);
 int cmd_synth_export(int argc, char **argv);
 int cmd_fidelity(int argc, char **argv);
 int cmd_calibrate(int argc, char **argv);
+int cmd_quantize(int argc, char **argv);
 
 #endif

@@ -1,5 +1,6 @@
-/* qflash fidelity: what an approximation (a sparsity level) costs against the exact model, on a
- * text: for every window, dense and approximate states run side by side, and per setting the
+/* qflash fidelity: what an approximation (a sparsity level, or another copy of the model such as
+ * a quantised one: --compare) costs against the exact model, on a text: for every window, dense
+ * and approximate states run side by side, and per setting the
  * perplexity and its ratio to dense, the KL divergence of each next-token distribution from the
  * dense one (mean and 99.9th percentile), the share of positions with the same top token, greedy
  * tokens until a stop (end of sequence or a blank line) against dense, and decode speed. */
@@ -19,6 +20,8 @@ typedef struct fid_opts {
     float levels[MAX_LEVELS];
     int n_levels, window, windows, prompts, prompt_len, max_gen, threads;
     int only; /* --only experts|trunk|kv: that level alone acts (QF_SPARSE_* bit; 0: all) */
+    const char *compare[MAX_LEVELS]; /* --compare: model directories against -m's, at level 0 */
+    int n_compare;
 } fid_opts;
 
 typedef struct fid_row {
@@ -61,9 +64,9 @@ static void score_chunk(const float *d, const float *a, const int32_t *nxt, int 
 /* Every window through a dense state and an approximate one at level, a token a step (sparsity
  * acts on one-token steps, as in a generation; prompts run dense), so that level 0 is the dense
  * run bit for bit. */
-static int run_windows(qf_engine *e, const fid_opts *o, const int32_t *ids, float level, fid_row *r, float *bufs, double *lsm) {
+static int run_windows(qf_engine *e, qf_engine *ea, const fid_opts *o, const int32_t *ids, float level, fid_row *r, float *bufs, double *lsm) {
     int V = e->model->cfg.vocab, rc = QF_OK;
-    qf_state *sd = qf_state_create(e->model, o->window), *sa = qf_state_create(e->model, o->window);
+    qf_state *sd = qf_state_create(e->model, o->window), *sa = qf_state_create(ea->model, o->window);
     float *d = bufs, *a = bufs + V;
     if (!sd || !sa) rc = qf_fail(QF_ENOMEM, "out of memory for two states");
     for (int w = 0; w < o->windows && rc == QF_OK; w++) {
@@ -73,7 +76,7 @@ static int run_windows(qf_engine *e, const fid_opts *o, const int32_t *ids, floa
             qf_seq_step s = {sd, tok + i, 1, QF_LOGITS_LAST, d, NULL, 0, 0};
             if ((rc = set_level(e, 0)) == QF_OK) rc = qf_forward(e->model, &e->be, e->ws, &s, 1);
             s.st = sa, s.logits = a;
-            if (rc == QF_OK && (rc = set_level(e, level)) == QF_OK) rc = qf_forward(e->model, &e->be, e->ws, &s, 1);
+            if (rc == QF_OK && (rc = set_level(ea, level)) == QF_OK) rc = qf_forward(ea->model, &ea->be, ea->ws, &s, 1);
             if (rc == QF_OK) score_chunk(d, a, tok + i + 1, 1, V, lsm, lsm + V, r);
         }
     }
@@ -128,14 +131,20 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 static void print_table(const fid_opts *o, fid_row *rows) {
-    printf("%6s %10s %9s %10s %10s %8s %14s %10s %8s\n", "level", "ppl", "ppl ratio", "mean KL", "p99.9 KL", "top-1", "tokens-to-stop", "decode t/s",
+    int n = o->n_compare ? o->n_compare + 1 : o->n_levels, w = 6;
+    for (int i = 0; i < o->n_compare; i++) w = (int)strlen(o->compare[i]) > w ? (int)strlen(o->compare[i]) : w;
+    if (o->n_compare && (int)strlen(o->model) > w) w = (int)strlen(o->model);
+    printf("%*s %10s %9s %10s %10s %8s %14s %10s %8s\n", w, o->n_compare ? "model" : "level", "ppl", "ppl ratio", "mean KL", "p99.9 KL", "top-1", "tokens-to-stop", "decode t/s",
            "speed-up");
     double ppl0 = exp(rows[0].nll / rows[0].n);
-    for (int i = 0; i < o->n_levels; i++) {
+    for (int i = 0; i < n; i++) {
         fid_row *r = &rows[i];
         qsort(r->kl, (size_t)r->n, sizeof *r->kl, cmp_double);
         double ppl = exp(r->nll / r->n), p999 = r->kl[(size_t)((r->n - 1) * 0.999)];
-        printf("%6.2f %10.4f %9.4f %10.2e %10.2e %7.2f%% %14.3f %10.1f %7.2fx\n", o->levels[i], ppl, ppl / ppl0, r->kl_sum / r->n, p999, 100.0 * r->same / r->n,
+        char label[600];
+        if (o->n_compare) snprintf(label, sizeof label, "%s", i ? o->compare[i - 1] : o->model);
+        else snprintf(label, sizeof label, "%.2f", o->levels[i]);
+        printf("%*s %10.4f %9.4f %10.2e %10.2e %7.2f%% %14.3f %10.1f %7.2fx\n", w, label, ppl, ppl / ppl0, r->kl_sum / r->n, p999, 100.0 * r->same / r->n,
                rows[0].stop_tokens > 0 ? r->stop_tokens / rows[0].stop_tokens : 0, r->tok_s, rows[0].tok_s > 0 ? r->tok_s / rows[0].tok_s : 0);
     }
     printf("(%d windows of %d tokens; greedy tokens to a stop, end of sequence or a blank line, from %d prompts of %d tokens, at most %d each,\n"
@@ -151,6 +160,9 @@ static int parse_fidelity(int argc, char **argv, fid_opts *o) {
         else if (cli_is(&a, NULL, "--sparsity-level")) {
             const char *v = cli_value(&a);
             if (v && (o->n_levels = cli_parse_levels(v, o->levels, MAX_LEVELS)) < 1) fprintf(stderr, "error: --sparsity-level takes levels 0..1 separated by commas, not '%s'\n", v), a.bad = 1;
+        } else if (cli_is(&a, NULL, "--compare")) {
+            const char *v = cli_value(&a);
+            if (v && o->n_compare < MAX_LEVELS - 1) o->compare[o->n_compare++] = v;
         } else if (cli_is(&a, NULL, "--only")) {
             o->only = cli_sparse_only(&a);
         } else if (cli_is(&a, NULL, "--window")) o->window = cli_int(&a, 2, 1 << 20);
@@ -164,7 +176,8 @@ static int parse_fidelity(int argc, char **argv, fid_opts *o) {
     }
     if (a.bad || !o->model || !o->file) {
         fprintf(stderr, "usage: qflash fidelity -m DIR -f TEXT [--sparsity-level 0,0.3,0.45,0.6,0.7] [--window 512] [--windows K]\n"
-                        "                       [--prompts 16] [--prompt-len 32] [--max-gen 256] [--only experts|trunk|kv]\n");
+                        "                       [--prompts 16] [--prompt-len 32] [--max-gen 256] [--only experts|trunk|kv]\n"
+                        "                       [--compare DIR]...  (another copy of the model, e.g. quantised, against -m's)\n");
         return 2;
     }
     return 0;
@@ -191,12 +204,21 @@ int cmd_fidelity(int argc, char **argv) {
     float *bufs = malloc(2 * (size_t)V * sizeof(float));
     double *lsm = malloc(2 * (size_t)V * sizeof(double));
     rc = bufs && lsm ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
-    for (int i = 0; i < o.n_levels && rc == QF_OK; i++) {
+    int n_rows = o.n_compare ? o.n_compare + 1 : o.n_levels;
+    for (int i = 0; i < n_rows && rc == QF_OK; i++) {
         double t0 = qf_now();
+        float level = o.n_compare ? 0.0f : o.levels[i];
+        qf_engine *ea = e;
+        if (i && o.n_compare && cli_open_engine(&ea, o.compare[i - 1], o.threads) != QF_OK) {
+            rc = QF_EIO;
+            break;
+        }
+        if (ea->model->cfg.vocab != V) rc = qf_fail(QF_EINVAL, "%s has a vocabulary of %d, not %d", o.compare[i - 1], ea->model->cfg.vocab, V);
         rows[i].kl = malloc((size_t)o.windows * o.window * sizeof(double));
-        rc = rows[i].kl ? run_windows(e, &o, ids, o.levels[i], &rows[i], bufs, lsm) : qf_fail(QF_ENOMEM, "out of memory");
-        if (rc == QF_OK) rc = run_generations(e, &o, ids, o.levels[i], &rows[i]);
-        fprintf(stderr, "level %.2f: %.1f s\n", o.levels[i], qf_now() - t0);
+        if (rc == QF_OK) rc = rows[i].kl ? run_windows(e, ea, &o, ids, level, &rows[i], bufs, lsm) : qf_fail(QF_ENOMEM, "out of memory");
+        if (rc == QF_OK) rc = run_generations(ea, &o, ids, level, &rows[i]);
+        if (ea != e) qf_engine_close(ea);
+        fprintf(stderr, "%s %s: %.1f s\n", o.n_compare ? "model" : "level", i && o.n_compare ? o.compare[i - 1] : "", qf_now() - t0);
     }
     if (rc == QF_OK) print_table(&o, rows);
     else fprintf(stderr, "error: %s\n", qf_last_error());

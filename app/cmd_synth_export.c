@@ -10,6 +10,7 @@
 
 #include "base/dtype.h"
 #include "cli.h"
+#include "format/st_write.h"
 
 static int write_config(const char *dir, const char *preset, int layers) {
     const char *json = qf_synth_preset_json(preset);
@@ -25,29 +26,21 @@ static int write_config(const char *dir, const char *preset, int layers) {
     return rc;
 }
 
-/* Every tensor of the set, in its order, after a JSON header naming their places. */
+/* Every tensor of the set, in its order, after a header naming their places. */
 static int write_tensors(const char *dir, const qf_st_set *st) {
-    json_t *h = json_object();
-    size_t at = 0;
-    for (int i = 0; i < st->n_tensors; i++) {
-        const qf_st_tensor *t = &st->tensors[i];
-        json_t *shape = json_array();
-        for (int d = 0; d < t->ndim; d++) json_array_append_new(shape, json_integer(t->shape[d]));
-        json_object_set_new(h, t->name, json_pack("{s:s,s:o,s:[I,I]}", "dtype", qf_dtype_name(t->dtype), "shape", shape, "data_offsets", (json_int_t)at,
-                                                  (json_int_t)(at + t->nbytes)));
-        at += t->nbytes;
-    }
-    char *text = json_dumps(h, JSON_COMPACT);
-    json_decref(h);
+    qf_st_entry *e = calloc((size_t)st->n_tensors + 1, sizeof *e);
     char path[4096];
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    FILE *f = text ? fopen(path, "wb") : NULL;
-    size_t n = text ? strlen(text) : 0, pad = (8 - n % 8) % 8;
-    uint64_t len = n + pad;
-    int ok = f && fwrite(&len, 8, 1, f) == 1 && fwrite(text, 1, n, f) == n && fwrite("        ", 1, pad, f) == pad;
+    FILE *f = e ? fopen(path, "wb") : NULL;
+    for (int i = 0; e && i < st->n_tensors; i++) {
+        const qf_st_tensor *t = &st->tensors[i];
+        e[i] = (qf_st_entry){t->name, qf_dtype_name(t->dtype), t->ndim, {0}, t->nbytes};
+        for (int d = 0; d < t->ndim && d < 8; d++) e[i].shape[d] = t->shape[d];
+    }
+    int ok = f && qf_st_write_header(f, path, e, st->n_tensors) == QF_OK;
     for (int i = 0; ok && i < st->n_tensors; i++) ok = fwrite(st->tensors[i].data, 1, st->tensors[i].nbytes, f) == st->tensors[i].nbytes;
     if (f && fclose(f) != 0) ok = 0;
-    free(text);
+    free(e);
     return ok ? QF_OK : qf_fail(QF_EIO, "cannot write %s", path);
 }
 

@@ -23,6 +23,8 @@ static void usage(void) {
             "             level costs against dense: perplexity, KL, top-1 agreement, tokens to a stop, decode speed\n"
             "  calibrate  -m DIR -f TEXT [-n TOKENS]  trunk sparsity thresholds into DIR/config_flash.json\n"
             "  synth-export --synthetic qwen3.6-35b-a3b [--layers N] -o DIR  generated weights as a model directory\n"
+            "  quantize   -m DIR -o OUT [--experts int4|int8|fp8] [--trunk bf16|int8]  a quantised copy of a model\n"
+            "             directory (experts int4 by default; the trunk as stored), with SHA256SUMS\n"
             "sampling flags: --temp --top-k --top-p --min-p --repeat-penalty --presence-penalty\n"
             "                --frequency-penalty --seed (defaults from generation_config.json)\n"
             "device flags (run, chat, perplexity, serve, bench):\n"
@@ -70,6 +72,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "synth-export")) return cmd_synth_export(argc - 1, argv + 1);
     if (!strcmp(cmd, "fidelity")) return cmd_fidelity(argc - 1, argv + 1);
     if (!strcmp(cmd, "calibrate")) return cmd_calibrate(argc - 1, argv + 1);
+    if (!strcmp(cmd, "quantize")) return cmd_quantize(argc - 1, argv + 1);
     fprintf(stderr, "error: unknown command '%s'\n", cmd);
     usage();
     return 2;
