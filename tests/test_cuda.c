@@ -8,7 +8,9 @@
 #include "backend/cuda/ops_cuda.h"
 #include "base/dtype.h"
 #include "base/numeric.h"
+#include "base/quant.h"
 #include "base/timer.h"
+#include "experts/store.h"
 #include "test_util.h"
 
 static qf_backend gpu, ref = {&qf_cpu_ops_ref, NULL, NULL};
@@ -206,8 +208,60 @@ typedef struct test_experts {
     qf_expert *host, *dev;
 } test_experts;
 
+static int moe_fmt = QF_DT_BF16; /* the experts' format in the MoE tests */
+
+/* A random weight in fmt: the host view (owned: *host, and *sc for fp8's scales) and its packed
+ * device copy. */
+static qf_mat q_mat(int fmt, int64_t rows, int64_t cols, void **host, float **sc, qf_mat *dev) {
+    float *w = qt_rnd((size_t)(rows * cols), 1.0f);
+    qf_mat m = {fmt, NULL, rows, cols, NULL};
+    uint8_t *q = malloc(qf_mat_bytes(&m));
+    *sc = NULL;
+    if (fmt == QF_Q_FP8B128) {
+        int64_t bc = (cols + 127) / 128;
+        float *s = calloc((size_t)((rows + 127) / 128 * bc), sizeof *s);
+        for (int64_t i = 0; i < rows * cols; i++) s[i / cols / 128 * bc + i % cols / 128] = fmaxf(s[i / cols / 128 * bc + i % cols / 128], fabsf(w[i]) / 448.0f);
+        for (int64_t i = 0; i < rows * cols; i++) q[i] = qf_f32_to_fp8(w[i] / s[i / cols / 128 * bc + i % cols / 128]);
+        *sc = s;
+    } else {
+        for (int64_t r = 0; r < rows; r++) qf_q_quantize_row(fmt, w + r * cols, cols, q + (size_t)r * qf_q_row_bytes(fmt, cols));
+    }
+    free(w);
+    m.data = q, m.scales = *sc, *host = q;
+    *dev = qf_es_put_mat(&gpu, gpu.ops->alloc(&gpu, qf_mat_packed_bytes(&m)), &m);
+    return m;
+}
+
+/* The product of a quantised weight against qf_q_matmul_ref (the generic kernel, any n). */
+static void test_matmul_q(int fmt, int64_t rows, int64_t cols, int n) {
+    void *hq;
+    float *sc;
+    qf_mat d, w = q_mat(fmt, rows, cols, &hq, &sc, &d);
+    float *x = qt_rnd((size_t)n * cols, 1.0f), *want = malloc((size_t)n * rows * 4), *dx = up_f(x, (size_t)n * cols), *dy = gpu.ops->alloc(&gpu, (size_t)n * rows * 4);
+    qf_q_matmul_ref(fmt, w.data, sc, rows, cols, x, n, want);
+    gpu.ops->matmul(&gpu, &d, dx, n, dy);
+    char s[80];
+    snprintf(s, sizeof s, "%s %lld x %lld, n=%d", qf_qfmt_name(fmt), (long long)rows, (long long)cols, n);
+    report("matmul (quantised)", s, cmp(dy, want, (size_t)n * rows), 1e-5);
+    free(hq), free(sc), free(x), free(want);
+    gpu.ops->free(&gpu, (void *)d.data), gpu.ops->free(&gpu, dx), gpu.ops->free(&gpu, dy);
+}
+
 static test_experts make_experts(int E, int I, int H) {
     test_experts x;
+    if (moe_fmt != QF_DT_BF16) { /* each matrix its own host block and device copy */
+        x.hgu = x.hd = NULL, x.dgu = x.ddn = NULL;
+        x.host = malloc((size_t)E * sizeof *x.host), x.dev = malloc((size_t)E * sizeof *x.dev);
+        for (int e = 0; e < E; e++) {
+            qf_mat *hm[3] = {&x.host[e].gate, &x.host[e].up, &x.host[e].down}, *dm[3] = {&x.dev[e].gate, &x.dev[e].up, &x.dev[e].down};
+            for (int i = 0; i < 3; i++) {
+                void *h;
+                float *sc;
+                *hm[i] = q_mat(moe_fmt, i < 2 ? I : H, i < 2 ? H : I, &h, &sc, dm[i]);
+            }
+        }
+        return x;
+    }
     bf16_mat((int64_t)E * 2 * I, H, &x.hgu), bf16_mat((int64_t)E * H, I, &x.hd);
     x.host = malloc((size_t)E * sizeof *x.host), x.dev = malloc((size_t)E * sizeof *x.dev);
     x.dgu = up(x.hgu, (size_t)E * 2 * I * H * 2), x.ddn = up(x.hd, (size_t)E * H * I * 2);
@@ -219,7 +273,11 @@ static test_experts make_experts(int E, int I, int H) {
     return x;
 }
 
-static void free_experts(test_experts *x) {
+static void free_experts(test_experts *x, int E) {
+    for (int e = 0; !x->hgu && e < E; e++) {
+        const qf_mat *hm[3] = {&x->host[e].gate, &x->host[e].up, &x->host[e].down}, *dm[3] = {&x->dev[e].gate, &x->dev[e].up, &x->dev[e].down};
+        for (int i = 0; i < 3; i++) free((void *)hm[i]->data), free((void *)hm[i]->scales), gpu.ops->free(&gpu, (void *)dm[i]->data);
+    }
     free(x->hgu), free(x->hd), free(x->host), free(x->dev);
     gpu.ops->free(&gpu, x->dgu), gpu.ops->free(&gpu, x->ddn);
 }
@@ -256,7 +314,7 @@ static void test_moe_shape(int N, int E, int K, int H, int I, int check, int ben
     qf_moe_args a = {dev, E, K, N, H, I, drl, dx, dout, NULL, NULL, 0, NULL};
     gpu.ops->moe(&gpu, &a);
     char s[80];
-    snprintf(s, sizeof s, "%d rows, %d experts top-%d, %d/%d", N, E, K, H, I);
+    snprintf(s, sizeof s, "%d rows, %d experts top-%d, %d/%d, %s", N, E, K, H, I, qf_dtype_name(moe_fmt));
     if (check) report("moe (route+experts)", s, cmp(dout, want, (size_t)N * H), 1e-4);
     if (check) { /* twice on one backend: the grouping's scratch and counts start over each call */
         gpu.ops->moe(&gpu, &a);
@@ -281,7 +339,7 @@ static void test_moe_shape(int N, int E, int K, int H, int I, int check, int ben
                 "%.0f GB/s of their bytes read once (%.0f%%)\n", N, dt * 1e6, bytes / dt / 1e9, 100 * bytes / dt / 4.3e12, used,
                 once / dt / 1e9, 100 * once / dt / 4.3e12);
     }
-    free_experts(&ex);
+    free_experts(&ex, E);
     free(rl), free(x), free(want), free(gb), free(ub), free(hb), free(yb);
     void *d[] = {drl, dx, dout};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
@@ -586,7 +644,8 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench, in
     for (int t = 0; t < n; t++) a.drop_tau[t] = moe_drop_tau;
     gpu.ops->dec->moe(&gpu, &a);
     char s[80];
-    snprintf(s, sizeof s, "n=%d, %d experts top-%d, %d/%d, shared %d%s%s", n, E, K, H, I, S, ties ? ", tied logits" : "", moe_drop_tau > 0 ? ", drop" : "");
+    snprintf(s, sizeof s, "n=%d, %d experts top-%d, %d/%d, shared %d%s%s, %s", n, E, K, H, I, S, ties ? ", tied logits" : "", moe_drop_tau > 0 ? ", drop" : "",
+             qf_dtype_name(moe_fmt));
     report("dec moe", s, cmp(dx, want, (size_t)n * H), 1e-5);
     /* the ids the kernels chose, as the expert store reads them: the reference's, in rank order */
     gpu.ops->download(&gpu, chosen, dchosen, (size_t)n * K * sizeof(int32_t));
@@ -606,11 +665,12 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench, in
         double t0 = qf_now();
         for (int i = 0; i < reps; i++) gpu.ops->dec->moe(&gpu, &a);
         qf_be_sync(&gpu);
-        double dt = (qf_now() - t0) / reps, bytes = (double)n * (K * 3.0 * I * H + (double)H * S) * 2;
+        double per = (double)(qf_mat_bytes(&host[0].gate) + qf_mat_bytes(&host[0].up) + qf_mat_bytes(&host[0].down));
+        double dt = (qf_now() - t0) / reps, bytes = (double)n * (K * per + (double)H * S * 2);
         fprintf(stderr, "  dec moe n=%d: %.1f us per call, %.0f GB/s of expert weights (%.0f%% of 4300 GB/s copy)\n", n, dt * 1e6, bytes / dt / 1e9,
                 100 * bytes / dt / 4.3e12);
     }
-    free_experts(&ex);
+    free_experts(&ex, E);
     free(hsd), free(rl), free(x), free(nw), free(want), free(xn), free(gb), free(ub), free(hb), free(yb), free(acc);
     void *d[] = {(void *)dsd.data, drl, dx, dnw};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
@@ -904,6 +964,29 @@ static void switch_checks(void) {
 
 /* A kernel that cannot take its input fails the step, with a message, once: through sync and
  * through a step's bracket (eager here: a new step key), and the next step is clean. */
+/* Quantised weights (int8, int4, fp8): the generic product at the expert and trunk shapes and odd
+ * ones; the MoE op and the fused decode MoE with quantised experts against the reference ops
+ * (which dequantise exactly); bench: the fused decode MoE's time and bandwidth at the release's shape. */
+static void quant_checks(int bench) {
+    int fmts[3] = {QF_Q_I8B32, QF_Q_I4B32, QF_Q_FP8B128};
+    for (int f = 0; f < 3; f++) {
+        test_matmul_q(fmts[f], 512, 2048, 1);
+        test_matmul_q(fmts[f], 2048, 512, 3);
+        test_matmul_q(fmts[f], 4096, 2048, 20);
+        test_matmul_q(fmts[f], 96, fmts[f] == QF_Q_FP8B128 ? 200 : 160, 2);
+        moe_fmt = fmts[f];
+        test_moe_shape(1, 256, 8, 2048, 512, 1, 0);
+        test_moe_shape(5, 64, 8, 2048, 512, 1, 0);
+        test_moe_shape(7, 16, 4, 192, 32, 1, 0); /* the bundled model's widths: not whole units */
+        test_dec_moe(1, 256, 8, 2048, 512, 512, bench, 0);
+        test_dec_moe(4, 256, 8, 2048, 512, 512, bench, 0);
+        test_dec_moe(16, 256, 8, 2048, 512, 512, bench, 0);
+        test_dec_moe(3, 64, 4, 256, 256, 128, 0, 1); /* one unit a lane, tied logits */
+    }
+    moe_fmt = QF_DT_BF16;
+    if (bench) test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0); /* bf16 beside them, same run */
+}
+
 static void test_device_errors(void) {
     float *dx = gpu.ops->alloc(&gpu, 64 * sizeof(float)), *dy = gpu.ops->alloc(&gpu, 64 * sizeof(float));
     qf_mat f32 = {QF_DT_F32, dx, 8, 8, NULL}; /* the fused products take bf16 rows only */
@@ -940,6 +1023,11 @@ int main(int argc, char **argv) {
      * alone, 3 the rest (the decode kernels), 4 sparsity's kernels alone */
     const char *quick = getenv("QFLASH_TEST_QUICK");
     int part = quick ? atoi(quick) : 0;
+    if (part == 5) { /* quantised weights alone */
+        quant_checks(1);
+        qf_cuda_backend_free(&gpu);
+        return qt_finish();
+    }
     if (part == 4) {
         sparsity_checks();
         qf_cuda_backend_free(&gpu);
@@ -1016,6 +1104,7 @@ int main(int argc, char **argv) {
      * next launch's down rows would read gate/up rows not yet written), at the fixtures' shapes */
     routing_checks();
     sparsity_checks();
+    quant_checks(0);
     dec_attention_checks();
     bench_dec_matmul(12352, 2048, 1); /* the DeltaNet in_proj */
     bench_dec_matmul(248320, 2048, 1);

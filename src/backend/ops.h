@@ -219,6 +219,16 @@ typedef struct qf_moe_dec {
     int min_k;
 } qf_moe_dec;
 
+/* The experts the fused MoE decode op takes: bf16 rows of a multiple of 8, or int8 / int4 / fp8
+ * rows of whole 16-byte units at 16-byte aligned starts (hidden and width multiples of 256; fp8:
+ * of 16), for hidden and width up to 4096 and 1024 and a shared expert up to 512 wide (quantised). */
+static inline int qf_moe_dec_fits(int dtype, int64_t hidden, int64_t ffn, int64_t sh_ffn) {
+    if (dtype == QF_DT_BF16) return hidden % 8 == 0 && ffn % 8 == 0;
+    if (hidden > 4096 || ffn > 1024 || sh_ffn > 512) return 0;
+    if (dtype == QF_DT_F8_E4M3) return hidden % 16 == 0 && ffn % 16 == 0;
+    return (dtype == QF_DT_Q8_B32 || dtype == QF_DT_Q4_B32) && hidden % 256 == 0 && ffn % 256 == 0;
+}
+
 typedef struct qf_dec_ops {
     /* y[n][w.rows] = W . pre(x), or += with accumulate; epi (may be NULL) as qf_gdn_epi says */
     void (*matmul)(qf_backend *be, const qf_mat *w, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi,

@@ -37,29 +37,32 @@ size_t qf_q_row_bytes(int fmt, int64_t cols) {
 static void put16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8); }
 static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 
-static void quant_i8(const float *w, uint8_t *b) {
+/* Block b of a row: its scale (and minimum) and quants, in the row layout of quant.h. */
+static void quant_i8(const float *w, uint8_t *row, int64_t nb, int64_t b) {
     float amax = 0;
     for (int i = 0; i < QF_Q_BLOCK; i++) amax = fmaxf(amax, fabsf(w[i]));
     uint16_t dh = qf_f32_to_f16(amax / 127.0f);
     float d = qf_f16_to_f32(dh), inv = d > 0 ? 1.0f / d : 0.0f;
-    put16(b, dh);
+    put16(row + 2 * b, dh);
+    int8_t *q = (int8_t *)(row + 2 * nb) + QF_Q_BLOCK * b;
     for (int i = 0; i < QF_Q_BLOCK; i++) {
-        long q = lrintf(w[i] * inv);
-        ((int8_t *)(b + 2))[i] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+        long v = lrintf(w[i] * inv);
+        q[i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
     }
 }
 
-static void quant_i4(const float *w, uint8_t *b) {
+static void quant_i4(const float *w, uint8_t *row, int64_t nb, int64_t b) {
     float lo = w[0], hi = w[0];
     for (int i = 1; i < QF_Q_BLOCK; i++) lo = fminf(lo, w[i]), hi = fmaxf(hi, w[i]);
     uint16_t dh = qf_f32_to_f16((hi - lo) / 15.0f), mh = qf_f32_to_f16(lo);
     float d = qf_f16_to_f32(dh), m = qf_f16_to_f32(mh), inv = d > 0 ? 1.0f / d : 0.0f;
-    put16(b, dh), put16(b + 2, mh);
-    memset(b + 4, 0, QF_Q_BLOCK / 2);
+    put16(row + 2 * b, dh), put16(row + 2 * nb + 2 * b, mh);
+    uint8_t *q = row + 4 * nb + 16 * b;
+    memset(q, 0, QF_Q_BLOCK / 2);
     for (int i = 0; i < QF_Q_BLOCK; i++) {
-        long q = lrintf((w[i] - m) * inv);
-        q = q > 15 ? 15 : q < 0 ? 0 : q;
-        b[4 + i % 16] |= (uint8_t)(q << (i < 16 ? 0 : 4));
+        long v = lrintf((w[i] - m) * inv);
+        v = v > 15 ? 15 : v < 0 ? 0 : v;
+        q[i % 16] |= (uint8_t)(v << (i < 16 ? 0 : 4));
     }
 }
 
@@ -69,30 +72,26 @@ void qf_q_quantize_row(int fmt, const float *w, int64_t cols, void *out) {
         for (int64_t i = 0; i < cols; i++) o[i] = qf_f32_to_fp8(w[i]);
         return;
     }
-    for (int64_t b = 0; b < cols / QF_Q_BLOCK; b++) {
-        if (fmt == QF_Q_I8B32) quant_i8(w + b * QF_Q_BLOCK, o + b * 34);
-        else quant_i4(w + b * QF_Q_BLOCK, o + b * 20);
+    int64_t nb = cols / QF_Q_BLOCK;
+    for (int64_t b = 0; b < nb; b++) {
+        if (fmt == QF_Q_I8B32) quant_i8(w + b * QF_Q_BLOCK, o, nb, b);
+        else quant_i4(w + b * QF_Q_BLOCK, o, nb, b);
     }
+}
+
+/* Weight c of a row of cols in an int format. */
+static float int_weight(int fmt, const uint8_t *row, int64_t cols, int64_t c) {
+    int64_t nb = cols / QF_Q_BLOCK, b = c / QF_Q_BLOCK;
+    int i = (int)(c % QF_Q_BLOCK);
+    float d = qf_f16_to_f32(get16(row + 2 * b));
+    if (fmt == QF_Q_I8B32) return d * (float)((const int8_t *)(row + 2 * nb))[c];
+    const uint8_t *q = row + 4 * nb + 16 * b;
+    return qf_f16_to_f32(get16(row + 2 * nb + 2 * b)) + d * (float)((q[i % 16] >> (i < 16 ? 0 : 4)) & 15);
 }
 
 void qf_q_dequantize_row(int fmt, const void *q, int64_t cols, float *out) {
     const uint8_t *p = q;
-    if (fmt == QF_Q_FP8B128) {
-        for (int64_t i = 0; i < cols; i++) out[i] = qf_fp8_to_f32(p[i]);
-        return;
-    }
-    for (int64_t b = 0; b < cols / QF_Q_BLOCK; b++) {
-        float *o = out + b * QF_Q_BLOCK;
-        if (fmt == QF_Q_I8B32) {
-            const uint8_t *blk = p + b * 34;
-            float d = qf_f16_to_f32(get16(blk));
-            for (int i = 0; i < QF_Q_BLOCK; i++) o[i] = d * (float)((const int8_t *)(blk + 2))[i];
-        } else {
-            const uint8_t *blk = p + b * 20;
-            float d = qf_f16_to_f32(get16(blk)), m = qf_f16_to_f32(get16(blk + 2));
-            for (int i = 0; i < QF_Q_BLOCK; i++) o[i] = m + d * (float)((blk[4 + i % 16] >> (i < 16 ? 0 : 4)) & 15);
-        }
-    }
+    for (int64_t i = 0; i < cols; i++) out[i] = fmt == QF_Q_FP8B128 ? qf_fp8_to_f32(p[i]) : int_weight(fmt, p, cols, i);
 }
 
 /* ---- fp8 e4m3fn ---- */
@@ -134,11 +133,7 @@ float qf_q_weight(int fmt, const void *w, const float *scales, int64_t cols, int
         int64_t nb = (cols + QF_FP8_BLOCK - 1) / QF_FP8_BLOCK;
         return qf_fp8_to_f32(p[r * cols + c]) * scales[(r / QF_FP8_BLOCK) * nb + c / QF_FP8_BLOCK];
     }
-    const uint8_t *blk = p + (size_t)r * qf_q_row_bytes(fmt, cols) + (size_t)(c / QF_Q_BLOCK) * (fmt == QF_Q_I8B32 ? 34 : 20);
-    int i = (int)(c % QF_Q_BLOCK);
-    float d = qf_f16_to_f32(get16(blk));
-    if (fmt == QF_Q_I8B32) return d * (float)((const int8_t *)(blk + 2))[i];
-    return qf_f16_to_f32(get16(blk + 2)) + d * (float)((blk[4 + i % 16] >> (i < 16 ? 0 : 4)) & 15);
+    return int_weight(fmt, p + (size_t)r * qf_q_row_bytes(fmt, cols), cols, c);
 }
 
 int qf_q_matmul_ref(int fmt, const void *w, const float *scales, int64_t rows, int64_t cols, const float *x, int n, float *y) {

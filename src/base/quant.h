@@ -1,12 +1,15 @@
 /* Block-quantised weight formats and their plain reference conversions (the oracle every fast
  * product is tested against).
  *
- *   QF_Q_I8B32  int8, symmetric: per 32 weights of a row an fp16 scale d, w = d * q (q in
- *               -127..127); a block is {fp16 d, int8 q[32]}: 34 bytes, 8.5 bits a weight.
- *   QF_Q_I4B32  int4 with an offset: per 32 weights an fp16 scale d and an fp16 minimum m,
- *               w = m + d * q (q in 0..15; byte j holds q[j] in its low nibble and q[j + 16] in
- *               its high one, so a vector unpacks each half at once); a block is
- *               {fp16 d, fp16 m, uint8 q[16]}: 20 bytes, 5 bits a weight.
+ *   QF_Q_I8B32  int8, symmetric: per block of 32 weights of a row an fp16 scale d, w = d * q
+ *               (q in -127..127). A row of nb blocks is {fp16 d[nb], int8 q[32 nb]}: 34 bytes a
+ *               block, 8.5 bits a weight.
+ *   QF_Q_I4B32  int4 with an offset: per block an fp16 scale d and an fp16 minimum m,
+ *               w = m + d * q (q in 0..15). A row is {fp16 d[nb], fp16 m[nb], uint8 q[16 nb]}:
+ *               block b's 16 bytes hold its q[j] in the low nibble of byte j and q[j + 16] in the
+ *               high one. 20 bytes a block, 5 bits a weight.
+ *   The scales lead the row so that the quants are whole 16-byte vectors (when the row's blocks
+ *   are a multiple of 8, as in every Qwen3.5/3.6 weight) that a vector load unpacks at once.
  *   QF_Q_FP8B128 FP8 e4m3 (the OCP "fn" variant: no infinities, 0x7f / 0xff NaN, largest 448)
  *               with one fp32 scale per 128 x 128 block, w = e4m3 * scale (the official
  *               checkpoint's weight_scale_inv).

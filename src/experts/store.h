@@ -16,6 +16,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "backend/ops.h"
 #include "base/err.h"
@@ -96,6 +97,21 @@ int qf_es_devcache_set_slots(qf_expert_store *s, int slots, int policy, int stag
  * link a layer ahead of their use; 0: prompt chunks resolve through the slots like decode steps. */
 /* Bytes of one expert's slot: its three matrices, each 256-byte aligned. */
 size_t qf_es_slot_bytes(const qf_expert *x);
+
+/* Copies m into memory at dst (backend memory with be, host memory with be NULL) as a
+ * self-contained copy (ops.h qf_mat_packed_bytes: its rows, then its block scales if it has
+ * them); returns the view of the copy. */
+static inline qf_mat qf_es_put_mat(qf_backend *be, void *dst, const qf_mat *m) {
+    qf_mat v = *m;
+    char *d = (char *)dst;
+    if (be) qf_be_upload(be, d, m->data, qf_mat_bytes(m));
+    else memcpy(d, m->data, qf_mat_bytes(m));
+    if (m->scales && be) qf_be_upload(be, d + qf_mat_scale_off(m), m->scales, qf_mat_scale_bytes(m));
+    else if (m->scales) memcpy(d + qf_mat_scale_off(m), m->scales, qf_mat_scale_bytes(m));
+    v.data = d;
+    v.scales = m->scales ? (const float *)(d + qf_mat_scale_off(m)) : NULL;
+    return v;
+}
 
 /* The store's counters, brought up to date first where a device keeps them. */
 static inline qf_expert_stats qf_es_stats(qf_expert_store *s) {

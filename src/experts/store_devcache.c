@@ -48,7 +48,9 @@ typedef struct devcache_store {
     void *copy;                   /* pinned copy of every expert, when the home could not be pinned */
 } devcache_store;
 
-static size_t mat_bytes(const qf_mat *w) { return (size_t)(w->rows * w->cols) * qf_dtype_size(w->dtype); }
+/* A matrix as the device reads it: its rows and, for FP8, the scales after them (the home copy
+ * is packed so: copy_home). */
+static size_t mat_bytes(const qf_mat *w) { return qf_mat_packed_bytes(w); }
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
 size_t qf_es_slot_bytes(const qf_expert *x) { return align256(mat_bytes(&x->gate)) + align256(mat_bytes(&x->up)) + align256(mat_bytes(&x->down)); }
@@ -211,10 +213,7 @@ static int copy_home(devcache_store *d, size_t slot_bytes) {
         for (int e = 0; e < d->n_experts; e++, at += slot_bytes) {
             qf_expert *x = &d->layers[L].views[e];
             qf_mat *m[3] = {&x->gate, &x->up, &x->down};
-            for (int i = 0, off = 0; i < 3; off += (int)align256(mat_bytes(m[i])), i++) {
-                memcpy(at + off, m[i]->data, mat_bytes(m[i]));
-                m[i]->data = at + off;
-            }
+            for (size_t i = 0, off = 0; i < 3; off += align256(mat_bytes(m[i])), i++) *m[i] = qf_es_put_mat(NULL, at + off, m[i]);
         }
     return QF_OK;
 }
@@ -324,7 +323,8 @@ int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backen
     d->counters = qf_be_alloc(be, (size_t)n_layers * QF_XC_COUNTERS * sizeof *d->counters);
     rc = d->layers && d->ctr_host && d->counters ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
     for (int L = 0; L < n_layers && rc == QF_OK; L++) rc = make_layer(d, L, slot_bytes);
-    if (rc == QF_OK && pin_home(d) != QF_OK) rc = copy_home(d, slot_bytes); /* memory that cannot be pinned in place is copied */
+    /* memory that cannot be pinned in place is copied, as are FP8 experts (their scales lie apart) */
+    if (rc == QF_OK && (d->layers[0].views[0].gate.scales || pin_home(d) != QF_OK)) rc = copy_home(d, slot_bytes);
     if (rc == QF_OK) rc = upload_tables(d);
     if (rc != QF_OK) {
         d->src = NULL; /* the caller keeps src on failure */

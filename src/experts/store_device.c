@@ -23,7 +23,7 @@ typedef struct device_store {
     dev_layer *layers;
 } device_store;
 
-static size_t mat_bytes(const qf_mat *w) { return (size_t)(w->rows * w->cols) * qf_dtype_size(w->dtype); }
+static size_t mat_bytes(const qf_mat *w) { return qf_mat_packed_bytes(w); }
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
 static int device_acquire(qf_expert_store *s, int layer, int expert, qf_expert *out) {
@@ -74,11 +74,8 @@ static int copy_expert(device_store *d, qf_expert_store *src, int L, int e, size
     dev_layer *l = &d->layers[L];
     qf_mat *m[3] = {&x.gate, &x.up, &x.down};
     for (int i = 0; i < 3; i++) {
-        size_t n = mat_bytes(m[i]);
-        char *dst = (char *)l->mem + *at;
-        qf_be_upload(d->be, dst, m[i]->data, n);
-        m[i]->data = dst;
-        *at += align256(n);
+        *m[i] = qf_es_put_mat(d->be, (char *)l->mem + *at, m[i]);
+        *at += align256(mat_bytes(m[i]));
     }
     src->ops->release(src, L, e);
     l->views[e] = x;

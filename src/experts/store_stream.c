@@ -29,7 +29,8 @@ typedef struct stream_store {
     char *pool;
 } stream_store;
 
-static size_t mat_bytes(const qf_mat *w) { return (size_t)(w->rows * w->cols) * qf_dtype_size(w->dtype); }
+/* The rows only: an FP8 expert's scales stay where the loader put them (host memory). */
+static size_t mat_bytes(const qf_mat *w) { return qf_mat_bytes(w); }
 
 /* Expert e of layer L copied into slot s. */
 static int load(stream_store *s, int L, int e, int slot) {

@@ -151,7 +151,8 @@ static int bf16_rows(const qf_mat *w) {
 }
 
 /* Whether the fused decode ops (ops.h qf_dec_ops) can run this model: a MoE with a shared expert,
- * every product's parts fused, bf16 rows of a multiple of 8, and shapes the kernels hold. */
+ * every trunk product's parts fused in bf16 rows of a multiple of 8, experts qf_moe_dec_fits
+ * takes, and shapes the kernels hold. */
 static int dec_fits(const qf_model *m) {
     const qf_config *c = &m->cfg;
     if (c->arch != QF_ARCH_QWEN35_MOE || c->shared_ffn <= 0 || !m->experts || c->hidden % 8 || c->expert_ffn % 8 || c->shared_ffn % 8 ||
@@ -161,8 +162,10 @@ static int dec_fits(const qf_model *m) {
         const qf_layer_w *w = &m->layers[L];
         qf_expert_table t;
         if (m->experts->ops->table(m->experts, L, &t) != QF_OK) return 0;
+        const qf_expert *x = &t.experts[0];
         if (!bf16_rows(&w->in_proj) || !bf16_rows(&w->ffn_in) || !bf16_rows(w->kind == QF_LAYER_FULL ? &w->wo : &w->w_out) ||
-            !bf16_rows(&w->sh_down) || !bf16_rows(&t.experts[0].gate) || !bf16_rows(&t.experts[0].down))
+            !bf16_rows(&w->sh_down) || x->up.dtype != x->gate.dtype || x->down.dtype != x->gate.dtype ||
+            !qf_moe_dec_fits(x->gate.dtype, c->hidden, c->expert_ffn, c->shared_ffn) || (uintptr_t)x->gate.data % 16 || (uintptr_t)x->down.data % 16)
             return 0;
     }
     return 1;

@@ -58,6 +58,7 @@ typedef struct qf_model {
     void **owned;       /* converted small tensors, freed with the model */
     uint64_t synth_seed; /* synthetic models: the weights' seed */
     qf_pool *synth_pool; /* while a synthetic model's weights are made: the threads that fill them */
+    int synth_experts;   /* a synthetic model's expert format (qf_synth_opts.experts) */
     qf_backend *dev;     /* set by qf_model_to_device: weights, states and scratch live there */
     void **dev_bufs;     /* device copies of the weights, freed with the model */
     int n_dev_bufs;
@@ -135,6 +136,7 @@ typedef struct qf_synth_opts {
     const char *config_file; /* or any config.json */
     int layers;              /* 0 = all; else the first N layers, full per-layer shapes */
     uint64_t seed;
+    int experts;             /* the routed experts' format: 0 (bf16), QF_Q_I8B32 or QF_Q_I4B32 (quantised from the generated values) */
 } qf_synth_opts;
 int qf_model_synthetic(qf_model **out, const qf_synth_opts *so, const qf_load_opts *opts);
 const char *qf_synth_presets(void);

@@ -11,6 +11,7 @@
 #include "base/hashmap.h"
 #include "base/numeric.h"
 #include "base/pool.h"
+#include "base/quant.h"
 #include "model/model_int.h"
 
 /* Qwen3.6-35B-A3B's text_config (shared/docs/model-spec.md §1.1). */
@@ -101,7 +102,60 @@ static void plan(fill *f, const char *name, const int64_t *shape, int ndim) {
     else if (ends_with(name, "conv1d.weight")) f->scale = 1.0f / sqrtf((float)shape[ndim - 1]);
 }
 
+/* Fused routed experts in a quantised format (U8 rows of blocks, as `qflash quantize` writes
+ * them), drawn directly as codes: uniform codes under one scale (and minimum) a block span the
+ * same uniform range, with the same std, as the bf16 experts' values, and cost a random byte each. */
+typedef struct qfill {
+    fill f;
+    uint8_t *out;
+    int fmt;
+    int64_t rows, cols;
+} qfill;
+
+static void put_f16(uint8_t *p, float v) {
+    uint16_t h = qf_f32_to_f16(v);
+    p[0] = (uint8_t)h, p[1] = (uint8_t)(h >> 8);
+}
+
+static void qfill_task(void *ctx, int task) {
+    const qfill *q = ctx;
+    int64_t per = CHUNK / q->cols > 0 ? CHUNK / q->cols : 1, r0 = (int64_t)task * per, r1 = r0 + per < q->rows ? r0 + per : q->rows;
+    int64_t nb = q->cols / QF_Q_BLOCK, rb = (int64_t)qf_q_row_bytes(q->fmt, q->cols), head = q->fmt == QF_Q_I8B32 ? 2 * nb : 4 * nb;
+    float a = q->f.scale; /* the uniform half-width */
+    uint64_t st = mix(q->f.seed ^ (uint64_t)task * 0x632be59bd9b4e019ull);
+    for (int64_t r = r0; r < r1; r++) {
+        uint8_t *row = q->out + (size_t)r * (size_t)rb;
+        for (int64_t b = 0; b < nb; b++) {
+            put_f16(row + 2 * b, q->fmt == QF_Q_I8B32 ? a / 127.0f : 2.0f * a / 15.0f);
+            if (q->fmt == QF_Q_I4B32) put_f16(row + 2 * nb + 2 * b, -a);
+        }
+        for (int64_t i = head; i < rb; i += 8) {
+            st += 0x9e3779b97f4a7c15ull;
+            uint64_t v = mix(st);
+            for (int k = 0; k < 8 && i + k < rb; k++, v >>= 8) row[i + k] = q->fmt == QF_Q_I8B32 && (uint8_t)v == 0x80 ? 0x81 : (uint8_t)v;
+        }
+    }
+}
+
+static const qf_st_tensor *synth_quant(qf_model *m, const char *name, const int64_t *shape) {
+    qfill q = {{0}, NULL, m->synth_experts, shape[0] * shape[1], shape[2]};
+    plan(&q.f, name, shape, 3);
+    q.f.seed = qf_fnv1a(QF_HASH_START, name, strlen(name)) ^ m->synth_seed;
+    if (q.cols % QF_Q_BLOCK) return qf_fail(QF_EINVAL, "synthetic %s experts: rows of %lld", qf_qfmt_name(q.fmt), (long long)q.cols), NULL;
+    int64_t rb = (int64_t)qf_q_row_bytes(q.fmt, q.cols), qshape[3] = {shape[0], shape[1], rb};
+    if (!(q.out = malloc((size_t)(q.rows * rb)))) return NULL;
+    int64_t per = CHUNK / q.cols > 0 ? CHUNK / q.cols : 1;
+    int tasks = (int)((q.rows + per - 1) / per);
+    if (m->synth_pool) qf_pool_run(m->synth_pool, qfill_task, &q, tasks);
+    else
+        for (int t = 0; t < tasks; t++) qfill_task(&q, t);
+    if (qf_st_add_memory(&m->st, name, QF_DT_U8, 3, qshape, q.out) != QF_OK) return NULL;
+    return qf_st_find(&m->st, name);
+}
+
 const qf_st_tensor *qf_synth_tensor(qf_model *m, const char *name, int ndim, const int64_t *shape) {
+    if (m->synth_experts && ndim == 3 && (ends_with(name, "mlp.experts.gate_up_proj") || ends_with(name, "mlp.experts.down_proj")))
+        return synth_quant(m, name, shape);
     fill f = {0};
     plan(&f, name, shape, ndim);
     f.n = 1;
@@ -145,7 +199,10 @@ int qf_model_synthetic(qf_model **out, const qf_synth_opts *so, const qf_load_op
         m->cfg.gen_temperature = 0.0f;
         snprintf(m->cfg.model_type + strlen(m->cfg.model_type), sizeof m->cfg.model_type - strlen(m->cfg.model_type), "%s", " (synthetic)");
         m->synth_seed = so->seed;
-        rc = qf_model_check_limits(&m->cfg);
+        m->synth_experts = so->experts;
+        if (so->experts && so->experts != QF_Q_I8B32 && so->experts != QF_Q_I4B32)
+            rc = qf_fail(QF_EINVAL, "synthetic experts are bf16, int8 or int4 (not %s)", qf_qfmt_name(so->experts));
+        if (rc == QF_OK) rc = qf_model_check_limits(&m->cfg);
     }
     if (rc == QF_OK) {
         m->synth_pool = qf_pool_create(qf_cpu_count()); /* NULL: filled on this thread */

@@ -1,6 +1,7 @@
 // The MoE block of one token per sequence: routing, the chosen experts, the shared expert and
 // the residual add.
 #include "backend/cuda/dec_int.cuh"
+#include "backend/cuda/quant.cuh"
 
 namespace qfc {
 
@@ -228,12 +229,36 @@ __device__ __forceinline__ float gu_row(const void *const *tab, int E, int e, in
     return silu(g) * u;
 }
 
+// gu_row for quantised experts (format F): UL units (16 bytes) per lane and row, all of the gate
+// and up row's loads at once, decoded in registers.
+template <int F, int UL>
+__device__ __forceinline__ float gu_row_q(const void *const *tab, int E, int e, int j, int H, int I, const float *xs, float inv, int lane) {
+    const uint8_t *G = qk_row<F>(tab[e], j, H), *Up = qk_row<F>(tab[E + e], j, H);
+    const float *gs = qk_band<F>(tab[e], I, j, H), *us = qk_band<F>(tab[E + e], I, j, H);
+    int nu = qk_units(F, H), qo = qk_qoff(F, H);
+    uint4 wg[UL], wu[UL];
+#pragma unroll
+    for (int q = 0; q < UL; q++) {
+        int u = lane + 32 * q;
+        if (u < nu) wg[q] = __ldcs((const uint4 *)(G + qo) + u), wu[q] = __ldcs((const uint4 *)(Up + qo) + u);
+    }
+    float g = 0.0f, v = 0.0f;
+#pragma unroll
+    for (int q = 0; q < UL; q++) {
+        int u = lane + 32 * q;
+        if (u < nu) g += qk_unit<F>(wg[q], G, H, u, xs, gs, lane), v += qk_unit<F>(wu[q], Up, H, u, xs, us, lane);
+    }
+    g = warp_sum(g) * inv, v = warp_sum(v) * inv;
+    return silu(g) * v;
+}
+
 // One output row i of the MoE down step, in registers: part q is expert slot q's down row (q = K:
 // the shared expert's), PL 16-byte loads per lane; G parts are loaded at once (one memory latency
 // for the whole row at I = 512). dp[q]: part q's matrix; wk[q] its weight; hs + q * I its input.
 template <int PL>
 struct dn_row {
     static constexpr int G = 18 / PL < 1 ? 1 : 18 / PL; // parts a round: 18 loads per lane in flight
+    int rows; // the down matrices' rows (unused: bf16 rows need no scales)
     uint4 w[G][PL];
     __device__ __forceinline__ void load(const uint16_t *const *dp, int K, int I, int S, int i, int q0) {
         int lane = threadIdx.x & 31, P = K + 1;
@@ -267,11 +292,64 @@ struct dn_row {
     }
 };
 
+// dn_row for quantised experts (format F, UL units a lane of a row of I): the experts' parts in
+// groups of 8 at once; the shared expert's part (bf16, SL loads a lane) loaded with the first group.
+template <int F, int UL, int SL>
+struct dn_row_q {
+    int rows;
+    uint4 w[8][UL], ws[SL];
+    __device__ __forceinline__ void load(const uint16_t *const *dp, int K, int I, int S, int i, int q0) {
+        int lane = threadIdx.x & 31, nu = qk_units(F, I), qo = qk_qoff(F, I);
+#pragma unroll
+        for (int g = 0; g < 8; g++) {
+            int q = q0 + g;
+            const uint4 *src = (const uint4 *)(qk_row<F>(dp[q < K ? q : 0], i, I) + qo);
+#pragma unroll
+            for (int u = 0; u < UL; u++)
+                if (q < K && lane + 32 * u < nu) w[g][u] = __ldcs(src + lane + 32 * u);
+        }
+        if (q0 == 0) {
+            const uint4 *sh = (const uint4 *)(dp[K] + (int64_t)i * S);
+#pragma unroll
+            for (int u = 0; u < SL; u++)
+                if (lane + 32 * u < S / 8) ws[u] = __ldcs(sh + lane + 32 * u);
+        }
+    }
+    __device__ __forceinline__ float sum(const uint16_t *const *dp, const float *wk, const float *hs, int K, int I, int S, int i, int have) {
+        int lane = threadIdx.x & 31, nu = qk_units(F, I);
+        float acc = 0.0f;
+        for (int q0 = 0; q0 < K || q0 == 0; q0 += 8) {
+            if (!have) load(dp, K, I, S, i, q0);
+            have = 0;
+#pragma unroll
+            for (int g = 0; g < 8; g++) {
+                int q = q0 + g;
+                if (q >= K) break;
+                const uint8_t *row = qk_row<F>(dp[q], i, I);
+                const float *band = qk_band<F>(dp[q], rows, i, I);
+                float d = 0.0f;
+#pragma unroll
+                for (int u = 0; u < UL; u++)
+                    if (lane + 32 * u < nu) d += qk_unit<F>(w[g][u], row, I, lane + 32 * u, hs + q * I, band, lane);
+                acc += wk[q] * d;
+            }
+            if (q0 == 0) {
+                float d = 0.0f;
+#pragma unroll
+                for (int u = 0; u < SL; u++)
+                    if (lane + 32 * u < S / 8) d += dot8s(ws[u], hs + K * I + (lane + 32 * u) * 8, lane);
+                acc += wk[K] * d;
+            }
+        }
+        return warp_sum(acc);
+    }
+};
+
 // Block (slot k, column y, row t): routes row t itself (cheaper than a launch between), stages
 // x * norm weight, then its warps walk the expert's ffn rows y*8 + warp, stepping by the grid.
 // Blocks of column 0 write slot k's expert and weight (the down kernel reads them when early is off).
 // early: x (the kernel two back wrote it) is staged before the wait; only the routing waits.
-template <int HL>
+template <int HL, int F = QK_BF16> // F: the experts' format (HL: units a lane of a row when quantised)
 __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_moe_dec a, float *hbuf, int *topi, float *topw, int early,
                                                    unsigned long long *ctr) {
     extern __shared__ float4 dyn[];
@@ -296,7 +374,9 @@ __global__ void __launch_bounds__(256, 2) k_moe_gu(const void *const *tab, qf_mo
     if (blockIdx.y == 0 && tid == 0 && ctr && a.drop_tau[t] > 0.0f) atomicAdd(ctr + 2, 1ull), atomicAdd(ctr + 3, e < 0 ? 1ull : 0ull);
     if (e < 0) return; // dropped by sparsity
     for (; j < I; j += gridDim.y * (blockDim.x / 32)) {
-        float h = gu_row<HL>(tab, E, e, j, H, xs, inv, lane);
+        float h;
+        if constexpr (F == QK_BF16) h = gu_row<HL>(tab, E, e, j, H, xs, inv, lane);
+        else h = gu_row_q<F, HL>(tab, E, e, j, H, I, xs, inv, lane);
         if (lane == 0) hbuf[((int64_t)t * K + k) * I + j] = h;
     }
 }
@@ -318,7 +398,7 @@ __device__ __forceinline__ void shared_slot(const qf_moe_dec &a, const float *rl
 // redone here from the router logits (two kernels back, so before the wait) and the warp's first
 // loads and the shared expert's input go out before it; else the routing comes from gate/up
 // (topi, topw).
-template <int PL>
+template <class DN> // dn_row or dn_row_q
 __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, const float *hbuf, const int *topi,
                                                      const float *topw, int early) {
     extern __shared__ float4 dyn[];
@@ -329,7 +409,8 @@ __global__ void __launch_bounds__(256, 2) k_moe_down(const void *const *tab, qf_
     int i = blockIdx.x * (blockDim.x / 32) + tid / 32;
     float *hs = (float *)dyn; // part q's input at hs + q * I
     const float *rl = a.rl + (int64_t)t * a.rl_stride;
-    dn_row<PL> w;
+    DN w;
+    w.rows = H;
     int have = 0;
     int kk = K; // the experts kept (sparsity drops the last ranks)
     if (early) {
@@ -429,6 +510,7 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
         if (lane == 0) hbuf[r] = h;
     }
     dn_row<PL> w;
+    w.rows = H;
     int i = gw, have = i < H;
     if (have) w.load(dp, kk, I, S, i, 0);
     shared_in(a, a.rl, hs + kk * I);
@@ -465,6 +547,21 @@ static int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
     return 1;
 }
 
+// The two kernels for quantised experts: units a lane of a gate/up row (HL) and of a down row (UL),
+// loads a lane of the shared expert's bf16 down row (SL). 0: a shape they are not built for.
+typedef void (*gu_qfn)(const void *const *, qf_moe_dec, float *, int *, float *, int, unsigned long long *);
+typedef void (*dn_qfn)(const void *const *, qf_moe_dec, const uint16_t *, const float *, const int *, const float *, int);
+template <int F>
+static int moe_q_pick(int H, int I, int S, gu_qfn *gu, dn_qfn *dn) {
+    int hl = (qk_units(F, H) + 31) / 32, ul = (qk_units(F, I) + 31) / 32, sl = (S / 8 + 31) / 32;
+    *gu = hl <= 1 ? k_moe_gu<1, F> : hl <= 2 ? k_moe_gu<2, F> : hl <= 4 ? k_moe_gu<4, F> : hl <= 8 ? k_moe_gu<8, F> : NULL;
+    *dn = sl > 2 ? NULL : ul <= 1 ? k_moe_down<dn_row_q<F, 1, 2>> : ul <= 2 ? k_moe_down<dn_row_q<F, 2, 2>> : ul <= 4 ? k_moe_down<dn_row_q<F, 4, 2>> : NULL;
+    return *gu && *dn;
+}
+static int moe_q_kernels(int F, int H, int I, int S, gu_qfn *gu, dn_qfn *dn) {
+    return F == QK_I8 ? moe_q_pick<QK_I8>(H, I, S, gu, dn) : F == QK_I4 ? moe_q_pick<QK_I4>(H, I, S, gu, dn) : moe_q_pick<QK_F8>(H, I, S, gu, dn);
+}
+
 void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     ctx *c = C(be);
     const void **tab = expert_table(c, a->table, a->experts, a->n_experts);
@@ -472,15 +569,16 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     size_t head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
     char *s = (char *)scratch(c, &c->moe, &c->moe_cap, head + (size_t)n * K * I * sizeof(float));
     if (!tab || !s) return dev_fail(c, "fused moe: out of device memory");
-    if (K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || a->experts[0].gate.dtype != QF_DT_BF16 || H % 8 || I % 8 || a->sh_ffn % 8)
-        return dev_fail(c, "fused moe: top-k %d > %d, %d experts > %d, or weights not bf16 in rows of 8", K, MOE_MAX_K, E, MOE_MAX_E);
+    int F = qk_of(a->experts[0].gate.dtype);
+    if (K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || !qf_moe_dec_fits(a->experts[0].gate.dtype, H, I, a->sh_ffn) || a->sh_ffn % 8)
+        return dev_fail(c, "fused moe: top-k %d > %d, %d experts > %d, or weights not in whole 16-byte units a row", K, MOE_MAX_K, E, MOE_MAX_E);
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
     xc_drop drop = {};
     for (int t = 0; t < n && t < QF_DEC_ROWS; t++) drop.tau[t] = a->drop_tau[t];
     drop.min_k = a->min_k;
     if (a->cache) xcache_resolve(c, a->cache, NULL, 0, a->rl, a->rl_stride, n, K, drop);
-    if (n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf)) return;
+    if (F == QK_BF16 && n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf)) return;
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
     // lanes hold 8 (l + 32 u) columns: HL loads per lane for a gate/up row, PL for a down part
@@ -490,7 +588,9 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     typedef void (*gu_fn)(const void *const *, qf_moe_dec, float *, int *, float *, int, unsigned long long *);
     typedef void (*dn_fn)(const void *const *, qf_moe_dec, const uint16_t *, const float *, const int *, const float *, int);
     gu_fn gu = HL == 1 ? k_moe_gu<1> : HL == 2 ? k_moe_gu<2> : HL == 4 ? k_moe_gu<4> : HL == 8 ? k_moe_gu<8> : k_moe_gu<16>;
-    dn_fn dn = PL == 1 ? k_moe_down<1> : PL == 2 ? k_moe_down<2> : PL == 4 ? k_moe_down<4> : k_moe_down<8>;
+    dn_fn dn = PL == 1 ? k_moe_down<dn_row<1>> : PL == 2 ? k_moe_down<dn_row<2>> : PL == 4 ? k_moe_down<dn_row<4>> : k_moe_down<dn_row<8>>;
+    if (F != QK_BF16 && !moe_q_kernels(F, H, I, a->sh_ffn, &gu, &dn))
+        return dev_fail(c, "fused moe: %s experts of hidden %d, width %d, shared width %d are not supported", qf_dtype_name(a->experts[0].gate.dtype), H, I, a->sh_ffn);
     int sms = c->sms > 0 ? c->sms : 1, gu_res = resident(c, (const void *)gu, 256, sm_gu) * sms;
     int dn_res = resident(c, (const void *)dn, 256, sm_dn) * sms;
     int gy = gu_res / (K * n), dx = dn_res / n;

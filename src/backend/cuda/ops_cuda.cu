@@ -2,6 +2,7 @@
 // (src/backend/cpu/ops_ref.c); tests/test_cuda.c compares them on random data of the real shapes.
 #include "backend/cuda/cuda_int.cuh"
 #include "backend/cuda/dec_int.cuh"
+#include "backend/cuda/quant.cuh"
 #include "base/timer.h"
 
 namespace {
@@ -57,7 +58,7 @@ __global__ void gemv_any(const void *__restrict__ W, int dtype, int64_t rows, in
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
     for (int64_t c = lane; c < cols; c += 32) {
-        float w = ldw(W, dtype, row * cols + c);
+        float w = ldwq(W, dtype, rows, cols, row, c);
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[t] += w * x[t * cols + c];
     }
@@ -650,7 +651,7 @@ __global__ void k_expert_gate_up(const void *const *tab, int E, int dtype, const
             u += dot8(b, xr + c * 8);
         }
     } else {
-        for (int c = lane; c < H; c += 32) g += ldw(G, dtype, (int64_t)j * H + c) * xr[c], u += ldw(U, dtype, (int64_t)j * H + c) * xr[c];
+        for (int c = lane; c < H; c += 32) g += ldwq(G, dtype, I, H, j, c) * xr[c], u += ldwq(U, dtype, I, H, j, c) * xr[c];
     }
     g = warp_sum(g), u = warp_sum(u);
     if (lane == 0) hbuf[(int64_t)rk * I + j] = silu(g) * u;
@@ -675,7 +676,7 @@ __global__ void k_expert_down(const void *const *tab, int E, int dtype, const in
         }
     } else {
         for (int r = 0; r < DOWN_ROWS && i0 + r < H; r++)
-            for (int c = lane; c < I; c += 32) s[r] += ldw(D, dtype, (int64_t)(i0 + r) * I + c) * hr[c];
+            for (int c = lane; c < I; c += 32) s[r] += ldwq(D, dtype, H, I, i0 + r, c) * hr[c];
     }
 #pragma unroll
     for (int r = 0; r < DOWN_ROWS; r++) {
