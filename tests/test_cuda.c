@@ -1020,11 +1020,16 @@ int main(int argc, char **argv) {
     test_matmul(2048, 2048, 64, 1e-4); /* cuBLAS, activations as two bf16 parts (precision fp32: GEMV, exact) */
     test_matmul(8192, 2048, 300, 1e-4);
     /* QFLASH_TEST_QUICK (a device call that wants a part): 1 the prompt ops alone, 2 the many-row MoE
-     * alone, 3 the rest (the decode kernels), 4 sparsity's kernels alone */
+     * alone, 3 the rest (the decode kernels), 4 sparsity's kernels alone, 5 quantised weights alone */
     const char *quick = getenv("QFLASH_TEST_QUICK");
     int part = quick ? atoi(quick) : 0;
-    if (part == 5) { /* quantised weights alone */
-        quant_checks(1);
+    if (part == 5 || part == 6) { /* quantised weights alone (6: the one-row fused MoE alone, with its time) */
+        for (int f = 0; part == 6 && f < 3; f++) {
+            moe_fmt = (int[]){QF_Q_I8B32, QF_Q_I4B32, QF_Q_FP8B128}[f];
+            test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0);
+            test_dec_moe(2, 256, 8, 2048, 512, 512, 1, 0);
+        }
+        if (part == 5) quant_checks(1);
         qf_cuda_backend_free(&gpu);
         return qt_finish();
     }

@@ -237,16 +237,20 @@ __device__ __forceinline__ float gu_row_q(const void *const *tab, int E, int e, 
     const float *gs = qk_band<F>(tab[e], I, j, H), *us = qk_band<F>(tab[E + e], I, j, H);
     int nu = qk_units(F, H), qo = qk_qoff(F, H);
     uint4 wg[UL], wu[UL];
+    float2 sg[UL], su[UL];
 #pragma unroll
     for (int q = 0; q < UL; q++) {
         int u = lane + 32 * q;
-        if (u < nu) wg[q] = __ldcs((const uint4 *)(G + qo) + u), wu[q] = __ldcs((const uint4 *)(Up + qo) + u);
+        if (u < nu) {
+            wg[q] = __ldcs((const uint4 *)(G + qo) + u), wu[q] = __ldcs((const uint4 *)(Up + qo) + u);
+            sg[q] = qk_scale<F>(G, H, u, gs), su[q] = qk_scale<F>(Up, H, u, us);
+        }
     }
     float g = 0.0f, v = 0.0f;
 #pragma unroll
     for (int q = 0; q < UL; q++) {
         int u = lane + 32 * q;
-        if (u < nu) g += qk_unit<F>(wg[q], G, H, u, xs, gs, lane), v += qk_unit<F>(wu[q], Up, H, u, xs, us, lane);
+        if (u < nu) g += qk_unit<F>(wg[q], sg[q], xs + qk_ucol<F>(u)), v += qk_unit<F>(wu[q], su[q], xs + qk_ucol<F>(u));
     }
     g = warp_sum(g) * inv, v = warp_sum(v) * inv;
     return silu(g) * v;
@@ -298,15 +302,17 @@ template <int F, int UL, int SL>
 struct dn_row_q {
     int rows;
     uint4 w[8][UL], ws[SL];
+    float2 sc[8][UL];
     __device__ __forceinline__ void load(const uint16_t *const *dp, int K, int I, int S, int i, int q0) {
         int lane = threadIdx.x & 31, nu = qk_units(F, I), qo = qk_qoff(F, I);
 #pragma unroll
         for (int g = 0; g < 8; g++) {
             int q = q0 + g;
-            const uint4 *src = (const uint4 *)(qk_row<F>(dp[q < K ? q : 0], i, I) + qo);
+            const uint8_t *row = qk_row<F>(dp[q < K ? q : 0], i, I);
+            const float *band = qk_band<F>(dp[q < K ? q : 0], rows, i, I);
 #pragma unroll
             for (int u = 0; u < UL; u++)
-                if (q < K && lane + 32 * u < nu) w[g][u] = __ldcs(src + lane + 32 * u);
+                if (q < K && lane + 32 * u < nu) w[g][u] = __ldcs((const uint4 *)(row + qo) + lane + 32 * u), sc[g][u] = qk_scale<F>(row, I, lane + 32 * u, band);
         }
         if (q0 == 0) {
             const uint4 *sh = (const uint4 *)(dp[K] + (int64_t)i * S);
@@ -325,12 +331,10 @@ struct dn_row_q {
             for (int g = 0; g < 8; g++) {
                 int q = q0 + g;
                 if (q >= K) break;
-                const uint8_t *row = qk_row<F>(dp[q], i, I);
-                const float *band = qk_band<F>(dp[q], rows, i, I);
                 float d = 0.0f;
 #pragma unroll
                 for (int u = 0; u < UL; u++)
-                    if (lane + 32 * u < nu) d += qk_unit<F>(w[g][u], row, I, lane + 32 * u, hs + q * I, band, lane);
+                    if (lane + 32 * u < nu) d += qk_unit<F>(w[g][u], sc[g][u], hs + q * I + qk_ucol<F>(lane + 32 * u));
                 acc += wk[q] * d;
             }
             if (q0 == 0) {
@@ -482,7 +486,9 @@ __device__ __forceinline__ const void *const *moe_pf_table(const void *const *ta
 // warp issues its down row's loads and the grid waits for every block's gate/up rows (a count,
 // not a launch), so the down weights stream while the gate/up rows end. Blocks wait for each
 // other: the grid is never larger than what the SMs hold at once.
-template <int HL, int PL, int ROUTE, bool TB = false> // ROUTE 2: route_pairs, 3: route_sort (the default); TB: moe_pf_table
+// F: the experts' format; quantised, HL counts 16-byte units a lane of a gate/up row and DN is
+// dn_row_q (the shared expert stays bf16).
+template <int HL, int PL, int ROUTE, bool TB = false, int F = QK_BF16, class DN = dn_row<PL>> // ROUTE 2: route_pairs, 3: route_sort (the default); TB: moe_pf_table
 __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_moe_dec a, const uint16_t *sh_down, float *hbuf, unsigned *cnt,
                                                     unsigned long long *ctr) {
     extern __shared__ float4 dyn[];
@@ -506,10 +512,12 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
     __syncthreads();
     for (int r = gw; r < kk * I; r += nw) {
         int k = r / I;
-        float h = gu_row<HL>(tab, E, ti[k], r - k * I, H, xs, inv, lane);
+        float h;
+        if constexpr (F == QK_BF16) h = gu_row<HL>(tab, E, ti[k], r - k * I, H, xs, inv, lane);
+        else h = gu_row_q<F, HL>(tab, E, ti[k], r - k * I, H, I, xs, inv, lane);
         if (lane == 0) hbuf[r] = h;
     }
-    dn_row<PL> w;
+    DN w;
     w.rows = H;
     int i = gw, have = i < H;
     if (have) w.load(dp, kk, I, S, i, 0);
@@ -527,13 +535,28 @@ __global__ void __launch_bounds__(256, 2) k_moe_one(const void *const *tab, qf_m
 
 // One row: k_moe_one for the shapes it is built for (0: not, use the two kernels). One wave: the
 // blocks wait for each other, so the grid is what the SMs hold of it at once.
+typedef void (*one_fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, unsigned long long *);
+
+// k_moe_one for quantised experts at the shapes of Qwen3.5/3.6's MoE (hidden 2048, widths 512).
+template <int F>
+static one_fn moe_one_q(int H, int I, int S, int route) {
+    if (H != 2048 || I > 512 || S > 512) return NULL;
+    constexpr int HL = F == QK_I4 ? 2 : 4;
+    return route == 3 ? k_moe_one<HL, 2, 3, true, F, dn_row_q<F, 1, 2>> : k_moe_one<HL, 2, 2, true, F, dn_row_q<F, 1, 2>>;
+}
+
 static int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
     int H = a->hidden, I = a->ffn, S = a->sh_ffn;
-    typedef void (*fn)(const void *const *, qf_moe_dec, const uint16_t *, float *, unsigned *, unsigned long long *);
+    typedef one_fn fn;
     int mc = I > S ? I : S;
     int f = c->route == 3 && (a->n_experts > 256 || a->top_k > 8) ? 2 : c->route; // route_sort's shapes, else route_pairs
     int tb = c->moe_pf && H <= 2048 && mc <= 512;
-    fn k = tb                        ? (H <= 256 && mc <= 256 ? (f == 3 ? k_moe_one<1, 1, 3, true> : k_moe_one<1, 1, 2, true>)
+    int F = qk_of(a->experts[0].gate.dtype);
+    if (F != QK_BF16) tb = c->moe_pf; /* moe_one_q's shapes */
+    fn k = F == QK_I8                 ? moe_one_q<QK_I8>(H, I, S, f)
+           : F == QK_I4              ? moe_one_q<QK_I4>(H, I, S, f)
+           : F == QK_F8              ? moe_one_q<QK_F8>(H, I, S, f)
+           : tb                        ? (H <= 256 && mc <= 256 ? (f == 3 ? k_moe_one<1, 1, 3, true> : k_moe_one<1, 1, 2, true>)
                                                               : (f == 3 ? k_moe_one<8, 2, 3, true> : k_moe_one<8, 2, 2, true>))
            : H <= 256 && mc <= 256  ? (f == 3 ? k_moe_one<1, 1, 3> : k_moe_one<1, 1, 2>)
            : H <= 2048 && mc <= 512 ? (f == 3 ? k_moe_one<8, 2, 3> : k_moe_one<8, 2, 2>)
@@ -578,7 +601,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     for (int t = 0; t < n && t < QF_DEC_ROWS; t++) drop.tau[t] = a->drop_tau[t];
     drop.min_k = a->min_k;
     if (a->cache) xcache_resolve(c, a->cache, NULL, 0, a->rl, a->rl_stride, n, K, drop);
-    if (F == QK_BF16 && n == 1 && c->moe1 && c->moe_cnt && moe_one(c, tab, a, hbuf)) return;
+    if (n == 1 && c->moe1 && c->moe_cnt && (F == QK_BF16 || c->moe_pf) && moe_one(c, tab, a, hbuf)) return;
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
     // lanes hold 8 (l + 32 u) columns: HL loads per lane for a gate/up row, PL for a down part

@@ -55,43 +55,56 @@ __device__ __forceinline__ float ldwq(const void *w, int dtype, int64_t rows, in
     return ((const float *)w)[r * cols + c];
 }
 
-// x[0..n) of shared memory read as float4s starting at a lane-dependent one (fewer bank conflicts).
-template <int N4>
-__device__ __forceinline__ void qk_xs(const float *x, int lane, float (&v)[4 * N4]) {
-#pragma unroll
-    for (int k = 0; k < N4; k++) {
-        int j = (k + lane) % N4;
-        float4 a = *(const float4 *)(x + 4 * j);
-        v[4 * j] = a.x, v[4 * j + 1] = a.y, v[4 * j + 2] = a.z, v[4 * j + 3] = a.w;
-    }
+// The scales unit u of a row needs (d, and int4's minimum m; fp8: its band's scale times 2^120),
+// loaded beside the unit's weights so that no load waits on the arithmetic.
+template <int F>
+__device__ __forceinline__ float2 qk_scale(const uint8_t *row, int cols, int u, const float *band) {
+    if constexpr (F == QK_I8) return make_float2(qk_f16(row + 2 * (u / 2)), 0.0f);
+    if constexpr (F == QK_I4) return make_float2(qk_f16(row + 2 * u), qk_f16(row + cols / 16 + 2 * u));
+    return make_float2(band[u / 8] * 0x1p120f, 0.0f);
 }
 
-// Unit u of a row (row: the row's first byte; x: the row's input) dotted with x.
+// A small unsigned integer as fp32 by the 2^23 magic number: an OR and an add at full rate, where
+// an int-to-float conversion runs at a quarter of it (what bound the int4 decode).
+__device__ __forceinline__ float qk_u2f(uint32_t v) { return __uint_as_float(0x4B000000u | v) - 8388608.0f; }
+
+// Unit u's weights dotted with its inputs x (int4: 32 of them, else 16), read from shared memory
+// in a fixed order (indexing a register array by lane would put it in local memory).
 template <int F>
-__device__ __forceinline__ float qk_unit(uint4 w, const uint8_t *row, int cols, int u, const float *x, const float *f8s, int lane) {
+__device__ __forceinline__ float qk_unit(uint4 w, float2 sc, const float *x) {
     uint32_t q[4] = {w.x, w.y, w.z, w.w};
+    float s = 0.0f;
     if constexpr (F == QK_I4) {
-        float xv[32], s = 0.0f, xs = 0.0f;
-        qk_xs<8>(x + 32 * u, lane, xv);
+        float xs = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
-            uint32_t b = (q[j / 4] >> (8 * (j % 4))) & 0xffu;
-            s += (float)(b & 15u) * xv[j] + (float)(b >> 4) * xv[j + 16];
-            xs += xv[j] + xv[j + 16];
+        for (int k = 0; k < 4; k++) {
+            float4 lo = *(const float4 *)(x + 4 * k), hi = *(const float4 *)(x + 16 + 4 * k);
+            float l[4] = {lo.x, lo.y, lo.z, lo.w}, h[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                uint32_t b = (q[k] >> (8 * j)) & 0xffu;
+                s += qk_u2f(b & 15u) * l[j] + qk_u2f(b >> 4) * h[j];
+                xs += l[j] + h[j];
+            }
         }
-        int nb = cols / 32;
-        return qk_f16(row + 2 * u) * s + qk_f16(row + 2 * nb + 2 * u) * xs;
+        return sc.x * s + sc.y * xs;
     } else {
-        float xv[16], s = 0.0f;
-        qk_xs<4>(x + 16 * u, lane, xv);
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
-            uint32_t b = (q[j / 4] >> (8 * (j % 4))) & 0xffu;
-            s += (F == QK_I8 ? (float)(int8_t)b : qk_e4m3(b)) * xv[j];
+        for (int k = 0; k < 4; k++) {
+            float4 a = *(const float4 *)(x + 4 * k);
+            float v[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                uint32_t b = (q[k] >> (8 * j)) & 0xffu;
+                s += (F == QK_I8 ? __uint_as_float(0x4B000000u | (b ^ 0x80u)) - 8388736.0f : qk_e4m3(b)) * v[j]; // int8: b ^ 0x80 is q + 128
+            }
         }
-        return F == QK_I8 ? qk_f16(row + 2 * (u / 2)) * s : s * 0x1p120f * f8s[u / 8];
+        return sc.x * s;
     }
 }
+// The first input of unit u.
+template <int F>
+__device__ __forceinline__ int qk_ucol(int u) { return F == QK_I4 ? 32 * u : 16 * u; }
 
 // The unit pointer of row i of a matrix in format F.
 template <int F>
