@@ -12,6 +12,7 @@
 
 #include "backend/cpu/cpu_int.h"
 #include "base/mapfile.h"
+#include "base/quant.h"
 #include "format/sha256.h"
 #include "model/model.h"
 #include "runtime/engine.h"
@@ -369,17 +370,19 @@ static void fp8_variant(const char *name, json_t *h, const unsigned char *data, 
     expect_failure(d, want);
 }
 
-static void fp8_close_to_bf16(void) {
+/* The FP8 weights of qdir (n of: layer 1's expert 2 gate and down, then the trunk's w_qkv, wo,
+ * sh_up) against bdir's bf16 ones. */
+static void fp8_close_to_bf16(const char *qdir, const char *bdir, int n) {
     qf_model *q = NULL, *b = NULL;
-    CHECK(qf_model_load(&q, qt_path("tests/data/qwen35moe-tiny-fp8"), NULL) == QF_OK, "fp8 fixture loads: %s", qf_last_error());
-    CHECK(qf_model_load(&b, qt_path("tests/data/qwen35moe-tiny"), NULL) == QF_OK, "bf16 fixture loads");
-    if (!q || !b) return;
+    CHECK(qf_model_load(&q, qdir, NULL) == QF_OK, "%s loads: %s", qdir, qf_last_error());
+    CHECK(qf_model_load(&b, bdir, NULL) == QF_OK, "%s loads", bdir);
+    if (!q || !b) return qf_model_free(q), qf_model_free(b);
     qf_expert xq, xb;
     CHECK(q->experts->ops->acquire(q->experts, 1, 2, &xq) == QF_OK && b->experts->ops->acquire(b->experts, 1, 2, &xb) == QF_OK, "expert");
     const qf_mat *mq[] = {&xq.gate, &xq.down, &q->layers[0].w_qkv, &q->layers[3].wo, &q->layers[0].sh_up};
     const qf_mat *mb[] = {&xb.gate, &xb.down, &b->layers[0].w_qkv, &b->layers[3].wo, &b->layers[0].sh_up};
     CHECK(q->layers[0].router.dtype == QF_DT_BF16 && q->layers[0].w_a.dtype == QF_DT_BF16, "router and in_proj_a stay bf16");
-    for (int i = 0; i < 5; i++) {
+    for (int i = 0; i < n; i++) {
         CHECK(mq[i]->dtype == QF_DT_F8_E4M3 && mq[i]->scales, "weight %d is F8_E4M3 with scales", i);
         int bad = 0;
         for (int64_t r = 0; r < mq[i]->rows; r++)
@@ -394,7 +397,7 @@ static void fp8_close_to_bf16(void) {
 }
 
 static void case_fp8(void) {
-    fp8_close_to_bf16();
+    fp8_close_to_bf16(qt_path("tests/data/qwen35moe-tiny-fp8"), qt_path("tests/data/qwen35moe-tiny"), 5);
     qf_mapfile f;
     int opened = qf_mapfile_open(&f, qt_path("tests/data/qwen35moe-tiny-fp8/model.safetensors")) == QF_OK;
     CHECK(opened, "fp8 fixture opens");
@@ -426,6 +429,76 @@ static void case_fp8(void) {
     cfg_from = "tests/data/qwen35moe-tiny";
 }
 
+/* qflash quantize: a directory the loader reads whose int experts are, byte for byte, the
+ * reference quantisation of the original's rows (the per-expert tiny fixture and the bundled
+ * model's fused experts), whose trunk is int8 when asked (router and in_proj_a stay), fp8 experts
+ * within half a step, an FP8 input dequantised first, and a SHA256SUMS that verify accepts. */
+static int quantize(const char *in, const char *out, const char *args) {
+    char cmd[1600], o[8192];
+    snprintf(cmd, sizeof cmd, "'%s' quantize -m '%s' -o '%s' %s -t 2 2>&1", qflash_bin, in, out, args);
+    int st = qt_run_capture(cmd, o, sizeof o);
+    CHECK(st == 0 && strstr(o, "wrote"), "quantize %s %s: status %d\n%s", in, args, st, o);
+    return st;
+}
+
+static void int_rows_exact(const char *src, const char *qdir, int fmt, int trunk) {
+    qf_model *b = NULL, *q = NULL;
+    CHECK(qf_model_load(&b, src, NULL) == QF_OK && qf_model_load(&q, qdir, NULL) == QF_OK, "%s loads: %s", qdir, qf_last_error());
+    if (!b || !q) return qf_model_free(b), qf_model_free(q);
+    int bad = 0, mats = 0, E = b->cfg.n_experts;
+    for (int L = 0; L < b->cfg.n_layers; L++)
+        for (int e = 0; e < E; e += E / 4 > 0 ? E / 4 : 1) {
+            qf_expert xb, xq;
+            if (b->experts->ops->acquire(b->experts, L, e, &xb) != QF_OK || q->experts->ops->acquire(q->experts, L, e, &xq) != QF_OK) continue;
+            const qf_mat *mb[3] = {&xb.gate, &xb.up, &xb.down}, *mq[3] = {&xq.gate, &xq.up, &xq.down};
+            for (int i = 0; i < 3; i++, mats++) {
+                size_t rb = qf_q_row_bytes(fmt, mb[i]->cols);
+                float *row = malloc((size_t)mb[i]->cols * sizeof *row);
+                unsigned char *want = malloc(rb);
+                bad += mq[i]->dtype != fmt;
+                for (int64_t r = 0; r < mb[i]->rows && mq[i]->dtype == fmt; r++) {
+                    for (int64_t c = 0; c < mb[i]->cols; c++) row[c] = qf_ref_weight(mb[i], r, c);
+                    qf_q_quantize_row(fmt, row, mb[i]->cols, want);
+                    bad += memcmp(want, (const unsigned char *)mq[i]->data + r * rb, rb) != 0;
+                }
+                free(row), free(want);
+            }
+        }
+    CHECK(bad == 0 && mats > 0, "%s: %d of the rows of %d expert matrices are not the reference %s quantisation", qdir, bad, mats, qf_qfmt_name(fmt));
+    const qf_layer_w *w0 = &q->layers[0];
+    int want_trunk = trunk ? QF_Q_I8B32 : QF_DT_BF16;
+    CHECK(w0->sh_up.dtype == want_trunk && (w0->kind == QF_LAYER_FULL ? w0->wq.dtype : w0->w_qkv.dtype) == want_trunk, "%s: trunk format", qdir);
+    CHECK(w0->router.dtype == QF_DT_BF16 && q->embed.dtype == QF_DT_BF16 && (w0->kind == QF_LAYER_FULL || w0->w_a.dtype == QF_DT_BF16),
+          "%s: router, in_proj_a and embeddings stay as stored", qdir);
+    qf_model_free(b), qf_model_free(q);
+}
+
+static void case_quantize(void) {
+    char out[600], cmd[1600], o[8192];
+    const char *tiny = qt_path("tests/data/qwen35moe-tiny"), *big = qt_path("models/qwen36moe-code-14m");
+    struct { const char *args; int fmt, trunk; } c[] = {{"--experts int8", QF_Q_I8B32, 0}, {"--experts int4 --trunk int8", QF_Q_I4B32, 1}};
+    for (int i = 0; i < 2; i++) {
+        snprintf(out, sizeof out, "%s/quant_tiny_%d", tmp_root, i);
+        if (quantize(tiny, out, c[i].args) == 0) int_rows_exact(tiny, out, c[i].fmt, c[i].trunk);
+        snprintf(out, sizeof out, "%s/quant_big_%d", tmp_root, i);
+        if (quantize(big, out, c[i].args) == 0) int_rows_exact(big, out, c[i].fmt, c[i].trunk);
+    }
+    snprintf(out, sizeof out, "%s/quant_big_fp8", tmp_root);
+    if (quantize(big, out, "--experts fp8 --shard-gb 0.005") == 0) { /* fused experts split one by one, in shards */
+        fp8_close_to_bf16(out, big, 2);
+        snprintf(cmd, sizeof cmd, "'%s' verify --manifest '%s/SHA256SUMS' '%s' 2>&1", qflash_bin, out, out);
+        int st = qt_run_capture(cmd, o, sizeof o);
+        CHECK(st == 0 && strstr(o, "OK:") && strstr(o, "in 4 file(s)"), "verify --manifest on the quantised copy: status %d\n%.2000s", st, o);
+    }
+    snprintf(out, sizeof out, "%s/quant_from_fp8", tmp_root); /* FP8 in: dequantised, then int4 */
+    if (quantize(qt_path("tests/data/qwen35moe-tiny-fp8"), out, "--experts int4 --trunk bf16") == 0) {
+        qf_model *q = NULL;
+        CHECK(qf_model_load(&q, out, NULL) == QF_OK && q->layers[0].w_qkv.dtype == QF_DT_BF16 && q->layers[0].sh_up.dtype == QF_DT_BF16,
+              "FP8 trunk to bf16: %s", qf_last_error());
+        qf_model_free(q);
+    }
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     qflash_bin = argc > 2 ? argv[2] : "build/qflash";
@@ -449,6 +522,7 @@ int main(int argc, char **argv) {
     case_bad_template();
     case_bad_config_flash();
     case_fp8();
+    case_quantize();
     json_decref(orig_hdr);
     qf_mapfile_close(&orig);
     char cmd[400];
