@@ -334,7 +334,8 @@ static void test_moe_shape(int N, int E, int K, int H, int I, int check, int ben
         double t0 = qf_now();
         for (int i = 0; i < reps; i++) gpu.ops->moe(&gpu, &a);
         qf_be_sync(&gpu);
-        double dt = (qf_now() - t0) / reps, bytes = (double)N * K * 3 * I * H * 2, once = (double)used * 3 * I * H * 2;
+        double per = (double)(qf_mat_bytes(&host[0].gate) + qf_mat_bytes(&host[0].up) + qf_mat_bytes(&host[0].down));
+        double dt = (qf_now() - t0) / reps, bytes = (double)N * K * per, once = (double)used * per;
         fprintf(stderr, "  moe N=%d: %.1f us per call, %.0f GB/s of expert weights per row (%.0f%% of 4300 GB/s copy); %d experts used, "
                 "%.0f GB/s of their bytes read once (%.0f%%)\n", N, dt * 1e6, bytes / dt / 1e9, 100 * bytes / dt / 4.3e12, used,
                 once / dt / 1e9, 100 * once / dt / 4.3e12);
@@ -967,6 +968,20 @@ static void switch_checks(void) {
 /* Quantised weights (int8, int4, fp8): the generic product at the expert and trunk shapes and odd
  * ones; the MoE op and the fused decode MoE with quantised experts against the reference ops
  * (which dequantise exactly); bench: the fused decode MoE's time and bandwidth at the release's shape. */
+/* Prompt-sized MoE ops with quantised experts: grouped by expert, the weights decoded into the
+ * tensor-core stages (from 96 rows), against the reference; with bench, their time beside bf16's. */
+static void quant_grouped_checks(int bench) {
+    int fmts[3] = {QF_Q_I8B32, QF_Q_I4B32, QF_Q_FP8B128};
+    for (int f = 0; f < 3; f++) {
+        moe_fmt = fmts[f];
+        test_moe_shape(128, 256, 8, 2048, 512, 1, bench);
+        test_moe_shape(200, 16, 4, 256, 256, 1, 0); /* passes of 32 slots, several an expert */
+        if (bench) test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
+    }
+    moe_fmt = QF_DT_BF16;
+    if (bench) test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
+}
+
 static void quant_checks(int bench) {
     int fmts[3] = {QF_Q_I8B32, QF_Q_I4B32, QF_Q_FP8B128};
     for (int f = 0; f < 3; f++) {
@@ -983,6 +998,7 @@ static void quant_checks(int bench) {
         test_dec_moe(16, 256, 8, 2048, 512, 512, bench, 0);
         test_dec_moe(3, 64, 4, 256, 256, 128, 0, 1); /* one unit a lane, tied logits */
     }
+    quant_grouped_checks(bench);
     moe_fmt = QF_DT_BF16;
     if (bench) test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0); /* bf16 beside them, same run */
 }
@@ -1020,9 +1036,15 @@ int main(int argc, char **argv) {
     test_matmul(2048, 2048, 64, 1e-4); /* cuBLAS, activations as two bf16 parts (precision fp32: GEMV, exact) */
     test_matmul(8192, 2048, 300, 1e-4);
     /* QFLASH_TEST_QUICK (a device call that wants a part): 1 the prompt ops alone, 2 the many-row MoE
-     * alone, 3 the rest (the decode kernels), 4 sparsity's kernels alone, 5 quantised weights alone */
+     * alone, 3 the rest (the decode kernels), 4 sparsity's kernels alone, 5 quantised weights alone, 6 the
+     * one-row MoE of quantised experts, 7 their prompt-sized MoE */
     const char *quick = getenv("QFLASH_TEST_QUICK");
     int part = quick ? atoi(quick) : 0;
+    if (part == 7) { /* quantised experts in prompt-sized MoE ops alone */
+        quant_grouped_checks(1);
+        qf_cuda_backend_free(&gpu);
+        return qt_finish();
+    }
     if (part == 5 || part == 6) { /* quantised weights alone (6: the one-row fused MoE alone, with its time) */
         for (int f = 0; part == 6 && f < 3; f++) {
             moe_fmt = (int[]){QF_Q_I8B32, QF_Q_I4B32, QF_Q_FP8B128}[f];

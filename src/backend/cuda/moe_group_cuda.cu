@@ -8,6 +8,7 @@
 #include <mma.h>
 
 #include "backend/cuda/cuda_int.cuh"
+#include "backend/cuda/quant.cuh"
 
 namespace {
 
@@ -171,17 +172,59 @@ __global__ void __launch_bounds__(MG_THREADS) k_mg_down(const void *const *tab, 
 
 // Stages in the ring of k_mg_cp<NM, TL> (all but one in flight while one is summed): a pass of 32 slots
 // keeps 4 (two blocks an SM at NM 2), a pass of 64 slots 3 (its stages are larger; still two).
-__host__ __device__ constexpr int mc_stages(int tl) { return tl == 2 ? 4 : 3; }
-__host__ __device__ constexpr size_t mc_stage_elems(int nm, int tl) { return (size_t)(nm + tl / 2) * 64 * MC_LD; }
+// Quantised weights (F) are decoded into a stage by the threads themselves (a hi and a lo bf16 part
+// of each weight, the rows of the lo parts after the inputs'), so two stages do: only the inputs
+// are in flight.
+__host__ __device__ constexpr int mc_stages(int tl, int f = QK_BF16) { return f != QK_BF16 ? 2 : tl == 2 ? 4 : 3; }
+__host__ __device__ constexpr size_t mc_stage_elems(int nm, int tl, int f = QK_BF16) { return (size_t)(nm * (f != QK_BF16 ? 2 : 1) + tl / 2) * 64 * MC_LD; }
+
+// Unit u of a quantised row (its bytes w, its scales sc) decoded into v: 16 weights (int4: 32) in
+// column order.
+template <int F>
+__device__ __forceinline__ void qk_unit_vals(uint4 w, float2 sc, float *v) {
+    uint32_t q[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        uint32_t b = (q[j / 4] >> (8 * (j % 4))) & 0xffu;
+        if constexpr (F == QK_I4) v[j] = sc.x * (float)(b & 15u) + sc.y, v[j + 16] = sc.x * (float)(b >> 4) + sc.y;
+        else if constexpr (F == QK_I8) v[j] = sc.x * (float)(int8_t)b;
+        else v[j] = qk_e4m3(b) * sc.x;
+    }
+}
+
+// A stage's quantised weight rows (NM * 64 from f0, columns k0 ..), decoded: hi parts at sw, lo
+// parts at swl (pitch MC_LD).
+template <int F, int NM>
+__device__ __forceinline__ void mc_dequant(__nv_bfloat16 *sw, __nv_bfloat16 *swl, const void *W0, const void *W1, int f0, int R, int K, int k0) {
+    constexpr int CPU = F == QK_I4 ? 32 : 16, UPR = MC_KC / CPU; // columns a unit, units a row's stage
+    int qo = qk_qoff(F, K);
+    for (int q = threadIdx.x; q < NM * 64 * UPR; q += blockDim.x) {
+        int r = q / UPR, uu = q % UPR, row = f0 + (r & 63), u = k0 / CPU + uu;
+        if (row >= R) continue;
+        const void *W = r < 64 ? W0 : W1;
+        const uint8_t *rp = qk_row<F>(W, row, K);
+        float v[CPU];
+        qk_unit_vals<F>(*((const uint4 *)(rp + qo) + u), qk_scale<F>(rp, K, u, qk_band<F>(W, R, row, K)), v);
+#pragma unroll
+        for (int j = 0; j < CPU; j += 2) {
+            __nv_bfloat162 h = __floats2bfloat162_rn(v[j], v[j + 1]);
+            __nv_bfloat162 l = __floats2bfloat162_rn(v[j] - __low2float(h), v[j + 1] - __high2float(h));
+            *(__nv_bfloat162 *)(sw + r * MC_LD + uu * CPU + j) = h;
+            *(__nv_bfloat162 *)(swl + r * MC_LD + uu * CPU + j) = l;
+        }
+    }
+}
 
 // The rows and columns of stage c (columns c * MC_KC ..) into ring stage b: NM * 64 weight rows
 // from f0 (rows past R left as they are: no warp sums them) and the pass's 16 TL input slots' parts.
-template <int NM, int TL>
-__device__ __forceinline__ void mc_issue(__nv_bfloat16 *ring, int b, int c, const __nv_bfloat16 *W0, const __nv_bfloat16 *W1, int f0, int R, int K,
+template <int NM, int TL, int F = QK_BF16>
+__device__ __forceinline__ void mc_issue(__nv_bfloat16 *ring, int b, int c, const void *W0v, const void *W1v, int f0, int R, int K,
                                          const __nv_bfloat16 *inh, const __nv_bfloat16 *inl) {
-    __nv_bfloat16 *sw = ring + (size_t)b * mc_stage_elems(NM, TL), *sx = sw + NM * 64 * MC_LD, *sxl = sx + 16 * TL * MC_LD;
+    __nv_bfloat16 *sw = ring + (size_t)b * mc_stage_elems(NM, TL, F), *sx = sw + NM * 64 * MC_LD, *sxl = sx + 16 * TL * MC_LD;
     int k0 = c * MC_KC;
-    for (int q = threadIdx.x; q < NM * 64 * 8; q += blockDim.x) {
+    if constexpr (F != QK_BF16) mc_dequant<F, NM>(sw, sxl + 16 * TL * MC_LD, W0v, W1v, f0, R, K, k0);
+    const __nv_bfloat16 *W0 = (const __nv_bfloat16 *)W0v, *W1 = (const __nv_bfloat16 *)W1v;
+    for (int q = threadIdx.x; F == QK_BF16 && q < NM * 64 * 8; q += blockDim.x) {
         int r = q >> 3, p = (q & 7) * 8, row = f0 + (r & 63);
         if (row < R) cp16(sw + r * MC_LD + p, (r < 64 ? W0 : W1) + (int64_t)row * K + k0 + p);
     }
@@ -195,8 +238,10 @@ __device__ __forceinline__ void mc_issue(__nv_bfloat16 *ring, int b, int c, cons
 // One stage's tensor-core steps of a warp: its 16 rows of each of the NM matrices against the
 // TL tiles of 16 slots. The slots' fragments are loaded once for all NM matrices; each tile's sum
 // takes the hi part then the lo part a step, as mg_mma.
+// swl (quantised weights): the weights' lo parts, each times the inputs' hi part as well.
 template <int NM, int TL>
-__device__ __forceinline__ void mc_steps(const __nv_bfloat16 *sw, const __nv_bfloat16 *sx, bool lo, int warp, frag_acc (&acc)[NM][TL]) {
+__device__ __forceinline__ void mc_steps(const __nv_bfloat16 *sw, const __nv_bfloat16 *sx, bool lo, int warp, frag_acc (&acc)[NM][TL],
+                                         const __nv_bfloat16 *swl = nullptr) {
 #pragma unroll
     for (int kk = 0; kk < MC_KC; kk += 16) {
         frag_x xh[TL], xl[TL];
@@ -214,6 +259,11 @@ __device__ __forceinline__ void mc_steps(const __nv_bfloat16 *sw, const __nv_bfl
                 wmma::mma_sync(acc[m][t], w, xh[t], acc[m][t]);
                 if (lo) wmma::mma_sync(acc[m][t], w, xl[t], acc[m][t]);
             }
+            if (swl) {
+                wmma::load_matrix_sync(w, swl + (m * 64 + warp * 16) * MC_LD + kk, MC_LD);
+#pragma unroll
+                for (int t = 0; t < TL; t++) wmma::mma_sync(acc[m][t], w, xh[t], acc[m][t]);
+            }
         }
     }
 }
@@ -228,21 +278,21 @@ __device__ __forceinline__ void mc_steps(const __nv_bfloat16 *sw, const __nv_bfl
 // Session 12 at 512 rows of the real shape: 839 us against 1939, 45% of the copy bandwidth for the
 // bytes read once against 19%.) K: the summed width (H or I), R: the matrices' rows (I or H), also
 // the output's pitch.
-template <int NM, int TL>
+template <int NM, int TL, int F = QK_BF16> // F: the experts' format
 __global__ void __launch_bounds__(MG_THREADS) k_mg_cp(const void *const *tab, int E, const int *gstart, const __nv_bfloat16 *inh,
                                                       const __nv_bfloat16 *inl, int K, int R, __nv_bfloat16 *hh, __nv_bfloat16 *hl, float *y) {
-    constexpr int S = mc_stages(TL), P = 16 * TL; // stages, slots a pass
+    constexpr int S = mc_stages(TL, F), P = 16 * TL; // stages, slots a pass
     extern __shared__ __align__(128) unsigned char mc_smem[];
     __nv_bfloat16 *ring = (__nv_bfloat16 *)mc_smem;
     int e = blockIdx.y, s0 = gstart[e], cnt = gstart[e + 1] - s0; // block-uniform: before any barrier
     if (!cnt) return;
     int warp = threadIdx.x / 32, lane = threadIdx.x & 31, f0 = blockIdx.x * 64, fw = f0 + warp * 16, nk = K / MC_KC;
-    const __nv_bfloat16 *W0 = (const __nv_bfloat16 *)tab[NM == 2 ? e : 2 * E + e], *W1 = (const __nv_bfloat16 *)tab[E + e];
+    const void *W0 = tab[NM == 2 ? e : 2 * E + e], *W1 = tab[E + e];
     for (int t0 = 0; t0 < cnt; t0 += P) {
         int nt = min(P, cnt - t0);
         const __nv_bfloat16 *ph = inh + (int64_t)(s0 + t0) * K, *pl = inl ? inl + (int64_t)(s0 + t0) * K : NULL;
         for (int c = 0; c < S - 1; c++) {
-            if (c < nk) mc_issue<NM, TL>(ring, c, c, W0, W1, f0, R, K, ph, pl);
+            if (c < nk) mc_issue<NM, TL, F>(ring, c, c, W0, W1, f0, R, K, ph, pl);
             cp_commit();
         }
         frag_acc acc[NM][TL];
@@ -253,11 +303,11 @@ __global__ void __launch_bounds__(MG_THREADS) k_mg_cp(const void *const *tab, in
         for (int c = 0; c < nk; c++) {
             cp_wait<S - 2>(); // this thread's copies of stage c have landed
             __syncthreads();  // everyone's have; stage c - 1 is summed by every warp
-            if (c + S - 1 < nk) mc_issue<NM, TL>(ring, (c + S - 1) % S, c + S - 1, W0, W1, f0, R, K, ph, pl);
+            if (c + S - 1 < nk) mc_issue<NM, TL, F>(ring, (c + S - 1) % S, c + S - 1, W0, W1, f0, R, K, ph, pl);
             cp_commit();
             if (fw >= R) continue;
-            const __nv_bfloat16 *sw = ring + (size_t)(c % S) * mc_stage_elems(NM, TL);
-            mc_steps<NM, TL>(sw, sw + NM * 64 * MC_LD, inl != NULL, warp, acc);
+            const __nv_bfloat16 *sw = ring + (size_t)(c % S) * mc_stage_elems(NM, TL, F);
+            mc_steps<NM, TL>(sw, sw + NM * 64 * MC_LD, inl != NULL, warp, acc, F != QK_BF16 ? sw + (NM * 64 + 32 * TL) * MC_LD : nullptr);
         }
         cp_wait<0>();
         __syncthreads(); // the ring is free: its room takes the sums
@@ -279,16 +329,29 @@ __global__ void __launch_bounds__(MG_THREADS) k_mg_cp(const void *const *tab, in
     }
 }
 
-size_t mc_smem_bytes(int nm, int tl) { return (size_t)mc_stages(tl) * mc_stage_elems(nm, tl) * sizeof(__nv_bfloat16); }
+size_t mc_smem_bytes(int nm, int tl, int f = QK_BF16) { return (size_t)mc_stages(tl, f) * mc_stage_elems(nm, tl, f) * sizeof(__nv_bfloat16); }
 
 // Both products of the grouped experts by cp.async stages, passes of 16 TL slots.
-template <int TL>
+template <int TL, int F = QK_BF16>
 void mc_launch(ctx *c, const void **tab, int E, int H, int I, const int *gstart, const __nv_bfloat16 *xh, const __nv_bfloat16 *xl, __nv_bfloat16 *hh,
                __nv_bfloat16 *hl, float *y) {
-    LAUNCH_S(c, (k_mg_cp<2, TL>), dim3((I + 63) / 64, E), MG_THREADS, mc_smem_bytes(2, TL), (const void *const *)tab, E, gstart, xh, xl, H, I, hh, hl,
+    LAUNCH_S(c, (k_mg_cp<2, TL, F>), dim3((I + 63) / 64, E), MG_THREADS, mc_smem_bytes(2, TL, F), (const void *const *)tab, E, gstart, xh, xl, H, I, hh, hl,
              (float *)NULL);
-    LAUNCH_S(c, (k_mg_cp<1, TL>), dim3((H + 63) / 64, E), MG_THREADS, mc_smem_bytes(1, TL), (const void *const *)tab, E, gstart, hh, hl, I, H,
+    LAUNCH_S(c, (k_mg_cp<1, TL, F>), dim3((H + 63) / 64, E), MG_THREADS, mc_smem_bytes(1, TL, F), (const void *const *)tab, E, gstart, hh, hl, I, H,
              (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y);
+}
+
+// The quantised experts' kernels (passes of 32 slots), their shared memory asked for once.
+template <int F>
+static void mc_launch_q(ctx *c, const void **tab, int E, int H, int I, const int *gstart, const __nv_bfloat16 *xh, const __nv_bfloat16 *xl,
+                        __nv_bfloat16 *hh, __nv_bfloat16 *hl, float *y) {
+    static bool attr; // per process: the attribute belongs to the kernel, not the context
+    if (!attr) {
+        cudaFuncSetAttribute(k_mg_cp<2, 2, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(2, 2, F));
+        cudaFuncSetAttribute(k_mg_cp<1, 2, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(1, 2, F));
+        attr = true;
+    }
+    mc_launch<2, F>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
 }
 
 // out[r] = sum over k (in order) of topw[r][k] * y[slot of (r, k)]: k_expert_sum's sum.
@@ -308,8 +371,11 @@ size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw, float *y) {
     int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts, NK = N * K;
     if (!c->mg || c->fp32 || N < c->mg_min_rows || H % 16 || I % 16 || E > 4096) return 0;
+    int dt = a->experts[0].gate.dtype, F = qk_of(dt);
     for (int e = 0; e < E; e++)
-        if (a->experts[e].gate.dtype != QF_DT_BF16 || a->experts[e].up.dtype != QF_DT_BF16 || a->experts[e].down.dtype != QF_DT_BF16) return 0;
+        if (a->experts[e].gate.dtype != dt || a->experts[e].up.dtype != dt || a->experts[e].down.dtype != dt) return 0;
+    // fp8 experts keep the GEMV path until their grouped form is checked on a device (int8 and int4 are)
+    if (dt != QF_DT_BF16 && (F == QK_BF16 || F == QK_F8 || !c->mg_cp || !qk_unit_ok(F, H) || !qk_unit_ok(F, I) || H % MC_KC || I % MC_KC)) return 0;
     int two = !c->bf16_single;
     // x's and h's parts padded by a pass of slots: a pass's last tile reads whole 16-slot columns
     size_t ints = align256((size_t)(E + 1 + 2 * NK) * sizeof(int)), xb = align256((size_t)(NK + 64) * H * 2), hb = align256((size_t)(NK + 64) * I * 2);
@@ -320,7 +386,11 @@ int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *
     __nv_bfloat16 *hh = (__nv_bfloat16 *)(s + ints + 2 * xb), *hl = two ? (__nv_bfloat16 *)(s + ints + 2 * xb + hb) : NULL;
     LAUNCH_S(c, k_mg_group, 1, 1024, 2 * E * sizeof(int), topi, NK, K, E, gstart, slot_row, slot_of);
     LAUNCH(c, k_mg_gather, blocks((int64_t)NK * H, 256), 256, a->x, slot_row, NK, H, xh, xl);
-    if (c->mg_cp && H % MC_KC == 0 && I % MC_KC == 0) {
+    if (F != QK_BF16) {
+        if (F == QK_I8) mc_launch_q<QK_I8>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
+        else if (F == QK_I4) mc_launch_q<QK_I4>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
+        else return 0;
+    } else if (c->mg_cp && H % MC_KC == 0 && I % MC_KC == 0) {
         if (!c->mg_cp_attr) { // past the 48 KB a kernel gets unasked
             cudaFuncSetAttribute(k_mg_cp<2, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(2, 2));
             cudaFuncSetAttribute(k_mg_cp<1, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(1, 2));
