@@ -155,7 +155,7 @@ static void check_batching(const char *dir) {
     float *la = malloc((size_t)V * 4 * 12), *lb = malloc((size_t)V * 4), *wa = malloc((size_t)V * 4 * 12), *wb = malloc((size_t)V * 4);
     /* sequence b first gets 4 tokens alone, then its 5th token rides along with all of a */
     CHECK(qf_forward_seq(m, &be, ws, sb, b, 4, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
-    qf_seq_step steps[2] = {{sa, a, 12, QF_LOGITS_ALL, la, NULL, 0, 0}, {sb, b + 4, 1, QF_LOGITS_LAST, lb, NULL, 0, 0}};
+    qf_seq_step steps[2] = {{sa, a, 12, QF_LOGITS_ALL, la, NULL, 0, 0, NULL, NULL}, {sb, b + 4, 1, QF_LOGITS_LAST, lb, NULL, 0, 0, NULL, NULL}};
     CHECK(qf_forward(m, &be, ws, steps, 2) == QF_OK, "%s", qf_last_error());
     CHECK(qf_forward_seq(m, &be, ws, ra, a, 12, QF_LOGITS_ALL, wa) == QF_OK, "%s", qf_last_error());
     /* b alone decodes its 5th token as a one-row step, as a lone stream does */
@@ -164,11 +164,11 @@ static void check_batching(const char *dir) {
     double da = qt_max_abs_diff(la, wa, (int64_t)V * 12), db = qt_max_abs_diff(lb, wb, V);
     CHECK(da == 0 && db == 0, "%s batched vs alone: %.3g / %.3g", dir, da, db);
     int32_t bad = V;
-    qf_seq_step oob = {sa, &bad, 1, QF_LOGITS_NONE, NULL, NULL, 0, 0};
+    qf_seq_step oob = {sa, &bad, 1, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL};
     CHECK(qf_forward(m, &be, ws, &oob, 1) == QF_EINVAL && sa->pos == 12, "out-of-range token accepted");
     /* a holds 3 pages and b 2: the pool is empty, so a 13th token of a must fail and change nothing */
     int32_t more = 5;
-    qf_seq_step full = {sa, &more, 1, QF_LOGITS_NONE, NULL, NULL, 0, 0};
+    qf_seq_step full = {sa, &more, 1, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL};
     CHECK(qf_kv_pool_free_pages(pool) == 0 && qf_forward(m, &be, ws, &full, 1) == QF_ENOMEM && sa->pos == 12,
           "%s: full KV pool not reported (%d free)", dir, qf_kv_pool_free_pages(pool));
     qf_state_reset(sb);
@@ -194,7 +194,7 @@ static void check_top1(const char *dir) {
              *rb = qf_state_create(m, 16);
     float *wa = malloc((size_t)V * 4), *wb = malloc((size_t)V * 4), *lc = malloc((size_t)V * 4);
     CHECK(qf_forward_seq(m, &be, ws, sb, b, 2, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
-    qf_seq_step steps[3] = {{sa, a, 6, QF_LOGITS_TOP1, NULL, &ia, 0, 0}, {sb, b + 2, 1, QF_LOGITS_TOP1, NULL, &ib, 0, 0}, {sc, b, 3, QF_LOGITS_LAST, lc, NULL, 0, 0}};
+    qf_seq_step steps[3] = {{sa, a, 6, QF_LOGITS_TOP1, NULL, &ia, 0, 0, NULL, NULL}, {sb, b + 2, 1, QF_LOGITS_TOP1, NULL, &ib, 0, 0, NULL, NULL}, {sc, b, 3, QF_LOGITS_LAST, lc, NULL, 0, 0, NULL, NULL}};
     CHECK(qf_forward(m, &be, ws, steps, 3) == QF_OK, "%s", qf_last_error());
     CHECK(qf_forward_seq(m, &be, ws, ra, a, 6, QF_LOGITS_LAST, wa) == QF_OK, "%s", qf_last_error());
     CHECK(qf_forward_seq(m, &be, ws, rb, b, 3, QF_LOGITS_LAST, wb) == QF_OK, "%s", qf_last_error());

@@ -98,6 +98,7 @@ static int read_text_config(reader *r, qf_config *c) {
         c->n_experts_used = get_int(r, "num_experts_per_tok", 0, 1);
         c->expert_ffn = get_int(r, "moe_intermediate_size", 0, 1);
         c->shared_ffn = get_int(r, "shared_expert_intermediate_size", 0, 1);
+        c->mtp_layers = get_int(r, "mtp_num_hidden_layers", 0, 0);
     } else {
         c->dense_ffn = get_int(r, "intermediate_size", 0, 1);
     }

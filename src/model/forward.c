@@ -311,7 +311,7 @@ static int moe(fwd *f, int L, float *xn, float *out) {
 static int dec_usable(const fwd *f) {
     if (!f->be->ops->dec || !f->m->dec_ok || f->N > QF_DEC_ROWS) return 0;
     for (int s = 0; s < f->n_seqs; s++)
-        if (f->seqs[s].n != 1 || f->seqs[s].logits_mode == QF_LOGITS_ALL) return 0;
+        if (f->seqs[s].n != 1 || f->seqs[s].logits_mode == QF_LOGITS_ALL || f->seqs[s].inputs || f->seqs[s].hidden) return 0;
     return 1;
 }
 
@@ -426,7 +426,7 @@ static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_s
         if (q->sparsity_set && !(q->sparsity >= 0.0f && q->sparsity <= 1.0f)) return qf_fail(QF_EINVAL, "sparsity level %g is outside 0..1", q->sparsity);
         if (q->sparsity_set && q->sparsity > 0.0f && !qf_model_sparsity_ready(m))
             return qf_fail(QF_EUNSUPPORTED, "a sparsity level above 0 on this device needs the model loaded with one (its transposed weights)");
-        for (int i = 0; i < q->n; i++)
+        for (int i = 0; !q->inputs && i < q->n; i++)
             if (q->tokens[i] < 0 || q->tokens[i] >= m->cfg.vocab)
                 return qf_fail(QF_EINVAL, "token id %d at position %d is outside the vocabulary (0..%d)", q->tokens[i], i, m->cfg.vocab - 1);
         *N += q->n;
@@ -495,6 +495,18 @@ static void logits(fwd *f) {
  * wanted (positions only change the kernels' arguments). */
 /* A recorded step is replayed only for the same sequences, shapes and outputs, and the same expert
  * cache (a cache given slots later adds kernels to the step). */
+/* The final-normed hidden states of the rows whose sequence asks for them (qf_seq_step.hidden). */
+static void hidden_out(fwd *f, const float *x, float *xn) {
+    const qf_model *m = f->m;
+    qf_backend *be = f->be;
+    int H = m->cfg.hidden, any = 0;
+    for (int s = 0; s < f->n_seqs; s++) any |= f->seqs[s].hidden != NULL;
+    if (!any) return;
+    OPS->rmsnorm(be, x, H, m->final_norm, f->N, H, m->cfg.norm_eps, xn, H);
+    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++)
+        if (f->seqs[s].hidden) qf_be_download(be, f->seqs[s].hidden, xn + (size_t)r0 * H, (size_t)f->seqs[s].n * H * sizeof(float));
+}
+
 static uint64_t step_key(const qf_model *m, const qf_seq_step *seqs, int n_seqs) {
     uint64_t h = (1469598103934665603ull ^ (uint64_t)n_seqs) * 1099511628211ull ^ m->sparsity_gen; /* levels are the kernels' arguments */
     qf_expert_table t = {0};
@@ -505,9 +517,10 @@ static uint64_t step_key(const qf_model *m, const qf_seq_step *seqs, int n_seqs)
         float level = seqs[s].sparsity;
         for (int L = 0; !seqs[s].sparsity_set && L < m->cfg.n_layers; L++) level = L == 0 || m->sparsity[L] > level ? m->sparsity[L] : level;
         int kv_on = seqs[s].n == 1 && qf_sparsity_kv_pages(m, level, seqs[s].st->pos + 1, qf_kv_pool_page_tokens(seqs[s].st->kv)) > 0;
-        uint64_t v[7] = {(uint64_t)(uintptr_t)seqs[s].st, (uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, (uint64_t)(uintptr_t)seqs[s].logits,
-                         (uint64_t)(uintptr_t)seqs[s].top1, seqs[s].sparsity_set ? (uint64_t)lv + 1 : 0, (uint64_t)kv_on}; /* kv_on: the step's page choices */
-        for (int i = 0; i < 7; i++) h = (h ^ v[i]) * 1099511628211ull;
+        uint64_t v[9] = {(uint64_t)(uintptr_t)seqs[s].st, (uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, (uint64_t)(uintptr_t)seqs[s].logits,
+                         (uint64_t)(uintptr_t)seqs[s].top1, seqs[s].sparsity_set ? (uint64_t)lv + 1 : 0, (uint64_t)kv_on, /* kv_on: the step's page choices */
+                         (uint64_t)(uintptr_t)seqs[s].inputs, (uint64_t)(uintptr_t)seqs[s].hidden};
+        for (int i = 0; i < 9; i++) h = (h ^ v[i]) * 1099511628211ull;
     }
     return h;
 }
@@ -553,7 +566,10 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     if (m->experts && m->experts->ops->step) m->experts->ops->step(m->experts);
     if (OPS->step_begin) OPS->step_begin(be, step_key(m, seqs, n_seqs), f.N);
     kv_prepare(&f);
-    for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) OPS->embed(be, &m->embed, seqs[s].tokens, seqs[s].n, x + (size_t)r0 * H);
+    for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) {
+        if (seqs[s].inputs) qf_be_copy(be, x + (size_t)r0 * H, seqs[s].inputs, (size_t)seqs[s].n * H * sizeof(float));
+        else OPS->embed(be, &m->embed, seqs[s].tokens, seqs[s].n, x + (size_t)r0 * H);
+    }
     if (ws->hook && !m->dev) ws->hook(ws->hook_ud, 0, x, f.N, H);
     if (dec_usable(&f)) {
         for (int L = 0; L < c->n_layers && rc == QF_OK; L++) rc = dec_layer(&f, L);
@@ -570,6 +586,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
         OPS->rmsnorm(be, x, H, m->final_norm, f.N, H, c->norm_eps, xn, H);
         ws->hook(ws->hook_ud, c->n_layers, xn, f.N, H);
     }
+    hidden_out(&f, x, xn);
     for (int s = 0; s < n_seqs; s++) seqs[s].st->pos += seqs[s].n;
     logits(&f);
     return OPS->step_end ? OPS->step_end(be, 0) : QF_OK;
@@ -589,7 +606,7 @@ static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, 
     if (m->experts->ops->step) m->experts->ops->step(m->experts);
     if (OPS->step_begin) OPS->step_begin(be, 0, n); /* more rows than a recorded step: run as it goes */
     for (int i = 0; i < n; i += R) OPS->embed(be, &m->embed, tokens + i, n - i < R ? n - i : R, ws->px + (size_t)i * H);
-    qf_seq_step q = {st, NULL, 0, QF_LOGITS_NONE, NULL, NULL, 0, 0};
+    qf_seq_step q = {st, NULL, 0, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL};
     fwd f = {m, be, ws, &q, 1, 0};
     for (int L = 0; L < c->n_layers && rc == QF_OK; L++)
         for (int i = 0; i < n && rc == QF_OK; i += R) {
@@ -619,7 +636,7 @@ int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state
     for (int i = 0; i < n; i += ws->max_rows) {
         int cnt = n - i < ws->max_rows ? n - i : ws->max_rows;
         int last = i + cnt == n;
-        qf_seq_step s = {st, tokens + i, cnt, QF_LOGITS_NONE, NULL, NULL, 0, 0};
+        qf_seq_step s = {st, tokens + i, cnt, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL};
         if (logits_mode == QF_LOGITS_ALL) {
             s.logits_mode = QF_LOGITS_ALL;
             s.logits = logits_out + (size_t)i * m->cfg.vocab;

@@ -20,6 +20,7 @@ int qf_model_finish(qf_model *m) {
     /* fp32 as in HF: base ** (2i / rot), then its reciprocal */
     for (int i = 0; rc == QF_OK && i < half; i++)
         m->inv_freq[i] = 1.0f / powf((float)m->cfg.rope_theta, (float)(2 * i) / (float)m->cfg.rot_dim);
+    if (m->mtp) m->mtp->embed = m->embed, m->mtp->lm_head = m->lm_head, m->mtp->inv_freq = m->inv_freq;
     return rc;
 }
 
@@ -45,6 +46,7 @@ void qf_model_free(qf_model *m) {
     for (int i = 0; i < m->n_dev_bufs; i++) qf_be_free(m->dev, m->dev_bufs[i]);
     free(m->dev_bufs);
     qf_es_destroy(m->experts);
+    if (m->mtp) qf_es_destroy(m->mtp->experts), free(m->mtp); /* the rest of the view is m's */
     for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
     free(m->owned);
     free(m->trunk_thr);

@@ -70,6 +70,13 @@ typedef struct qf_model {
     int kv_min_ctx;                /* the KV level acts from this context on (0: QF_KV_MIN_CTX) */
     float (*trunk_thr)[QF_ACT_GROUPS][QF_TRUNK_GRID]; /* [n_layers]: |x| thresholds for trunk sparsity 0.1..0.9 (NULL: none) */
     int n_owned, cap_owned;
+    /* The MTP head (model-spec §8), when config.json names one and the mtp.* tensors are there:
+     * u = mtp_fc . [rmsnorm(embed(x)) * mtp_norm_e | rmsnorm(h) * mtp_norm_h] runs through `mtp`, a
+     * one-layer view of this model (its full-attention layer and MoE, final norm mtp.norm; embed,
+     * lm_head and RoPE the main model's: it owns nothing but its struct and expert store). NULL: none. */
+    struct qf_model *mtp;
+    qf_mat mtp_fc;       /* (hidden, 2 * hidden) */
+    float *mtp_norm_e, *mtp_norm_h; /* (hidden) = 1 + w */
 } qf_model;
 
 typedef struct qf_load_opts {
@@ -253,6 +260,8 @@ typedef struct qf_seq_step {
     int32_t *top1; /* TOP1 */
     int sparsity_set; /* this sequence's sparsity level (every layer) instead of the model's (CPU path) */
     float sparsity;
+    const float *inputs; /* n rows of hidden floats that replace the tokens' embeddings (the MTP head's; NULL: embed tokens) */
+    float *hidden;       /* NULL, or where the n rows' final-normed hidden states go (host path: the MTP head's input) */
 } qf_seq_step;
 
 /* Runs the tokens of every sequence through the model at once (sum of n <= workspace rows),
@@ -263,5 +272,20 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
  * last token (or of all tokens with QF_LOGITS_ALL) as in qf_forward. */
 int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st,
                    const int32_t *tokens, int n, int logits_mode, float *logits);
+
+/* The MTP head (m->mtp) run beside the model: its KV cache, workspace and input scratch, made once
+ * for up to max_rows pairs a step and max_ctx positions (NULL: no head, or out of memory). Host
+ * memory: the CPU backends. */
+typedef struct qf_mtp_run qf_mtp_run;
+qf_mtp_run *qf_mtp_run_create(const qf_model *m, int max_rows, int max_ctx);
+void qf_mtp_run_free(qf_mtp_run *r);
+void qf_mtp_run_reset(qf_mtp_run *r);
+int qf_mtp_pos(const qf_mtp_run *r);
+qf_state *qf_mtp_state(qf_mtp_run *r);
+/* n pairs (next[i], h[i]) at the head's next n positions (h: the model's final-normed hidden states,
+ * qf_seq_step.hidden, or the head's own output for a chained draft): logits as qf_forward's
+ * logits_mode; hidden_out (may be NULL) gets the head's normed outputs, the h of the next draft. */
+int qf_mtp_step(const qf_model *m, qf_backend *be, qf_mtp_run *r, const int32_t *next, const float *h, int n, int logits_mode, float *logits,
+                float *hidden_out);
 
 #endif

@@ -302,6 +302,42 @@ static void bind_globals(binder *b) {
     else m->lm_head = m->embed;
 }
 
+/* The MTP head (model-spec §8): mtp.fc, its three norms (zero-centred) and one full-attention
+ * decoder layer with its MoE, bound through the same checks under the prefix "mtp."; the layer and
+ * a one-layer expert store go into m->mtp, a view of m that shares its embeddings, lm_head and RoPE. */
+static int bind_mtp(qf_model *m, const qf_load_opts *opts) {
+    const qf_config *c = &m->cfg;
+    binder b = {m, "mtp.", opts ? opts->diag : NULL, QF_OK, NULL, NULL, ""};
+    int64_t H = c->hidden;
+    qf_model *v = calloc(1, sizeof *v);
+    qf_layer_w *w = calloc(1, sizeof *w);
+    if (qf_model_own(m, w) != QF_OK || !v || !(b.experts = calloc((size_t)c->n_experts, sizeof *b.experts))) {
+        free(v);
+        return qf_fail(QF_ENOMEM, "out of memory (MTP head)");
+    }
+    m->mtp_fc = bind_mat(&b, "mtp.fc.weight", H, 2 * H);
+    m->mtp_norm_e = bind_vec1(&b, "mtp.pre_fc_norm_embedding.weight", H, VEC_PLUS1);
+    m->mtp_norm_h = bind_vec1(&b, "mtp.pre_fc_norm_hidden.weight", H, VEC_PLUS1);
+    v->final_norm = bind_vec1(&b, "mtp.norm.weight", H, VEC_PLUS1);
+    w->kind = QF_LAYER_FULL;
+    char n[256];
+    w->attn_norm = bind_vec1(&b, lname(&b, 0, "input_layernorm.weight", n, sizeof n), H, VEC_PLUS1);
+    w->ffn_norm = bind_vec1(&b, lname(&b, 0, "post_attention_layernorm.weight", n, sizeof n), H, VEC_PLUS1);
+    bind_full_attn(&b, w, 0);
+    bind_mlp(&b, w, 0);
+    if (b.rc == QF_OK && !(v->experts = qf_es_resident_create(1, c->n_experts, b.experts))) b.rc = qf_fail(QF_ENOMEM, "out of memory (MTP experts)");
+    else if (b.rc != QF_OK) free(b.experts);
+    if (b.rc != QF_OK) {
+        free(v);
+        return qf_fail(b.rc, "%s", b.first);
+    }
+    v->cfg = *c;
+    v->cfg.n_layers = 1, v->cfg.layer_kind[0] = QF_LAYER_FULL, v->cfg.mtp_layers = 0;
+    v->layers = w;
+    m->mtp = v; /* embed, lm_head and inv_freq: qf_model_finish shares them */
+    return QF_OK;
+}
+
 int qf_model_bind(qf_model *m, const qf_load_opts *opts, qf_make_tensor_fn make) {
     binder b = {m, NULL, opts ? opts->diag : NULL, QF_OK, make, NULL, ""};
     if (make) b.prefix = "model.language_model.";
@@ -334,5 +370,6 @@ int qf_model_bind(qf_model *m, const qf_load_opts *opts, qf_make_tensor_fn make)
         free(b.experts);
         qf_fail(b.rc, "%s", b.first);
     }
+    if (b.rc == QF_OK && !make && c->arch == QF_ARCH_QWEN35_MOE && c->mtp_layers > 0 && qf_st_find(&m->st, "mtp.fc.weight")) b.rc = bind_mtp(m, opts);
     return b.rc;
 }

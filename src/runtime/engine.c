@@ -127,7 +127,7 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
             break;
         }
         if (greedy) {
-            qf_seq_step step = {st, &tok, 1, QF_LOGITS_TOP1, NULL, &pick, 0, 0};
+            qf_seq_step step = {st, &tok, 1, QF_LOGITS_TOP1, NULL, &pick, 0, 0, NULL, NULL};
             rc = qf_forward(e->model, &e->be, e->ws, &step, 1);
             picked = 1;
         } else {

@@ -549,7 +549,7 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
                 sl->batch_n = take;
                 /* a plain greedy pick without logprobs: picked where the logits are (on a GPU, only the id comes back) */
                 int mode = take < left ? QF_LOGITS_NONE : r->logprobs < 0 && !r->gm && qf_sampler_is_greedy(r->smp) ? QF_LOGITS_TOP1 : QF_LOGITS_LAST;
-                s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, mode, sl->logits, &sl->top1, r->sparsity_set, r->sparsity};
+                s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, mode, sl->logits, &sl->top1, r->sparsity_set, r->sparsity, NULL, NULL};
                 s->step_slot[n++] = i;
                 rows += take;
                 pages += qf_state_pages_needed(sl->st, take);

@@ -1,0 +1,58 @@
+/* Running the MTP head (model-spec §8.2): the pair (x[t+1], h[t]) at the head's position t becomes
+ * u = fc([rmsnorm(embed(x[t+1])) * norm_e | rmsnorm(h[t]) * norm_h]), which runs through the
+ * head's decoder layer (m->mtp, a one-layer view of the model) with its own KV cache; the view's
+ * final norm (mtp.norm) gives the head's output, and lm_head its logits for x[t+2]. */
+#include <stdlib.h>
+
+#include "model/model_int.h"
+#include "model/workspace.h"
+
+struct qf_mtp_run {
+    qf_workspace *ws; /* the view's */
+    qf_state *st;     /* the head's KV cache */
+    float *e, *cat, *u;
+    int rows;
+};
+
+qf_mtp_run *qf_mtp_run_create(const qf_model *m, int max_rows, int max_ctx) {
+    if (!m->mtp || max_rows < 1) return NULL;
+    qf_mtp_run *r = calloc(1, sizeof *r);
+    size_t H = (size_t)m->cfg.hidden, R = (size_t)max_rows;
+    if (!r) return NULL;
+    r->rows = max_rows;
+    r->ws = qf_workspace_create(m->mtp, max_rows);
+    r->st = qf_state_create(m->mtp, max_ctx);
+    r->e = malloc(R * H * sizeof(float)), r->cat = malloc(2 * R * H * sizeof(float)), r->u = malloc(R * H * sizeof(float));
+    if (!r->ws || !r->st || !r->e || !r->cat || !r->u) {
+        qf_mtp_run_free(r);
+        return NULL;
+    }
+    return r;
+}
+
+void qf_mtp_run_free(qf_mtp_run *r) {
+    if (!r) return;
+    qf_workspace_free(r->ws);
+    qf_state_free(r->st);
+    free(r->e), free(r->cat), free(r->u);
+    free(r);
+}
+
+void qf_mtp_run_reset(qf_mtp_run *r) { qf_state_reset(r->st); }
+int qf_mtp_pos(const qf_mtp_run *r) { return r->st->pos; }
+qf_state *qf_mtp_state(qf_mtp_run *r) { return r->st; }
+
+int qf_mtp_step(const qf_model *m, qf_backend *be, qf_mtp_run *r, const int32_t *next, const float *h, int n, int logits_mode, float *logits,
+                float *hidden_out) {
+    const qf_config *c = &m->cfg;
+    int H = c->hidden, V = c->vocab;
+    if (n < 1 || n > r->rows) return qf_fail(QF_EINVAL, "MTP step of %d pairs (1..%d)", n, r->rows);
+    for (int i = 0; i < n; i++)
+        if (next[i] < 0 || next[i] >= V) return qf_fail(QF_EINVAL, "token id %d is outside the vocabulary (0..%d)", next[i], V - 1);
+    be->ops->embed(be, &m->embed, next, n, r->e);
+    be->ops->rmsnorm(be, r->e, H, m->mtp_norm_e, n, H, c->norm_eps, r->cat, 2 * H);
+    be->ops->rmsnorm(be, h, H, m->mtp_norm_h, n, H, c->norm_eps, r->cat + H, 2 * H);
+    be->ops->matmul(be, &m->mtp_fc, r->cat, n, r->u);
+    qf_seq_step s = {r->st, next, n, logits_mode, logits, NULL, 0, 0, r->u, hidden_out};
+    return qf_forward(m->mtp, be, r->ws, &s, 1);
+}
