@@ -281,6 +281,8 @@ qf_mtp_run *qf_mtp_run_create(const qf_model *m, int max_rows, int max_ctx);
 void qf_mtp_run_free(qf_mtp_run *r);
 void qf_mtp_run_reset(qf_mtp_run *r);
 int qf_mtp_pos(const qf_mtp_run *r);
+/* Back to pos pairs (drafts that were not accepted leave the head's cache). */
+void qf_mtp_truncate(qf_mtp_run *r, int pos);
 qf_state *qf_mtp_state(qf_mtp_run *r);
 /* n pairs (next[i], h[i]) at the head's next n positions (h: the model's final-normed hidden states,
  * qf_seq_step.hidden, or the head's own output for a chained draft): logits as qf_forward's

@@ -40,6 +40,12 @@ void qf_mtp_run_free(qf_mtp_run *r) {
 
 void qf_mtp_run_reset(qf_mtp_run *r) { qf_state_reset(r->st); }
 int qf_mtp_pos(const qf_mtp_run *r) { return r->st->pos; }
+
+/* One full-attention layer and no recurrent state: going back is forgetting the later keys (their
+ * pages stay held, written over as the head goes on). */
+void qf_mtp_truncate(qf_mtp_run *r, int pos) {
+    if (pos >= 0 && pos < r->st->pos) r->st->pos = pos;
+}
 qf_state *qf_mtp_state(qf_mtp_run *r) { return r->st; }
 
 int qf_mtp_step(const qf_model *m, qf_backend *be, qf_mtp_run *r, const int32_t *next, const float *h, int n, int logits_mode, float *logits,
