@@ -92,6 +92,7 @@ const char *cli_device = "cpu";
 qf_cuda_opts cli_cuda;
 size_t cli_expert_cache, cli_gpu_mem;
 int cli_sparsity_given;
+int cli_draft;
 float cli_sparsity_level;
 const char *cli_expert_policy;
 int cli_reserve_seqs, cli_reserve_tokens;
@@ -190,7 +191,7 @@ static void path_hint(const char *dir) {
 int cli_open_engine(qf_engine **e, const char *dir, int threads) {
     qf_engine_opts o = {.n_threads = threads, .progress = cli_progress, .device = cli_device, .cuda = &cli_cuda, .expert_cache = cli_expert_cache,
                         .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy, .reserve_seqs = cli_reserve_seqs, .reserve_tokens = cli_reserve_tokens,
-                        .sparsity_given = cli_sparsity_given, .sparsity_level = cli_sparsity_level};
+                        .sparsity_given = cli_sparsity_given, .sparsity_level = cli_sparsity_level, .draft = cli_draft};
     int rc = qf_engine_open(e, dir, &o);
     if (rc != QF_OK) {
         fprintf(stderr, "\nerror: %s\n", qf_last_error());

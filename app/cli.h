@@ -36,6 +36,7 @@ extern qf_cuda_opts cli_cuda;
 extern size_t cli_expert_cache; /* --expert-cache (bytes; 0: none) */
 extern size_t cli_gpu_mem;      /* --gpu-mem (bytes; 0: none) */
 extern int cli_sparsity_given;  /* --sparsity-level given */
+extern int cli_draft;           /* --draft (run): MTP drafts a step, 0: none */
 extern float cli_sparsity_level;
 extern const char *cli_expert_policy; /* --expert-policy (NULL: the default) */
 extern int cli_reserve_seqs, cli_reserve_tokens; /* what the command allocates on the device after load (the budget plan) */

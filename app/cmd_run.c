@@ -31,6 +31,7 @@ static int parse_run(int argc, char **argv, run_opts *o, qf_sampling *user, int 
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
         else if (cli_device_flag(&a, &cli_device)) continue;
         else if (cli_is(&a, "-c", "--ctx")) o->ctx = cli_int(&a, 16, 1 << 24);
+        else if (cli_is(&a, NULL, "--draft")) cli_draft = cli_int(&a, 0, 8);
         else if (cli_sampling_flag(&a, user, &o->seed_set)) *set_mask = 1;
         else {
             fprintf(stderr, "error: unknown option '%s' for run\n", argv[a.i]);
@@ -74,6 +75,9 @@ static void print_stats(const qf_gen_stats *st) {
     fprintf(stderr, "\nprompt: %d tokens in %.1f ms (%.1f tok/s) | generation: %d tokens in %.1f ms (%.1f tok/s)\n",
             st->prompt_tokens, st->prompt_seconds * 1e3, st->prompt_tokens / (st->prompt_seconds > 0 ? st->prompt_seconds : 1e-9),
             st->gen_tokens, st->gen_seconds * 1e3, st->gen_tokens / (st->gen_seconds > 0 ? st->gen_seconds : 1e-9));
+    if (st->steps)
+        fprintf(stderr, "speculative: %d steps, %d of %d MTP drafts accepted (%.1f%%), %.2f tokens a step\n", st->steps, st->accepted, st->drafted,
+                100.0 * st->accepted / (st->drafted ? st->drafted : 1), (double)st->gen_tokens / st->steps);
 }
 
 static int run_generation(qf_engine *e, const run_opts *o, const char *text) {

@@ -7,7 +7,7 @@
 static void usage(void) {
     fprintf(stderr,
             "usage: qflash <command> [options]\n"
-            "  run        -m DIR -p TEXT [-n N] [--temp T] [--top-k K] [--top-p P] [--min-p P] [--seed S] [-t THREADS]\n"
+            "  run        -m DIR -p TEXT [-n N] [--draft N] [--temp T] [--top-k K] [--top-p P] [--min-p P] [--seed S] [-t THREADS]\n"
             "             raw completion of TEXT; the generated text goes to stdout\n"
             "  chat       -m DIR [--no-think] [--system TEXT] [sampling flags]  interactive chat\n"
             "  verify     [-m] DIR [--manifest FILE] [--no-hash]  check a model directory\n"

@@ -12,6 +12,7 @@
 #include "backend/ops.h"
 #include "base/mapfile.h"
 #include "model/model.h"
+#include "runtime/engine.h"
 #include "test_util.h"
 #include "tokenizer/tokenizer.h"
 
@@ -97,6 +98,8 @@ static void test_reference(const qf_model *m, qf_backend *be) {
     qf_st_close(&ref);
 }
 
+static void test_speculative(const int32_t *ids);
+
 /* One greedy step of the model: feed tok at st's position, its hidden state into h, the pick. */
 static int32_t greedy_step(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, int32_t tok, float *h, float *lg) {
     qf_seq_step s = {st, &tok, 1, QF_LOGITS_LAST, lg, NULL, 0, 0, NULL, h};
@@ -151,8 +154,62 @@ static void test_acceptance(const qf_model *m, qf_backend *be) {
     fprintf(stderr, "  draft acceptance, 3 chained: %d/%d/%d/%d positions accepting 0/1/2/3 (reference 88/103/88/465); first draft %.1f%% (88.2%%), %.2f of 3 (2.25)\n",
             hist[0], hist[1], hist[2], hist[3], 100 * first, mean);
     CHECK(fabs(first - 0.882) < 0.03 && fabs(mean - 2.25) < 0.15, "draft acceptance %.3f first, %.2f of 3, against the reference's 0.882 and 2.25", first, mean);
-    free(h), free(lg), free(mo), free(seq), free(ids), free(text);
+    free(h), free(lg), free(mo), free(seq), free(text);
     qf_state_free(st), qf_mtp_run_free(run), qf_workspace_free(ws), qf_tok_free(tok);
+    test_speculative(ids);
+    free(ids);
+}
+
+typedef struct ids_out {
+    int32_t ids[256];
+    int n, stop_at;
+} ids_out;
+
+static int on_tok(void *ud, int32_t tok, const char *text, size_t len) {
+    ids_out *o = ud;
+    (void)text, (void)len;
+    if (tok >= 0 && o->n < 256) o->ids[o->n++] = tok;
+    return o->stop_at && o->n == o->stop_at;
+}
+
+/* Greedy generation with 1, 2 and 3 drafts a step against none: the same ids, the same state
+ * (DeltaNet block bit for bit, position) after a plain end, a stop among accepted drafts, and the
+ * context's end. */
+static void test_speculative(const int32_t *ids) {
+    qf_engine *e[4] = {0};
+    for (int d = 0; d < 4; d++) {
+        qf_engine_opts o = {.n_threads = 2, .max_batch = 64, .draft = d};
+        CHECK(qf_engine_open(&e[d], dir, &o) == QF_OK, "engine with --draft %d: %s", d, qf_last_error());
+        if (!e[d]) return;
+    }
+    struct { int prompt, max, ctx, stop; } c[] = {{32, 80, 512, 0}, {20, 80, 512, 17}, {48, 200, 48 + 30, 0}, {7, 40, 512, 1}};
+    int steps = 0;
+    for (int k = 0; k < 4; k++)
+        for (int w = 0; w < 3; w++) {
+            ids_out out[4];
+            qf_state *st[4];
+            for (int d = 0; d < 4; d++) {
+                qf_sampling sp = qf_sampling_default();
+                qf_sampler *smp = qf_sampler_create(e[d]->model->cfg.vocab, &sp);
+                st[d] = qf_state_create(e[d]->model, c[k].ctx);
+                memset(&out[d], 0, sizeof out[d]);
+                out[d].stop_at = c[k].stop;
+                qf_gen_request req = {ids + 97 * w + 13 * k, c[k].prompt, c[k].max, smp, on_tok, &out[d]};
+                qf_gen_stats gs;
+                CHECK(qf_engine_generate(e[d], st[d], &req, &gs) == QF_OK, "generate: %s", qf_last_error());
+                steps += gs.steps;
+                qf_sampler_free(smp);
+            }
+            for (int d = 1; d < 4; d++) {
+                int same = out[d].n == out[0].n && !memcmp(out[d].ids, out[0].ids, (size_t)out[0].n * sizeof(int32_t));
+                CHECK(same, "case %d window %d, --draft %d: %d ids against %d without drafts, or others", k, w, d, out[d].n, out[0].n);
+                CHECK(st[d]->pos == st[0]->pos && !memcmp(st[d]->block, st[0]->block, st[0]->block_floats * sizeof(float)),
+                      "case %d window %d, --draft %d: the state differs (pos %d against %d)", k, w, d, st[d]->pos, st[0]->pos);
+            }
+            for (int d = 0; d < 4; d++) qf_state_free(st[d]);
+        }
+    CHECK(steps > 0, "no speculative step ran");
+    for (int d = 0; d < 4; d++) qf_engine_close(e[d]);
 }
 
 int main(int argc, char **argv) {

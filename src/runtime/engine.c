@@ -8,6 +8,7 @@
 #include "base/timer.h"
 #include "backend/backend.h"
 #include "base/utf8.h"
+#include "runtime/engine_int.h"
 #include "runtime/flash.h"
 
 /* The backend named by opts->device; on a device the weights are copied there (generated ones
@@ -57,6 +58,7 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
     size_t sparse = rc == QF_OK && qf_flash_sparse_wanted(fc, opts, e->model->cfg.n_layers) ? qf_model_sparsity_bytes(e->model) : 0;
     if (rc == QF_OK && e->on_gpu && stream) rc = qf_flash_gpu(e, opts, cache, free_start, free_trunk, sparse);
     if (rc == QF_OK) rc = qf_flash_sparsity(e, fc, dir, opts);
+    if (rc == QF_OK && opts->draft > 0) rc = qf_spec_open(e, opts->draft);
     free(fc);
     if (rc != QF_OK) {
         qf_engine_close(e); /* cleanup never touches the error message */
@@ -69,6 +71,7 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
 
 void qf_engine_close(qf_engine *e) {
     if (!e) return;
+    qf_spec_close(e);
     free(e->logits);
     free(e->text);
     qf_workspace_free(e->ws);
@@ -89,7 +92,7 @@ int qf_engine_is_eos(const qf_engine *e, int32_t tok) {
 }
 
 /* Text of one token through the stream decoder; special tokens pass verbatim. */
-static size_t token_text(qf_engine *e, qf_utf8_stream *us, int32_t tok) {
+size_t qf_engine_token_text(qf_engine *e, qf_utf8_stream *us, int32_t tok) {
     size_t len = 0;
     const char *p = e->tok ? qf_tok_piece(e->tok, tok, &len) : NULL;
     return p ? qf_utf8_stream_push(us, p, len, e->text, e->text_cap) : 0;
@@ -100,6 +103,7 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
     if (req->n_prompt < 1) return qf_fail(QF_EINVAL, "empty prompt");
     if (st->pos + req->n_prompt + 1 > st->max_ctx)
         return qf_fail(QF_EINVAL, "prompt of %d tokens (+%d cached) does not fit the context of %d", req->n_prompt, st->pos, st->max_ctx);
+    if (qf_spec_takes(e, st, req)) return qf_spec_generate(e, st, req, stats);
     double t0 = qf_now();
     int rc = qf_forward_seq(e->model, &e->be, e->ws, st, req->prompt, req->n_prompt, QF_LOGITS_LAST, e->logits);
     if (rc != QF_OK) return rc;
@@ -119,7 +123,7 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
             break;
         }
         qf_sampler_accept(req->sampler, tok, 1);
-        size_t len = token_text(e, &us, tok);
+        size_t len = qf_engine_token_text(e, &us, tok);
         int stop = req->on_token && req->on_token(req->ud, tok, e->text, len);
         if (stop || n + 1 == req->max_tokens || st->pos + 1 >= st->max_ctx) {
             /* the last token is fed too, so the state holds everything generated */

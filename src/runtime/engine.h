@@ -26,6 +26,7 @@ typedef struct qf_engine_opts {
     int max_prompt;                   /* with streamed experts: the longest prompt run layer by layer at once (0: 8192) */
     int sparsity_given;               /* --sparsity-level given: sparsity_level for every layer; else config_flash.json's, else 0 */
     float sparsity_level;
+    int draft;                        /* --draft: MTP draft tokens a step (0: none; needs the model's MTP head, the CPU) */
     void (*progress)(void *ud, int done, int total);
     void *progress_ud;
 } qf_engine_opts;
@@ -55,6 +56,7 @@ typedef struct qf_engine {
     double load_seconds;
     qf_flash_plan plan;
     char notice[256]; /* what the caller should tell the user about the load (empty: nothing) */
+    struct qf_spec *spec; /* speculative decoding with the MTP head (runtime/spec.c); NULL: off */
 } qf_engine;
 
 int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts);
@@ -64,6 +66,7 @@ typedef struct qf_gen_stats {
     int prompt_tokens, gen_tokens;
     double prompt_seconds, gen_seconds;
     int stopped_by_eos;
+    int steps, drafted, accepted; /* speculative decoding: verify steps, draft tokens, those accepted */
 } qf_gen_stats;
 
 /* Called for each generated token with its text (whole characters only; may be empty). Special
@@ -84,5 +87,14 @@ typedef struct qf_gen_request {
 int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats);
 
 int qf_engine_is_eos(const qf_engine *e, int32_t tok);
+
+/* Speculative decoding (runtime/spec.c): `draft` MTP drafts a step, verified in one forward of the
+ * model; greedy requests on the CPU from an empty state take it, and give exactly the tokens they
+ * would without it. */
+int qf_spec_open(qf_engine *e, int draft);
+void qf_spec_close(qf_engine *e);
+/* 1: the request runs speculatively (qf_spec_generate); 0: the plain loop. */
+int qf_spec_takes(const qf_engine *e, const qf_state *st, const qf_gen_request *req);
+int qf_spec_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats);
 
 #endif
