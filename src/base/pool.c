@@ -1,25 +1,34 @@
-#include "base/pool.h"
+#include "base/pool.h" /* sched_getaffinity: _GNU_SOURCE comes from the build */
 
+#include <sched.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
 
-/* Workers spin this many rounds on the generation counter before sleeping: a decode step issues
- * hundreds of short parallel-fors, and a futex wake-up per op would cost more than the op. */
-#define SPIN_ROUNDS 20000
+/* Workers spin a short while on the work word before sleeping: a decode step issues hundreds of
+ * short parallel-fors, and a futex wake-up per op would cost more than the op. The spin is short
+ * (tens of microseconds) so that on a machine whose cores are busy with other work the workers
+ * give their core back soon. */
+#define SPIN_ROUNDS 2000
+
+/* The work word: (run << 40) | (tasks << 20) | next task. A thread claims task i of the run by
+ * incrementing it; the run's task count is in the same word, so a claim is valid or not by itself,
+ * and the run's fn and ctx (published before the word) hold while any claimant is active: the
+ * caller waits only for the threads that claimed, never for workers that are late or not
+ * scheduled at all (which on a loaded machine made every op wait for a time slice). */
+#define W_IDX_BITS 20
+#define W_MASK ((1ull << W_IDX_BITS) - 1)
 
 struct qf_pool {
     int n_threads;
     pthread_t *workers;
     pthread_mutex_t mu;
     pthread_cond_t start_cv, done_cv;
-    atomic_ulong generation;
-    atomic_int busy, quit;
+    atomic_ullong work;
+    atomic_int active, sleeping, quit;
     qf_task_fn fn;
     void *ctx;
-    int n_tasks;
-    atomic_int next;
 };
 
 static inline void cpu_relax(void) {
@@ -28,33 +37,44 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void drain(qf_pool *p) {
-    for (;;) {
-        int i = atomic_fetch_add(&p->next, 1);
-        if (i >= p->n_tasks) break;
-        p->fn(p->ctx, i);
-    }
+static int claim(qf_pool *p) {
+    unsigned long long w = atomic_fetch_add(&p->work, 1);
+    int idx = (int)(w & W_MASK), n = (int)((w >> W_IDX_BITS) & W_MASK);
+    return idx < n ? idx : -1;
 }
 
-static void wait_for_work(qf_pool *p, unsigned long seen) {
+static void drain(qf_pool *p) {
+    for (int i; (i = claim(p)) >= 0;) p->fn(p->ctx, i);
+}
+
+static int has_work(qf_pool *p, unsigned long long run) {
+    unsigned long long w = atomic_load(&p->work);
+    return (w >> (2 * W_IDX_BITS)) != run && (w & W_MASK) < ((w >> W_IDX_BITS) & W_MASK);
+}
+
+/* Until a run after `run` has tasks left (or quit). */
+static unsigned long long wait_for_work(qf_pool *p, unsigned long long run) {
     for (int i = 0; i < SPIN_ROUNDS; i++) {
-        if (atomic_load(&p->generation) != seen || atomic_load(&p->quit)) return;
+        if (has_work(p, run) || atomic_load(&p->quit)) return atomic_load(&p->work) >> (2 * W_IDX_BITS);
         cpu_relax();
     }
     pthread_mutex_lock(&p->mu);
-    while (atomic_load(&p->generation) == seen && !atomic_load(&p->quit)) pthread_cond_wait(&p->start_cv, &p->mu);
+    atomic_fetch_add(&p->sleeping, 1);
+    while (!has_work(p, run) && !atomic_load(&p->quit)) pthread_cond_wait(&p->start_cv, &p->mu);
+    atomic_fetch_sub(&p->sleeping, 1);
     pthread_mutex_unlock(&p->mu);
+    return atomic_load(&p->work) >> (2 * W_IDX_BITS);
 }
 
 static void *worker_main(void *arg) {
     qf_pool *p = arg;
-    unsigned long seen = 0;
+    unsigned long long run = 0;
     for (;;) {
-        wait_for_work(p, seen);
+        run = wait_for_work(p, run);
         if (atomic_load(&p->quit)) break;
-        seen = atomic_load(&p->generation);
+        atomic_fetch_add(&p->active, 1);
         drain(p);
-        if (atomic_fetch_sub(&p->busy, 1) == 1) {
+        if (atomic_fetch_sub(&p->active, 1) == 1) {
             pthread_mutex_lock(&p->mu);
             pthread_cond_signal(&p->done_cv);
             pthread_mutex_unlock(&p->mu);
@@ -101,31 +121,40 @@ void qf_pool_destroy(qf_pool *p) {
 
 int qf_pool_size(const qf_pool *p) { return p ? p->n_threads : 1; }
 
+/* Until no thread holds a claim of the last run. */
+static void wait_idle(qf_pool *p) {
+    for (int i = 0; i < SPIN_ROUNDS && atomic_load(&p->active) > 0; i++) cpu_relax();
+    if (atomic_load(&p->active) == 0) return;
+    pthread_mutex_lock(&p->mu);
+    while (atomic_load(&p->active) > 0) pthread_cond_wait(&p->done_cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}
+
 void qf_pool_run(qf_pool *p, qf_task_fn fn, void *ctx, int n_tasks) {
     if (n_tasks <= 0) return;
-    if (!p || p->n_threads == 1 || n_tasks == 1) {
+    if (!p || p->n_threads == 1 || n_tasks == 1 || (unsigned long long)n_tasks > W_MASK / 2) {
         for (int i = 0; i < n_tasks; i++) fn(ctx, i);
         return;
     }
+    wait_idle(p); /* a late claimant of the last run leaves before fn and ctx change */
     p->fn = fn;
     p->ctx = ctx;
-    p->n_tasks = n_tasks;
-    atomic_store(&p->next, 0);
-    atomic_store(&p->busy, p->n_threads - 1);
-    pthread_mutex_lock(&p->mu);
-    atomic_fetch_add(&p->generation, 1);
-    pthread_cond_broadcast(&p->start_cv);
-    pthread_mutex_unlock(&p->mu);
-    drain(p);
-    for (int i = 0; i < SPIN_ROUNDS && atomic_load(&p->busy) > 0; i++) cpu_relax();
-    if (atomic_load(&p->busy) > 0) {
+    unsigned long long run = (atomic_load(&p->work) >> (2 * W_IDX_BITS)) + 1;
+    atomic_store(&p->work, (run << (2 * W_IDX_BITS)) | ((unsigned long long)n_tasks << W_IDX_BITS));
+    if (atomic_load(&p->sleeping) > 0) {
         pthread_mutex_lock(&p->mu);
-        while (atomic_load(&p->busy) > 0) pthread_cond_wait(&p->done_cv, &p->mu);
+        pthread_cond_broadcast(&p->start_cv);
         pthread_mutex_unlock(&p->mu);
     }
+    drain(p);
+    wait_idle(p);
 }
 
+/* The cores this process may run on (its affinity mask: a container's or taskset's share), not
+ * every core of the machine. */
 int qf_cpu_count(void) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (int)n : 1;
 }
