@@ -27,6 +27,15 @@ typedef __m256i VI;
 #define VI_SLL(a, n)  _mm256_slli_epi32(a, n)
 #define VI_TOPS(a)    _mm256_cvtepi32_ps(a)
 #define VI_CAST(a)    _mm256_castsi256_ps(a)
+#define VSUB(a, b)    _mm256_sub_ps(a, b)
+#define VDIV(a, b)    _mm256_div_ps(a, b)
+#define VMAX(a, b)    _mm256_max_ps(a, b)
+#define VMIN(a, b)    _mm256_min_ps(a, b)
+#define VTO_I(a)      _mm256_cvtps_epi32(a) /* to nearest */
+#define VI_ADD(a, b)  _mm256_add_epi32(a, b)
+#define VI_BITS(a)    _mm256_castps_si256(a)
+#define VI_LANES_X(k) _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(k))
+#define VGATHER(p, idx) _mm256_i32gather_ps(p, idx, 4)
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

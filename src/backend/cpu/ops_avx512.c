@@ -27,6 +27,15 @@ typedef __m512i VI;
 #define VI_SLL(a, n)  _mm512_slli_epi32(a, n)
 #define VI_TOPS(a)    _mm512_cvtepi32_ps(a)
 #define VI_CAST(a)    _mm512_castsi512_ps(a)
+#define VSUB(a, b)    _mm512_sub_ps(a, b)
+#define VDIV(a, b)    _mm512_div_ps(a, b)
+#define VMAX(a, b)    _mm512_max_ps(a, b)
+#define VMIN(a, b)    _mm512_min_ps(a, b)
+#define VTO_I(a)      _mm512_cvtps_epi32(a) /* to nearest */
+#define VI_ADD(a, b)  _mm512_add_epi32(a, b)
+#define VI_BITS(a)    _mm512_castps_si512(a)
+#define VI_LANES_X(k) _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(k))
+#define VGATHER(p, idx) _mm512_i32gather_ps(idx, p, 4)
 #define SIMD_NAME    avx512
 #define OPS_NAME     "cpu-avx512"
 
