@@ -1,4 +1,5 @@
-#include "base/pool.h" /* sched_getaffinity: _GNU_SOURCE comes from the build */
+/* sched_getaffinity: _GNU_SOURCE comes from the build */
+#include "base/pool.h"
 
 #include <sched.h>
 #include <pthread.h>
