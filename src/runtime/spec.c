@@ -27,6 +27,7 @@ typedef struct qf_spec {
     float *h_last;    /* (hidden): where the next x was picked */
     float *saved;     /* a copy of a state's DeltaNet block (saved_floats) */
     size_t saved_floats;
+    int off;          /* the head's context is full: the request goes on without drafts */
 } qf_spec;
 
 int qf_spec_open(qf_engine *e, int draft) {
@@ -136,9 +137,10 @@ static int step(qf_engine *e, emitter *em, qf_state *st, int32_t *x, int *rc) {
     int H = e->model->cfg.hidden, V = e->model->cfg.vocab, p0 = st->pos, mp = qf_mtp_pos(s->mtp);
     int how = emit(em, st, p0, *x);
     if (how == 2) return 1;
-    int n = how ? 0 : drafts_now(e, em, st);
+    s->off |= mp + s->draft + 2 >= qf_mtp_state(s->mtp)->max_ctx;
+    int n = how || s->off ? 0 : drafts_now(e, em, st);
     d[0] = *x;
-    *rc = n ? draft_chain(e, d, n) : qf_mtp_step(e->model, &e->be, s->mtp, d, s->h_last, 1, QF_LOGITS_NONE, NULL, NULL);
+    if (!s->off) *rc = n ? draft_chain(e, d, n) : qf_mtp_step(e->model, &e->be, s->mtp, d, s->h_last, 1, QF_LOGITS_NONE, NULL, NULL);
     qf_mtp_truncate(s->mtp, mp + 1); /* the pair (x, h) stands; the chain's do not */
     if (*rc != QF_OK) return 1;
     memcpy(s->saved, st->block, st->block_floats * sizeof(float));
@@ -158,7 +160,7 @@ static int step(qf_engine *e, emitter *em, qf_state *st, int32_t *x, int *rc) {
         if (st->kv_summarized > full) st->kv_summarized = full;
         *rc = run_rows(e, st, d, keep);
     }
-    if (*rc == QF_OK && keep > 1) *rc = qf_mtp_step(e->model, &e->be, s->mtp, d + 1, s->h, keep - 1, QF_LOGITS_NONE, NULL, NULL);
+    if (*rc == QF_OK && keep > 1 && !s->off) *rc = qf_mtp_step(e->model, &e->be, s->mtp, d + 1, s->h, keep - 1, QF_LOGITS_NONE, NULL, NULL);
     memcpy(s->h_last, s->h + (size_t)(keep - 1) * H, (size_t)H * sizeof(float));
     *x = qf_argmax_f32(s->lg + (size_t)(keep - 1) * V, V);
     return end || *rc != QF_OK;
@@ -174,6 +176,7 @@ int qf_spec_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_g
     double t0 = qf_now();
     int32_t x;
     qf_mtp_run_reset(e->spec->mtp);
+    e->spec->off = 0;
     int rc = prefill(e, st, req->prompt, req->n_prompt, &x);
     if (rc != QF_OK) return rc;
     for (int i = 0; i < req->n_prompt; i++) qf_sampler_accept(req->sampler, req->prompt[i], 0);
