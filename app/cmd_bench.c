@@ -21,6 +21,7 @@ typedef struct bench_opts {
     const char *model, *synthetic, *config, *json, *plot;
     int layers, prompt_len, gen_len, runs, threads, help;
     int experts; /* --experts: a synthetic model's expert format (0: bf16) */
+    int draft;   /* --draft: speculative decoding with the MTP head measured beside plain decoding (a synthetic model gets a head) */
     int prefill_chunk; /* a prompt's tokens per forward call (the workspace's rows, at least the widest batch) */
     int conc[16], n_conc;
     float levels[16]; /* --levels: sparsity levels run one after another on the loaded model */
@@ -355,6 +356,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         else if (cli_is(&a, NULL, "--synthetic")) o->synthetic = cli_value(&a);
         else if (cli_is(&a, NULL, "--config")) o->config = cli_value(&a);
         else if (cli_is(&a, NULL, "--layers")) o->layers = cli_int(&a, 1, 4096);
+        else if (cli_is(&a, NULL, "--draft")) o->draft = cli_int(&a, 1, 8);
         else if (cli_is(&a, NULL, "--experts")) {
             const char *v = cli_value(&a);
             if (v && strcmp(v, "bf16") && (o->experts = qf_qfmt_parse(v)) != QF_Q_I8B32 && o->experts != QF_Q_I4B32)
@@ -392,7 +394,8 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         fprintf(stderr, "usage: qflash bench (-m DIR | --synthetic %s [--layers N] [--experts bf16|int8|int4] | --config FILE [--layers N])\n"
                         "       [--prompt-len 128] [--gen-len 64] [--concurrency 1,16] [--runs 3] [--prefill-chunk 512] [--bw GB/s]\n"
                         "       [--levels 0,0.3,0.6 (sparsity levels, one after another on the loaded model)] [--only experts|trunk|kv] [--warmup 1]\n"
-                        "       [-t THREADS] [--json FILE] [--plot FILE.svg] [--device cpu|cuda[:N]]\n", qf_synth_presets());
+                        "       [-t THREADS] [--json FILE] [--plot FILE.svg] [--device cpu|cuda[:N]] [--draft N (MTP speculative decoding beside plain)]\n",
+                qf_synth_presets());
         a.bad = !o->help;
     }
     return a.bad ? 2 : o->help ? 1 : 0;
@@ -416,11 +419,11 @@ static void cpu_name(char *out, size_t cap) {
 static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
     int max_c = 1;
     for (int i = 0; i < o->n_conc; i++) max_c = o->conc[i] > max_c ? o->conc[i] : max_c;
-    qf_synth_opts so = {o->synthetic, o->config, o->layers, 0, o->experts};
+    qf_synth_opts so = {o->synthetic, o->config, o->layers, 0, o->experts, o->draft > 0};
     qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > o->prefill_chunk ? max_c : o->prefill_chunk, .synth = o->model ? NULL : &so, .device = cli_device,
                          .cuda = &cli_cuda, .expert_cache = cli_expert_cache, .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy,
                          .reserve_seqs = max_c, .reserve_tokens = max_c * (o->prompt_len + o->gen_len + 1), .max_prompt = o->prompt_len,
-                         .sparsity_given = cli_sparsity_given, .sparsity_level = cli_sparsity_level};
+                         .sparsity_given = cli_sparsity_given, .sparsity_level = cli_sparsity_level, .draft = o->draft};
     for (int i = 0; i < o->n_levels && !cli_sparsity_given; i++) /* loaded at a level above 0: the budget plan holds its transposed weights */
         if (o->levels[i] > 0.0f) eo.sparsity_given = 1, eo.sparsity_level = o->levels[i];
     double t0 = qf_now();
@@ -461,6 +464,56 @@ static int set_levels(qf_engine *e, float level) {
     for (int L = 0; L < e->model->cfg.n_layers; L++) lv[L] = level;
     fprintf(stderr, "bench: sparsity level %.2f\n", level);
     return qf_model_set_sparsity(e->model, lv);
+}
+
+/* Speculative decoding at concurrency 1 (greedy, the engine's generation loop): each run decodes
+ * the bench prompt's continuation plainly and with 1..draft drafts a step, alternating; tok/s,
+ * the drafts accepted, tokens a step, and whether the ids are the plain ones (they must be). */
+typedef struct ids_digest {
+    uint64_t h;
+} ids_digest;
+
+static int digest_token(void *ud, int32_t tok, const char *text, size_t len) {
+    (void)text, (void)len;
+    ids_digest *d = ud;
+    if (tok >= 0) d->h = qf_fnv1a(d->h, &tok, sizeof tok);
+    return 0;
+}
+
+static int bench_draft(qf_engine *e, const bench_opts *o) {
+    int P = o->prompt_len, G = o->gen_len, rc = QF_OK;
+    int32_t *prompt = malloc((size_t)P * sizeof *prompt);
+    qf_sampling sp = qf_sampling_default();
+    qf_sampler *smp = qf_sampler_create(e->model->cfg.vocab, &sp);
+    if (!prompt || !smp) rc = qf_fail(QF_ENOMEM, "out of memory");
+    if (rc == QF_OK) make_prompt(e, 0, P, prompt);
+    printf("\nspeculative decoding, concurrency 1, greedy (prompt %d, %d tokens, %d runs):\n", P, G, o->runs);
+    uint64_t plain = 0;
+    for (int d = 0; rc == QF_OK && d <= o->draft; d++) {
+        double best = 0;
+        qf_gen_stats gs = {0};
+        ids_digest dg = {QF_FNV_BASIS};
+        for (int r = 0; rc == QF_OK && r < o->runs; r++) {
+            qf_state *st = qf_state_create(e->model, P + G + 8);
+            qf_spec_set_draft(e, d);
+            qf_sampler_reset(smp);
+            dg.h = QF_FNV_BASIS;
+            qf_gen_request req = {prompt, P, G, smp, digest_token, &dg};
+            rc = st ? qf_engine_generate(e, st, &req, &gs) : qf_fail(QF_ENOMEM, "out of memory");
+            double ts = gs.gen_seconds > 0 ? gs.gen_tokens / gs.gen_seconds : 0;
+            best = ts > best ? ts : best;
+            qf_state_free(st);
+        }
+        if (d == 0) plain = dg.h;
+        printf("  --draft %d: %8.1f tok/s (best of %d)", d, best, o->runs);
+        if (d) printf(", %d of %d drafts accepted (%.1f%%), %.2f tokens a step, ids %s", gs.accepted, gs.drafted, 100.0 * gs.accepted / (gs.drafted ? gs.drafted : 1),
+                      gs.steps ? (double)gs.gen_tokens / gs.steps : 0.0, dg.h == plain ? "as plain" : "DIFFER from plain");
+        printf("\n");
+    }
+    qf_spec_set_draft(e, o->draft);
+    free(prompt);
+    qf_sampler_free(smp);
+    return rc;
 }
 
 /* The trunk's thresholds of a synthetic model calibrated on 1,024 tokens of bench prompts, and
@@ -511,6 +564,7 @@ int cmd_bench(int argc, char **argv) {
             r.cfgs[r.n_cfgs].sparse = e->model->sparse, r.cfgs[r.n_cfgs].level = o.n_levels ? o.levels[l] : e->model->sparsity[0];
         }
     }
+    if (rc == QF_OK && o.draft) rc = bench_draft(e, &o);
     if (rc != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
     atomic_store(&tr.phase, "done");
     atomic_store(&tr.stop, 1);

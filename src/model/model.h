@@ -144,6 +144,7 @@ typedef struct qf_synth_opts {
     int layers;              /* 0 = all; else the first N layers, full per-layer shapes */
     uint64_t seed;
     int experts;             /* the routed experts' format: 0 (bf16), QF_Q_I8B32 or QF_Q_I4B32 (quantised from the generated values) */
+    int mtp;                 /* 1: an MTP head of the release's shapes too (mtp_num_hidden_layers 1) */
 } qf_synth_opts;
 int qf_model_synthetic(qf_model **out, const qf_synth_opts *so, const qf_load_opts *opts);
 const char *qf_synth_presets(void);

@@ -200,6 +200,7 @@ int qf_model_synthetic(qf_model **out, const qf_synth_opts *so, const qf_load_op
         snprintf(m->cfg.model_type + strlen(m->cfg.model_type), sizeof m->cfg.model_type - strlen(m->cfg.model_type), "%s", " (synthetic)");
         m->synth_seed = so->seed;
         m->synth_experts = so->experts;
+        m->cfg.mtp_layers = so->mtp ? 1 : 0; /* the preset names none: the head is asked for */
         if (so->experts && so->experts != QF_Q_I8B32 && so->experts != QF_Q_I4B32)
             rc = qf_fail(QF_EINVAL, "synthetic experts are bf16, int8 or int4 (not %s)", qf_qfmt_name(so->experts));
         if (rc == QF_OK) rc = qf_model_check_limits(&m->cfg);

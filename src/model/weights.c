@@ -305,9 +305,9 @@ static void bind_globals(binder *b) {
 /* The MTP head (model-spec §8): mtp.fc, its three norms (zero-centred) and one full-attention
  * decoder layer with its MoE, bound through the same checks under the prefix "mtp."; the layer and
  * a one-layer expert store go into m->mtp, a view of m that shares its embeddings, lm_head and RoPE. */
-static int bind_mtp(qf_model *m, const qf_load_opts *opts) {
+static int bind_mtp(qf_model *m, const qf_load_opts *opts, qf_make_tensor_fn make) {
     const qf_config *c = &m->cfg;
-    binder b = {m, "mtp.", opts ? opts->diag : NULL, QF_OK, NULL, NULL, ""};
+    binder b = {m, "mtp.", opts ? opts->diag : NULL, QF_OK, make, NULL, ""};
     int64_t H = c->hidden;
     qf_model *v = calloc(1, sizeof *v);
     qf_layer_w *w = calloc(1, sizeof *w);
@@ -370,6 +370,6 @@ int qf_model_bind(qf_model *m, const qf_load_opts *opts, qf_make_tensor_fn make)
         free(b.experts);
         qf_fail(b.rc, "%s", b.first);
     }
-    if (b.rc == QF_OK && !make && c->arch == QF_ARCH_QWEN35_MOE && c->mtp_layers > 0 && qf_st_find(&m->st, "mtp.fc.weight")) b.rc = bind_mtp(m, opts);
+    if (b.rc == QF_OK && c->arch == QF_ARCH_QWEN35_MOE && c->mtp_layers > 0 && (make || qf_st_find(&m->st, "mtp.fc.weight"))) b.rc = bind_mtp(m, opts, make);
     return b.rc;
 }

@@ -96,5 +96,7 @@ void qf_spec_close(qf_engine *e);
 /* 1: the request runs speculatively (qf_spec_generate); 0: the plain loop. */
 int qf_spec_takes(const qf_engine *e, const qf_state *st, const qf_gen_request *req);
 int qf_spec_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats);
+/* Drafts a step from now on (0: plain generation), at most the count the engine was opened with. */
+void qf_spec_set_draft(qf_engine *e, int draft);
 
 #endif

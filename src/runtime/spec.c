@@ -28,6 +28,7 @@ typedef struct qf_spec {
     float *saved;     /* a copy of a state's DeltaNet block (saved_floats) */
     size_t saved_floats;
     int off;          /* the head's context is full: the request goes on without drafts */
+    int max_draft;    /* what the buffers hold */
 } qf_spec;
 
 int qf_spec_open(qf_engine *e, int draft) {
@@ -38,7 +39,7 @@ int qf_spec_open(qf_engine *e, int draft) {
     qf_spec *s = calloc(1, sizeof *s);
     size_t H = (size_t)m->cfg.hidden, V = (size_t)m->cfg.vocab;
     if (!s) return qf_fail(QF_ENOMEM, "out of memory");
-    s->draft = draft, s->rows = qf_workspace_rows(e->ws);
+    s->draft = s->max_draft = draft, s->rows = qf_workspace_rows(e->ws);
     s->mtp = qf_mtp_run_create(m, s->rows, m->cfg.max_pos < 32768 ? m->cfg.max_pos : 32768);
     s->h = malloc((size_t)s->rows * H * sizeof(float)), s->hm = malloc((size_t)(draft + 1) * H * sizeof(float));
     s->lg = malloc((size_t)(draft + 1) * V * sizeof(float)), s->h_last = malloc(H * sizeof(float));
@@ -59,8 +60,12 @@ void qf_spec_close(qf_engine *e) {
     e->spec = NULL;
 }
 
+void qf_spec_set_draft(qf_engine *e, int draft) {
+    if (e->spec) e->spec->draft = draft < 0 ? 0 : draft > e->spec->max_draft ? e->spec->max_draft : draft;
+}
+
 int qf_spec_takes(const qf_engine *e, const qf_state *st, const qf_gen_request *req) {
-    return e->spec && st->pos == 0 && qf_sampler_is_greedy(req->sampler) && req->n_prompt + 2 < qf_mtp_state(e->spec->mtp)->max_ctx;
+    return e->spec && e->spec->draft > 0 && st->pos == 0 && qf_sampler_is_greedy(req->sampler) && req->n_prompt + 2 < qf_mtp_state(e->spec->mtp)->max_ctx;
 }
 
 /* n rows of the model in one forward: their hidden states into s->h, their logits into s->lg. */

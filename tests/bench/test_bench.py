@@ -1,6 +1,7 @@
 """`qflash bench`: every field of the JSON is there and the numbers agree with one another."""
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -119,6 +120,19 @@ def test_bench_synthetic_slice(tmp_path):
     # embedding + lm_head (248320 x 2048) + one DeltaNet layer with 256 experts of 3 x 512 x 2048, in bf16
     assert 3.6e9 < m["weight_bytes"] < 3.8e9
     assert j["configs"][0]["experts_per_step"] == 8
+
+
+@pytest.mark.skipif(os.environ.get("QFLASH_SANITIZE") == "1", reason="generated full-size weights: release build only")
+def test_bench_synthetic_mtp_slice(tmp_path):
+    """The synthetic model's MTP head of the release's shapes runs on a one-layer slice: drafts are
+    made and verified (random weights accept almost none), and the ids are the plain ones."""
+    _, _, out = bench(tmp_path, "--synthetic", "qwen3.6-35b-a3b", "--layers", "1", "--prompt-len", "8", "--gen-len", "6",
+                      "--concurrency", "1", "--runs", "1", "--warmup", "0", "--draft", "2")
+    lines = [l for l in out.splitlines() if l.strip().startswith("--draft")]
+    assert [l.split(":")[0].strip() for l in lines] == ["--draft 0", "--draft 1", "--draft 2"], out
+    for l in lines[1:]:
+        assert "ids as plain" in l and "drafts accepted" in l, l
+        assert int(re.search(r"(\d+) of (\d+) drafts accepted", l).group(2)) > 0, l  # drafts were made
 
 
 def test_bench_bad_arguments():
