@@ -64,15 +64,17 @@ def test_type_and_see_streamed_reply(browser):
 
 
 def test_stop_button_cancels(browser):
-    with Server("--ctx", "4096") as s:
+    # 8,000 tokens take the CPU seconds, so the click comes while the server still generates (a
+    # generation that ended first would leave nothing to stop)
+    with Server("--ctx", "8192") as s:
         browser.get(s.url + "/")
         browser.execute_script("""
             const f = window.fetch;
-            window.fetch = (u, o) => { if (o && o.body) { const b = JSON.parse(o.body); b.max_tokens = 4000; b.ignore_eos = true;
+            window.fetch = (u, o) => { if (o && o.body) { const b = JSON.parse(o.body); b.max_tokens = 8000; b.ignore_eos = true;
                                                           o.body = JSON.stringify(b); } return f(u, o); };""")
         browser.find_element(By.ID, "input").send_keys("class Stack:")
         browser.find_element(By.ID, "send").click()
-        WebDriverWait(browser, 60).until(
+        WebDriverWait(browser, 60, poll_frequency=0.05).until(
             lambda d: len(d.find_element(By.CSS_SELECTOR, ".msg.assistant .content").get_attribute("textContent")) > 20)
         browser.find_element(By.ID, "stop").click()
         WebDriverWait(browser, 20).until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").text == "stopped")
