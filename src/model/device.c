@@ -43,17 +43,15 @@ static void *copy_up(mover *mv, const void *src, size_t bytes) {
 }
 
 /* A weight with block scales (FP8) gets one device allocation: its bytes, then its scales at
- * qf_mat_scale_off, where the kernels look for them. */
+ * qf_mat_scale_off, where the kernels look for them (the expert stores' packed copy). */
 static void move_packed(mover *mv, qf_mat *w) {
-    char *d = qf_be_alloc(mv->be, qf_mat_packed_bytes(w));
+    void *d = qf_be_alloc(mv->be, qf_mat_packed_bytes(w));
     if (!d || !keep(mv, d)) {
         qf_be_free(mv->be, d);
         mv->rc = qf_fail(QF_ENOMEM, "out of device memory copying %zu bytes of weights", qf_mat_packed_bytes(w));
         return;
     }
-    qf_be_upload(mv->be, d, w->data, qf_mat_bytes(w));
-    qf_be_upload(mv->be, d + qf_mat_scale_off(w), w->scales, qf_mat_scale_bytes(w));
-    w->data = d, w->scales = (const float *)(d + qf_mat_scale_off(w));
+    *w = qf_es_put_mat(mv->be, d, w);
 }
 
 static void move_mat(mover *mv, qf_mat *w) {
@@ -65,8 +63,8 @@ static void move_mat(mover *mv, qf_mat *w) {
         if ((const char *)mv->by_addr[mid]->data <= p) at = mid, lo = mid + 1;
         else hi = mid - 1;
     }
-    size_t bytes = qf_mat_bytes(w);
     if (w->scales) return move_packed(mv, w);
+    size_t bytes = qf_mat_bytes(w);
     const qf_st_tensor *t = at >= 0 ? mv->by_addr[at] : NULL;
     if (t && p + bytes <= (const char *)t->data + t->nbytes) {
         if (!mv->dev[at]) mv->dev[at] = copy_up(mv, t->data, t->nbytes);

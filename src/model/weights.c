@@ -302,6 +302,17 @@ static void bind_globals(binder *b) {
     else m->lm_head = m->embed;
 }
 
+/* Decoder layer L under the binder's prefix: its norms, its mixer of the given kind and its MLP. */
+static void bind_layer(binder *b, qf_layer_w *w, int L, int kind) {
+    char n[256];
+    w->kind = kind;
+    w->attn_norm = bind_vec1(b, lname(b, L, "input_layernorm.weight", n, sizeof n), b->m->cfg.hidden, VEC_PLUS1);
+    w->ffn_norm = bind_vec1(b, lname(b, L, "post_attention_layernorm.weight", n, sizeof n), b->m->cfg.hidden, VEC_PLUS1);
+    if (kind == QF_LAYER_FULL) bind_full_attn(b, w, L);
+    else bind_linear_attn(b, w, L);
+    bind_mlp(b, w, L);
+}
+
 /* The MTP head (model-spec §8): mtp.fc, its three norms (zero-centred) and one full-attention
  * decoder layer with its MoE, bound through the same checks under the prefix "mtp."; the layer and
  * a one-layer expert store go into m->mtp, a view of m that shares its embeddings, lm_head and RoPE. */
@@ -319,12 +330,7 @@ static int bind_mtp(qf_model *m, const qf_load_opts *opts, qf_make_tensor_fn mak
     m->mtp_norm_e = bind_vec1(&b, "mtp.pre_fc_norm_embedding.weight", H, VEC_PLUS1);
     m->mtp_norm_h = bind_vec1(&b, "mtp.pre_fc_norm_hidden.weight", H, VEC_PLUS1);
     v->final_norm = bind_vec1(&b, "mtp.norm.weight", H, VEC_PLUS1);
-    w->kind = QF_LAYER_FULL;
-    char n[256];
-    w->attn_norm = bind_vec1(&b, lname(&b, 0, "input_layernorm.weight", n, sizeof n), H, VEC_PLUS1);
-    w->ffn_norm = bind_vec1(&b, lname(&b, 0, "post_attention_layernorm.weight", n, sizeof n), H, VEC_PLUS1);
-    bind_full_attn(&b, w, 0);
-    bind_mlp(&b, w, 0);
+    bind_layer(&b, w, 0, QF_LAYER_FULL);
     if (b.rc == QF_OK && !(v->experts = qf_es_resident_create(1, c->n_experts, b.experts))) b.rc = qf_fail(QF_ENOMEM, "out of memory (MTP experts)");
     else if (b.rc != QF_OK) free(b.experts);
     if (b.rc != QF_OK) {
@@ -354,14 +360,7 @@ int qf_model_bind(qf_model *m, const qf_load_opts *opts, qf_make_tensor_fn make)
         return qf_fail(QF_ENOMEM, "out of memory (expert table)");
     bind_globals(&b);
     for (int L = 0; L < c->n_layers; L++) {
-        qf_layer_w *w = &m->layers[L];
-        char n[256];
-        w->kind = c->layer_kind[L];
-        w->attn_norm = bind_vec1(&b, lname(&b, L, "input_layernorm.weight", n, sizeof n), c->hidden, VEC_PLUS1);
-        w->ffn_norm = bind_vec1(&b, lname(&b, L, "post_attention_layernorm.weight", n, sizeof n), c->hidden, VEC_PLUS1);
-        if (w->kind == QF_LAYER_FULL) bind_full_attn(&b, w, L);
-        else bind_linear_attn(&b, w, L);
-        bind_mlp(&b, w, L);
+        bind_layer(&b, &m->layers[L], L, c->layer_kind[L]);
         if (opts && opts->progress) opts->progress(opts->progress_ud, L + 1, c->n_layers);
     }
     if (b.rc == QF_OK && b.experts && !(m->experts = qf_es_resident_create(c->n_layers, c->n_experts, b.experts)))

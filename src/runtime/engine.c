@@ -92,10 +92,28 @@ int qf_engine_is_eos(const qf_engine *e, int32_t tok) {
 }
 
 /* Text of one token through the stream decoder; special tokens pass verbatim. */
-size_t qf_engine_token_text(qf_engine *e, qf_utf8_stream *us, int32_t tok) {
+static size_t token_text(qf_engine *e, qf_utf8_stream *us, int32_t tok) {
     size_t len = 0;
     const char *p = e->tok ? qf_tok_piece(e->tok, tok, &len) : NULL;
     return p ? qf_utf8_stream_push(us, p, len, e->text, e->text_cap) : 0;
+}
+
+int qf_engine_emit(qf_emitter *em, const qf_state *st, int pos, int32_t tok) {
+    em->stats->gen_tokens++;
+    if (qf_engine_is_eos(em->e, tok)) {
+        em->stats->stopped_by_eos = 1;
+        return 2;
+    }
+    qf_sampler_accept(em->req->sampler, tok, 1);
+    size_t len = token_text(em->e, &em->us, tok);
+    int stop = em->req->on_token && em->req->on_token(em->req->ud, tok, em->e->text, len);
+    em->n++;
+    return stop || em->n == em->req->max_tokens || pos + 1 >= st->max_ctx ? 1 : 0;
+}
+
+void qf_engine_emit_end(qf_emitter *em) {
+    size_t tail = qf_utf8_stream_flush(&em->us, em->e->text, em->e->text_cap);
+    if (tail && em->req->on_token) em->req->on_token(em->req->ud, -1, em->e->text, tail);
 }
 
 int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats) {
@@ -111,21 +129,15 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
     double t1 = qf_now();
     stats->prompt_tokens = req->n_prompt;
     stats->prompt_seconds = t1 - t0;
-    qf_utf8_stream us = {0};
+    qf_emitter em = {.e = e, .req = req, .stats = stats};
     /* greedy without penalties: later picks are made where the logits are (QF_LOGITS_TOP1) */
     int greedy = qf_sampler_is_greedy(req->sampler), picked = 0;
     int32_t pick = 0;
-    for (int n = 0; n < req->max_tokens; n++) {
+    while (em.n < req->max_tokens) {
         int32_t tok = picked ? pick : qf_sampler_sample(req->sampler, e->logits);
-        stats->gen_tokens++;
-        if (qf_engine_is_eos(e, tok)) {
-            stats->stopped_by_eos = 1;
-            break;
-        }
-        qf_sampler_accept(req->sampler, tok, 1);
-        size_t len = qf_engine_token_text(e, &us, tok);
-        int stop = req->on_token && req->on_token(req->ud, tok, e->text, len);
-        if (stop || n + 1 == req->max_tokens || st->pos + 1 >= st->max_ctx) {
+        int how = qf_engine_emit(&em, st, st->pos, tok);
+        if (how == 2) break;
+        if (how == 1) {
             /* the last token is fed too, so the state holds everything generated */
             rc = qf_forward_seq(e->model, &e->be, e->ws, st, &tok, 1, QF_LOGITS_NONE, NULL);
             break;
@@ -139,8 +151,7 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
         }
         if (rc != QF_OK) break;
     }
-    size_t tail = qf_utf8_stream_flush(&us, e->text, e->text_cap);
-    if (tail && req->on_token) req->on_token(req->ud, -1, e->text, tail);
+    qf_engine_emit_end(&em);
     stats->gen_seconds = qf_now() - t1;
     return rc;
 }

@@ -103,31 +103,8 @@ static int draft_chain(qf_engine *e, int32_t *d, int n) {
     return rc;
 }
 
-typedef struct emitter {
-    qf_engine *e;
-    const qf_gen_request *req;
-    qf_gen_stats *stats;
-    qf_utf8_stream us;
-    int n; /* emitted */
-} emitter;
-
-/* The plain loop's handling of a picked token, when the state would hold pos tokens before it:
- * 0 go on, 1 stop with it fed, 2 stop before it (an end of sequence, not fed). */
-static int emit(emitter *em, const qf_state *st, int pos, int32_t tok) {
-    em->stats->gen_tokens++;
-    if (qf_engine_is_eos(em->e, tok)) {
-        em->stats->stopped_by_eos = 1;
-        return 2;
-    }
-    qf_sampler_accept(em->req->sampler, tok, 1);
-    size_t len = qf_engine_token_text(em->e, &em->us, tok);
-    int stop = em->req->on_token && em->req->on_token(em->req->ud, tok, em->e->text, len);
-    em->n++;
-    return stop || em->n == em->req->max_tokens || pos + 1 >= st->max_ctx ? 1 : 0;
-}
-
 /* How many drafts this step may make: within the context and the tokens still wanted. */
-static int drafts_now(const qf_engine *e, const emitter *em, const qf_state *st) {
+static int drafts_now(const qf_engine *e, const qf_emitter *em, const qf_state *st) {
     int n = e->spec->draft, room = st->max_ctx - st->pos - 2, left = em->req->max_tokens - em->n;
     n = n < room ? n : room;
     n = n < left ? n : left;
@@ -136,11 +113,11 @@ static int drafts_now(const qf_engine *e, const emitter *em, const qf_state *st)
 
 /* One step from x (picked, not fed): emit x, draft, verify, emit the accepted drafts. *x gets the
  * next pick; 1 when generation ends (the state then holds what the plain loop's would). */
-static int step(qf_engine *e, emitter *em, qf_state *st, int32_t *x, int *rc) {
+static int step(qf_engine *e, qf_emitter *em, qf_state *st, int32_t *x, int *rc) {
     qf_spec *s = e->spec;
     int32_t d[SPEC_MAX_DRAFT + 1];
     int H = e->model->cfg.hidden, V = e->model->cfg.vocab, p0 = st->pos, mp = qf_mtp_pos(s->mtp);
-    int how = emit(em, st, p0, *x);
+    int how = qf_engine_emit(em, st, p0, *x);
     if (how == 2) return 1;
     s->off |= mp + s->draft + 2 >= qf_mtp_state(s->mtp)->max_ctx;
     int n = how || s->off ? 0 : drafts_now(e, em, st);
@@ -155,7 +132,7 @@ static int step(qf_engine *e, emitter *em, qf_state *st, int32_t *x, int *rc) {
     em->stats->steps += n > 0, em->stats->drafted += n, em->stats->accepted += k;
     int keep = k + 1, end = how == 1; /* rows of the forward that stand */
     for (int i = 0; i < k && !end; i++) {
-        int h2 = emit(em, st, p0 + 1 + i, d[i + 1]);
+        int h2 = qf_engine_emit(em, st, p0 + 1 + i, d[i + 1]);
         if (h2) keep = i + (h2 == 1 ? 2 : 1), end = 1;
     }
     if (keep < n + 1) { /* back to the copy, and the rows that stand again */
@@ -188,11 +165,10 @@ int qf_spec_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_g
     double t1 = qf_now();
     stats->prompt_tokens = req->n_prompt;
     stats->prompt_seconds = t1 - t0;
-    emitter em = {.e = e, .req = req, .stats = stats};
+    qf_emitter em = {.e = e, .req = req, .stats = stats};
     while (em.n < req->max_tokens && !step(e, &em, st, &x, &rc)) {
     }
-    size_t tail = qf_utf8_stream_flush(&em.us, e->text, e->text_cap);
-    if (tail && req->on_token) req->on_token(req->ud, -1, e->text, tail);
+    qf_engine_emit_end(&em);
     stats->gen_seconds = qf_now() - t1;
     return rc;
 }

@@ -341,17 +341,11 @@ void mc_launch(ctx *c, const void **tab, int E, int H, int I, const int *gstart,
              (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y);
 }
 
-// The quantised experts' kernels (passes of 32 slots), their shared memory asked for once.
-template <int F>
-static void mc_launch_q(ctx *c, const void **tab, int E, int H, int I, const int *gstart, const __nv_bfloat16 *xh, const __nv_bfloat16 *xl,
-                        __nv_bfloat16 *hh, __nv_bfloat16 *hl, float *y) {
-    static bool attr; // per process: the attribute belongs to the kernel, not the context
-    if (!attr) {
-        cudaFuncSetAttribute(k_mg_cp<2, 2, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(2, 2, F));
-        cudaFuncSetAttribute(k_mg_cp<1, 2, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(1, 2, F));
-        attr = true;
-    }
-    mc_launch<2, F>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
+// The shared memory the cp.async kernels of format F ask for past the 48 KB a kernel gets unasked.
+template <int TL, int F>
+static void mc_attr() {
+    cudaFuncSetAttribute(k_mg_cp<2, TL, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(2, TL, F));
+    cudaFuncSetAttribute(k_mg_cp<1, TL, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(1, TL, F));
 }
 
 // out[r] = sum over k (in order) of topw[r][k] * y[slot of (r, k)]: k_expert_sum's sum.
@@ -374,7 +368,8 @@ int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *
     int dt = a->experts[0].gate.dtype, F = qk_of(dt);
     for (int e = 0; e < E; e++)
         if (a->experts[e].gate.dtype != dt || a->experts[e].up.dtype != dt || a->experts[e].down.dtype != dt) return 0;
-    // fp8 experts keep the GEMV path until their grouped form is checked on a device (int8 and int4 are)
+    // fp8 experts keep the GEMV path until their grouped form (mc_dequant<QK_F8>) is instantiated and
+    // checked on a device (int8 and int4 are)
     if (dt != QF_DT_BF16 && (F == QK_BF16 || F == QK_F8 || !c->mg_cp || !qk_unit_ok(F, H) || !qk_unit_ok(F, I) || H % MC_KC || I % MC_KC)) return 0;
     int two = !c->bf16_single;
     // x's and h's parts padded by a pass of slots: a pass's last tile reads whole 16-slot columns
@@ -386,18 +381,13 @@ int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *
     __nv_bfloat16 *hh = (__nv_bfloat16 *)(s + ints + 2 * xb), *hl = two ? (__nv_bfloat16 *)(s + ints + 2 * xb + hb) : NULL;
     LAUNCH_S(c, k_mg_group, 1, 1024, 2 * E * sizeof(int), topi, NK, K, E, gstart, slot_row, slot_of);
     LAUNCH(c, k_mg_gather, blocks((int64_t)NK * H, 256), 256, a->x, slot_row, NK, H, xh, xl);
-    if (F != QK_BF16) {
-        if (F == QK_I8) mc_launch_q<QK_I8>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
-        else if (F == QK_I4) mc_launch_q<QK_I4>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
-        else return 0;
-    } else if (c->mg_cp && H % MC_KC == 0 && I % MC_KC == 0) {
-        if (!c->mg_cp_attr) { // past the 48 KB a kernel gets unasked
-            cudaFuncSetAttribute(k_mg_cp<2, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(2, 2));
-            cudaFuncSetAttribute(k_mg_cp<1, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(1, 2));
-            cudaFuncSetAttribute(k_mg_cp<2, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(2, 4));
-            cudaFuncSetAttribute(k_mg_cp<1, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mc_smem_bytes(1, 4));
-            c->mg_cp_attr = 1;
-        }
+    if (c->mg_cp && !c->mg_cp_attr) {
+        mc_attr<2, QK_BF16>(), mc_attr<4, QK_BF16>(), mc_attr<2, QK_I8>(), mc_attr<2, QK_I4>();
+        c->mg_cp_attr = 1;
+    }
+    if (F == QK_I8) mc_launch<2, QK_I8>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y); // quantised: passes of 32 slots
+    else if (F == QK_I4) mc_launch<2, QK_I4>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
+    else if (c->mg_cp && H % MC_KC == 0 && I % MC_KC == 0) {
         // passes of 64 slots once the experts average more than 24 (option mg_p64=0: 32 always)
         if (c->mg_p64 && NK > 24 * E) mc_launch<4>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
         else mc_launch<2>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
