@@ -393,6 +393,10 @@ static qf_mat up_transposed(const void *hw, int64_t rows, int64_t cols) {
     return m;
 }
 
+/* A decode product's tolerance: the GEMV kernels' fp32 sums, or from option dec_tc rows the
+ * tensor cores' with activations as two bf16 parts (~16 bits of each, as the prompt products). */
+static double dec_tol(int n) { return n > 1 && n >= g_opts.dec_tc && !sparse_share ? 5e-5 : 1e-5; }
+
 static void test_dec_matmul(int kind, int64_t rows, int64_t cols, int head, int n, int acc) {
     void *hw;
     qf_mat w = bf16_mat(rows, cols, &hw);
@@ -420,7 +424,7 @@ static void test_dec_matmul(int kind, int64_t rows, int64_t cols, int head, int 
     const char *names[] = {"none", "rmsnorm", "gated norm", "sigmoid gate"};
     char s[96];
     snprintf(s, sizeof s, "%s [%lld x %lld] n=%d%s", names[kind], (long long)rows, (long long)cols, n, acc ? " +=" : "");
-    report(sparse_share > 0 ? "dec matmul sparse" : "dec matmul", s, cmp(dy, want, (size_t)n * rows), 1e-5);
+    report(sparse_share > 0 ? "dec matmul sparse" : "dec matmul", s, cmp(dy, want, (size_t)n * rows), dec_tol(n));
     if (sparse_share > 0) gpu.ops->free(&gpu, (void *)wt.data);
     free(hw), free(x), free(nw), free(g), free(y0), free(want), free(xp), free(tmp);
     void *d[] = {(void *)dw.data, dx, dnw, dg, dy};
@@ -457,8 +461,8 @@ static void test_dec_gdn_proj(int n) {
     else gpu.ops->dec->matmul(&gpu, &dw, dx, n, &pre, &e, 0, dy);
     char s[64];
     snprintf(s, sizeof s, "[%d x 2048] n=%d%s", rows, n, sparse_share > 0 ? " sparse" : "");
-    report("dec in_proj+conv", s, cmp(dy, want, (size_t)n * rows), 1e-5);
-    report("dec conv states", s, cmp(dst, want_st, (size_t)n * (K - 1) * cd), 1e-5); /* raw products, as the matmul tolerance */
+    report("dec in_proj+conv", s, cmp(dy, want, (size_t)n * rows), dec_tol(n));
+    report("dec conv states", s, cmp(dst, want_st, (size_t)n * (K - 1) * cd), dec_tol(n)); /* raw products, as the matmul tolerance */
     free(hw), free(x), free(nw), free(cw), free(dtb), free(na), free(st), free(want_st), free(xn), free(mixed), free(want);
     void *d[] = {(void *)dw.data, dx, dnw, dcw, ddtb, dna, dst, dy};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
@@ -748,8 +752,21 @@ static void dec_row_checks(int n) {
     test_dec_matmul(QF_PRE_SIGMOID, 2048, 4096, 256, n, 1);
     test_dec_gdn_proj(n);
     test_dec_gdn(n, 16, 32, 128, 128);
-    test_dec_moe(n, 256, 8, 2048, 512, 512, n == 1, 0);
+    test_dec_moe(n, 256, 8, 2048, 512, 512, n == 1 || n >= 16, 0);
     test_dec_argmax(n, 248320);
+}
+
+static int restart_with(const char *assignment);
+static void set_opt(const char *assignment);
+
+/* From option dec_tc (5) rows the products run on the tensor cores; 64 rows: the most a decode
+ * step takes. Then the GEMV kernels at many rows, and the tensor cores at 2. */
+static void dec_rows_checks(void) {
+    const int dec_rows[] = {1, 3, 8, 16, 24, 64};
+    for (int i = 0; i < (int)(sizeof dec_rows / sizeof *dec_rows); i++) dec_row_checks(dec_rows[i]);
+    if (restart_with("dec_tc=65")) dec_row_checks(16), dec_row_checks(64);
+    if (restart_with("dec_tc=2")) dec_row_checks(2);
+    set_opt("dec_tc=5");
 }
 
 /* A backend made again with one more option set (the checks after it run on that backend). */
@@ -1037,9 +1054,14 @@ int main(int argc, char **argv) {
     test_matmul(8192, 2048, 300, 1e-4);
     /* QFLASH_TEST_QUICK (a device call that wants a part): 1 the prompt ops alone, 2 the many-row MoE
      * alone, 3 the rest (the decode kernels), 4 sparsity's kernels alone, 5 quantised weights alone, 6 the
-     * one-row MoE of quantised experts, 7 their prompt-sized MoE */
+     * one-row MoE of quantised experts, 7 their prompt-sized MoE, 8 the decode ops at 1..64 rows alone */
     const char *quick = getenv("QFLASH_TEST_QUICK");
     int part = quick ? atoi(quick) : 0;
+    if (part == 8) {
+        dec_rows_checks();
+        qf_cuda_backend_free(&gpu);
+        return qt_finish();
+    }
     if (part == 7) { /* quantised experts in prompt-sized MoE ops alone */
         quant_grouped_checks(1);
         qf_cuda_backend_free(&gpu);
@@ -1119,7 +1141,7 @@ int main(int argc, char **argv) {
         set_opt("mg=1");
     }
     if (part == 2) return qt_finish();
-    for (int n = 1; n <= QF_DEC_ROWS; n = n == 1 ? 8 : n + 8) dec_row_checks(n);
+    dec_rows_checks();
     test_dec_gdn_gn(16, 32, 128, 128); /* the step with out_proj's gated norm (the default one-row step); twice in a row */
     test_dec_gdn_gn(16, 32, 128, 128);
     test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 3, 1); /* the fixtures' small heads */

@@ -147,7 +147,9 @@ typedef struct qf_backend qf_backend;
  * sequence and at most QF_DEC_ROWS sequences: row t of every array below is sequence t. Each op is
  * defined by the composition of plain ops its comment names, which is its reference
  * (tests/test_cuda.c compares the two). ---- */
-#define QF_DEC_ROWS 16
+#define QF_DEC_ROWS 64
+#define QF_GRAPH_ROWS 16 /* rows up to which the plain ops of a step may be recorded (a device's library
+                          * products past them are not kernels it launches) */
 
 enum { QF_PRE_NONE = 0, QF_PRE_RMSNORM, QF_PRE_GATED_NORM, QF_PRE_SIGMOID };
 
@@ -315,10 +317,11 @@ typedef struct qf_ops {
     void (*upload)(qf_backend *be, void *dst, const void *src, size_t bytes);
     void (*download)(qf_backend *be, void *dst, const void *src, size_t bytes);
     void (*zero)(qf_backend *be, void *p, size_t bytes);
-    /* Optional: brackets one forward step of a given shape (key) and row count, so a device can
-     * record it once and replay it (CUDA graphs). step_end returns an error if any op of the step
-     * failed (the step's results are then not to be used); abandon: the caller failed the step
-     * part-way, so whatever the device holds back of it is dropped, not run. */
+    /* Optional: brackets one forward step of a given shape (key; 0: not to be recorded) and row
+     * count, so a device can record it once and replay it (CUDA graphs): decode steps through the
+     * qf_dec_ops of up to QF_DEC_ROWS rows, other steps of up to QF_GRAPH_ROWS. step_end returns
+     * an error if any op of the step failed (the step's results are then not to be used); abandon:
+     * the caller failed the step part-way, so whatever the device holds back of it is dropped. */
     void (*step_begin)(qf_backend *be, uint64_t key, int rows);
     int (*step_end)(qf_backend *be, int abandon);
     /* Optional: waits for every queued op; returns the first failure since the last step ended. */

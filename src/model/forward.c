@@ -564,7 +564,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     int H = c->hidden;
     float *x = WS(ws, x), *xn = WS(ws, xn);
     if (m->experts && m->experts->ops->step) m->experts->ops->step(m->experts);
-    if (OPS->step_begin) OPS->step_begin(be, step_key(m, seqs, n_seqs), f.N);
+    if (OPS->step_begin) OPS->step_begin(be, dec_usable(&f) || f.N <= QF_GRAPH_ROWS ? step_key(m, seqs, n_seqs) : 0, f.N);
     kv_prepare(&f);
     for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) {
         if (seqs[s].inputs) qf_be_copy(be, x + (size_t)r0 * H, seqs[s].inputs, (size_t)seqs[s].n * H * sizeof(float));

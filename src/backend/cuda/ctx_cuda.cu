@@ -54,14 +54,14 @@ static int take_error(ctx *c) {
     return qf_fail(QF_EDEVICE, "CUDA device: %s", c->err_msg);
 }
 
-// The step's shape decides: graphs for up to QF_DEC_ROWS rows, the same key twice
-// in a row to record, then replays while it stays the same.
+// The step's shape decides: graphs for up to QF_DEC_ROWS rows and a key (0: a step not to be
+// recorded), the same key twice in a row to record, then replays while it stays the same.
 void cu_step_begin(qf_backend *be, uint64_t key, int rows) {
     ctx *c = C(be);
     graph_state *s = &c->gs;
     s->n = 0, s->n_outs = 0, s->out_used = 0, s->broken = 0;
     if (c->st.on) c->st.t0 = now_us();
-    int eligible = s->enabled && rows <= QF_DEC_ROWS;
+    int eligible = s->enabled && rows <= QF_DEC_ROWS && key != 0;
     if (!eligible) {
         s->mode = G_EAGER;
         s->last_key = 0;
@@ -213,7 +213,7 @@ static void apply_opts(ctx *c, const qf_cuda_opts *o) {
     c->gdn_lpc = o->gdn_lpc == 2 || o->gdn_lpc == 8 ? o->gdn_lpc : 4, c->gdn_gn = o->gdn_gn;
     c->bulk = c->cc_major >= 9 ? o->bulk : 0, c->bulk_blocks = o->bulk_blocks;
     c->att1 = o->att1, c->att_gate = o->att_gate, c->comb = o->comb;
-    c->mg = o->mg, c->mg_cp = o->mg_cp, c->mg_p64 = o->mg_p64;
+    c->mg = o->mg, c->mg_cp = o->mg_cp, c->mg_p64 = o->mg_p64, c->dec_tc = o->dec_tc;
     // Below these rows the GEMV path is faster at the real shape (docs/performance.md).
     c->mg_min_rows = o->mg_min >= 0 ? o->mg_min : c->mg_cp ? 96 : 192;
     c->att_tile = o->att_tile, c->att_tc = o->att_tc;
@@ -287,7 +287,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->sp), cudaFree(c->ps), cudaFree(c->mg_buf), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->sp_ctr), cudaFree(c->sp_count), cudaFree(c->att_cnt);
+    cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->sp), cudaFree(c->ps), cudaFree(c->mg_buf), cudaFree(c->dtc), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->sp_ctr), cudaFree(c->sp_count), cudaFree(c->att_cnt);
     if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
     if (c->gs.g) cudaGraphDestroy(c->gs.g);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);

@@ -44,7 +44,7 @@ enum { G_EAGER, G_RECORD, G_REPLAY };
 #define G_MAX_NODES 16384
 #define G_MAX_OUTS 256
 #define G_ARG_BYTES ((size_t)8 << 20)
-#define G_MAX_ARG 2048 // argument bytes of one kernel
+#define G_MAX_ARG 8192 // argument bytes of one kernel (a 64-row attention step's views: ~4.3 KB)
 
 struct graph_state {
     int enabled, mode, broken, n, n_rec;
@@ -102,6 +102,9 @@ struct ctx {
     size_t mg_cap;
     int mg_cp, mg_cp_attr;        // moe_grouped's products fed by cp.async stages (k_mg_cp; option mg_cp=0: the register form)
     int mg_p64;                   // k_mg_cp's passes of 64 slots when experts average more than 24 (option mg_p64=0: 32)
+    int dec_tc;                   // decode products of this many rows and more on the tensor cores (tc_dense; option dec_tc)
+    void *dtc;                    // their inputs' bf16 parts and split partial sums
+    size_t dtc_cap;
     int att_tile, att_tile_attr;  // many-query attention as tiles of rows sharing a kv head (attn_tiled; option att_tile=0: off)
     int att_tc;                   // their products on the tensor cores, operands as bf16 hi + lo parts (option att_tc=0: fp32 FMAs)
     int gdn_seq;                  // the many-token DeltaNet as a block per head (k_gdn; option gdn_seq=1), not k_gdn_cols
@@ -314,10 +317,12 @@ inline void note_peak(ctx *c) {
     if (cudaMemGetInfo(&fr, &tot) == cudaSuccess && tot - fr > c->peak) c->peak = tot - fr;
 }
 
-// Grows a scratch buffer (only while sizes are still rising: the first steps of a run).
+// Grows a scratch buffer (only while sizes are still rising: the first steps of a run). A recorded
+// step's nodes point at the old buffer: its graph is dropped (an eager step's graph is idle).
 inline void *scratch(ctx *c, void **p, size_t *cap, size_t need) {
     if (need <= *cap) return *p;
-    if (c->gs.mode != G_EAGER) c->gs.broken = 1; /* recorded nodes would point at the old buffer */
+    if (c->gs.mode != G_EAGER) c->gs.broken = 1;
+    else if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex), c->gs.ex = NULL;
     if (*p) cudaFree(*p);
     size_t n = need + need / 2;
     if (cudaMalloc(p, n) != cudaSuccess) {
@@ -366,6 +371,9 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 inline unsigned blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
+inline size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+#define GEMV_MAX_N 16 // input rows the GEMV kernels take a pass (their FMAs a weight grow with the rows)
 
 // ---- paged attention (decode splits the keys; the partials are combined by k_attn_combine) ----
 #define ATT_WARPS 4
@@ -502,6 +510,13 @@ const void **expert_table(ctx *c, const void *const *given, const qf_expert *exp
 // slot's down product) as scratch; 0: not taken (too few rows, not bf16, a shape it is not built
 // for, or --precision fp32), the caller runs its GEMV path.
 int moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw, float *y);
+// The column splits tc_dense takes w in for n rows (enough blocks for every SM); 0: tc_dense does
+// not take w (another dtype or shape, fp32 precision, option mg_cp=0).
+int tc_splits(ctx *c, const qf_mat *w, int n);
+// y[s][n][w.rows] = the part of w . x over split s of w's columns, on the tensor cores, for a decode
+// step's n rows; x given as bf16 parts (xh; xl NULL with one part) of n + 64 rows of w.cols (the
+// rows past n are read, not used).
+void tc_dense(ctx *c, const qf_mat *w, const __nv_bfloat16 *xh, const __nv_bfloat16 *xl, int n, int splits, float *y);
 
 // The attention op for a prompt's queries (8 or more) as tiles of query rows sharing a kv head
 // (attn_tile_cuda.cu), partials in part (room for part_splits splits a row) combined into a->out;

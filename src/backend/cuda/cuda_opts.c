@@ -15,7 +15,7 @@ typedef struct opt_def {
 
 #define OPT(n, d, l, h, doc) {#n, offsetof(qf_cuda_opts, n), d, l, h, doc}
 static const opt_def k_opts[] = {
-    OPT(graphs, 1, 0, 1, "decode steps of up to 16 rows recorded once and replayed as CUDA graphs"),
+    OPT(graphs, 1, 0, 1, "decode steps of up to 64 rows (other steps up to 16) recorded once and replayed as CUDA graphs"),
     OPT(pdl, 1, 0, 1, "a graph's kernels chained by programmatic dependent launch (sm_90)"),
     OPT(early, 1, 0, 1, "decode kernels ask for their first weights before waiting for the kernel before"),
     OPT(pw1, 1, 0, 1, "one-row products of few weight rows take a warp per row (0: two rows a warp)"),
@@ -33,6 +33,7 @@ static const opt_def k_opts[] = {
     OPT(mg_min, -1, -1, 1 << 20, "rows from which the MoE is grouped by expert (-1: 96, or 192 with mg_cp=0)"),
     OPT(mg_cp, 1, 0, 1, "the grouped MoE's weights staged by cp.async (0: loaded into registers)"),
     OPT(mg_p64, 1, 0, 1, "the grouped MoE takes 64 rows a pass once experts average more than 24 (0: 32)"),
+    OPT(dec_tc, 5, 1, 1 << 20, "decode steps of this many rows and more take their products on the tensor cores (fewer: the GEMV kernels)"),
     OPT(att_tile, 1, 0, 1, "prompt attention as tiles of 64 queries sharing a kv head (0: a block per query and head)"),
     OPT(att_tc, 1, 0, 1, "the tiles' products on the tensor cores as bf16 hi + lo parts (0: fp32 FMAs)"),
     OPT(gdn_chunk, 1, 0, 1, "a prompt's DeltaNet in chunks of 64 tokens, the WY form (0: token by token)"),

@@ -17,7 +17,7 @@ typedef struct qf_cuda_opts {
     int precision;
     int graphs, pdl, early, pw1, bulk, bulk_blocks;
     int gdn_lpc, gdn_gn, moe1, moe_pf, route, att1, att_gate, comb;
-    int mg, mg_min, mg_cp, mg_p64, att_tile, att_tc;
+    int mg, mg_min, mg_cp, mg_p64, att_tile, att_tc, dec_tc;
     int gdn_chunk, gdn_chunk_min, gdn_seq, gdn_plpc, gdn_cp;
     int profile, steptime;
 } qf_cuda_opts;

@@ -220,6 +220,61 @@ static void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, cons
            acc, y, c->early);
 }
 
+// ---- many-row decode products on the tensor cores (tc_dense): the GEMV kernels above multiply
+// every weight by each row with FMAs, so from a few rows on they are bound by instructions ----
+
+// pre(x[t]) for row t = blockIdx.x, as bf16 parts: hi at xh[t], lo at xl[t] (NULL: one part).
+__global__ void __launch_bounds__(256) k_pre_parts(const float *__restrict__ x, int cols, dpre p, __nv_bfloat16 *xh, __nv_bfloat16 *xl) {
+    extern __shared__ float4 dyn[];
+    __shared__ float red[PRE_MAX_HEADS];
+    float *xs = (float *)dyn;
+    int t = blockIdx.x;
+    pdl_wait();
+    pdl_launch();
+    dpre pt = p;
+    if (pt.g) pt.g += (int64_t)t * p.g_stride;
+    stage<1>(x + (int64_t)t * cols, 1, cols, pt, xs, red);
+    float sc = row_scale(p, red, 0, cols);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = xs[i] * sc;
+        __nv_bfloat16 h = __float2bfloat16(v);
+        xh[(int64_t)t * cols + i] = h;
+        if (xl) xl[(int64_t)t * cols + i] = __float2bfloat16(v - __bfloat162float(h));
+    }
+}
+
+// y[t][r] (= or +=) the epilogue of the sum of the product's splits yt[s][t][r].
+__global__ void k_tc_finish(const float *__restrict__ yt, int splits, int n, int rows, depi e, int acc, float *y) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, all = (int64_t)n * rows;
+    pdl_wait();
+    pdl_launch();
+    if (i >= all) return;
+    int t = (int)(i / rows), r = (int)(i - (int64_t)t * rows);
+    float v = yt[i];
+    for (int s = 1; s < splits; s++) v += yt[s * all + i];
+    if (e.on) v = epi_value(e, t, r, v);
+    y[i] = acc ? y[i] + v : v;
+}
+
+// dec_matmul on the tensor cores for n >= option dec_tc rows; 0: not taken (the GEMV kernels run).
+static int dec_matmul_tc(ctx *c, const qf_mat *w, const float *x, int n, const dpre &p, const depi &e, int acc, float *y) {
+    int64_t rows = w->rows, cols = w->cols;
+    int splits = n >= c->dec_tc && cols <= 8192 ? tc_splits(c, w, n) : 0;
+    if (!splits) return 0;
+    int two = !c->bf16_single, direct = splits == 1 && !acc && !e.on;
+    size_t xb = align256((size_t)(n + 64) * cols * 2), yb = direct ? 0 : (size_t)splits * n * rows * sizeof(float);
+    char *s = (char *)scratch(c, &c->dtc, &c->dtc_cap, 2 * xb + yb);
+    if (!s) return 0;
+    __nv_bfloat16 *xh = (__nv_bfloat16 *)s, *xl = two ? (__nv_bfloat16 *)(s + xb) : NULL;
+    float *yt = direct ? y : (float *)(s + 2 * xb);
+    launch(c, "k_pre_parts", 1, k_pre_parts, dim3(n), dim3(256), (unsigned)(cols * sizeof(float)), x, (int)cols, p, xh, xl);
+    tc_dense(c, w, xh, xl, n, splits, yt);
+    if (!direct)
+        launch(c, "k_tc_finish", 1, k_tc_finish, dim3((unsigned)blocks((int64_t)n * rows, 256)), dim3(256), 0u, (const float *)yt, splits, n, (int)rows, e, acc,
+               y);
+    return 1;
+}
+
 void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, float *y) {
     ctx *c = C(be);
     if (w->dtype != QF_DT_BF16 || w->cols % 8 || (uintptr_t)w->data % 16 || (uintptr_t)x % 16) {
@@ -242,10 +297,11 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
                acc, y);
         return;
     }
-    // rows of x that fit beside the kernel's own shared memory (red: QF_DEC_ROWS * PRE_MAX_HEADS floats)
-    size_t room = (size_t)(c->smem_optin > 0 ? c->smem_optin : 48 * 1024) - QF_DEC_ROWS * PRE_MAX_HEADS * sizeof(float) - 1024;
+    if (n > 1 && dec_matmul_tc(c, w, x, n, p, e, acc, y)) return;
+    // rows of x that fit beside the kernel's own shared memory (red: GEMV_MAX_N * PRE_MAX_HEADS floats)
+    size_t room = (size_t)(c->smem_optin > 0 ? c->smem_optin : 48 * 1024) - GEMV_MAX_N * PRE_MAX_HEADS * sizeof(float) - 1024;
     int fit = (int)(room / ((size_t)w->cols * sizeof(float)));
-    int cap = fit < 1 ? 1 : fit > QF_DEC_ROWS ? QF_DEC_ROWS : fit;
+    int cap = fit < 1 ? 1 : fit > GEMV_MAX_N ? GEMV_MAX_N : fit;
     for (int t0 = 0; t0 < n; t0 += cap) { // rows beyond what shared memory holds: another pass
         int nt = n - t0 < cap ? n - t0 : cap;
         dpre pt = p;

@@ -278,16 +278,23 @@ __device__ __forceinline__ void mc_steps(const __nv_bfloat16 *sw, const __nv_bfl
 // Session 12 at 512 rows of the real shape: 839 us against 1939, 45% of the copy bandwidth for the
 // bytes read once against 19%.) K: the summed width (H or I), R: the matrices' rows (I or H), also
 // the output's pitch.
+// dw (NM 1, bf16): one dense matrix for dn slots instead (tab and gstart unused), a decode step's
+// product, blockIdx.y its split of the K columns (gridDim.y of them) into y's split-th n x R block.
 template <int NM, int TL, int F = QK_BF16> // F: the experts' format
 __global__ void __launch_bounds__(MG_THREADS) k_mg_cp(const void *const *tab, int E, const int *gstart, const __nv_bfloat16 *inh,
-                                                      const __nv_bfloat16 *inl, int K, int R, __nv_bfloat16 *hh, __nv_bfloat16 *hl, float *y) {
+                                                      const __nv_bfloat16 *inl, int K, int R, __nv_bfloat16 *hh, __nv_bfloat16 *hl, float *y,
+                                                      const void *dw, int dn) {
     constexpr int S = mc_stages(TL, F), P = 16 * TL; // stages, slots a pass
     extern __shared__ __align__(128) unsigned char mc_smem[];
     __nv_bfloat16 *ring = (__nv_bfloat16 *)mc_smem;
-    int e = blockIdx.y, s0 = gstart[e], cnt = gstart[e + 1] - s0; // block-uniform: before any barrier
+    int e = dw ? 0 : blockIdx.y, s0 = dw ? 0 : gstart[e], cnt = dw ? dn : gstart[e + 1] - s0; // block-uniform: before any barrier
     if (!cnt) return;
-    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, f0 = blockIdx.x * 64, fw = f0 + warp * 16, nk = K / MC_KC;
-    const void *W0 = tab[NM == 2 ? e : 2 * E + e], *W1 = tab[E + e];
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, f0 = blockIdx.x * 64, fw = f0 + warp * 16, nk = K / MC_KC / (dw ? gridDim.y : 1);
+    const void *W0 = dw ? dw : tab[NM == 2 ? e : 2 * E + e], *W1 = dw ? dw : tab[E + e];
+    if (dw) { // this split's columns: the rows keep their pitch K
+        int64_t k0 = (int64_t)blockIdx.y * nk * MC_KC;
+        W0 = W1 = (const __nv_bfloat16 *)dw + k0, inh += k0, inl = inl ? inl + k0 : NULL, y += (int64_t)blockIdx.y * dn * R;
+    }
     for (int t0 = 0; t0 < cnt; t0 += P) {
         int nt = min(P, cnt - t0);
         const __nv_bfloat16 *ph = inh + (int64_t)(s0 + t0) * K, *pl = inl ? inl + (int64_t)(s0 + t0) * K : NULL;
@@ -321,6 +328,7 @@ __global__ void __launch_bounds__(MG_THREADS) k_mg_cp(const void *const *tab, in
             for (int q = lane; q < 16 * nt; q += 32) {
                 int mm = q & 15, n = q >> 4;
                 int64_t o = (int64_t)(s0 + t0 + n) * R + fw + mm;
+                if (fw + mm >= R) continue; // a last tile past R (dense products: R need not be whole tiles)
                 if constexpr (NM == 2) split_bf16(silu(ow[mm * P + n]) * ow[16 * P + mm * P + n], hh + o, hl ? hl + o : NULL);
                 else y[o] = ow[mm * P + n];
             }
@@ -336,9 +344,9 @@ template <int TL, int F = QK_BF16>
 void mc_launch(ctx *c, const void **tab, int E, int H, int I, const int *gstart, const __nv_bfloat16 *xh, const __nv_bfloat16 *xl, __nv_bfloat16 *hh,
                __nv_bfloat16 *hl, float *y) {
     LAUNCH_S(c, (k_mg_cp<2, TL, F>), dim3((I + 63) / 64, E), MG_THREADS, mc_smem_bytes(2, TL, F), (const void *const *)tab, E, gstart, xh, xl, H, I, hh, hl,
-             (float *)NULL);
+             (float *)NULL, (const void *)NULL, 0);
     LAUNCH_S(c, (k_mg_cp<1, TL, F>), dim3((H + 63) / 64, E), MG_THREADS, mc_smem_bytes(1, TL, F), (const void *const *)tab, E, gstart, hh, hl, I, H,
-             (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y);
+             (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y, (const void *)NULL, 0);
 }
 
 // The shared memory the cp.async kernels of format F ask for past the 48 KB a kernel gets unasked.
@@ -358,9 +366,36 @@ __global__ void k_mg_sum(const float *y, const int *slot_of, const float *topw, 
     out[i] = acc;
 }
 
-size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
-
 } // namespace
+
+// Every kernel of k_mg_cp's forms opted in to the shared memory it asks for (once per context).
+static void mc_attrs(ctx *c) {
+    if (c->mg_cp_attr) return;
+    mc_attr<2, QK_BF16>(), mc_attr<4, QK_BF16>(), mc_attr<2, QK_I8>(), mc_attr<2, QK_I4>();
+    c->mg_cp_attr = 1;
+}
+
+int qfc::tc_splits(ctx *c, const qf_mat *w, int n) {
+    int R = (int)w->rows, K = (int)w->cols;
+    if (!c->mg_cp || c->fp32 || w->dtype != QF_DT_BF16 || K % MC_KC || (uintptr_t)w->data % 16 || n < 1) return 0;
+    // few output tiles (out_proj: 32 of 4096 columns each) leave most SMs idle: split the columns
+    // while the tiles are fewer than 4 blocks an SM and a split keeps 4 stages or more
+    int tiles = (R + 63) / 64, want = 4 * (c->sms > 0 ? c->sms : 132), splits = 1;
+    while (tiles * splits < want && (K / MC_KC) % (2 * splits) == 0 && K / MC_KC / (2 * splits) >= 4) splits *= 2;
+    return splits;
+}
+
+void qfc::tc_dense(ctx *c, const qf_mat *w, const __nv_bfloat16 *xh, const __nv_bfloat16 *xl, int n, int splits, float *y) {
+    int R = (int)w->rows, K = (int)w->cols;
+    mc_attrs(c);
+    dim3 g((R + 63) / 64, splits);
+    if (n <= 32)
+        LAUNCH_S(c, (k_mg_cp<1, 2>), g, MG_THREADS, mc_smem_bytes(1, 2), (const void *const *)NULL, 1, (const int *)NULL, xh, xl, K, R,
+                 (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y, (const void *)w->data, n);
+    else
+        LAUNCH_S(c, (k_mg_cp<1, 4>), g, MG_THREADS, mc_smem_bytes(1, 4), (const void *const *)NULL, 1, (const int *)NULL, xh, xl, K, R,
+                 (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y, (const void *)w->data, n);
+}
 
 int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw, float *y) {
     int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts, NK = N * K;
@@ -381,10 +416,7 @@ int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *
     __nv_bfloat16 *hh = (__nv_bfloat16 *)(s + ints + 2 * xb), *hl = two ? (__nv_bfloat16 *)(s + ints + 2 * xb + hb) : NULL;
     LAUNCH_S(c, k_mg_group, 1, 1024, 2 * E * sizeof(int), topi, NK, K, E, gstart, slot_row, slot_of);
     LAUNCH(c, k_mg_gather, blocks((int64_t)NK * H, 256), 256, a->x, slot_row, NK, H, xh, xl);
-    if (c->mg_cp && !c->mg_cp_attr) {
-        mc_attr<2, QK_BF16>(), mc_attr<4, QK_BF16>(), mc_attr<2, QK_I8>(), mc_attr<2, QK_I4>();
-        c->mg_cp_attr = 1;
-    }
+    if (c->mg_cp) mc_attrs(c);
     if (F == QK_I8) mc_launch<2, QK_I8>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y); // quantised: passes of 32 slots
     else if (F == QK_I4) mc_launch<2, QK_I4>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
     else if (c->mg_cp && H % MC_KC == 0 && I % MC_KC == 0) {

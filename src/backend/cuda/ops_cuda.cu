@@ -111,7 +111,7 @@ __global__ void to_bf16x2(const float *__restrict__ x, __nv_bfloat16 *__restrict
 
 void cu_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, float *y) {
     ctx *c = C(be);
-    if (n <= QF_DEC_ROWS || c->fp32 || (w->dtype != QF_DT_BF16 && w->dtype != QF_DT_F32)) {
+    if (n <= GEMV_MAX_N || c->fp32 || (w->dtype != QF_DT_BF16 && w->dtype != QF_DT_F32)) {
         gemv(c, w, x, n, y);
         return;
     }

@@ -8,7 +8,7 @@
 namespace qfc {
 
 #define XC_MAX_E 512
-#define XC_MAX_IDS 1024 // routed ids the block holds at once (decode: 16 rows of up to 64)
+#define XC_MAX_IDS 1024 // routed ids the block holds at once (decode: 64 rows of top-8, 16 of top-64)
 
 struct xc_state {
     unsigned long long *ctr;
