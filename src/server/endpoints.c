@@ -1,4 +1,4 @@
-/* GET endpoints: /v1/models, /metrics (Prometheus text format), and the chat page at /. */
+/* GET endpoints: /v1/models, /metrics (Prometheus text format), /ready, and the chat page at /. */
 #include <event2/buffer.h>
 #include <stdio.h>
 #include <string.h>
@@ -26,6 +26,40 @@ static void histogram(struct evbuffer *b, const char *name, const char *help, co
 
 static void metric(struct evbuffer *b, const char *name, const char *type, const char *help, double v) {
     evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
+}
+
+/* The gauges and counters routers and autoscalers read, under vLLM's names (the gateway API
+ * inference extension, vllm-router and llm-d scrape these): the same values as ours above. */
+static void vllm_aliases(struct evbuffer *b, const qf_sched_stats *st) {
+    double kv = st->kv_pages_total > 0 ? (double)st->kv_pages_used / st->kv_pages_total : 0.0;
+    metric(b, "vllm:num_requests_running", "gauge", "Alias of qflash:num_requests_running.", st->running);
+    metric(b, "vllm:num_requests_waiting", "gauge", "Alias of qflash:num_requests_waiting.", st->waiting);
+    metric(b, "vllm:kv_cache_usage_perc", "gauge", "KV cache pages in use by running sequences, 0..1.", kv);
+    metric(b, "vllm:gpu_cache_usage_perc", "gauge", "Alias of vllm:kv_cache_usage_perc (vLLM's older name).", kv);
+    metric(b, "vllm:prompt_tokens_total", "counter", "Alias of qflash:prompt_tokens_total.", (double)st->prompt_tokens);
+    metric(b, "vllm:generation_tokens_total", "counter", "Alias of qflash:generation_tokens_total.", (double)st->gen_tokens);
+    metric(b, "vllm:num_preemptions_total", "counter", "Alias of qflash:preemptions_total.", (double)st->preempted);
+}
+
+/* Readiness for a router or an orchestrator: 200 while this replica takes requests, 503 (with
+ * the reason) while it loads, drains for shutdown or has a full queue. /health is liveness. */
+void ep_ready(srv *s, struct evhttp_request *req) {
+    qf_sched_stats st;
+    const char *why = NULL;
+    if (!atomic_load(&s->ready)) why = "loading";
+    else if (s->draining) why = "draining";
+    else {
+        qf_sched_get_stats(s->sched, &st);
+        if (st.waiting >= s->o->sched.max_queue) why = "queue full";
+    }
+    if (why) {
+        srv_count(s, 503);
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", "1");
+        srv_send_json(req, 503, json_pack("{s:s,s:s}", "status", "unavailable", "reason", why));
+        return;
+    }
+    srv_count(s, 200);
+    srv_send_json(req, 200, json_pack("{s:s,s:i,s:i}", "status", "ready", "running", st.running, "waiting", st.waiting));
 }
 
 void ep_metrics(srv *s, struct evhttp_request *req) {
@@ -61,6 +95,7 @@ void ep_metrics(srv *s, struct evhttp_request *req) {
               qf_sched_ttft_buckets, st.ttft_n, st.ttft_sum);
     histogram(b, "qflash:inter_token_latency_seconds", "Time between consecutive generated tokens of a request.", st.itl_hist,
               qf_sched_itl_buckets, st.itl_n, st.itl_sum);
+    vllm_aliases(b, &st);
     static const char *codes[6] = {"2xx", "400", "401", "404", "405_413", "5xx"};
     evbuffer_add_printf(b, "# HELP qflash:http_responses_total HTTP responses by status.\n# TYPE qflash:http_responses_total counter\n");
     for (int i = 0; i < 6; i++) evbuffer_add_printf(b, "qflash:http_responses_total{code=\"%s\"} %llu\n", codes[i], (unsigned long long)s->http_requests[i]);

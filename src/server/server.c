@@ -131,7 +131,7 @@ typedef struct route {
     int id;
 } route;
 
-enum { R_CHAT, R_COMPL, R_GENERATE, R_RESPONSES, R_MESSAGES, R_MODELS, R_HEALTH, R_METRICS, R_TOKENIZE, R_DETOKENIZE, R_WEBUI };
+enum { R_CHAT, R_COMPL, R_GENERATE, R_RESPONSES, R_MESSAGES, R_MODELS, R_HEALTH, R_READY, R_METRICS, R_TOKENIZE, R_DETOKENIZE, R_WEBUI };
 
 static const route ROUTES[] = {
     {"/v1/chat/completions", EVHTTP_REQ_POST, 1, 1, R_CHAT},
@@ -141,6 +141,7 @@ static const route ROUTES[] = {
     {"/v1/messages", EVHTTP_REQ_POST, 1, 1, R_MESSAGES},
     {"/v1/models", EVHTTP_REQ_GET, 0, 1, R_MODELS},
     {"/health", EVHTTP_REQ_GET, 0, 0, R_HEALTH},
+    {"/ready", EVHTTP_REQ_GET, 0, 0, R_READY},
     {"/metrics", EVHTTP_REQ_GET, 0, 1, R_METRICS},
     {"/tokenize", EVHTTP_REQ_POST, 1, 1, R_TOKENIZE},
     {"/detokenize", EVHTTP_REQ_POST, 1, 1, R_DETOKENIZE},
@@ -191,6 +192,8 @@ static void handle(struct evhttp_request *req, void *arg) {
         srv_count(s, 503);
         evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", "5");
         srv_send_error(req, 503, "unavailable_error", "the server is shutting down");
+    } else if (rt->id == R_READY) {
+        ep_ready(s, req);
     } else if ((rt->needs_model || rt->id == R_HEALTH) && !atomic_load(&s->ready)) {
         srv_count(s, 503);
         evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", "1");

@@ -168,6 +168,7 @@ void acc_add(char **buf, size_t *len, size_t *cap, const char *p, size_t n);
 /* endpoints.c */
 void ep_models(srv *s, struct evhttp_request *req);
 void ep_metrics(srv *s, struct evhttp_request *req);
+void ep_ready(srv *s, struct evhttp_request *req);
 void ep_webui(srv *s, struct evhttp_request *req);
 
 #endif

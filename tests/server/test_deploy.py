@@ -1,0 +1,131 @@
+"""deploy/: two `qflash serve` replicas of the bundled model behind nginx (least_conn), started by
+deploy/replicas.sh on loopback: requests spread over both, every one is answered with the greedy
+text `qflash run` gives, a replica killed while it holds requests is routed around and none is
+lost; /ready and the vLLM-named metrics a router reads."""
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from qfserver import BIN, MODEL, ROOT, run_cli
+
+PROMPT = "def fibonacci(n):"
+
+
+def ports_free(*ports):
+    socks = []
+    try:
+        for p in ports:
+            s = socket.socket()
+            s.bind(("127.0.0.1", p))
+            socks.append(s)
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
+
+
+def pick_ports():
+    for base in range(20000 + os.getpid() % 20000, 60000, 7):
+        if ports_free(base, base + 1, base + 2):
+            return base, base + 1  # the front, then the replicas from base + 1
+    raise RuntimeError("no free ports")
+
+
+def call(port, method, path, body=None, timeout=120):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, json.dumps(body) if body is not None else None, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read().decode()
+    finally:
+        conn.close()
+
+
+def complete(port, n, ignore_eos=False):
+    st, body = call(port, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": ignore_eos})
+    return st, json.loads(body) if st == 200 else body
+
+
+def metrics(port):
+    st, text = call(port, "GET", "/metrics")
+    assert st == 200
+    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    front, first = pick_ports()
+    args = ["sh", os.path.join(ROOT, "deploy", "replicas.sh"), "2", str(front), str(first), str(tmp_path), "--", "-m", MODEL, "-t", "1",
+            "--max-batch", "4", "--ctx", "1024"]
+    p = subprocess.Popen(args, env=dict(os.environ, QFLASH=BIN), start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if all(call(port, "GET", "/ready", timeout=2)[0] == 200 for port in (first, first + 1, front)):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise RuntimeError("the replicas or nginx did not come up: " + " | ".join(
+                open(tmp_path / f).read()[-500:] for f in os.listdir(tmp_path) if f.endswith(".log")))
+        pids = [int(x) for x in (tmp_path / "pids").read_text().split()]
+        yield front, [first, first + 1], pids
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_spread_and_failover(cluster):
+    front, replicas, pids = cluster
+    want = run_cli(PROMPT, 24)
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(lambda _: complete(front, 24), range(12)))
+    assert all(st == 200 and r["choices"][0]["text"] == want for st, r in got), got[:2]
+    counts = [metrics(p)["qflash:requests_total"] for p in replicas]
+    assert all(c >= 1 for c in counts) and sum(counts) >= 12, counts  # least_conn spread them
+    m = metrics(replicas[0])
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+        assert name in m, name
+    assert m["vllm:num_requests_waiting"] == m["qflash:num_requests_waiting"] and 0.0 <= m["vllm:kv_cache_usage_perc"] <= 1.0
+    # long generations in flight on both; replica 0 dies holding some: nginx sends those again to replica 1
+    before = metrics(replicas[1])["qflash:requests_total"]
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        futs = [ex.submit(complete, front, 300, True) for _ in range(6)]
+        time.sleep(0.3)
+        os.kill(pids[0], signal.SIGKILL)
+        done = [f.result() for f in futs]
+    assert all(st == 200 and r["usage"]["completion_tokens"] == 300 for st, r in done), [d[1] if d[0] != 200 else d[0] for d in done]
+    after = [complete(front, 24) for _ in range(4)]
+    assert all(st == 200 and r["choices"][0]["text"] == want for st, r in after)
+    served = metrics(replicas[1])["qflash:requests_total"] - before
+    assert served >= 4 + 4, served  # least_conn gave it 3 of the 6; it also served what replica 0 dropped
+    st, body = call(front, "GET", "/ready")
+    assert st == 200 and json.loads(body)["status"] == "ready"
+
+
+def test_ready_states(cluster):
+    front, replicas, pids = cluster
+    st, body = call(replicas[1], "GET", "/ready")
+    assert st == 200 and json.loads(body) == {"status": "ready", "running": 0, "waiting": 0}
+    os.kill(pids[1], signal.SIGTERM)  # draining: not ready while it finishes (or gone)
+    try:
+        st, body = call(replicas[1], "GET", "/ready", timeout=5)
+        assert st == 503 and json.loads(body)["reason"] == "draining"
+    except OSError:
+        pass  # already closed: a router sees it gone
+    assert complete(front, 8)[0] == 200
