@@ -1,6 +1,7 @@
 /* Tokenizer against the HF `tokenizers` library outputs in reference.json, and the round trip
  * decode(encode(x)) == NFC(x) on generated text. */
 #include <jansson.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <utf8proc.h>
@@ -197,8 +198,47 @@ static void check_merges(const qf_tokenizer *t) {
     }
 }
 
+/* `test_tokenizer ROOT --cases DIR CASES`: DIR's tokenizer against CASES (a JSON array of
+ * {"text", "ids"} from HF `tokenizers`; tests/tokenizer/test_qwen_tokenizer.py makes both for the
+ * real 248k Qwen3.5/3.6 vocabulary): the same ids, and decode(ids) == text. */
+static int check_dir(const char *dir, const char *cases_path) {
+    qf_tokenizer *t;
+    double t0 = qf_now();
+    int rc = qf_tok_load(&t, dir);
+    CHECK(rc == QF_OK, "%s: %s", dir, qf_last_error());
+    if (rc) return qt_finish();
+    fprintf(stderr, "loaded %s (%d tokens) in %.2f s\n", dir, qf_tok_vocab_size(t), qf_now() - t0);
+    json_error_t err;
+    json_t *cases = json_load_file(cases_path, 0, &err);
+    CHECK(cases && json_array_size(cases) > 0, "%s: %s", cases_path, err.text);
+    int bad = 0;
+    for (size_t i = 0; i < json_array_size(cases); i++) {
+        json_t *c = json_array_get(cases, i), *want = json_object_get(c, "ids");
+        const char *text = json_string_value(json_object_get(c, "text"));
+        size_t len = json_string_length(json_object_get(c, "text"));
+        int32_t *ids;
+        int n;
+        if (qf_tok_encode(t, text, len, &ids, &n) != QF_OK) {
+            CHECK(0, "case %zu: %s", i, qf_last_error());
+            continue;
+        }
+        int same = n == (int)json_array_size(want);
+        for (int k = 0; same && k < n; k++) same = ids[k] == json_integer_value(json_array_get(want, (size_t)k));
+        char *dec = NULL;
+        int round = qf_tok_decode(t, ids, n, 0, &dec, NULL) == QF_OK && strcmp(dec, text) == 0;
+        if ((!same || !round) && bad++ < 5) fprintf(stderr, "  case %zu %s%s: %d ids, want %zu\n", i, same ? "" : "ids differ", round ? "" : " decode differs", n, json_array_size(want));
+        free(ids), free(dec);
+    }
+    CHECK(bad == 0, "%d of %zu cases differ from HF tokenizers", bad, json_array_size(cases));
+    fprintf(stderr, "%zu cases against HF tokenizers: %d differ\n", json_array_size(cases), bad);
+    json_decref(cases);
+    qf_tok_free(t);
+    return qt_finish();
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
+    if (argc == 5 && strcmp(argv[2], "--cases") == 0) return check_dir(argv[3], argv[4]);
     qf_tokenizer *t;
     int rc = qf_tok_load(&t, qt_path("models/qwen36moe-code-14m"));
     CHECK(rc == QF_OK, "%s", qf_last_error());
