@@ -327,7 +327,7 @@ static void on_close_group(struct evhttp_connection *evcon, void *arg) {
     struct evhttp_request *http = g->child[0]->http;
     if (http && !evhttp_request_get_connection(http)) evhttp_request_free(http);
     for (int i = 0; i < g->n; i++) g->child[i]->http = NULL, qf_req_cancel(g->child[i]->r);
-    if (g->child[0]->s->sched) qf_sched_kick(g->child[0]->s->sched);
+    if (g->child[0]->sched) qf_sched_kick(g->child[0]->sched);
     group_free(g);
 }
 
@@ -338,7 +338,7 @@ static void on_close(struct evhttp_connection *evcon, void *arg) {
     if (c->http && !evhttp_request_get_connection(c->http)) evhttp_request_free(c->http);
     c->http = NULL;
     qf_req_cancel(c->r);
-    if (c->s->sched) qf_sched_kick(c->s->sched);
+    if (c->sched) qf_sched_kick(c->sched);
     call_free(c);
 }
 
@@ -427,7 +427,7 @@ void calls_pump(srv *s) {
  * pump ends its reply. */
 void calls_cancel_all(srv *s) {
     for (call *c = s->calls; c; c = c->next) qf_req_cancel(c->r);
-    if (s->sched) qf_sched_kick(s->sched);
+    for (int i = 0; i < s->n_dp; i++) qf_sched_kick(s->sx[i]);
 }
 
 static void stream_begin(call *c, int n_choices) {
@@ -494,11 +494,12 @@ static void group_start(srv *s, struct evhttp_request *req, gen_req *g, int kind
     }
     g->p.notify = call_notify;
     g->p.notify_ud = s;
-    if (rc == QF_OK) rc = qf_sched_submit_n(s->sched, &g->p, g->n, r);
+    qf_sched *to = srv_pick(s);
+    if (rc == QF_OK) rc = qf_sched_submit_n(to, &g->p, g->n, r);
     else qf_grammar_free(g->p.grammar);
     g->p.grammar = NULL; /* the scheduler's now */
     for (int i = 0; grp && i < g->n; i++)
-        if (grp->child[i]) grp->child[i]->r = rc == QF_OK ? r[i] : NULL, call_link(s, grp->child[i]);
+        if (grp->child[i]) grp->child[i]->r = rc == QF_OK ? r[i] : NULL, grp->child[i]->sched = to, call_link(s, grp->child[i]);
     if (rc != QF_OK) {
         if (grp) group_free(grp);
         submit_failed(s, req, rc);
@@ -521,7 +522,8 @@ void call_start(srv *s, struct evhttp_request *req, gen_req *g, int kind) {
     }
     g->p.notify = call_notify;
     g->p.notify_ud = s;
-    int rc = qf_sched_submit(s->sched, &g->p, &c->r);
+    c->sched = srv_pick(s);
+    int rc = qf_sched_submit(c->sched, &g->p, &c->r);
     g->p.grammar = NULL; /* the scheduler's now */
     if (rc != QF_OK) {
         submit_failed(s, req, rc);

@@ -28,6 +28,53 @@ static void metric(struct evbuffer *b, const char *name, const char *type, const
     evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
 }
 
+qf_sched *srv_pick(srv *s) {
+    int best = 0, load = -1;
+    for (int i = 0; i < s->n_dp; i++) {
+        qf_sched_stats st;
+        qf_sched_get_stats(s->sx[i], &st);
+        if (load < 0 || st.running + st.waiting < load) best = i, load = st.running + st.waiting;
+    }
+    return s->sx[best];
+}
+
+void srv_stats(srv *s, qf_sched_stats *out) {
+    memset(out, 0, sizeof *out);
+    if (!atomic_load(&s->ready)) return; /* the replicas are the loader's until then */
+    qf_sched_get_stats(s->sx[0], out);
+    for (int i = 1; i < s->n_dp; i++) {
+        qf_sched_stats t;
+        qf_sched_get_stats(s->sx[i], &t);
+        out->requests += t.requests, out->finished += t.finished, out->cancelled += t.cancelled, out->preempted += t.preempted;
+        out->prompt_tokens += t.prompt_tokens, out->gen_tokens += t.gen_tokens, out->steps += t.steps;
+        out->running += t.running, out->waiting += t.waiting, out->kv_pages_used += t.kv_pages_used, out->kv_pages_total += t.kv_pages_total;
+        out->kv_pages_cached += t.kv_pages_cached;
+        out->expert_hits += t.expert_hits, out->expert_misses += t.expert_misses, out->expert_bytes_loaded += t.expert_bytes_loaded;
+        for (int b = 0; b < 16; b++) out->ttft_hist[b] += t.ttft_hist[b], out->itl_hist[b] += t.itl_hist[b];
+        out->ttft_n += t.ttft_n, out->itl_n += t.itl_n, out->ttft_sum += t.ttft_sum, out->itl_sum += t.itl_sum;
+        out->prefix_hits += t.prefix_hits, out->prefix_misses += t.prefix_misses, out->prefix_tokens += t.prefix_tokens;
+        out->prefix_evicted += t.prefix_evicted, out->prefix_snapshots += t.prefix_snapshots, out->prefix_bytes += t.prefix_bytes;
+        out->prefix_budget += t.prefix_budget, out->masks += t.masks, out->mask_seconds += t.mask_seconds;
+    }
+}
+
+/* Each replica's load, when there are several (--dp). */
+static void replica_lines(struct evbuffer *b, srv *s) {
+    if (!atomic_load(&s->ready) || s->n_dp < 2) return;
+    evbuffer_add_printf(b, "# HELP qflash:replica_requests_total Generation requests a replica accepted.\n# TYPE qflash:replica_requests_total counter\n");
+    for (int i = 0; i < s->n_dp; i++) {
+        qf_sched_stats t;
+        qf_sched_get_stats(s->sx[i], &t);
+        evbuffer_add_printf(b, "qflash:replica_requests_total{replica=\"%d\"} %llu\n", i, (unsigned long long)t.requests);
+    }
+    evbuffer_add_printf(b, "# HELP qflash:replica_num_requests_running Sequences holding a replica's slots.\n# TYPE qflash:replica_num_requests_running gauge\n");
+    for (int i = 0; i < s->n_dp; i++) {
+        qf_sched_stats t;
+        qf_sched_get_stats(s->sx[i], &t);
+        evbuffer_add_printf(b, "qflash:replica_num_requests_running{replica=\"%d\"} %d\n", i, t.running);
+    }
+}
+
 /* The gauges and counters routers and autoscalers read, under vLLM's names (the gateway API
  * inference extension, vllm-router and llm-d scrape these): the same values as ours above. */
 static void vllm_aliases(struct evbuffer *b, const qf_sched_stats *st) {
@@ -49,8 +96,8 @@ void ep_ready(srv *s, struct evhttp_request *req) {
     if (!atomic_load(&s->ready)) why = "loading";
     else if (s->draining) why = "draining";
     else {
-        qf_sched_get_stats(s->sched, &st);
-        if (st.waiting >= s->o->sched.max_queue) why = "queue full";
+        srv_stats(s, &st);
+        if (st.waiting >= s->o->sched.max_queue * s->n_dp) why = "queue full";
     }
     if (why) {
         srv_count(s, 503);
@@ -64,7 +111,7 @@ void ep_ready(srv *s, struct evhttp_request *req) {
 
 void ep_metrics(srv *s, struct evhttp_request *req) {
     qf_sched_stats st;
-    qf_sched_get_stats(s->sched, &st);
+    srv_stats(s, &st);
     struct evbuffer *b = evbuffer_new();
     if (!b) return;
     metric(b, "qflash:requests_total", "counter", "Generation requests accepted.", (double)st.requests);
@@ -96,6 +143,7 @@ void ep_metrics(srv *s, struct evhttp_request *req) {
     histogram(b, "qflash:inter_token_latency_seconds", "Time between consecutive generated tokens of a request.", st.itl_hist,
               qf_sched_itl_buckets, st.itl_n, st.itl_sum);
     vllm_aliases(b, &st);
+    replica_lines(b, s);
     static const char *codes[6] = {"2xx", "400", "401", "404", "405_413", "5xx"};
     evbuffer_add_printf(b, "# HELP qflash:http_responses_total HTTP responses by status.\n# TYPE qflash:http_responses_total counter\n");
     for (int i = 0; i < 6; i++) evbuffer_add_printf(b, "qflash:http_responses_total{code=\"%s\"} %llu\n", codes[i], (unsigned long long)s->http_requests[i]);

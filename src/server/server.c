@@ -17,15 +17,49 @@
 #include "base/mapfile.h"
 #include "base/timer.h"
 #include "base/utf8.h"
+#include "base/pool.h"
 #include "runtime/flash.h"
 #include "server/srv_int.h"
 
 /* ---- loading ---- */
 
+static int s_n(const qf_server_opts *o) { return o->dp > 1 ? o->dp : 1; }
+
+/* Replica i's engine options: device cuda:i (a GPU each), or its share of the threads. */
+static qf_engine_opts replica_opts(const qf_server_opts *o, int i, char *dev, size_t cap) {
+    qf_engine_opts eo = o->engine;
+    if (s_n(o) < 2) return eo;
+    if (eo.device && strncmp(eo.device, "cuda", 4) == 0) {
+        snprintf(dev, cap, "cuda:%d", i);
+        eo.device = dev;
+    } else {
+        int all = eo.n_threads > 0 ? eo.n_threads : qf_cpu_count(), n = s_n(o), share = all / n + (i < all % n);
+        eo.n_threads = share > 0 ? share : 1;
+    }
+    return eo;
+}
+
+/* The replicas after the first: the same model, their own engine and scheduler each. */
+static int open_replicas(srv *s) {
+    const qf_server_opts *o = s->o;
+    s->ex[0] = s->e, s->sx[0] = s->sched, s->n_dp = 1;
+    for (int i = 1; i < s_n(o); i++) {
+        char dev[32];
+        qf_engine_opts eo = replica_opts(o, i, dev, sizeof dev);
+        int rc = qf_engine_open(&s->ex[i], o->model_dir, &eo);
+        if (rc == QF_OK) rc = qf_sched_create(&s->sx[i], s->ex[i], &o->sched);
+        if (rc != QF_OK) return qf_fail(rc, "replica %d: %s", i, qf_last_error());
+        s->n_dp = i + 1;
+    }
+    return QF_OK;
+}
+
 static void *load_main(void *arg) {
     srv *s = arg;
     const qf_server_opts *o = s->o;
-    int rc = qf_engine_open(&s->e, o->model_dir, &o->engine);
+    char dev0[32];
+    qf_engine_opts eo0 = replica_opts(o, 0, dev0, sizeof dev0);
+    int rc = qf_engine_open(&s->e, o->model_dir, &eo0);
     if (rc == QF_OK && !s->e->tok) rc = qf_fail(QF_EINVAL, "%s has no tokenizer.json; the server needs one", o->model_dir);
     if (rc == QF_OK) s->max_piece = qf_tok_max_piece_len(s->e->tok);
     char *own = NULL;
@@ -40,6 +74,7 @@ static void *load_main(void *arg) {
     free(own);
     if (rc == QF_OK) qf_flash_print(stderr, &s->e->plan);
     if (rc == QF_OK) rc = qf_sched_create(&s->sched, s->e, &o->sched);
+    if (rc == QF_OK) rc = open_replicas(s);
     if (rc != QF_OK) {
         fprintf(stderr, "error: %s\n", qf_last_error());
         atomic_store(&s->load_failed, 1);
@@ -259,6 +294,7 @@ static int start(srv *s) {
 }
 
 static void stop(srv *s) {
+    for (int i = 1; i < s->n_dp; i++) qf_sched_destroy(s->sx[i]);
     if (s->sched) qf_sched_destroy(s->sched); /* cancels what is left; no notify can fire after this */
     s->sched = NULL;
     prep_destroy(s);                          /* requests still being prepared are dropped */
@@ -266,6 +302,7 @@ static void stop(srv *s) {
     front_free(s);                            /* closes the clients' connections */
     if (s->http) evhttp_free(s->http);        /* closes connections; close callbacks free calls */
     qf_chat_tmpl_free(&s->tmpl);
+    for (int i = 1; i < s->n_dp; i++) qf_engine_close(s->ex[i]);
     qf_engine_close(s->e);
     struct event *evs[] = {s->wake, s->loaded, s->drain_timer, s->sigint, s->sigterm, s->accept_pause};
     for (size_t i = 0; i < sizeof evs / sizeof *evs; i++)

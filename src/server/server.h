@@ -9,6 +9,8 @@
 #include "runtime/engine.h"
 #include "runtime/sched.h"
 
+#define QF_SRV_MAX_DP 16
+
 typedef struct qf_server_opts {
     const char *model_dir;
     const char *host;
@@ -25,6 +27,10 @@ typedef struct qf_server_opts {
     int verbose;
     qf_engine_opts engine;
     qf_sched_opts sched;
+    /* replicas in this process (--dp N, at most QF_SRV_MAX_DP): an engine and a scheduler each,
+     * on device cuda:i (--device cuda) or with the threads shared out (CPU); a request goes to
+     * the one with the fewest running and waiting. 0 or 1: one. */
+    int dp;
     void (*ready)(void *ud, int port); /* optional: called once the model is loaded */
     void *ready_ud;
 } qf_server_opts;

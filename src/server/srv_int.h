@@ -38,6 +38,7 @@ typedef struct prep prep;
 /* One generation request in flight, from submit to the last byte sent (or the client leaving). */
 typedef struct call {
     srv *s;
+    qf_sched *sched; /* the replica running it */
     struct evhttp_request *http; /* NULL once the client is gone or the reply has ended */
     qf_req *r;
     int kind, stream, include_usage, logprobs;
@@ -67,8 +68,11 @@ struct srv {
     struct evhttp_bound_socket *sock;
     struct event *wake, *loaded, *sigint, *sigterm, *drain_timer;
     atomic_int ready, load_failed;
-    qf_engine *e;
-    qf_sched *sched;
+    qf_engine *e;     /* replica 0's: the tokenizer and template every replica shares */
+    qf_sched *sched;  /* replica 0's */
+    qf_engine *ex[QF_SRV_MAX_DP];
+    qf_sched *sx[QF_SRV_MAX_DP];
+    int n_dp;
     qf_chat_tmpl tmpl;
     int has_tmpl;
     int tool_form;             /* QF_TOOLS_XML when the template teaches <function=...>, else QF_TOOLS_JSON */
@@ -107,6 +111,10 @@ void srv_send_text(struct evhttp_request *req, int code, const char *json, size_
 void srv_send_error(struct evhttp_request *req, int code, const char *type, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void srv_count(srv *s, int code);
+/* The replica a new request goes to: the fewest running and waiting (the first on ties). */
+qf_sched *srv_pick(srv *s);
+/* Every replica's scheduler statistics summed. */
+void srv_stats(srv *s, qf_sched_stats *out);
 
 /* api.c: request bodies to scheduler parameters, on the preparation workers. The answer: code 0
  * (parsed, go on), 200 with body (tokenize), or an error code with its message. */

@@ -129,3 +129,20 @@ def test_ready_states(cluster):
     except OSError:
         pass  # already closed: a router sees it gone
     assert complete(front, 8)[0] == 200
+
+
+def test_replicas_in_one_process():
+    """serve --dp 2: two engines and schedulers behind one endpoint; requests go to the less loaded,
+    both serve, every answer is `qflash run`'s, and /metrics sums them and shows each."""
+    from qfserver import Server
+    want = run_cli(PROMPT, 24)
+    with Server("--dp", "2", "--max-batch", "4", "--ctx", "1024") as s:
+        port = s.port
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(lambda _: complete(port, 24), range(16)))
+        assert all(st == 200 and r["choices"][0]["text"] == want for st, r in got), got[:2]
+        m = metrics(port)
+        per = [m['qflash:replica_requests_total{replica="%d"}' % i] for i in range(2)]
+        assert all(p >= 2 for p in per) and sum(per) == m["qflash:requests_total"] == 16, (per, m["qflash:requests_total"])
+        st, body = call(port, "GET", "/ready")
+        assert st == 200 and json.loads(body)["running"] == 0
