@@ -11,6 +11,21 @@
 #include "test_util.h"
 #include "tokenizer/tokenizer.h"
 
+/* Encodes case c's "text"; whether the ids are its "ids" (HF's). ids (NULL on an encoding error,
+ * which is reported) and n are the caller's. */
+static int case_matches(const qf_tokenizer *t, json_t *c, size_t i, int32_t **ids, int *n) {
+    json_t *want = json_object_get(c, "ids");
+    const char *text = json_string_value(json_object_get(c, "text"));
+    if (qf_tok_encode(t, text, json_string_length(json_object_get(c, "text")), ids, n) != QF_OK) {
+        CHECK(0, "case %zu: %s", i, qf_last_error());
+        *ids = NULL;
+        return 0;
+    }
+    int same = *n == (int)json_array_size(want);
+    for (int k = 0; same && k < *n; k++) same = (*ids)[k] == json_integer_value(json_array_get(want, (size_t)k));
+    return same;
+}
+
 static void check_cases(const qf_tokenizer *t) {
     json_error_t err;
     json_t *ref = json_load_file(qt_path("models/qwen36moe-code-14m/reference.json"), 0, &err);
@@ -18,15 +33,11 @@ static void check_cases(const qf_tokenizer *t) {
     json_t *cases = json_object_get(ref, "tokenizer_cases");
     CHECK(json_array_size(cases) >= 10, "only %zu tokenizer cases", json_array_size(cases));
     for (size_t i = 0; i < json_array_size(cases); i++) {
-        json_t *c = json_array_get(cases, i), *want = json_object_get(c, "ids");
-        const char *text = json_string_value(json_object_get(c, "text"));
-        size_t len = json_string_length(json_object_get(c, "text"));
+        json_t *c = json_array_get(cases, i);
         int32_t *ids;
         int n;
-        CHECK(qf_tok_encode(t, text, len, &ids, &n) == QF_OK, "%s", qf_last_error());
-        int same = n == (int)json_array_size(want);
-        for (int k = 0; same && k < n; k++) same = ids[k] == json_integer_value(json_array_get(want, (size_t)k));
-        CHECK(same, "case %zu (%s): %d ids, want %zu", i, text, n, json_array_size(want));
+        CHECK(case_matches(t, c, i, &ids, &n), "case %zu (%s): %d ids, want %zu", i, json_string_value(json_object_get(c, "text")), n,
+              json_array_size(json_object_get(c, "ids")));
         free(ids);
     }
     json_decref(ref);
@@ -213,20 +224,13 @@ static int check_dir(const char *dir, const char *cases_path) {
     CHECK(cases && json_array_size(cases) > 0, "%s: %s", cases_path, err.text);
     int bad = 0;
     for (size_t i = 0; i < json_array_size(cases); i++) {
-        json_t *c = json_array_get(cases, i), *want = json_object_get(c, "ids");
-        const char *text = json_string_value(json_object_get(c, "text"));
-        size_t len = json_string_length(json_object_get(c, "text"));
+        json_t *c = json_array_get(cases, i);
         int32_t *ids;
-        int n;
-        if (qf_tok_encode(t, text, len, &ids, &n) != QF_OK) {
-            CHECK(0, "case %zu: %s", i, qf_last_error());
-            continue;
-        }
-        int same = n == (int)json_array_size(want);
-        for (int k = 0; same && k < n; k++) same = ids[k] == json_integer_value(json_array_get(want, (size_t)k));
+        int n, same = case_matches(t, c, i, &ids, &n);
+        if (!ids) continue;
         char *dec = NULL;
-        int round = qf_tok_decode(t, ids, n, 0, &dec, NULL) == QF_OK && strcmp(dec, text) == 0;
-        if ((!same || !round) && bad++ < 5) fprintf(stderr, "  case %zu %s%s: %d ids, want %zu\n", i, same ? "" : "ids differ", round ? "" : " decode differs", n, json_array_size(want));
+        int round = qf_tok_decode(t, ids, n, 0, &dec, NULL) == QF_OK && strcmp(dec, json_string_value(json_object_get(c, "text"))) == 0;
+        if ((!same || !round) && bad++ < 5) fprintf(stderr, "  case %zu%s%s\n", i, same ? "" : ": ids differ", round ? "" : ": decode differs");
         free(ids), free(dec);
     }
     CHECK(bad == 0, "%d of %zu cases differ from HF tokenizers", bad, json_array_size(cases));
