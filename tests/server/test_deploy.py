@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import subprocess
 import time
 
@@ -146,3 +147,46 @@ def test_replicas_in_one_process():
         assert all(p >= 2 for p in per) and sum(per) == m["qflash:requests_total"] == 16, (per, m["qflash:requests_total"])
         st, body = call(port, "GET", "/ready")
         assert st == 200 and json.loads(body)["running"] == 0
+
+
+def start_router(policy, workers):
+    """vllm-router (PyPI) in front of the workers; its port once it answers."""
+    port = pick_ports()[0]
+    code = "import sys; from vllm_router.launch_router import main; sys.argv[0] = 'vllm-router'; sys.exit(main())"
+    p = subprocess.Popen([sys.executable, "-c", code, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *workers],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if complete(port, 1)[0] == 200:
+                return p, port
+        except OSError:
+            pass
+        time.sleep(0.3)
+    os.killpg(p.pid, signal.SIGKILL)
+    raise RuntimeError("vllm-router did not come up")
+
+
+def test_vllm_router():
+    """vllm-router from PyPI speaks to qflash replicas: round_robin spreads requests evenly; the
+    prefix-aware cache_aware policy keeps a repeated prompt on one replica (where its prefix
+    snapshots are); every answer is `qflash run`'s."""
+    import vllm_router  # noqa: F401  (tools/deps-test.sh installs it)
+    from qfserver import Server
+    want = run_cli(PROMPT, 24)
+    with Server("--max-batch", "4", "--ctx", "1024") as a, Server("--max-batch", "4", "--ctx", "1024") as b:
+        workers = [a.url, b.url]
+        for policy in ("round_robin", "cache_aware"):
+            before = [metrics(s.port)["qflash:requests_total"] for s in (a, b)]
+            p, port = start_router(policy, workers)
+            try:
+                got = [complete(port, 24) for _ in range(8)]
+            finally:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(10)
+            assert all(st == 200 and r["choices"][0]["text"] == want for st, r in got), got[:1]
+            served = [metrics(s.port)["qflash:requests_total"] - n for s, n in zip((a, b), before)]
+            if policy == "round_robin":
+                assert abs(served[0] - served[1]) <= 1 and sum(served) >= 8, served  # (+1: the router's readiness probe)
+            else:
+                assert min(served) == 0 and max(served) >= 8, served
