@@ -31,10 +31,12 @@ typedef struct bench_opts {
     double bw;
 } bench_opts;
 
-/* ---- memory trace: a thread samples RSS every 100 ms ---- */
+/* ---- memory trace: a thread samples RSS every 100 ms, and each phase starts with a sample (a
+ * phase shorter than the period would have none) ---- */
 
 typedef struct tracer {
     pthread_t th;
+    pthread_mutex_t mu;
     atomic_int stop;
     _Atomic(const char *) phase;
     double t0;
@@ -63,8 +65,15 @@ static double peak_rss(void) {
 }
 
 static void trace_sample(tracer *t) {
-    if (t->n == t->cap) return; /* the trace stops growing rather than allocate while measuring */
-    t->mem[t->n++] = (bench_mem){qf_now() - t->t0, rss_bytes(), atomic_load(&t->phase)};
+    pthread_mutex_lock(&t->mu);
+    if (t->n < t->cap) /* the trace stops growing rather than allocate while measuring */
+        t->mem[t->n++] = (bench_mem){qf_now() - t->t0, rss_bytes(), atomic_load(&t->phase)};
+    pthread_mutex_unlock(&t->mu);
+}
+
+static void trace_phase(tracer *t, const char *phase) {
+    atomic_store(&t->phase, phase);
+    trace_sample(t);
 }
 
 static void *trace_main(void *arg) {
@@ -315,7 +324,7 @@ static int bench_cfg_run(qf_engine *e, const bench_opts *o, int C, bench_cfg *c,
         if (!(x.st[s] = qf_state_create(e->model, P + G + 1))) rc = qf_fail(QF_ENOMEM, "out of memory for %d states", C);
     }
     for (int r = -o->warmup; rc == QF_OK && r < R; r++) { /* runs before 0 warm caches and pages up, and are dropped */
-        atomic_store(&tr->phase, r < 0 ? "warm-up" : "measure");
+        if (r <= 0) trace_phase(tr, r < 0 ? "warm-up" : "measure");
         run_out out;
         rc = one_run(&x, itl, &out);
         if (rc != QF_OK || r < 0) continue;
@@ -538,6 +547,7 @@ int cmd_bench(int argc, char **argv) {
     if (prc) return prc == 1 ? 0 : 2; /* 1: --help */
     enum { TRACE_CAP = 1 << 16 };
     tracer tr = {.t0 = qf_now(), .mem = malloc(TRACE_CAP * sizeof(bench_mem)), .cap = TRACE_CAP};
+    pthread_mutex_init(&tr.mu, NULL);
     atomic_store(&tr.phase, "load");
     if (!tr.mem || pthread_create(&tr.th, NULL, trace_main, &tr) != 0) return 1;
     bench_result r = {0};
@@ -548,7 +558,7 @@ int cmd_bench(int argc, char **argv) {
      * directory's come from qflash calibrate (without them its trunk level does not act, as in run) */
     if (rc == QF_OK && !o.model && e->model->sparse && !e->model->trunk_thr && (!o.only || o.only == QF_SPARSE_TRUNK)) rc = calibrate_on_prompts(e);
     if (rc == QF_OK) {
-        atomic_store(&tr.phase, "bandwidth probe");
+        trace_phase(&tr, "bandwidth probe");
         r.bw_measured = o.bw <= 0;
         if (e->on_gpu && o.bw <= 0) fprintf(stderr, "bench: the bandwidth probe measures host memory; give --bw for the GPU's roofline\n");
         if (e->on_gpu) qf_cuda_opts_print(stderr, &cli_cuda);
@@ -566,7 +576,7 @@ int cmd_bench(int argc, char **argv) {
     }
     if (rc == QF_OK && o.draft) rc = bench_draft(e, &o);
     if (rc != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
-    atomic_store(&tr.phase, "done");
+    trace_phase(&tr, "done");
     atomic_store(&tr.stop, 1);
     pthread_join(tr.th, NULL);
     trace_sample(&tr);
@@ -591,6 +601,7 @@ int cmd_bench(int argc, char **argv) {
     for (int i = 0; i < r.n_cfgs; i++) free(r.cfgs[i].itl_ms);
     free(r.cfgs);
     free(tr.mem);
+    pthread_mutex_destroy(&tr.mu);
     qf_engine_close(e);
     return rc == QF_OK ? 0 : 1;
 }
