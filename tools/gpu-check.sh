@@ -10,7 +10,8 @@
 #   bash tools/gpu-check.sh tests     the GPU tests (test_cuda, test_model in both precisions, test_experts)
 #   bash tools/gpu-check.sh slice8    batch 1 on 8 full-size layers, new and old twice each
 #   bash tools/gpu-check.sh whole     batch 1 on the whole synthetic Qwen3.6-35B-A3B, new and old twice each
-#   bash tools/gpu-check.sh streams   batch 1, 16 and 64 streams, and an 8K prompt (new only)
+#   bash tools/gpu-check.sh streams   batch 1, 8 to 64 streams, an 8K and a 32K prompt (new only)
+#   bash tools/gpu-check.sh serve-sharegpt  the server under a ShareGPT-like load at 1/16/64 in flight
 #   bash tools/gpu-check.sh sparsity ARGS  batch 1 at sparsity levels (ARGS: --levels 0,0.3,... and e.g. --gpu-mem 22G)
 #   bash tools/gpu-check.sh flash [ARGS]  bench with ARGS (e.g. --gpu-mem 22G) while nvidia-smi
 #                                     traces device memory every 100 ms into $OUT/mem-*.csv
@@ -45,7 +46,7 @@ prefix)
     done
     ;;
 tests)
-    timeout 330 gpu/test_cuda . >"$OUT/test_cuda.log" 2>&1; echo "test_cuda rc=$?"
+    timeout 500 gpu/test_cuda . >"$OUT/test_cuda.log" 2>&1; echo "test_cuda rc=$?"  # parts alone: QFLASH_TEST_QUICK=1..8 (test_cuda.c)
     grep -E "FAIL|checks|rror|^with" "$OUT/test_cuda.log" | head -60
     QFLASH_TEST_DEVICE=cuda timeout 120 gpu/test_model . 2>&1 | grep -E "FAIL|checks|largest|rror"
     timeout 120 gpu/test_experts . 2>&1 | grep -E "FAIL|checks|skipped" | head -20
@@ -89,7 +90,22 @@ flash-serve)
     ;;
 streams)
     new --prompt-len 128 --gen-len 64 --concurrency 1 --runs 2
-    new --prompt-len 128 --gen-len 64 --concurrency 16,64 --runs 1 --json "$OUT/c16-64.json"
+    new --prompt-len 128 --gen-len 32 --concurrency 8,16,32,64 --runs 1 --json "$OUT/c8-64.json"
     new --prompt-len 8192 --gen-len 4 --concurrency 1 --runs 1 --json "$OUT/8k.json"
+    new --prompt-len 32768 --gen-len 2 --prefill-chunk 2048 --concurrency 1 --runs 1 --json "$OUT/32k.json"
+    ;;
+serve-sharegpt)
+    # the server under bench/serve_load.py's ShareGPT-like mix at 1 / 16 / 64 requests in flight; the
+    # synthetic model streams text with the real 248k tokenizer (gpu/tok: tools/make_qwen_tokenizer.py's
+    # output, carried as gpu/tok.txz)
+    [ -f gpu/tok.txz ] && mkdir -p gpu/tok && tar xJf gpu/tok.txz -C gpu/tok
+    gpu/qflash serve --synthetic qwen3.6-35b-a3b -m gpu/tok --device cuda --port 8099 --max-batch 64 --ctx 2048 > "$OUT/serve.log" 2>&1 &
+    srv=$!
+    for i in $(seq 1 80); do grep -q "listening on" "$OUT/serve.log" && break; sleep 1; done
+    L="python3 bench/serve_load.py --url http://127.0.0.1:8099 --mix sharegpt --rate inf"
+    timeout 60 $L --num-prompts 8 --concurrency 1 --json "$OUT/sg1.json" | tail -2
+    timeout 60 $L --num-prompts 48 --concurrency 16 --json "$OUT/sg16.json" | tail -1
+    timeout 90 $L --num-prompts 128 --concurrency 64 --json "$OUT/sg64.json" | tail -1
+    kill $srv; wait $srv
     ;;
 esac
