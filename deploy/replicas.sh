@@ -18,11 +18,9 @@ UP=""
 i=0
 while [ "$i" -lt "$N" ]; do
     PORT=$((FIRST + i))
-    if [ "$GPU_EACH" = 1 ]; then
-        CUDA_VISIBLE_DEVICES=$i "$QFLASH" serve --host 127.0.0.1 --port "$PORT" "$@" 2>"$DIR/replica-$i.log" &
-    else
-        "$QFLASH" serve --host 127.0.0.1 --port "$PORT" "$@" 2>"$DIR/replica-$i.log" &
-    fi
+    GPU=""
+    [ "$GPU_EACH" = 1 ] && GPU="CUDA_VISIBLE_DEVICES=$i"
+    env $GPU "$QFLASH" serve --host 127.0.0.1 --port "$PORT" "$@" 2>"$DIR/replica-$i.log" &
     echo $! >>"$DIR/pids"
     UP="$UP server 127.0.0.1:$PORT max_fails=1 fail_timeout=10s;"
     i=$((i + 1))

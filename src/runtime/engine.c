@@ -116,6 +116,14 @@ void qf_engine_emit_end(qf_emitter *em) {
     if (tail && em->req->on_token) em->req->on_token(em->req->ud, -1, em->e->text, tail);
 }
 
+double qf_engine_prompt_done(const qf_gen_request *req, qf_gen_stats *stats, double t0) {
+    for (int i = 0; i < req->n_prompt; i++) qf_sampler_accept(req->sampler, req->prompt[i], 0);
+    double t1 = qf_now();
+    stats->prompt_tokens = req->n_prompt;
+    stats->prompt_seconds = t1 - t0;
+    return t1;
+}
+
 int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats) {
     memset(stats, 0, sizeof *stats);
     if (req->n_prompt < 1) return qf_fail(QF_EINVAL, "empty prompt");
@@ -125,10 +133,7 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
     double t0 = qf_now();
     int rc = qf_forward_seq(e->model, &e->be, e->ws, st, req->prompt, req->n_prompt, QF_LOGITS_LAST, e->logits);
     if (rc != QF_OK) return rc;
-    for (int i = 0; i < req->n_prompt; i++) qf_sampler_accept(req->sampler, req->prompt[i], 0);
-    double t1 = qf_now();
-    stats->prompt_tokens = req->n_prompt;
-    stats->prompt_seconds = t1 - t0;
+    double t1 = qf_engine_prompt_done(req, stats, t0);
     qf_emitter em = {.e = e, .req = req, .stats = stats};
     /* greedy without penalties: later picks are made where the logits are (QF_LOGITS_TOP1) */
     int greedy = qf_sampler_is_greedy(req->sampler), picked = 0;

@@ -20,5 +20,8 @@ typedef struct qf_emitter {
 int qf_engine_emit(qf_emitter *em, const qf_state *st, int pos, int32_t tok);
 /* The stream decoder's held-back bytes to the callback, once generation ends. */
 void qf_engine_emit_end(qf_emitter *em);
+/* After a request's prompt ran (from t0): its tokens fed to the sampler's penalties and the prompt
+ * statistics set; returns the time generation starts from. */
+double qf_engine_prompt_done(const qf_gen_request *req, qf_gen_stats *stats, double t0);
 
 #endif

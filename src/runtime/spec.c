@@ -161,10 +161,7 @@ int qf_spec_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_g
     e->spec->off = 0;
     int rc = prefill(e, st, req->prompt, req->n_prompt, &x);
     if (rc != QF_OK) return rc;
-    for (int i = 0; i < req->n_prompt; i++) qf_sampler_accept(req->sampler, req->prompt[i], 0);
-    double t1 = qf_now();
-    stats->prompt_tokens = req->n_prompt;
-    stats->prompt_seconds = t1 - t0;
+    double t1 = qf_engine_prompt_done(req, stats, t0);
     qf_emitter em = {.e = e, .req = req, .stats = stats};
     while (em.n < req->max_tokens && !step(e, &em, st, &x, &rc)) {
     }

@@ -61,18 +61,17 @@ void srv_stats(srv *s, qf_sched_stats *out) {
 /* Each replica's load, when there are several (--dp). */
 static void replica_lines(struct evbuffer *b, srv *s) {
     if (!atomic_load(&s->ready) || s->n_dp < 2) return;
+    unsigned long long req[QF_SRV_MAX_DP];
+    int running[QF_SRV_MAX_DP];
+    for (int i = 0; i < s->n_dp; i++) {
+        qf_sched_stats t;
+        qf_sched_get_stats(s->sx[i], &t);
+        req[i] = (unsigned long long)t.requests, running[i] = t.running;
+    }
     evbuffer_add_printf(b, "# HELP qflash:replica_requests_total Generation requests a replica accepted.\n# TYPE qflash:replica_requests_total counter\n");
-    for (int i = 0; i < s->n_dp; i++) {
-        qf_sched_stats t;
-        qf_sched_get_stats(s->sx[i], &t);
-        evbuffer_add_printf(b, "qflash:replica_requests_total{replica=\"%d\"} %llu\n", i, (unsigned long long)t.requests);
-    }
+    for (int i = 0; i < s->n_dp; i++) evbuffer_add_printf(b, "qflash:replica_requests_total{replica=\"%d\"} %llu\n", i, req[i]);
     evbuffer_add_printf(b, "# HELP qflash:replica_num_requests_running Sequences holding a replica's slots.\n# TYPE qflash:replica_num_requests_running gauge\n");
-    for (int i = 0; i < s->n_dp; i++) {
-        qf_sched_stats t;
-        qf_sched_get_stats(s->sx[i], &t);
-        evbuffer_add_printf(b, "qflash:replica_num_requests_running{replica=\"%d\"} %d\n", i, t.running);
-    }
+    for (int i = 0; i < s->n_dp; i++) evbuffer_add_printf(b, "qflash:replica_num_requests_running{replica=\"%d\"} %d\n", i, running[i]);
 }
 
 /* The gauges and counters routers and autoscalers read, under vLLM's names (the gateway API
