@@ -15,6 +15,9 @@
 #   bash tools/gpu-check.sh sparsity ARGS  batch 1 at sparsity levels (ARGS: --levels 0,0.3,... and e.g. --gpu-mem 22G)
 #   bash tools/gpu-check.sh flash [ARGS]  bench with ARGS (e.g. --gpu-mem 22G) while nvidia-smi
 #                                     traces device memory every 100 ms into $OUT/mem-*.csv
+#   bash tools/gpu-check.sh batch     the bundled model served on the GPU with CUDA graphs and without,
+#                                     64 greedy completions 12 at a time (tools/serve_batch_check.py):
+#                                     the texts must be the same
 #   bash tools/gpu-check.sh prefix    the bundled model served on the GPU with and without prefix
 #                                     snapshots (tools/prefix_check.py: digests must match), and
 #                                     qflash chat's snapshot restore after /reset
@@ -44,6 +47,17 @@ prefix)
         echo "== prefix-cache-mem $mem"; timeout 120 python3 tools/prefix_check.py http://127.0.0.1:18080 6
         kill $pid; wait $pid 2>/dev/null
     done
+    ;;
+batch)
+    M=models/qwen36moe-code-14m
+    for g in 1 0; do
+        gpu/qflash serve -m $M --device cuda --port 18091 --max-batch 8 --cuda-opt graphs=$g >"$OUT/batch-$g.log" 2>&1 &
+        pid=$!
+        for i in $(seq 60); do curl -sf localhost:18091/health >/dev/null && break; sleep 1; done
+        echo "== graphs=$g"; timeout 120 python3 tools/serve_batch_check.py http://127.0.0.1:18091 64 12 >"$OUT/batch-$g.txt"; tail -1 "$OUT/batch-$g.txt"
+        kill $pid; wait $pid 2>/dev/null
+    done
+    cmp -s "$OUT/batch-1.txt" "$OUT/batch-0.txt" && echo "batch: graphs and eager steps give the same texts" || echo "batch: FAIL, the texts differ"
     ;;
 tests)
     timeout 500 gpu/test_cuda . >"$OUT/test_cuda.log" 2>&1; echo "test_cuda rc=$?"  # parts alone: QFLASH_TEST_QUICK=1..8 (test_cuda.c)

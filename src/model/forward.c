@@ -491,10 +491,6 @@ static void logits(fwd *f) {
     }
 }
 
-/* What fixes the sequence of kernels of a step: its sequences, their row counts and the logits
- * wanted (positions only change the kernels' arguments). */
-/* A recorded step is replayed only for the same sequences, shapes and outputs, and the same expert
- * cache (a cache given slots later adds kernels to the step). */
 /* The final-normed hidden states of the rows whose sequence asks for them (qf_seq_step.hidden). */
 static void hidden_out(fwd *f, const float *x, float *xn) {
     const qf_model *m = f->m;
@@ -507,6 +503,10 @@ static void hidden_out(fwd *f, const float *x, float *xn) {
         if (f->seqs[s].hidden) qf_be_download(be, f->seqs[s].hidden, xn + (size_t)r0 * H, (size_t)f->seqs[s].n * H * sizeof(float));
 }
 
+/* What fixes the sequence of kernels of a step: its sequences' row counts, the outputs wanted, their
+ * sparsity and the expert cache (a cache given slots later adds kernels to the step). Which states
+ * and buffers, and the positions, only change the kernels' arguments (set again on a replay), so
+ * one recording serves every batch of the same shape whatever its sequences. */
 static uint64_t step_key(const qf_model *m, const qf_seq_step *seqs, int n_seqs) {
     uint64_t h = (1469598103934665603ull ^ (uint64_t)n_seqs) * 1099511628211ull ^ m->sparsity_gen; /* levels are the kernels' arguments */
     qf_expert_table t = {0};
@@ -517,10 +517,9 @@ static uint64_t step_key(const qf_model *m, const qf_seq_step *seqs, int n_seqs)
         float level = seqs[s].sparsity;
         for (int L = 0; !seqs[s].sparsity_set && L < m->cfg.n_layers; L++) level = L == 0 || m->sparsity[L] > level ? m->sparsity[L] : level;
         int kv_on = seqs[s].n == 1 && qf_sparsity_kv_pages(m, level, seqs[s].st->pos + 1, qf_kv_pool_page_tokens(seqs[s].st->kv)) > 0;
-        uint64_t v[9] = {(uint64_t)(uintptr_t)seqs[s].st, (uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, (uint64_t)(uintptr_t)seqs[s].logits,
-                         (uint64_t)(uintptr_t)seqs[s].top1, seqs[s].sparsity_set ? (uint64_t)lv + 1 : 0, (uint64_t)kv_on, /* kv_on: the step's page choices */
-                         (uint64_t)(uintptr_t)seqs[s].inputs, (uint64_t)(uintptr_t)seqs[s].hidden};
-        for (int i = 0; i < 9; i++) h = (h ^ v[i]) * 1099511628211ull;
+        uint64_t v[8] = {(uint64_t)seqs[s].n, (uint64_t)seqs[s].logits_mode, seqs[s].sparsity_set ? (uint64_t)lv + 1 : 0, (uint64_t)kv_on, /* kv_on: the step's page choices */
+                         !seqs[s].logits, !seqs[s].top1, !seqs[s].inputs, !seqs[s].hidden};
+        for (int i = 0; i < 8; i++) h = (h ^ v[i]) * 1099511628211ull;
     }
     return h;
 }

@@ -699,8 +699,8 @@ static int run_step(qf_sched *s) {
     s->stats.steps++;
     uint64_t step_no = s->stats.steps;
     pthread_mutex_unlock(&s->mu);
-    LOG(s, "step %llu: %d decode + %d prefill sequences, %d rows, KV pages %d/%d in use\n", (unsigned long long)step_no, n_decode,
-        n - n_decode, rows, qf_kv_pool_pages(s->kv) - qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
+    LOG(s, "step %llu: %d decode + %d prefill sequences, %d rows in %.2f ms, KV pages %d/%d in use\n", (unsigned long long)step_no, n_decode,
+        n - n_decode, rows, 1e3 * (qf_now() - t0), qf_kv_pool_pages(s->kv) - qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
     if (s->o.verbose) log_skips(s, step_no, es, &es0, &sp0, t0);
     const char *err = rc == QF_OK ? NULL : qf_last_error();
     for (int j = 0; j < n; j++) {

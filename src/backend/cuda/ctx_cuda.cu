@@ -55,59 +55,78 @@ static int take_error(ctx *c) {
 }
 
 // The step's shape decides: graphs for up to QF_DEC_ROWS rows and a key (0: a step not to be
-// recorded), the same key twice in a row to record, then replays while it stays the same.
+// recorded). A key recorded before replays (the arguments that changed are set again); a new key
+// seen twice in a row is recorded over the least recently run recording.
+static graph_rec *g_find(graph_state *s, uint64_t key) {
+    for (int i = 0; i < G_SLOTS; i++)
+        if (s->rs[i].key == key && s->rs[i].ex) return &s->rs[i];
+    return NULL;
+}
+static graph_rec *g_victim(graph_state *s) {
+    graph_rec *v = &s->rs[0];
+    for (int i = 1; i < G_SLOTS; i++)
+        if (s->rs[i].used < v->used) v = &s->rs[i];
+    return v;
+}
+
 void cu_step_begin(qf_backend *be, uint64_t key, int rows) {
     ctx *c = C(be);
     graph_state *s = &c->gs;
-    s->n = 0, s->n_outs = 0, s->out_used = 0, s->broken = 0;
+    s->n = 0, s->n_outs = 0, s->out_used = 0, s->broken = 0, s->cur = NULL, s->tok_off = 0, s->mode = G_EAGER;
     if (c->st.on) c->st.t0 = now_us();
-    int eligible = s->enabled && rows <= QF_DEC_ROWS && key != 0;
+    int eligible = s->enabled && rows <= QF_DEC_ROWS && key != 0 && tok_room(c, (size_t)rows); // a recorded step's ids have a place each
     if (!eligible) {
         s->mode = G_EAGER;
         s->last_key = 0;
         return;
     }
-    if (s->ex && key == s->key) s->mode = G_REPLAY;
+    graph_rec *q = g_find(s, key);
+    if (q) s->mode = G_REPLAY;
     else if (key == s->last_key) {
-        if (s->ex) cudaGraphExecDestroy(s->ex), s->ex = NULL;
-        if (s->g) cudaGraphDestroy(s->g), s->g = NULL;
-        s->mode = cudaGraphCreate(&s->g, 0) == cudaSuccess ? G_RECORD : G_EAGER;
-        s->arg_used = 0;
-        s->key = key;
-    } else s->mode = G_EAGER;
+        c->st.recorded++;
+        q = g_victim(s);
+        if (q->ex) cudaGraphExecDestroy(q->ex), q->ex = NULL;
+        if (q->g) cudaGraphDestroy(q->g), q->g = NULL;
+        s->mode = cudaGraphCreate(&q->g, 0) == cudaSuccess ? G_RECORD : G_EAGER;
+        q->arg_used = 0;
+        q->key = key;
+    } else s->mode = G_EAGER, c->st.eager++;
+    if (q) q->used = ++s->tick;
+    s->cur = s->mode == G_EAGER ? NULL : q;
     s->last_key = key;
 }
 
 int cu_step_end(qf_backend *be, int abandon) {
     ctx *c = C(be);
     graph_state *s = &c->gs;
+    graph_rec *q = s->cur;
     int mode = s->mode;
     s->mode = G_EAGER;
     if (mode == G_EAGER) return take_error(c);
     if (abandon) { // the caller failed the step part-way: nothing of it runs, a partial recording is not kept
-        if (mode == G_RECORD) s->key = 0;
+        if (mode == G_RECORD) q->key = 0;
         return take_error(c);
     }
     if (!s->broken && mode == G_RECORD) {
-        s->n_rec = s->n;
-        if (cudaGraphInstantiate(&s->ex, s->g, 0) != cudaSuccess) s->ex = NULL, s->broken = 1;
+        q->n_rec = s->n;
+        if (cudaGraphInstantiate(&q->ex, q->g, 0) != cudaSuccess) q->ex = NULL, s->broken = 1;
     }
-    if (!s->broken && mode == G_REPLAY && s->n != s->n_rec) s->broken = 1;
+    if (!s->broken && mode == G_REPLAY && s->n != q->n_rec) s->broken = 1;
     if (s->broken) { // never launched: this step's work is lost, so the step fails and graphs stop
-        if (s->ex) cudaGraphExecDestroy(s->ex), s->ex = NULL;
+        if (q->ex) cudaGraphExecDestroy(q->ex), q->ex = NULL;
         s->enabled = 0;
         c->err = 0;
         return qf_fail(QF_EDEVICE, "CUDA graph step diverged from its recording (graphs are now off)");
     }
     if (c->err) { // a kernel of the step could not be recorded: the step is not run
-        if (s->ex) cudaGraphExecDestroy(s->ex), s->ex = NULL;
-        s->key = 0;
+        if (q->ex) cudaGraphExecDestroy(q->ex), q->ex = NULL;
+        q->key = 0;
         return take_error(c);
     }
     int timed = c->st.on && mode == G_REPLAY;
     double t_launch = timed ? now_us() : 0.0;
     if (timed) cudaEventRecord(c->st.ev[0], 0);
-    check(c, cudaGraphLaunch(s->ex, 0), "graph launch");
+    check(c, cudaGraphLaunch(q->ex, 0), "graph launch");
     if (timed) cudaEventRecord(c->st.ev[1], 0);
     check(c, cudaStreamSynchronize(0), "graph step");
     for (int i = 0; i < s->n_outs; i++) memcpy(s->outs[i].dst, s->pin_out + s->outs[i].off, s->outs[i].bytes);
@@ -253,7 +272,7 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device, const qf_cuda_op
     if (cudaMalloc(&c->sp_count, 4096) != cudaSuccess || cudaMemset(c->sp_count, 0, 4096) != cudaSuccess) c->sp_count = NULL;
     if (cudaMalloc(&c->att_cnt, ATT_MAX_HEADS * 4) != cudaSuccess || cudaMemset(c->att_cnt, 0, ATT_MAX_HEADS * 4) != cudaSuccess) c->att_cnt = NULL;
     if (cudaMalloc(&c->amax, argmax_scratch_bytes()) != cudaSuccess || cudaMemset(c->amax, 0, argmax_scratch_bytes()) != cudaSuccess) c->amax = NULL;
-    c->gs.argbuf = (unsigned char *)malloc(G_ARG_BYTES); // NULL: every replayed node is re-set
+    for (int i = 0; i < G_SLOTS; i++) c->gs.rs[i].argbuf = (unsigned char *)malloc(G_ARG_BYTES); // NULL: every replayed node is re-set
     c->gs.pin_out_cap = (size_t)64 << 20;
     if (cudaMallocHost((void **)&c->gs.pin_out, c->gs.pin_out_cap) != cudaSuccess) c->gs.pin_out = NULL, c->gs.pin_out_cap = 0;
     if (cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking) != cudaSuccess) c->copy_stream = NULL;
@@ -284,14 +303,14 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         long n = c->st.n ? c->st.n : 1;
         fprintf(stderr, "qflash cuda: %ld replayed steps: GPU %.1f us, host before launch %.1f us (%.1f nodes set again in %.1f us), begin to results %.1f us (means)\n",
                 c->st.n, 1e3 * c->st.gpu_ms / n, c->st.host_us / n, (double)c->st.sets / n, c->st.set_us / n, c->st.wall_us / n);
+        fprintf(stderr, "qflash cuda: %ld steps recorded, %ld run eager waiting for a key to repeat\n", c->st.recorded, c->st.eager);
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
     for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
     cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->sp), cudaFree(c->ps), cudaFree(c->mg_buf), cudaFree(c->dtc), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->sp_ctr), cudaFree(c->sp_count), cudaFree(c->att_cnt);
-    if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex);
-    if (c->gs.g) cudaGraphDestroy(c->gs.g);
+    g_drop_all(c);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);
-    free(c->gs.argbuf);
+    for (int i = 0; i < G_SLOTS; i++) free(c->gs.rs[i].argbuf);
     for (int i = 0; i < 3; i++)
         if (c->stage_ev[i]) cudaEventDestroy(c->stage_ev[i]);
     if (c->tok_ev) cudaEventDestroy(c->tok_ev);

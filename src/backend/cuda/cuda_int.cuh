@@ -46,22 +46,35 @@ enum { G_EAGER, G_RECORD, G_REPLAY };
 #define G_ARG_BYTES ((size_t)8 << 20)
 #define G_MAX_ARG 8192 // argument bytes of one kernel (a 64-row attention step's views: ~4.3 KB)
 
-struct graph_state {
-    int enabled, mode, broken, n, n_rec;
-    uint64_t key, last_key;
+#define G_SLOTS 8 // recorded steps kept: the decode step of each batch size a server moves between
+
+struct g_launch { dim3 g, b; unsigned smem, len; size_t off; void *dst; const void *src; size_t bytes; }; // len 0: not kept; dst, src, bytes: a copy node's
+
+struct graph_rec { // one recorded step
+    uint64_t key;            // 0: none
+    unsigned long long used; // the step it last ran (the least recent one is recorded over)
+    int n_rec;
     cudaGraph_t g;
     cudaGraphExec_t ex;
     cudaGraphNode_t nodes[G_MAX_NODES];
     const void *funcs[G_MAX_NODES]; // NULL for a copy node
-    struct launch_rec { dim3 g, b; unsigned smem, len; size_t off; void *dst; const void *src; size_t bytes; } rec[G_MAX_NODES]; // len 0: not kept; dst, src, bytes: a copy node's
+    g_launch rec[G_MAX_NODES];
     unsigned char *argbuf; // the recorded argument bytes, G_ARG_BYTES
     size_t arg_used;
+};
+
+struct graph_state {
+    int enabled, mode, broken, n;
+    uint64_t last_key;
+    unsigned long long tick;
+    graph_rec rs[G_SLOTS];
+    graph_rec *cur; // the step's recording (G_RECORD, G_REPLAY)
     struct out { void *dst; size_t off, bytes; } outs[G_MAX_OUTS];
     int n_outs;
     size_t out_used;
     char *pin_out;   // pinned staging for downloads (logits)
     int32_t *pin_tok; // pinned staging for token ids
-    size_t pin_out_cap, pin_tok_cap;
+    size_t pin_out_cap, pin_tok_cap, tok_off; // tok_off: the ids a recorded step staged so far
 };
 
 // Option profile: every kernel timed with events (eager steps only), summed by kernel and
@@ -130,8 +143,9 @@ struct ctx {
     int n_carved;
     // option steptime=1: replayed steps timed (GPU between events; host from the step's
     // begin to its launch; begin to results; the nodes whose parameters were set again, and the
-    // host time that took), means printed when the backend is freed
-    struct steptime { int on; cudaEvent_t ev[2]; double t0, gpu_ms, host_us, wall_us, set_us; long n, sets; } st;
+    // host time that took), means printed when the backend is freed; and the steps of a graph's
+    // size recorded, or run eager as the first of a new key
+    struct steptime { int on; cudaEvent_t ev[2]; double t0, gpu_ms, host_us, wall_us, set_us; long n, sets, recorded, eager; } st;
     int n_tabs;
     cudaStream_t copy_stream;   // staged host-to-device copies beside the ops (cu_stage)
     cudaEvent_t stage_ev[3];    // [0], [1]: each staging buffer's copies done; [2]: the ops queued before a stage
@@ -171,39 +185,41 @@ inline void set_end(ctx *c, double t0) {
 
 inline void g_add_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, void **args, const void *blob, unsigned len, int pdl) {
     graph_state *s = &c->gs;
+    graph_rec *q = s->cur;
     if (s->n >= G_MAX_NODES) {
         s->broken = 1;
         return;
     }
     cudaKernelNodeParams kp = {(void *)fn, g, b, smem, args, NULL};
-    if (cudaGraphAddKernelNode(&s->nodes[s->n], s->g, NULL, 0, &kp) != cudaSuccess) s->broken = 1;
+    if (cudaGraphAddKernelNode(&q->nodes[s->n], q->g, NULL, 0, &kp) != cudaSuccess) s->broken = 1;
     if (s->n) {
         cudaGraphEdgeData e;
         memset(&e, 0, sizeof e);
-        if (pdl && c->pdl && s->funcs[s->n - 1]) e.from_port = cudaGraphKernelNodePortProgrammatic, e.type = cudaGraphDependencyTypeProgrammatic;
-        if (cudaGraphAddDependencies(s->g, &s->nodes[s->n - 1], &s->nodes[s->n], &e, 1) != cudaSuccess) s->broken = 1;
+        if (pdl && c->pdl && q->funcs[s->n - 1]) e.from_port = cudaGraphKernelNodePortProgrammatic, e.type = cudaGraphDependencyTypeProgrammatic;
+        if (cudaGraphAddDependencies(q->g, &q->nodes[s->n - 1], &q->nodes[s->n], &e, 1) != cudaSuccess) s->broken = 1;
     }
-    graph_state::launch_rec *r = &s->rec[s->n];
-    *r = {g, b, smem, 0, s->arg_used};
-    if (s->argbuf && s->arg_used + len <= G_ARG_BYTES) memcpy(s->argbuf + s->arg_used, blob, len), s->arg_used += len, r->len = len;
-    s->funcs[s->n++] = fn;
+    g_launch *r = &q->rec[s->n];
+    *r = {g, b, smem, 0, q->arg_used};
+    if (q->argbuf && q->arg_used + len <= G_ARG_BYTES) memcpy(q->argbuf + q->arg_used, blob, len), q->arg_used += len, r->len = len;
+    q->funcs[s->n++] = fn;
 }
 
 inline void g_set_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, void **args, const void *blob, unsigned len) {
     graph_state *s = &c->gs;
-    if (s->n >= s->n_rec || s->funcs[s->n] != fn) {
+    graph_rec *q = s->cur;
+    if (s->n >= q->n_rec || q->funcs[s->n] != fn) {
         s->broken = 1; // the step took another path than the recorded one
         return;
     }
-    graph_state::launch_rec *r = &s->rec[s->n];
+    g_launch *r = &q->rec[s->n];
     int same = r->len == len && len && r->smem == smem && r->g.x == g.x && r->g.y == g.y && r->g.z == g.z && r->b.x == b.x &&
-               r->b.y == b.y && r->b.z == b.z && memcmp(s->argbuf + r->off, blob, len) == 0;
+               r->b.y == b.y && r->b.z == b.z && memcmp(q->argbuf + r->off, blob, len) == 0;
     if (!same) {
         cudaKernelNodeParams kp = {(void *)fn, g, b, smem, args, NULL};
         double t0 = set_begin(c);
-        if (cudaGraphExecKernelNodeSetParams(s->ex, s->nodes[s->n], &kp) != cudaSuccess) s->broken = 1;
+        if (cudaGraphExecKernelNodeSetParams(q->ex, q->nodes[s->n], &kp) != cudaSuccess) s->broken = 1;
         set_end(c, t0);
-        if (r->len == len && len) memcpy(s->argbuf + r->off, blob, len), r->g = g, r->b = b, r->smem = smem;
+        if (r->len == len && len) memcpy(q->argbuf + r->off, blob, len), r->g = g, r->b = b, r->smem = smem;
     }
     s->n++;
 }
@@ -292,17 +308,18 @@ __device__ __forceinline__ void pdl_wait() {
 // A host-to-device or device-to-host copy inside a step (token ids in, logits out).
 inline void g_copy(ctx *c, void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
     graph_state *s = &c->gs;
+    graph_rec *q = s->cur;
     if (s->mode == G_RECORD) {
-        cudaGraphNode_t dep = s->n ? s->nodes[s->n - 1] : NULL;
-        if (s->n >= G_MAX_NODES || cudaGraphAddMemcpyNode1D(&s->nodes[s->n], s->g, s->n ? &dep : NULL, s->n ? 1 : 0, dst, src, n, kind) != cudaSuccess)
+        cudaGraphNode_t dep = s->n ? q->nodes[s->n - 1] : NULL;
+        if (s->n >= G_MAX_NODES || cudaGraphAddMemcpyNode1D(&q->nodes[s->n], q->g, s->n ? &dep : NULL, s->n ? 1 : 0, dst, src, n, kind) != cudaSuccess)
             s->broken = 1;
-        else s->rec[s->n] = {}, s->rec[s->n].dst = dst, s->rec[s->n].src = src, s->rec[s->n].bytes = n, s->funcs[s->n++] = NULL;
+        else q->rec[s->n] = {}, q->rec[s->n].dst = dst, q->rec[s->n].src = src, q->rec[s->n].bytes = n, q->funcs[s->n++] = NULL;
     } else if (s->mode == G_REPLAY) {
-        graph_state::launch_rec *r = &s->rec[s->n];
-        if (s->n >= s->n_rec || s->funcs[s->n] != NULL) s->broken = 1;
+        g_launch *r = &q->rec[s->n];
+        if (s->n >= q->n_rec || q->funcs[s->n] != NULL) s->broken = 1;
         else if (r->dst != dst || r->src != src || r->bytes != n) { // the same copy as recorded is left as it is
             double t0 = set_begin(c);
-            if (cudaGraphExecMemcpyNodeSetParams1D(s->ex, s->nodes[s->n], dst, src, n, kind) != cudaSuccess) s->broken = 1;
+            if (cudaGraphExecMemcpyNodeSetParams1D(q->ex, q->nodes[s->n], dst, src, n, kind) != cudaSuccess) s->broken = 1;
             r->dst = dst, r->src = src, r->bytes = n;
             set_end(c, t0);
         }
@@ -317,12 +334,22 @@ inline void note_peak(ctx *c) {
     if (cudaMemGetInfo(&fr, &tot) == cudaSuccess && tot - fr > c->peak) c->peak = tot - fr;
 }
 
-// Grows a scratch buffer (only while sizes are still rising: the first steps of a run). A recorded
-// step's nodes point at the old buffer: its graph is dropped (an eager step's graph is idle).
+// The recorded steps dropped (their nodes point at a buffer about to go).
+inline void g_drop_all(ctx *c) {
+    for (int i = 0; i < G_SLOTS; i++) {
+        graph_rec *q = &c->gs.rs[i];
+        if (q->ex) cudaGraphExecDestroy(q->ex), q->ex = NULL;
+        if (q->g) cudaGraphDestroy(q->g), q->g = NULL;
+        q->key = 0;
+    }
+}
+
+// Grows a scratch buffer (only while sizes are still rising: the first steps of a run). Recorded
+// steps' nodes point at the old buffer: their graphs are dropped (idle while a step runs eager).
 inline void *scratch(ctx *c, void **p, size_t *cap, size_t need) {
     if (need <= *cap) return *p;
     if (c->gs.mode != G_EAGER) c->gs.broken = 1;
-    else if (c->gs.ex) cudaGraphExecDestroy(c->gs.ex), c->gs.ex = NULL;
+    else g_drop_all(c);
     if (*p) cudaFree(*p);
     size_t n = need + need / 2;
     if (cudaMalloc(p, n) != cudaSuccess) {
@@ -332,6 +359,19 @@ inline void *scratch(ctx *c, void **p, size_t *cap, size_t need) {
     }
     *cap = n;
     return *p;
+}
+
+// Room for a step's token ids: scratch on the device and pinned staging (grown only eager).
+inline int tok_room(ctx *c, size_t n) {
+    if (!scratch(c, &c->tok, &c->tok_cap, n * 4)) return 0;
+    if (c->gs.pin_tok_cap < n) {
+        if (c->gs.mode != G_EAGER) c->gs.broken = 1;
+        cudaDeviceSynchronize();
+        cudaFreeHost(c->gs.pin_tok);
+        c->gs.pin_tok = NULL;
+        c->gs.pin_tok_cap = cudaMallocHost((void **)&c->gs.pin_tok, n * 8) == cudaSuccess ? n * 2 : 0;
+    }
+    return c->gs.pin_tok != NULL;
 }
 
 __device__ __forceinline__ float bf16f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }

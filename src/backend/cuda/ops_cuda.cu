@@ -146,22 +146,19 @@ __global__ void k_embed(const void *emb, int dtype, int64_t cols, const int32_t 
     y[i] = ldw(emb, dtype, (int64_t)ids[t] * cols + c);
 }
 
+// Eager, the ids of each call are staged at the start (after the previous copy from there ran); in
+// a recorded step every copy node reads the staging when the graph runs, so each call of the step
+// has its own place (tok_off), which step_begin made room for.
 void cu_embed(qf_backend *be, const qf_mat *emb, const int32_t *ids, int n, float *y) {
     ctx *c = C(be);
-    int32_t *d = (int32_t *)scratch(c, &c->tok, &c->tok_cap, (size_t)n * 4);
-    if (c->gs.pin_tok_cap < (size_t)n) {
-        if (c->gs.mode != G_EAGER) c->gs.broken = 1;
-        cudaDeviceSynchronize();
-        cudaFreeHost(c->gs.pin_tok);
-        c->gs.pin_tok = NULL;
-        c->gs.pin_tok_cap = cudaMallocHost((void **)&c->gs.pin_tok, (size_t)n * 8) == cudaSuccess ? (size_t)n * 2 : 0;
-    }
-    if (!d || !c->gs.pin_tok) return;
-    // the staging buffer is reused: an eager copy from it queued by the call before must have run
+    size_t off = c->gs.mode == G_EAGER ? 0 : c->gs.tok_off;
+    if (!tok_room(c, off + (size_t)n)) return;
+    int32_t *d = (int32_t *)c->tok + off, *pin = c->gs.pin_tok + off;
     if (c->gs.mode == G_EAGER && c->tok_ev_set) check(c, cudaEventSynchronize(c->tok_ev), "embed: the previous ids' copy");
-    memcpy(c->gs.pin_tok, ids, (size_t)n * 4);
-    g_copy(c, d, c->gs.pin_tok, (size_t)n * 4, cudaMemcpyHostToDevice);
+    memcpy(pin, ids, (size_t)n * 4);
+    g_copy(c, d, pin, (size_t)n * 4, cudaMemcpyHostToDevice);
     c->tok_ev_set = c->gs.mode == G_EAGER && c->tok_ev && cudaEventRecord(c->tok_ev, 0) == cudaSuccess;
+    c->gs.tok_off = off + (size_t)n;
     LAUNCH(c, k_embed, blocks((int64_t)n * emb->cols, 256), 256, emb->data, emb->dtype, emb->cols, d, n, y);
 }
 
