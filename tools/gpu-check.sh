@@ -17,7 +17,7 @@
 #                                     traces device memory every 100 ms into $OUT/mem-*.csv
 #   bash tools/gpu-check.sh batch     the bundled model served on the GPU with CUDA graphs and without,
 #                                     64 greedy completions 12 at a time (tools/serve_batch_check.py):
-#                                     the texts must be the same
+#                                     the texts must be the same; and the bench's 1-64 streams' ids
 #   bash tools/gpu-check.sh prefix    the bundled model served on the GPU with and without prefix
 #                                     snapshots (tools/prefix_check.py: digests must match), and
 #                                     qflash chat's snapshot restore after /reset
@@ -58,6 +58,10 @@ batch)
         kill $pid; wait $pid 2>/dev/null
     done
     cmp -s "$OUT/batch-1.txt" "$OUT/batch-0.txt" && echo "batch: graphs and eager steps give the same texts" || echo "batch: FAIL, the texts differ"
+    for g in 1 0; do # the bench's streams (different prompts): the same ids recorded and eager
+        echo "== bench graphs=$g"
+        timeout 120 gpu/qflash bench -m $M --device cuda --prompt-len 64 --gen-len 64 --concurrency 1,8,16,64 --runs 1 --cuda-opt graphs=$g 2>&1 | grep -E "decoded ids|rror"
+    done
     ;;
 tests)
     timeout 500 gpu/test_cuda . >"$OUT/test_cuda.log" 2>&1; echo "test_cuda rc=$?"  # parts alone: QFLASH_TEST_QUICK=1..8 (test_cuda.c)
