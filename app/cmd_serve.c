@@ -16,10 +16,12 @@ static void serve_usage(void) {
             "                    [--max-conns 512] [--header-timeout 60] [--body-timeout 120] [--idle-timeout 75]\n"
             "                    [-t THREADS] [--device cpu|cuda[:N]] [--precision bf16x2|fp32|bf16] [--cuda-opt NAME=V]\n"
             "                    [--gpu-mem SIZE] [--expert-cache SIZE] [--expert-policy lru|dlfu|dlfu-admit]\n"
-            "                    [--synthetic PRESET] [--dp N] [--verbose]\n"
+            "                    [--synthetic PRESET] [--dp N] [--draft N] [--verbose]\n"
             "--dp: N replicas of the model in this process behind the one endpoint (GPU i each with --device cuda, else the\n"
             "      threads shared out); a request goes to the one with the fewest running and waiting.\n"
             "--chat-template: a Jinja file used instead of the model's own template.\n"
+            "--draft: MTP speculative decoding with N drafts a step (the model's MTP head; CPU) for a greedy request without\n"
+            "      logprobs or a grammar while it is the only one decoding; the output is the same as without.\n"
             "--prefix-cache-mem: snapshots for prefix reuse across requests, MiB (default 1024 on the CPU, 0 = off on a GPU; 0 turns it off).\n"
             "--synthetic: generated weights of a real checkpoint's shapes (qwen3.6-35b-a3b) with DIR's tokenizer (load tests).\n"
             "Defaults from the environment: QFLASH_MODEL, QFLASH_HOST, QFLASH_PORT, QFLASH_API_KEY (flags win).\n");
@@ -49,6 +51,7 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
         else if (cli_is(&a, NULL, "--model-name")) o->model_name = cli_value(&a);
         else if (cli_is(&a, NULL, "--chat-template")) o->chat_template = cli_value(&a);
         else if (cli_is(&a, NULL, "--max-batch")) o->sched.max_batch = cli_int(&a, 1, 1024);
+        else if (cli_is(&a, NULL, "--draft")) o->engine.draft = cli_int(&a, 0, 8);
         else if (cli_is(&a, NULL, "--dp")) o->dp = cli_int(&a, 1, QF_SRV_MAX_DP);
         else if (cli_is(&a, "-c", "--ctx")) o->sched.ctx = cli_int(&a, 16, 1 << 24);
         else if (cli_is(&a, NULL, "--kv-pages")) o->sched.kv_pages = cli_int(&a, 1, 1 << 30);

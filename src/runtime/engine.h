@@ -98,5 +98,7 @@ int qf_spec_takes(const qf_engine *e, const qf_state *st, const qf_gen_request *
 int qf_spec_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats);
 /* Drafts a step from now on (0: plain generation), at most the count the engine was opened with. */
 void qf_spec_set_draft(qf_engine *e, int draft);
+/* Drafts a step (0: speculative decoding is off). */
+int qf_spec_drafts(const qf_engine *e);
 
 #endif

@@ -10,6 +10,7 @@
 #include "base/timer.h"
 #include "base/utf8.h"
 #include "runtime/prefix.h"
+#include "runtime/spec.h"
 
 const double qf_sched_ttft_buckets[15] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80};
 const double qf_sched_itl_buckets[15] = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5};
@@ -57,6 +58,9 @@ typedef struct slot {
     int batch_n;      /* tokens fed this step */
     int32_t top1;     /* the step's greedy pick, when it asked for only that (QF_LOGITS_TOP1) */
     int pages_before; /* pages held before this step */
+    qf_spec_seq *sp;  /* the MTP head of the slot's sequence (serve --draft) */
+    int sp_on;        /* the request drafts: greedy, without logprobs or a grammar */
+    int sp_fresh;     /* the head has no row before the next forward's first (a new sequence) */
 } slot;
 
 struct qf_sched {
@@ -493,6 +497,9 @@ static void admit(qf_sched *s) {
             s->stats.prompt_tokens += (uint64_t)r->n_prompt;
             pthread_mutex_unlock(&s->mu);
         }
+        slot *sl = &s->slots[fs];
+        sl->sp_on = sl->sp && r->logprobs < 0 && !r->grammar && qf_sampler_is_greedy(r->smp), sl->sp_fresh = 1;
+        if (sl->sp_on) qf_spec_seq_reset(sl->sp); /* a reused prefix or a fork's state was not shown to the head: fewer drafts accepted, the same text */
         LOG(s, "seq %llu admitted to slot %d: %d tokens to prefill (%d reused)\n", (unsigned long long)r->seq_no, fs, r->n_toks - r->n_fed, r->n_fed);
     }
 }
@@ -549,7 +556,8 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
                 sl->batch_n = take;
                 /* a plain greedy pick without logprobs: picked where the logits are (on a GPU, only the id comes back) */
                 int mode = take < left ? QF_LOGITS_NONE : r->logprobs < 0 && !r->gm && qf_sampler_is_greedy(r->smp) ? QF_LOGITS_TOP1 : QF_LOGITS_LAST;
-                s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, mode, sl->logits, &sl->top1, r->sparsity_set, r->sparsity, NULL, NULL};
+                s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, mode, sl->logits, &sl->top1, r->sparsity_set, r->sparsity, NULL,
+                                            sl->sp_on ? qf_spec_seq_hidden(sl->sp) : NULL};
                 s->step_slot[n++] = i;
                 rows += take;
                 pages += qf_state_pages_needed(sl->st, take);
@@ -685,20 +693,69 @@ static void log_skips(qf_sched *s, uint64_t step_no, qf_expert_store *es, const 
             (unsigned long long)(sp1.kv_skipped - sp0->kv_skipped), (unsigned long long)(sp1.kv_pages - sp0->kv_pages));
 }
 
+static void count_step(qf_sched *s, uint64_t *step_no, int drafted, int accepted) {
+    pthread_mutex_lock(&s->mu);
+    *step_no = ++s->stats.steps;
+    s->stats.spec_steps += drafted > 0, s->stats.spec_drafted += (uint64_t)drafted, s->stats.spec_accepted += (uint64_t)accepted;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* How many drafts the slot's lone decoding sequence may make this step (0: a plain step): within
+ * its tokens still wanted, the context, the head's context, its channel and the free pages. */
+static int drafts_now(qf_sched *s, const slot *sl) {
+    const qf_req *r = sl->req;
+    int n = qf_spec_drafts(s->e), left = r->max_tokens - r->n_gen - 1, ctx = s->o.ctx - r->n_toks - 1, head = qf_spec_seq_room(sl->sp) - 1;
+    n = n < left ? n : left;
+    n = n < ctx ? n : ctx;
+    n = n < head ? n : head;
+    if (n <= 0 || chan_room(sl->req) < (size_t)(n + 2) * s->rec_max || qf_state_pages_needed(sl->st, n + 1) > qf_kv_pool_free_pages(s->kv)) return 0;
+    return n;
+}
+
+/* The step of a lone greedy decoding sequence with drafts (serve --draft): x and up to n drafts in
+ * one forward, the accepted drafts and the next pick emitted in order. */
+static void spec_step(qf_sched *s, slot *sl, int n) {
+    qf_req *r = sl->req;
+    int32_t out[QF_SPEC_MAX_DRAFT + 1];
+    int k = 0;
+    double t0 = qf_now();
+    int rc = qf_spec_seq_step(s->e, sl->sp, sl->st, r->toks[r->n_fed], n, out, &k);
+    uint64_t step_no;
+    count_step(s, &step_no, rc == QF_OK ? n : 0, k);
+    LOG(s, "step %llu: 1 decode sequence with %d drafts, %d accepted, in %.2f ms\n", (unsigned long long)step_no, n, k, 1e3 * (qf_now() - t0));
+    if (rc != QF_OK) {
+        finish(s, r, QF_FINISH_ERROR, qf_last_error());
+        return;
+    }
+    r->n_fed += k + 1;
+    for (int j = 0; j <= k; j++) {
+        int why = emit_token(s, r, NULL, &out[j]);
+        if (why != QF_FINISH_NONE) {
+            finish(s, r, why, why == QF_FINISH_ERROR ? qf_last_error() : NULL);
+            return;
+        }
+    }
+    if (r->notify) r->notify(r->notify_ud);
+}
+
 /* Returns 0 when there was nothing it could run. */
 static int run_step(qf_sched *s) {
     int n_decode, rows, n = plan_step(s, &n_decode, &rows);
     if (n == 0) return 0;
+    slot *lone = &s->slots[s->step_slot[0]];
+    int nd = n == 1 && n_decode == 1 && lone->sp_on ? drafts_now(s, lone) : 0;
+    if (nd > 0) {
+        spec_step(s, lone, nd);
+        return 1;
+    }
     qf_expert_store *es = s->e->model->experts;
     qf_expert_stats es0 = es && s->o.verbose ? qf_es_stats(es) : (qf_expert_stats){0};
     for (int j = 0; j < n; j++) s->slots[s->step_slot[j]].pages_before = s->steps[j].st->n_pages;
     double t0 = qf_now();
     qf_sparsity_counts sp0 = qf_workspace_sparsity(s->e->ws);
     int rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->steps, n);
-    pthread_mutex_lock(&s->mu);
-    s->stats.steps++;
-    uint64_t step_no = s->stats.steps;
-    pthread_mutex_unlock(&s->mu);
+    uint64_t step_no;
+    count_step(s, &step_no, 0, 0);
     LOG(s, "step %llu: %d decode + %d prefill sequences, %d rows in %.2f ms, KV pages %d/%d in use\n", (unsigned long long)step_no, n_decode,
         n - n_decode, rows, 1e3 * (qf_now() - t0), qf_kv_pool_pages(s->kv) - qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
     if (s->o.verbose) log_skips(s, step_no, es, &es0, &sp0, t0);
@@ -710,6 +767,11 @@ static int run_step(qf_sched *s) {
             finish(s, r, QF_FINISH_ERROR, err);
             continue;
         }
+        if (sl->sp_on && qf_spec_seq_fed(s->e, sl->sp, r->toks + r->n_fed, sl->batch_n, sl->sp_fresh) != QF_OK) {
+            finish(s, r, QF_FINISH_ERROR, qf_last_error());
+            continue;
+        }
+        sl->sp_fresh = 0;
         r->n_fed += sl->batch_n;
         fork_mark(s, r, sl->st);
         /* snapshots on the interval's marks and at the prompt's end (a partial last page may be
@@ -803,6 +865,8 @@ int qf_sched_create(qf_sched **out, qf_engine *e, const qf_sched_opts *o) {
         s->slots[i].st = qf_state_create_paged(e->model, s->kv, o->ctx);
         s->slots[i].logits = malloc((size_t)V * sizeof(float));
         ok = s->slots[i].st && s->slots[i].logits;
+        int nd = qf_spec_drafts(e);
+        if (ok && nd > 0) ok = (s->slots[i].sp = qf_spec_seq_create(e, nd, s->rows, o->ctx + nd + 2)) != NULL;
     }
     if (!ok) {
         qf_sched_destroy(s);
@@ -832,6 +896,7 @@ void qf_sched_destroy(qf_sched *s) {
         if (s->slots[i].req) finish(s, s->slots[i].req, QF_FINISH_CANCELLED, NULL);
         qf_state_free(s->slots[i].st);
         free(s->slots[i].logits);
+        qf_spec_seq_free(s->slots[i].sp);
     }
     while (s->q_head) {
         qf_req *r = s->q_head;

@@ -113,6 +113,7 @@ typedef struct qf_sched_stats {
     uint64_t prefix_hits, prefix_misses, prefix_tokens, prefix_evicted; /* prefix reuse */
     int prefix_snapshots;
     size_t prefix_bytes, prefix_budget;
+    uint64_t spec_steps, spec_drafted, spec_accepted; /* serve --draft: steps with drafts, the drafts, those accepted */
     uint64_t masks;        /* grammar masks computed, and their time */
     double mask_seconds;
 } qf_sched_stats;

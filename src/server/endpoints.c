@@ -55,6 +55,7 @@ void srv_stats(srv *s, qf_sched_stats *out) {
         out->prefix_hits += t.prefix_hits, out->prefix_misses += t.prefix_misses, out->prefix_tokens += t.prefix_tokens;
         out->prefix_evicted += t.prefix_evicted, out->prefix_snapshots += t.prefix_snapshots, out->prefix_bytes += t.prefix_bytes;
         out->prefix_budget += t.prefix_budget, out->masks += t.masks, out->mask_seconds += t.mask_seconds;
+        out->spec_steps += t.spec_steps, out->spec_drafted += t.spec_drafted, out->spec_accepted += t.spec_accepted;
     }
 }
 
@@ -85,6 +86,9 @@ static void vllm_aliases(struct evbuffer *b, const qf_sched_stats *st) {
     metric(b, "vllm:prompt_tokens_total", "counter", "Alias of qflash:prompt_tokens_total.", (double)st->prompt_tokens);
     metric(b, "vllm:generation_tokens_total", "counter", "Alias of qflash:generation_tokens_total.", (double)st->gen_tokens);
     metric(b, "vllm:num_preemptions_total", "counter", "Alias of qflash:preemptions_total.", (double)st->preempted);
+    metric(b, "vllm:spec_decode_num_drafts_total", "counter", "Alias of qflash:spec_decode_steps_total.", (double)st->spec_steps);
+    metric(b, "vllm:spec_decode_num_draft_tokens_total", "counter", "Alias of qflash:spec_decode_draft_tokens_total.", (double)st->spec_drafted);
+    metric(b, "vllm:spec_decode_num_accepted_tokens_total", "counter", "Alias of qflash:spec_decode_accepted_tokens_total.", (double)st->spec_accepted);
 }
 
 /* Readiness for a router or an orchestrator: 200 while this replica takes requests, 503 (with
@@ -136,6 +140,9 @@ void ep_metrics(srv *s, struct evhttp_request *req) {
     metric(b, "qflash:prefix_cache_bytes", "gauge", "Bytes the prefix snapshots hold (DeltaNet copies, KV pages, tokens).", (double)st.prefix_bytes);
     metric(b, "qflash:prefix_cache_budget_bytes", "gauge", "The prefix snapshots' budget (--prefix-cache-mem).", (double)st.prefix_budget);
     metric(b, "qflash:grammar_masks_total", "counter", "Token masks computed for constrained output (response_format, forced tool calls).", (double)st.masks);
+    metric(b, "qflash:spec_decode_steps_total", "counter", "Steps that verified MTP drafts (serve --draft).", (double)st.spec_steps);
+    metric(b, "qflash:spec_decode_draft_tokens_total", "counter", "MTP draft tokens proposed.", (double)st.spec_drafted);
+    metric(b, "qflash:spec_decode_accepted_tokens_total", "counter", "MTP draft tokens the model accepted (its own greedy picks).", (double)st.spec_accepted);
     metric(b, "qflash:grammar_mask_seconds_total", "counter", "Time spent computing those masks.", st.mask_seconds);
     histogram(b, "qflash:time_to_first_token_seconds", "Time from request to its first generated token.", st.ttft_hist,
               qf_sched_ttft_buckets, st.ttft_n, st.ttft_sum);

@@ -1,0 +1,37 @@
+/* A sequence's speculative decoding with the model's MTP head (runtime/spec.c), for the engine's
+ * own loop and the scheduler's sequences: the head's state and the buffers of its drafts and of
+ * the model's verify forwards. Greedy only: a step's drafts are accepted while they equal the
+ * model's picks, so the output is the plain loop's. */
+#ifndef QF_RUNTIME_SPEC_H
+#define QF_RUNTIME_SPEC_H
+
+#include <stdint.h>
+
+#include "runtime/engine.h"
+
+#define QF_SPEC_MAX_DRAFT 8
+
+typedef struct qf_spec_seq qf_spec_seq;
+
+/* Up to max_draft drafts a step, forwards of up to rows rows, max_ctx positions of the head.
+ * NULL (the error set): no head, or out of memory. */
+qf_spec_seq *qf_spec_seq_create(const qf_engine *e, int max_draft, int rows, int max_ctx);
+void qf_spec_seq_free(qf_spec_seq *q);
+/* A new sequence: the head forgets its pairs. */
+void qf_spec_seq_reset(qf_spec_seq *q);
+/* Where a forward of the sequence's rows puts their hidden states (qf_seq_step.hidden) for
+ * qf_spec_seq_fed. */
+float *qf_spec_seq_hidden(qf_spec_seq *q);
+/* After a forward of n rows of tokens tok whose hidden states are in qf_spec_seq_hidden: the head
+ * gets the pairs (tok[i], hidden before tok[i]) the rows complete: tok[0]'s with the last row of the
+ * forward before (none at the sequence's start: first), then tok[i + 1]'s with row i. */
+int qf_spec_seq_fed(qf_engine *e, qf_spec_seq *q, const int32_t *tok, int n, int first);
+/* One step from x (picked, not fed yet; the head has every pair before it): up to n drafts, the
+ * model runs x and them in one forward, the drafts equal to its picks are accepted. The state then
+ * holds x and the k accepted drafts (back to a copy and run again when one was refused); out gets
+ * the k drafts and the next pick (k + 1 tokens), *k_out = k. */
+int qf_spec_seq_step(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t x, int n, int32_t *out, int *k_out);
+/* Positions left in the head's context beyond a step's pair: a step may draft fewer than these. */
+int qf_spec_seq_room(const qf_spec_seq *q);
+
+#endif
