@@ -125,6 +125,75 @@ static void test_sampler(void) {
     CHECK(qf_sampling_check(&badp) == QF_EINVAL && qf_sampler_create(V, &badp) == NULL, "top_p 0 accepted");
 }
 
+/* The distribution the sampler must draw from, computed plainly: logits over the temperature
+ * sorted (value, then id), softmax over the top-k (or all), top-p and min-p cuts, renormalised. */
+static int ref_kept(const float *l, int V, const qf_sampling *p, int *ids, double *prob) {
+    for (int i = 0; i < V; i++) ids[i] = i;
+    for (int i = 1; i < V; i++) /* insertion sort: a few thousand values */
+        for (int j = i; j > 0; j--) {
+            float a = l[ids[j - 1]] / p->temperature, b = l[ids[j]] / p->temperature;
+            if (a > b || (a == b && ids[j - 1] < ids[j])) break;
+            int t = ids[j];
+            ids[j] = ids[j - 1], ids[j - 1] = t;
+        }
+    int n = p->top_k > 0 && p->top_k < V ? p->top_k : V, kept = n;
+    double mx = l[ids[0]] / p->temperature, sum = 0, cum = 0, total = 0;
+    for (int i = 0; i < n; i++) sum += prob[i] = exp(l[ids[i]] / p->temperature - mx);
+    for (int i = 0; i < n; i++) {
+        if (i > 0 && prob[i] < p->min_p) {
+            kept = i;
+            break;
+        }
+        cum += prob[i] / sum;
+        if (cum >= p->top_p) {
+            kept = i + 1;
+            break;
+        }
+    }
+    for (int i = 0; i < kept; i++) total += prob[i];
+    for (int i = 0; i < kept; i++) prob[i] /= total;
+    return kept;
+}
+
+/* At a vocabulary past the sampler's sorted first candidates: draws only from the kept tokens,
+ * each of the likeliest 8 and the rest as a whole at its probability (5 sigma over 20000 draws),
+ * for a peaked and a flat distribution under top-k, top-p, min-p and temperature alone. */
+static void test_sampler_distribution(void) {
+    enum { V = 3000, N = 20000 };
+    static float peaked[V], flat[V], l[V];
+    static int ids[V], count[V];
+    static double prob[V];
+    for (int i = 0; i < V; i++) peaked[i] = 2.0f * sinf((float)i * 0.37f) * cosf((float)i * 1.3f), flat[i] = 0.3f * sinf((float)i * 0.91f);
+    for (int i = 0; i < 12; i++) peaked[(i * 977) % V] = 9.0f - 0.4f * (float)i;
+    struct { const float *l; float t, top_p, min_p; int top_k; } cases[] = {
+        {peaked, 0.7f, 0.9f, 0, 0}, {peaked, 1.0f, 1.0f, 0, 20}, {peaked, 1.3f, 1.0f, 0, 0}, {peaked, 1.0f, 1.0f, 0.02f, 0},
+        {flat, 1.0f, 0.5f, 0, 0},   {flat, 1.0f, 1.0f, 0, 0},   {flat, 2.0f, 0.95f, 0, 500}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        qf_sampling p = qf_sampling_default();
+        p.temperature = cases[c].t, p.top_p = cases[c].top_p, p.min_p = cases[c].min_p, p.top_k = cases[c].top_k, p.seed = 7 + c;
+        int kept = ref_kept(cases[c].l, V, &p, ids, prob), bad = 0;
+        qf_sampler *s = qf_sampler_create(V, &p);
+        memset(count, 0, sizeof count);
+        for (int k = 0; k < N; k++) {
+            memcpy(l, cases[c].l, sizeof l);
+            count[qf_sampler_sample(s, l)]++;
+        }
+        qf_sampler_free(s);
+        int in = 0;
+        for (int i = 0; i < kept; i++) in += count[ids[i]];
+        CHECK(in == N, "case %zu: %d of %d draws outside the %d kept tokens", c, N - in, N, kept);
+        double rest = 1, seen = N;
+        for (int i = 0; i < kept && i < 8; i++) {
+            double f = count[ids[i]] / (double)N, sd = sqrt(prob[i] * (1 - prob[i]) / N);
+            bad += fabs(f - prob[i]) > 5 * sd + 1e-3;
+            rest -= prob[i], seen -= count[ids[i]];
+        }
+        double sd = sqrt(rest * (1 - rest) / N);
+        bad += fabs(seen / N - rest) > 5 * sd + 1e-3;
+        CHECK(!bad, "case %zu: the draws' frequencies are off the distribution (%d kept)", c, kept);
+    }
+}
+
 /* `qflash run --temp 0` on the decoded reference prompts prints exactly HF's greedy text. */
 static void test_cli_run(const qf_tokenizer *t) {
     qf_st_set ref;
@@ -340,6 +409,7 @@ int main(int argc, char **argv) {
     test_chat_template(t);
     test_cli_manners();
     test_sampler();
+    test_sampler_distribution();
     test_cli_run(t);
     test_cli_chat();
     test_cli_perplexity();

@@ -21,7 +21,13 @@ struct qf_sampler {
     int n_touched;
     cand *c;                    /* (vocab) candidates */
     double *w;                  /* (vocab) exp(logit - max) of the sorted candidates */
+    float *x;                   /* (vocab) the logits over the temperature */
+    unsigned char *best;        /* (vocab) 1: among the sorted candidates (the unsorted tail's walk skips it) */
 };
+
+/* With top_k off, the best candidates sorted first: top-p and min-p stop inside them unless the
+ * distribution is flat, and only then is every candidate sorted. */
+#define SORTED_FIRST 256
 
 qf_sampling qf_sampling_default(void) {
     qf_sampling p = {0.0f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 0};
@@ -73,7 +79,9 @@ qf_sampler *qf_sampler_create(int vocab, const qf_sampling *p) {
     s->touched = malloc((size_t)vocab * sizeof(int32_t));
     s->c = malloc((size_t)vocab * sizeof(cand));
     s->w = malloc((size_t)vocab * sizeof(double));
-    if (!s->count_all || !s->count_gen || !s->touched || !s->c || !s->w) {
+    s->x = malloc((size_t)vocab * sizeof(float));
+    s->best = calloc((size_t)vocab, 1);
+    if (!s->count_all || !s->count_gen || !s->touched || !s->c || !s->w || !s->x || !s->best) {
         qf_sampler_free(s);
         return NULL;
     }
@@ -88,6 +96,8 @@ void qf_sampler_free(qf_sampler *s) {
     free(s->touched);
     free(s->c);
     free(s->w);
+    free(s->x);
+    free(s->best);
     free(s);
 }
 
@@ -134,20 +144,48 @@ static void sift_down(cand *h, int size, int j) {
     }
 }
 
-/* Moves the k best candidates to the front of c, sorted best first; returns how many. */
-static int select_top_k(cand *c, int n, int k) {
-    if (k <= 0 || k >= n) {
-        qsort(c, (size_t)n, sizeof *c, cmp_cand);
-        return n;
-    }
+/* A logit below this one, divided by t, is below r for certain (3 ulps of margin): most of the
+ * vocabulary is rejected without a division. */
+static float below(float r, float t) {
+    float a = r * t;
+    return a - (fabsf(a) * 4e-7f + 1e-30f);
+}
+
+/* c[0..k) = the k best of the n values l[i] / t (ids 0..n-1), sorted best first (cmp_cand's
+ * order): a heap of the k best so far with the worst at its root, which most values fail against
+ * at one compare. x (may be NULL) keeps every value. */
+static int select_best(cand *c, const float *l, float t, int n, int k, float *x) {
+    if (k > n) k = n;
+    for (int i = 0; i < k; i++) c[i] = (cand){l[i] / t, i};
     for (int i = k / 2 - 1; i >= 0; i--) sift_down(c, k, i);
-    for (int i = k; i < n; i++)
-        if (cmp_cand(&c[i], &c[0]) < 0) {
-            c[0] = c[i];
+    for (int i = 0; x && i < k; i++) x[i] = l[i] / t;
+    float lo = below(c[0].logit, t);
+    for (int i = k; i < n; i++) {
+        if (!x && l[i] < lo) continue;
+        float v = l[i] / t;
+        if (x) x[i] = v;
+        if (v < c[0].logit) continue;
+        cand u = {v, i};
+        if (cmp_cand(&u, &c[0]) < 0) {
+            c[0] = u;
             sift_down(c, k, 0);
+            lo = below(c[0].logit, t);
         }
+    }
     qsort(c, (size_t)k, sizeof *c, cmp_cand);
     return k;
+}
+
+/* sum exp(x[i] - mx) over all n, in float lanes (the normaliser of top-p with top_k off). */
+static double exp_sum(const float *x, int n, float mx) {
+    float lane[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] += expf(x[i + j] - mx);
+    double sum = 0;
+    for (; i < n; i++) sum += expf(x[i] - mx);
+    for (int j = 0; j < 8; j++) sum += lane[j];
+    return sum;
 }
 
 int qf_sampler_is_greedy(const qf_sampler *s) {
@@ -155,29 +193,20 @@ int qf_sampler_is_greedy(const qf_sampler *s) {
     return p->temperature == 0.0f && p->repetition_penalty == 1.0f && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f;
 }
 
-int32_t qf_sampler_sample(qf_sampler *s, float *logits) {
-    const qf_sampling *p = &s->p;
-    apply_penalties(s, logits);
-    if (p->temperature == 0.0f) return qf_argmax_f32(logits, s->vocab);
-    for (int i = 0; i < s->vocab; i++) s->c[i] = (cand){logits[i] / p->temperature, i};
-    int n = select_top_k(s->c, s->vocab, p->top_k);
-    /* softmax over the survivors (sorted, best first): w[i] / sum is candidate i's probability */
-    double sum = 0, mx = s->c[0].logit;
-    for (int i = 0; i < n; i++) sum += s->w[i] = exp((double)s->c[i].logit - mx);
-    /* top-p over the sorted probabilities; min-p drops tokens below min_p x the top one */
-    double cum = 0, keep_min = p->min_p;
-    int kept = n;
+/* How many of the n sorted candidates (w: their exp(logit - max), sum: of every candidate) top-p
+ * and min-p keep; n + 1 when they keep them all and want more. */
+static int keep_count(const qf_sampling *p, const double *w, int n, double sum) {
+    double cum = 0;
     for (int i = 0; i < n; i++) {
-        if (i > 0 && s->w[i] < keep_min) {
-            kept = i;
-            break;
-        }
-        cum += s->w[i] / sum;
-        if (cum >= p->top_p) {
-            kept = i + 1;
-            break;
-        }
+        if (i > 0 && w[i] < p->min_p) return i; /* min-p: below min_p x the top one */
+        cum += w[i] / sum;
+        if (cum >= p->top_p) return i + 1;
     }
+    return n + 1;
+}
+
+/* A draw from the kept sorted candidates. */
+static int32_t draw_sorted(qf_sampler *s, int kept) {
     double total = 0;
     for (int i = 0; i < kept; i++) total += s->w[i];
     double u = next_unit(s->rng) * total, acc = 0;
@@ -186,4 +215,44 @@ int32_t qf_sampler_sample(qf_sampler *s, float *logits) {
         if (u < acc) return s->c[i].id;
     }
     return s->c[kept - 1].id;
+}
+
+/* Every token kept (top-p and min-p off): the sorted best first, then the rest in id order (the
+ * same distribution; no order of the rest is needed for a draw). */
+static int32_t draw_all(qf_sampler *s, int k, double sum) {
+    double u = next_unit(s->rng) * sum, acc = 0, mx = s->c[0].logit;
+    int32_t last = s->c[k - 1].id;
+    for (int i = 0; i < k; i++) {
+        acc += s->w[i];
+        if (u < acc) return s->c[i].id;
+    }
+    for (int i = 0; i < k; i++) s->best[s->c[i].id] = 1;
+    for (int i = 0; i < s->vocab; i++) {
+        if (s->best[i]) continue;
+        acc += exp((double)s->x[i] - mx), last = i;
+        if (u < acc) break;
+    }
+    for (int i = 0; i < k; i++) s->best[s->c[i].id] = 0;
+    return last;
+}
+
+int32_t qf_sampler_sample(qf_sampler *s, float *logits) {
+    const qf_sampling *p = &s->p;
+    apply_penalties(s, logits);
+    if (p->temperature == 0.0f) return qf_argmax_f32(logits, s->vocab);
+    int all = p->top_k <= 0 || p->top_k >= s->vocab;
+    int n = select_best(s->c, logits, p->temperature, s->vocab, all ? SORTED_FIRST : p->top_k, all ? s->x : NULL);
+    /* softmax over the survivors (sorted, best first): w[i] / sum is candidate i's probability */
+    double sum = 0, mx = s->c[0].logit;
+    for (int i = 0; i < n; i++) sum += s->w[i] = exp((double)s->c[i].logit - mx);
+    if (all && n < s->vocab) sum = exp_sum(s->x, s->vocab, (float)mx);
+    int kept = keep_count(p, s->w, n, sum);
+    if (kept <= n) return draw_sorted(s, kept);
+    if (!all || n == s->vocab) return draw_sorted(s, n);
+    if (p->top_p >= 1.0f && p->min_p <= 0.0f) return draw_all(s, n, sum);
+    /* a flat distribution: top-p or min-p reaches past the first candidates, so all are sorted */
+    n = select_best(s->c, s->x, 1.0f, s->vocab, s->vocab, NULL);
+    for (int i = 0; i < n; i++) s->w[i] = exp((double)s->c[i].logit - mx);
+    kept = keep_count(p, s->w, n, sum);
+    return draw_sorted(s, kept <= n ? kept : n);
 }
