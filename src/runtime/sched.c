@@ -74,6 +74,7 @@ struct qf_sched {
     slot *slots;
     qf_seq_step *steps;
     int *step_slot;
+    int *pre;             /* per step row: its token was drawn already (draw_rows); then draw_rows' list */
     float *lp_scratch;
     char *text;
     size_t text_cap, rec_max;
@@ -738,6 +739,32 @@ static void spec_step(qf_sched *s, slot *sl, int n) {
     if (r->notify) r->notify(r->notify_ud);
 }
 
+/* The rows of a step that finish a prompt or decode and sample plainly (no logprobs, whose copy
+ * must precede the sampler's penalties, and no grammar): their draws made at once on the engine's
+ * threads (each row has its own logits and sampler) before the tokens are emitted in order. */
+typedef struct draws {
+    qf_sched *s;
+    int *idx, n; /* the step rows drawn */
+} draws;
+
+static void draw_one(void *ctx, int i) {
+    draws *d = ctx;
+    slot *sl = &d->s->slots[d->s->step_slot[d->idx[i]]];
+    sl->top1 = qf_sampler_sample(sl->req->smp, sl->logits);
+}
+
+static void draw_rows(qf_sched *s, int n, int *pre) {
+    draws d = {.s = s, .idx = s->pre + s->o.max_batch};
+    for (int j = 0; j < n; j++) {
+        slot *sl = &s->slots[s->step_slot[j]];
+        qf_req *r = sl->req;
+        pre[j] = s->steps[j].logits_mode == QF_LOGITS_LAST && r->n_fed + sl->batch_n == r->n_toks && r->logprobs < 0 && !r->gm;
+        if (pre[j]) d.idx[d.n++] = j;
+    }
+    if (d.n > 1) qf_pool_run(s->e->pool, draw_one, &d, d.n);
+    else if (d.n == 1) draw_one(&d, 0);
+}
+
 /* Returns 0 when there was nothing it could run. */
 static int run_step(qf_sched *s) {
     int n_decode, rows, n = plan_step(s, &n_decode, &rows);
@@ -760,6 +787,7 @@ static int run_step(qf_sched *s) {
         n - n_decode, rows, 1e3 * (qf_now() - t0), qf_kv_pool_pages(s->kv) - qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
     if (s->o.verbose) log_skips(s, step_no, es, &es0, &sp0, t0);
     const char *err = rc == QF_OK ? NULL : qf_last_error();
+    if (!err) draw_rows(s, n, s->pre);
     for (int j = 0; j < n; j++) {
         slot *sl = &s->slots[s->step_slot[j]];
         qf_req *r = sl->req;
@@ -783,7 +811,7 @@ static int run_step(qf_sched *s) {
             LOG(s, "seq %llu: %d KV pages allocated (%d held, %d free)\n", (unsigned long long)r->seq_no, sl->st->n_pages - sl->pages_before,
                 sl->st->n_pages, qf_kv_pool_free_pages(s->kv));
         int why = QF_FINISH_NONE;
-        if (r->n_fed == r->n_toks) why = emit_token(s, r, sl->logits, s->steps[j].logits_mode == QF_LOGITS_TOP1 ? &sl->top1 : NULL);
+        if (r->n_fed == r->n_toks) why = emit_token(s, r, sl->logits, s->steps[j].logits_mode == QF_LOGITS_TOP1 || s->pre[j] ? &sl->top1 : NULL);
         if (why != QF_FINISH_NONE) finish(s, r, why, why == QF_FINISH_ERROR ? qf_last_error() : NULL);
         else if (r->n_fed + 1 == r->n_toks && r->notify) r->notify(r->notify_ud);
     }
@@ -857,10 +885,11 @@ int qf_sched_create(qf_sched **out, qf_engine *e, const qf_sched_opts *o) {
     s->slots = calloc((size_t)o->max_batch, sizeof *s->slots);
     s->steps = calloc((size_t)o->max_batch, sizeof *s->steps);
     s->step_slot = calloc((size_t)o->max_batch, sizeof *s->step_slot);
+    s->pre = calloc(2 * (size_t)o->max_batch, sizeof *s->pre);
     s->lp_scratch = malloc((size_t)V * sizeof(float));
     s->page_mark = malloc((size_t)s->o.kv_pages);
     s->text = malloc(s->text_cap);
-    int ok = s->kv && s->slots && s->steps && s->step_slot && s->lp_scratch && s->text && s->page_mark;
+    int ok = s->kv && s->slots && s->steps && s->step_slot && s->pre && s->lp_scratch && s->text && s->page_mark;
     for (int i = 0; ok && i < o->max_batch; i++) {
         s->slots[i].st = qf_state_create_paged(e->model, s->kv, o->ctx);
         s->slots[i].logits = malloc((size_t)V * sizeof(float));
@@ -909,6 +938,7 @@ void qf_sched_destroy(qf_sched *s) {
     free(s->slots);
     free(s->steps);
     free(s->step_slot);
+    free(s->pre);
     free(s->lp_scratch);
     free(s->page_mark);
     free(s->text);
