@@ -10,7 +10,8 @@
 #include "model/model_int.h"
 
 typedef struct mover {
-    qf_model *m;
+    qf_model *m;   /* whose layers move (the model, or its MTP head's view) */
+    qf_model *own; /* whose dev_bufs keep the copies (the model) */
     qf_backend *be;
     const qf_st_tensor **by_addr; /* tensors sorted by data address */
     void **dev;                   /* device copy of by_addr[i], made on first use */
@@ -23,7 +24,7 @@ static int cmp_addr(const void *a, const void *b) {
 }
 
 static int keep(mover *mv, void *p) {
-    qf_model *m = mv->m;
+    qf_model *m = mv->own;
     void **nb = realloc(m->dev_bufs, (size_t)(m->n_dev_bufs + 1) * sizeof *nb);
     if (!nb) return 0;
     m->dev_bufs = nb;
@@ -169,11 +170,29 @@ static int dec_fits(const qf_model *m) {
     return 1;
 }
 
+/* The MTP head's view as the model: its layer, final norm and expert store, and the model's fc and
+ * norms of its inputs; it shares the model's (moved) embeddings, lm_head and RoPE. */
+static void move_mtp(mover *mv) {
+    qf_model *m = mv->own, *v = m->mtp;
+    if (!v) return;
+    size_t H = (size_t)m->cfg.hidden;
+    v->embed = m->embed, v->lm_head = m->lm_head, v->inv_freq = m->inv_freq;
+    move_mat(mv, &m->mtp_fc);
+    move_vec(mv, &m->mtp_norm_e, H);
+    move_vec(mv, &m->mtp_norm_h, H);
+    move_vec(mv, &v->final_norm, H);
+    mv->m = v;
+    move_layer(mv, 0);
+    mv->m = m;
+    if (mv->rc == QF_OK) mv->rc = move_experts(v, mv->be);
+    if (mv->rc == QF_OK) v->dev = mv->be;
+}
+
 int qf_model_to_device(qf_model *m, qf_backend *be, int flags) {
     int drop_host = flags & QF_TO_DEVICE_DROP_HOST, experts_home = flags & QF_TO_DEVICE_EXPERTS_HOME;
     /* host memory already is the backend's, unless its fused decode ops want the fused matrices */
     if (!be->ops->alloc && !be->ops->dec) return QF_OK;
-    mover mv = {m, be, malloc((size_t)(m->st.n_tensors + 1) * sizeof(void *)), calloc((size_t)m->st.n_tensors + 1, sizeof(void *)),
+    mover mv = {m, m, be, malloc((size_t)(m->st.n_tensors + 1) * sizeof(void *)), calloc((size_t)m->st.n_tensors + 1, sizeof(void *)),
                 m->st.n_tensors, QF_OK};
     if (!mv.by_addr || !mv.dev) mv.rc = qf_fail(QF_ENOMEM, "out of memory");
     for (int i = 0; mv.rc == QF_OK && i < m->st.n_tensors; i++) mv.by_addr[i] = &m->st.tensors[i];
@@ -187,6 +206,7 @@ int qf_model_to_device(qf_model *m, qf_backend *be, int flags) {
     move_vec(&mv, &m->inv_freq, (size_t)(m->cfg.rot_dim / 2));
     for (int L = 0; L < m->cfg.n_layers && mv.rc == QF_OK; L++) move_layer(&mv, L);
     if (mv.rc == QF_OK && !experts_home) mv.rc = move_experts(m, be);
+    if (mv.rc == QF_OK && !experts_home) move_mtp(&mv); /* streamed experts: the head stays on the host (--draft says so) */
     if (mv.rc == QF_OK) mv.rc = qf_be_sync(be); /* a copy that failed on the device fails the load */
     for (int i = 0; drop_host && !experts_home && mv.rc == QF_OK && i < m->st.n_tensors; i++) {
         qf_st_tensor *t = &m->st.tensors[i];

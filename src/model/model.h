@@ -275,8 +275,9 @@ int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state
                    const int32_t *tokens, int n, int logits_mode, float *logits);
 
 /* The MTP head (m->mtp) run beside the model: its KV cache, workspace and input scratch, made once
- * for up to max_rows pairs a step and max_ctx positions (NULL: no head, or out of memory). Host
- * memory: the CPU backends. */
+ * for up to max_rows pairs a step and max_ctx positions (NULL: no head, or out of memory). Its
+ * scratch is the backend's memory (the head's on a device when the model moved there); the steps'
+ * hidden states in and logits and outputs out are host memory. */
 typedef struct qf_mtp_run qf_mtp_run;
 qf_mtp_run *qf_mtp_run_create(const qf_model *m, int max_rows, int max_ctx);
 void qf_mtp_run_free(qf_mtp_run *r);

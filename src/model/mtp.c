@@ -10,7 +10,8 @@
 struct qf_mtp_run {
     qf_workspace *ws; /* the view's */
     qf_state *st;     /* the head's KV cache */
-    float *e, *cat, *u;
+    qf_backend *dev;  /* where the head runs (NULL: the host) */
+    float *e, *cat, *u, *h; /* the backend's memory; h: the pairs' hidden states, from the host */
     int rows;
 };
 
@@ -19,11 +20,12 @@ qf_mtp_run *qf_mtp_run_create(const qf_model *m, int max_rows, int max_ctx) {
     qf_mtp_run *r = calloc(1, sizeof *r);
     size_t H = (size_t)m->cfg.hidden, R = (size_t)max_rows;
     if (!r) return NULL;
-    r->rows = max_rows;
+    r->rows = max_rows, r->dev = m->mtp->dev;
     r->ws = qf_workspace_create(m->mtp, max_rows);
     r->st = qf_state_create(m->mtp, max_ctx);
-    r->e = malloc(R * H * sizeof(float)), r->cat = malloc(2 * R * H * sizeof(float)), r->u = malloc(R * H * sizeof(float));
-    if (!r->ws || !r->st || !r->e || !r->cat || !r->u) {
+    r->e = qf_be_alloc(r->dev, R * H * sizeof(float)), r->cat = qf_be_alloc(r->dev, 2 * R * H * sizeof(float));
+    r->u = qf_be_alloc(r->dev, R * H * sizeof(float)), r->h = r->dev ? qf_be_alloc(r->dev, R * H * sizeof(float)) : NULL;
+    if (!r->ws || !r->st || !r->e || !r->cat || !r->u || (r->dev && !r->h)) {
         qf_mtp_run_free(r);
         return NULL;
     }
@@ -34,7 +36,7 @@ void qf_mtp_run_free(qf_mtp_run *r) {
     if (!r) return;
     qf_workspace_free(r->ws);
     qf_state_free(r->st);
-    free(r->e), free(r->cat), free(r->u);
+    qf_be_free(r->dev, r->e), qf_be_free(r->dev, r->cat), qf_be_free(r->dev, r->u), qf_be_free(r->dev, r->h);
     free(r);
 }
 
@@ -55,6 +57,7 @@ int qf_mtp_step(const qf_model *m, qf_backend *be, qf_mtp_run *r, const int32_t 
     if (n < 1 || n > r->rows) return qf_fail(QF_EINVAL, "MTP step of %d pairs (1..%d)", n, r->rows);
     for (int i = 0; i < n; i++)
         if (next[i] < 0 || next[i] >= V) return qf_fail(QF_EINVAL, "token id %d is outside the vocabulary (0..%d)", next[i], V - 1);
+    if (r->dev) qf_be_upload(be, r->h, h, (size_t)n * H * sizeof(float)), h = r->h; /* the forward gave them to the host */
     be->ops->embed(be, &m->embed, next, n, r->e);
     be->ops->rmsnorm(be, r->e, H, m->mtp_norm_e, n, H, c->norm_eps, r->cat, 2 * H);
     be->ops->rmsnorm(be, h, H, m->mtp_norm_h, n, H, c->norm_eps, r->cat + H, 2 * H);

@@ -26,7 +26,7 @@ typedef struct qf_engine_opts {
     int max_prompt;                   /* with streamed experts: the longest prompt run layer by layer at once (0: 8192) */
     int sparsity_given;               /* --sparsity-level given: sparsity_level for every layer; else config_flash.json's, else 0 */
     float sparsity_level;
-    int draft;                        /* --draft: MTP draft tokens a step (0: none; needs the model's MTP head, the CPU) */
+    int draft;                        /* --draft: MTP draft tokens a step (0: none; needs the model's MTP head) */
     void (*progress)(void *ud, int done, int total);
     void *progress_ud;
 } qf_engine_opts;

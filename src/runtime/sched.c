@@ -402,16 +402,19 @@ static void finish(qf_sched *s, qf_req *r, int why, const char *err) {
             r->n_prompt, r->n_gen, pages, qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
         r->slot = -1;
     }
+    int running = 0; /* counted before the reader hears of the end: /metrics and /ready agree with the answer */
+    for (int i = 0; i < s->o.max_batch; i++) running += s->slots[i].req != NULL;
+    pthread_mutex_lock(&s->mu);
+    s->stats.finished += why != QF_FINISH_CANCELLED;
+    s->stats.cancelled += why == QF_FINISH_CANCELLED;
+    s->stats.running = running;
+    pthread_mutex_unlock(&s->mu);
     pthread_mutex_lock(&r->mu);
     r->status.finish = why;
     r->status.gen_tokens = r->n_gen;
     if (err) snprintf(r->status.error, sizeof r->status.error, "%s", err);
     pthread_mutex_unlock(&r->mu);
     if (r->notify) r->notify(r->notify_ud);
-    pthread_mutex_lock(&s->mu);
-    s->stats.finished += why != QF_FINISH_CANCELLED;
-    s->stats.cancelled += why == QF_FINISH_CANCELLED;
-    pthread_mutex_unlock(&s->mu);
     qf_req_release(r);
 }
 

@@ -20,13 +20,14 @@
 #include "runtime/engine_int.h"
 
 struct qf_spec_seq {
+    qf_backend *be;   /* the engine's: where the states' copies live */
     int max_draft, rows;
     size_t H, V;
     qf_mtp_run *mtp;
     float *hb;        /* (rows + 1, H): the hidden state of the row before a forward, then its rows' */
     float *hm;        /* (max_draft + 1, H): the head's outputs of a draft chain */
     float *lg;        /* (max_draft + 1, V) */
-    float *saved;     /* a copy of a state's DeltaNet block (saved_floats) */
+    float *saved;     /* a copy of a state's DeltaNet block (saved_floats), the backend's memory */
     size_t saved_floats;
 };
 
@@ -45,12 +46,16 @@ qf_spec_seq *qf_spec_seq_create(const qf_engine *e, int max_draft, int rows, int
         qf_fail(QF_EINVAL, "--draft needs a model with an MTP head (mtp_num_hidden_layers and mtp.* tensors)");
         return NULL;
     }
+    if (m->dev && !m->mtp->dev) {
+        qf_fail(QF_EUNSUPPORTED, "--draft on a GPU needs the experts resident there (not streamed: no --gpu-mem or --expert-cache)");
+        return NULL;
+    }
     qf_spec_seq *q = calloc(1, sizeof *q);
     if (!q) {
         qf_fail(QF_ENOMEM, "out of memory");
         return NULL;
     }
-    q->max_draft = max_draft, q->rows = rows, q->H = (size_t)m->cfg.hidden, q->V = (size_t)m->cfg.vocab;
+    q->be = (qf_backend *)&e->be, q->max_draft = max_draft, q->rows = rows, q->H = (size_t)m->cfg.hidden, q->V = (size_t)m->cfg.vocab;
     q->mtp = qf_mtp_run_create(m, rows, max_ctx);
     q->hb = malloc(((size_t)rows + 1) * q->H * sizeof(float)), q->hm = malloc((size_t)(max_draft + 1) * q->H * sizeof(float));
     q->lg = malloc((size_t)(max_draft + 1) * q->V * sizeof(float));
@@ -65,7 +70,8 @@ qf_spec_seq *qf_spec_seq_create(const qf_engine *e, int max_draft, int rows, int
 void qf_spec_seq_free(qf_spec_seq *q) {
     if (!q) return;
     qf_mtp_run_free(q->mtp);
-    free(q->hb), free(q->hm), free(q->lg), free(q->saved);
+    free(q->hb), free(q->hm), free(q->lg);
+    qf_be_free(q->be, q->saved);
     free(q);
 }
 
@@ -114,11 +120,11 @@ static int draft_and_run(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t *d,
     qf_mtp_truncate(q->mtp, mp + 1);
     if (rc != QF_OK) return rc;
     if (q->saved_floats < st->block_floats) { /* once a state size, not a token */
-        free(q->saved);
-        q->saved_floats = (q->saved = malloc(st->block_floats * sizeof(float))) ? st->block_floats : 0;
+        qf_be_free(q->be, q->saved);
+        q->saved_floats = (q->saved = qf_be_alloc(q->be, st->block_floats * sizeof(float))) ? st->block_floats : 0;
         if (!q->saved) return qf_fail(QF_ENOMEM, "out of memory for a state copy");
     }
-    memcpy(q->saved, st->block, st->block_floats * sizeof(float));
+    qf_be_copy(q->be, q->saved, st->block, st->block_floats * sizeof(float));
     return run_rows(e, q, st, d, n + 1);
 }
 
@@ -131,7 +137,7 @@ static int accepted(const qf_spec_seq *q, const int32_t *d, int n) {
 
 /* Only keep of the forward's rows stand: the state back to its copy, and they run again. */
 static int keep_rows(qf_engine *e, qf_spec_seq *q, qf_state *st, const int32_t *d, int p0, int keep) {
-    memcpy(st->block, q->saved, st->block_floats * sizeof(float));
+    qf_be_copy(q->be, st->block, q->saved, st->block_floats * sizeof(float));
     st->pos = p0;
     int full = p0 / qf_kv_pool_page_tokens(st->kv);
     if (st->kv_summarized > full) st->kv_summarized = full;
@@ -162,7 +168,6 @@ int qf_spec_seq_step(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t x, int 
 /* ---- the engine's loop ---- */
 
 int qf_spec_open(qf_engine *e, int draft) {
-    if (e->on_gpu) return qf_fail(QF_EUNSUPPORTED, "--draft runs on the CPU only so far");
     if (draft > QF_SPEC_MAX_DRAFT) return qf_fail(QF_EINVAL, "--draft %d: at most %d", draft, QF_SPEC_MAX_DRAFT);
     qf_spec *s = calloc(1, sizeof *s);
     if (!s) return qf_fail(QF_ENOMEM, "out of memory");
