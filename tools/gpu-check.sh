@@ -18,6 +18,9 @@
 #   bash tools/gpu-check.sh batch     the bundled model served on the GPU with CUDA graphs and without,
 #                                     64 greedy completions 12 at a time (tools/serve_batch_check.py):
 #                                     the texts must be the same; and the bench's 1-64 streams' ids
+#   bash tools/gpu-check.sh spec      --draft 1..3 on the GPU: the bundled model with its trained head
+#                                     (tools/make_mtp_dir.py) and the synthetic 35B-A3B with a head of the
+#                                     release's shapes: step cost, drafts accepted, ids as plain or not
 #   bash tools/gpu-check.sh prefix    the bundled model served on the GPU with and without prefix
 #                                     snapshots (tools/prefix_check.py: digests must match), and
 #                                     qflash chat's snapshot restore after /reset
@@ -47,6 +50,13 @@ prefix)
         echo "== prefix-cache-mem $mem"; timeout 120 python3 tools/prefix_check.py http://127.0.0.1:18080 6
         kill $pid; wait $pid 2>/dev/null
     done
+    ;;
+spec)
+    python3 tools/make_mtp_dir.py /tmp/mtp14m
+    echo "== bundled, --draft 3"
+    timeout 120 gpu/qflash bench -m /tmp/mtp14m --device cuda --prompt-len 64 --gen-len 128 --concurrency 1 --runs 2 --draft 3 2>&1 | grep -E "draft|rror"
+    echo "== synthetic 35B-A3B, --draft 3"
+    timeout 300 gpu/qflash $B --prompt-len 128 --gen-len 64 --concurrency 1 --runs 1 --draft 3 2>&1 | grep -E "draft|rror|$show"
     ;;
 batch)
     M=models/qwen36moe-code-14m
