@@ -17,7 +17,9 @@ Two modes:
   --concurrency; prompts are token-id windows of a tokenized text (the server's /tokenize), each
   request streams greedy tokens with ignore_eos and reports its usage. Prints completed requests,
   request/input/output/total throughput, TTFT, TPOT (time per output token after the first), ITL
-  and end-to-end latency (mean, p50, p99); --json FILE writes them too.
+  and end-to-end latency (mean, p50, p99), and the steady output rate (tok/s from the C-th send to
+  the last one, while every slot is busy: the whole-run figure also holds the drain, where the
+  longest outputs run nearly alone); --json FILE writes them too.
     bench/serve_load.py --mix sharegpt --num-prompts 200 --rate 8 --concurrency 1,16,64
 """
 import argparse
@@ -175,6 +177,24 @@ def sharegpt_run(url, pairs, corpus, rate, conc, seed):
     return recs, time.perf_counter() - start
 
 
+def steady_rate(ok, conc):
+    """Output tok/s while the server held `conc` requests: from the conc-th request's send to the
+    last one's (after that the run drains and its tail, the longest outputs, runs nearly alone).
+    A request's chunks in the window count its tokens per chunk. None when there is no such window."""
+    sends = sorted(r["t0"] for r in ok)
+    if len(sends) <= conc:
+        return None
+    t_a, t_b = sends[conc - 1], sends[-1]
+    if t_b <= t_a:
+        return None
+    n = 0.0
+    for r in ok:
+        if r["stamps"]:
+            per = (r["usage"]["completion_tokens"] if r.get("usage") else r["n_out"]) / len(r["stamps"])
+            n += per * sum(t_a <= t < t_b for t in r["stamps"])
+    return n / (t_b - t_a)
+
+
 def sharegpt_report(recs, wall, conc, rate):
     ok = [r for r in recs if "error" not in r]
     n_in = sum(r["usage"]["prompt_tokens"] if r.get("usage") else r["n_in"] for r in ok)
@@ -192,7 +212,8 @@ def sharegpt_report(recs, wall, conc, rate):
         return {"mean_ms": 1e3 * statistics.mean(xs) if xs else float("nan"), "p50_ms": 1e3 * pct(xs, 50), "p99_ms": 1e3 * pct(xs, 99)}
     return {"max_concurrency": conc, "request_rate": rate, "completed": len(ok), "failed": len(recs) - len(ok), "duration_s": wall,
             "input_tokens": n_in, "output_tokens": n_out, "request_throughput": len(ok) / wall, "input_tok_s": n_in / wall,
-            "output_tok_s": n_out / wall, "total_tok_s": (n_in + n_out) / wall, "ttft": stats(ttft), "tpot": stats(tpot),
+            "output_tok_s": n_out / wall, "total_tok_s": (n_in + n_out) / wall, "steady_output_tok_s": steady_rate(ok, conc),
+            "ttft": stats(ttft), "tpot": stats(tpot),
             "itl": stats(itl), "e2el": stats(e2e)}
 
 
@@ -205,14 +226,15 @@ def sharegpt_main(a):
     results = []
     print("ShareGPT-like mix: %d requests, %d input and %d output tokens requested, request rate %s/s" % (
         len(pairs), sum(i for i, _ in pairs), sum(o for _, o in pairs), a.rate))
-    print("%5s %6s %9s %9s %10s %10s | %8s %8s %8s | %7s %7s %7s | %7s %7s | %8s" % (
-        "conc", "done", "req/s", "out tok/s", "total/s", "dur s", "ttft ms", "p50", "p99", "tpot ms", "p50", "p99", "itl p50", "p99", "e2e p50"))
+    print("%5s %6s %9s %9s %9s %10s %10s | %8s %8s %8s | %7s %7s %7s | %7s %7s | %8s" % (
+        "conc", "done", "req/s", "out tok/s", "steady/s", "total/s", "dur s", "ttft ms", "p50", "p99", "tpot ms", "p50", "p99", "itl p50", "p99", "e2e p50"))
     for c in [int(x) for x in a.concurrency.split(",")]:
         recs, wall = sharegpt_run(a.url, pairs, corpus, rate, c, a.seed)
         r = sharegpt_report(recs, wall, c, a.rate)
         results.append(r)
-        print("%5d %6d %9.2f %9.1f %10.1f %10.1f | %8.1f %8.1f %8.1f | %7.2f %7.2f %7.2f | %7.2f %7.2f | %8.0f%s" % (
-            c, r["completed"], r["request_throughput"], r["output_tok_s"], r["total_tok_s"], r["duration_s"], r["ttft"]["mean_ms"],
+        steady = "%9.1f" % r["steady_output_tok_s"] if r["steady_output_tok_s"] else "%9s" % "-"
+        print("%5d %6d %9.2f %9.1f %s %10.1f %10.1f | %8.1f %8.1f %8.1f | %7.2f %7.2f %7.2f | %7.2f %7.2f | %8.0f%s" % (
+            c, r["completed"], r["request_throughput"], r["output_tok_s"], steady, r["total_tok_s"], r["duration_s"], r["ttft"]["mean_ms"],
             r["ttft"]["p50_ms"], r["ttft"]["p99_ms"], r["tpot"]["mean_ms"], r["tpot"]["p50_ms"], r["tpot"]["p99_ms"], r["itl"]["p50_ms"],
             r["itl"]["p99_ms"], r["e2el"]["p50_ms"], "  (%d failed)" % r["failed"] if r["failed"] else ""))
     if a.json:

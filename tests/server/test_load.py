@@ -36,3 +36,5 @@ def test_sharegpt_run(tmp_path):
         assert 0 < x["ttft"]["p50_ms"] <= x["ttft"]["p99_ms"] <= x["e2el"]["p99_ms"]
         assert 0 < x["tpot"]["mean_ms"] and 0 < x["itl"]["p50_ms"] <= x["itl"]["p99_ms"]
         assert abs(x["total_tok_s"] * x["duration_s"] - x["input_tokens"] - x["output_tokens"]) < 1e-6 * x["total_tok_s"] + 1
+        if x["max_concurrency"] == 3:  # 12 requests, 3 in flight: a window with every slot busy (the 3rd send to the last)
+            assert x["steady_output_tok_s"] and 0 < x["steady_output_tok_s"]
