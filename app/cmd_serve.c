@@ -20,9 +20,9 @@ static void serve_usage(void) {
             "--dp: N replicas of the model in this process behind the one endpoint (GPU i each with --device cuda, else the\n"
             "      threads shared out); a request goes to the one with the fewest running and waiting.\n"
             "--chat-template: a Jinja file used instead of the model's own template.\n"
-            "--draft: MTP speculative decoding with N drafts a step (the model's MTP head) for a greedy request without\n"
-            "      logprobs or a grammar while it is the only one decoding; the output is the same as without (on a GPU\n"
-            "      such a request's steps take the plain, unrecorded path: slower there so far).\n"
+            "--draft: MTP speculative decoding with N drafts a step (the model's MTP head) for every greedy request without\n"
+            "      logprobs or a grammar, all verified in the step's one forward; the output is the same as without (on a\n"
+            "      GPU such a request's steps take the plain, unrecorded path: slower there so far).\n"
             "--prefix-cache-mem: snapshots for prefix reuse across requests, MiB (default 1024 on the CPU, 0 = off on a GPU; 0 turns it off).\n"
             "--synthetic: generated weights of a real checkpoint's shapes (qwen3.6-35b-a3b) with DIR's tokenizer (load tests).\n"
             "Defaults from the environment: QFLASH_MODEL, QFLASH_HOST, QFLASH_PORT, QFLASH_API_KEY (flags win).\n");

@@ -61,6 +61,8 @@ typedef struct slot {
     qf_spec_seq *sp;  /* the MTP head of the slot's sequence (serve --draft) */
     int sp_on;        /* the request drafts: greedy, without logprobs or a grammar */
     int sp_fresh;     /* the head has no row before the next forward's first (a new sequence) */
+    int32_t spec_d[QF_SPEC_MAX_DRAFT + 1]; /* this step's token and its drafts */
+    int spec_n, spec_k, spec_p0;           /* drafts this step (0: none), accepted, the position before */
 } slot;
 
 struct qf_sched {
@@ -75,6 +77,7 @@ struct qf_sched {
     qf_seq_step *steps;
     int *step_slot;
     int *pre;             /* per step row: its token was drawn already (draw_rows); then draw_rows' list */
+    qf_seq_step *redo;    /* the drafting sequences' rows that stand, run again after a refused draft */
     float *lp_scratch;
     char *text;
     size_t text_cap, rec_max;
@@ -697,43 +700,82 @@ static void log_skips(qf_sched *s, uint64_t step_no, qf_expert_store *es, const 
             (unsigned long long)(sp1.kv_skipped - sp0->kv_skipped), (unsigned long long)(sp1.kv_pages - sp0->kv_pages));
 }
 
-static void count_step(qf_sched *s, uint64_t *step_no, int drafted, int accepted) {
+static void count_step(qf_sched *s, uint64_t *step_no, int drafting, int drafted, int accepted) {
     pthread_mutex_lock(&s->mu);
     *step_no = ++s->stats.steps;
-    s->stats.spec_steps += drafted > 0, s->stats.spec_drafted += (uint64_t)drafted, s->stats.spec_accepted += (uint64_t)accepted;
+    s->stats.spec_steps += (uint64_t)drafting, s->stats.spec_drafted += (uint64_t)drafted, s->stats.spec_accepted += (uint64_t)accepted;
     pthread_mutex_unlock(&s->mu);
 }
 
-/* How many drafts the slot's lone decoding sequence may make this step (0: a plain step): within
- * its tokens still wanted, the context, the head's context, its channel and the free pages. */
-static int drafts_now(qf_sched *s, const slot *sl) {
+/* How many drafts a greedy decoding sequence may make this step: within its tokens still wanted,
+ * the context, the head's context, its channel, the step's rows left and the pages free. */
+static int drafts_now(qf_sched *s, const slot *sl, int rows_left, int pages_left) {
     const qf_req *r = sl->req;
     int n = qf_spec_drafts(s->e), left = r->max_tokens - r->n_gen - 1, ctx = s->o.ctx - r->n_toks - 1, head = qf_spec_seq_room(sl->sp) - 1;
     n = n < left ? n : left;
     n = n < ctx ? n : ctx;
     n = n < head ? n : head;
-    if (n <= 0 || chan_room(sl->req) < (size_t)(n + 2) * s->rec_max || qf_state_pages_needed(sl->st, n + 1) > qf_kv_pool_free_pages(s->kv)) return 0;
+    n = n < rows_left ? n : rows_left;
+    while (n > 0 && qf_state_pages_needed(sl->st, n + 1) - qf_state_pages_needed(sl->st, 1) > pages_left) n--;
+    if (n <= 0 || chan_room(sl->req) < (size_t)(n + 2) * s->rec_max) return 0;
     return n;
 }
 
-/* The step of a lone greedy decoding sequence with drafts (serve --draft): x and up to n drafts in
- * one forward, the accepted drafts and the next pick emitted in order. */
-static void spec_step(qf_sched *s, slot *sl, int n) {
+/* serve --draft: each greedy decoding sequence's row becomes its token and the head's drafts, all
+ * verified in the step's one forward. Returns the drafts made; a failed draft fails its request. */
+static int plan_drafts(qf_sched *s, int n, int *rows, int *drafting) {
+    int pages = 0, drafted = 0;
+    for (int j = 0; j < n; j++) pages += qf_state_pages_needed(s->steps[j].st, s->steps[j].n);
+    int pages_left = qf_kv_pool_free_pages(s->kv) - pages;
+    for (int j = 0; j < n; j++) {
+        slot *sl = &s->slots[s->step_slot[j]];
+        qf_req *r = sl->req;
+        sl->spec_n = 0;
+        if (!sl->sp_on || r->n_toks - r->n_fed != 1) continue;
+        int nd = drafts_now(s, sl, s->rows - *rows, pages_left);
+        if (nd <= 0) continue;
+        sl->spec_d[0] = r->toks[r->n_fed];
+        if (qf_spec_seq_draft(s->e, sl->sp, sl->st, sl->spec_d, nd) != QF_OK) continue; /* no drafts this step */
+        pages_left -= qf_state_pages_needed(sl->st, nd + 1) - qf_state_pages_needed(sl->st, 1);
+        s->steps[j].tokens = sl->spec_d, s->steps[j].n = nd + 1, s->steps[j].logits_mode = QF_LOGITS_ALL;
+        s->steps[j].logits = qf_spec_seq_logits(sl->sp);
+        sl->spec_n = nd, sl->spec_p0 = sl->st->pos, sl->batch_n = nd + 1;
+        *rows += nd, drafted += nd, (*drafting)++;
+    }
+    return drafted;
+}
+
+/* After the forward: each drafting sequence's drafts equal to the model's picks accepted; where one
+ * was refused the state goes back to its copy and the rows that stand run again, every such
+ * sequence in one more forward. Returns the drafts accepted (and rc through *rc). */
+static int settle_drafts(qf_sched *s, int n, int *rc) {
+    int m = 0, accepted = 0;
+    for (int j = 0; j < n; j++) {
+        slot *sl = &s->slots[s->step_slot[j]];
+        if (!sl->spec_n) continue;
+        int k = sl->spec_k = qf_spec_seq_accepted(sl->sp, sl->spec_d, sl->spec_n);
+        accepted += k;
+        if (k == sl->spec_n) continue;
+        qf_spec_seq_restore(sl->sp, sl->st, sl->spec_p0);
+        s->redo[m++] = (qf_seq_step){sl->st, sl->spec_d, k + 1, QF_LOGITS_ALL, qf_spec_seq_logits(sl->sp), NULL, sl->req->sparsity_set,
+                                     sl->req->sparsity, NULL, qf_spec_seq_hidden(sl->sp)};
+    }
+    if (m) *rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->redo, m);
+    return accepted;
+}
+
+/* A drafting sequence's tokens after its step: the accepted drafts and the next pick, in order. */
+static void emit_drafted(qf_sched *s, slot *sl) {
     qf_req *r = sl->req;
     int32_t out[QF_SPEC_MAX_DRAFT + 1];
-    int k = 0;
-    double t0 = qf_now();
-    int rc = qf_spec_seq_step(s->e, sl->sp, sl->st, r->toks[r->n_fed], n, out, &k);
-    uint64_t step_no;
-    count_step(s, &step_no, rc == QF_OK ? n : 0, k);
-    LOG(s, "step %llu: 1 decode sequence with %d drafts, %d accepted, in %.2f ms\n", (unsigned long long)step_no, n, k, 1e3 * (qf_now() - t0));
-    if (rc != QF_OK) {
+    int keep = sl->spec_k + 1;
+    if (qf_spec_seq_kept(s->e, sl->sp, sl->spec_d, keep, out) != QF_OK) {
         finish(s, r, QF_FINISH_ERROR, qf_last_error());
         return;
     }
-    r->n_fed += k + 1;
-    for (int j = 0; j <= k; j++) {
-        int why = emit_token(s, r, NULL, &out[j]);
+    r->n_fed += keep;
+    for (int t = 0; t < keep; t++) {
+        int why = emit_token(s, r, NULL, &out[t]);
         if (why != QF_FINISH_NONE) {
             finish(s, r, why, why == QF_FINISH_ERROR ? qf_last_error() : NULL);
             return;
@@ -772,22 +814,18 @@ static void draw_rows(qf_sched *s, int n, int *pre) {
 static int run_step(qf_sched *s) {
     int n_decode, rows, n = plan_step(s, &n_decode, &rows);
     if (n == 0) return 0;
-    slot *lone = &s->slots[s->step_slot[0]];
-    int nd = n == 1 && n_decode == 1 && lone->sp_on ? drafts_now(s, lone) : 0;
-    if (nd > 0) {
-        spec_step(s, lone, nd);
-        return 1;
-    }
+    int drafting = 0, drafted = qf_spec_drafts(s->e) ? plan_drafts(s, n, &rows, &drafting) : 0, accepted = 0;
     qf_expert_store *es = s->e->model->experts;
     qf_expert_stats es0 = es && s->o.verbose ? qf_es_stats(es) : (qf_expert_stats){0};
     for (int j = 0; j < n; j++) s->slots[s->step_slot[j]].pages_before = s->steps[j].st->n_pages;
     double t0 = qf_now();
     qf_sparsity_counts sp0 = qf_workspace_sparsity(s->e->ws);
     int rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->steps, n);
+    if (rc == QF_OK && drafted) accepted = settle_drafts(s, n, &rc);
     uint64_t step_no;
-    count_step(s, &step_no, 0, 0);
-    LOG(s, "step %llu: %d decode + %d prefill sequences, %d rows in %.2f ms, KV pages %d/%d in use\n", (unsigned long long)step_no, n_decode,
-        n - n_decode, rows, 1e3 * (qf_now() - t0), qf_kv_pool_pages(s->kv) - qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
+    count_step(s, &step_no, drafting, drafted, accepted);
+    LOG(s, "step %llu: %d decode + %d prefill sequences, %d rows (%d drafts, %d accepted) in %.2f ms, KV pages %d/%d in use\n", (unsigned long long)step_no,
+        n_decode, n - n_decode, rows, drafted, accepted, 1e3 * (qf_now() - t0), qf_kv_pool_pages(s->kv) - qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
     if (s->o.verbose) log_skips(s, step_no, es, &es0, &sp0, t0);
     const char *err = rc == QF_OK ? NULL : qf_last_error();
     if (!err) draw_rows(s, n, s->pre);
@@ -796,6 +834,10 @@ static int run_step(qf_sched *s) {
         qf_req *r = sl->req;
         if (err) {
             finish(s, r, QF_FINISH_ERROR, err);
+            continue;
+        }
+        if (sl->spec_n) {
+            emit_drafted(s, sl);
             continue;
         }
         if (sl->sp_on && qf_spec_seq_fed(s->e, sl->sp, r->toks + r->n_fed, sl->batch_n, sl->sp_fresh) != QF_OK) {
@@ -889,10 +931,11 @@ int qf_sched_create(qf_sched **out, qf_engine *e, const qf_sched_opts *o) {
     s->steps = calloc((size_t)o->max_batch, sizeof *s->steps);
     s->step_slot = calloc((size_t)o->max_batch, sizeof *s->step_slot);
     s->pre = calloc(2 * (size_t)o->max_batch, sizeof *s->pre);
+    s->redo = calloc((size_t)o->max_batch, sizeof *s->redo);
     s->lp_scratch = malloc((size_t)V * sizeof(float));
     s->page_mark = malloc((size_t)s->o.kv_pages);
     s->text = malloc(s->text_cap);
-    int ok = s->kv && s->slots && s->steps && s->step_slot && s->pre && s->lp_scratch && s->text && s->page_mark;
+    int ok = s->kv && s->slots && s->steps && s->step_slot && s->pre && s->redo && s->lp_scratch && s->text && s->page_mark;
     for (int i = 0; ok && i < o->max_batch; i++) {
         s->slots[i].st = qf_state_create_paged(e->model, s->kv, o->ctx);
         s->slots[i].logits = malloc((size_t)V * sizeof(float));
@@ -942,6 +985,7 @@ void qf_sched_destroy(qf_sched *s) {
     free(s->steps);
     free(s->step_slot);
     free(s->pre);
+    free(s->redo);
     free(s->lp_scratch);
     free(s->page_mark);
     free(s->text);

@@ -112,12 +112,10 @@ static int run_rows(qf_engine *e, qf_spec_seq *q, qf_state *st, const int32_t *t
     return qf_forward(e->model, &e->be, e->ws, &s, 1);
 }
 
-/* The head drafts d[1..n] from d[0] (the pair (d[0], hb[0]) stays; the chain's go) and a copy of
- * the DeltaNet states is taken; then the model runs d[0..n]. */
-static int draft_and_run(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t *d, int n) {
+int qf_spec_seq_draft(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t *d, int n) {
     int mp = qf_mtp_pos(q->mtp);
     int rc = n ? draft_chain(e, q, d, n) : qf_mtp_step(e->model, &e->be, q->mtp, d, q->hb, 1, QF_LOGITS_NONE, NULL, NULL);
-    qf_mtp_truncate(q->mtp, mp + 1);
+    qf_mtp_truncate(q->mtp, mp + 1); /* the pair (d[0], hb[0]) stays; the chain's go */
     if (rc != QF_OK) return rc;
     if (q->saved_floats < st->block_floats) { /* once a state size, not a token */
         qf_be_free(q->be, q->saved);
@@ -125,28 +123,47 @@ static int draft_and_run(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t *d,
         if (!q->saved) return qf_fail(QF_ENOMEM, "out of memory for a state copy");
     }
     qf_be_copy(q->be, q->saved, st->block, st->block_floats * sizeof(float));
-    return run_rows(e, q, st, d, n + 1);
+    return QF_OK;
 }
 
-/* The drafts d[1..n] that equal the model's picks. */
-static int accepted(const qf_spec_seq *q, const int32_t *d, int n) {
+float *qf_spec_seq_logits(qf_spec_seq *q) { return q->lg; }
+
+int qf_spec_seq_accepted(const qf_spec_seq *q, const int32_t *d, int n) {
     int k = 0;
     while (k < n && d[k + 1] == qf_argmax_f32(q->lg + (size_t)k * q->V, (int)q->V)) k++;
     return k;
 }
 
-/* Only keep of the forward's rows stand: the state back to its copy, and they run again. */
-static int keep_rows(qf_engine *e, qf_spec_seq *q, qf_state *st, const int32_t *d, int p0, int keep) {
+void qf_spec_seq_restore(qf_spec_seq *q, qf_state *st, int p0) {
     qf_be_copy(q->be, st->block, q->saved, st->block_floats * sizeof(float));
     st->pos = p0;
     int full = p0 / qf_kv_pool_page_tokens(st->kv);
     if (st->kv_summarized > full) st->kv_summarized = full;
-    return run_rows(e, q, st, d, keep);
 }
 
 /* After keep rows stand: the head gets the pairs of the accepted drafts, hb[0] the last row. */
 static int after_keep(qf_engine *e, qf_spec_seq *q, const int32_t *d, int keep) {
     return feed(e, q, d + 1, q->hb + q->H, keep - 1, keep - 1);
+}
+
+int qf_spec_seq_kept(qf_engine *e, qf_spec_seq *q, const int32_t *d, int keep, int32_t *out) {
+    int rc = after_keep(e, q, d, keep);
+    if (rc != QF_OK) return rc;
+    for (int i = 0; i + 1 < keep; i++) out[i] = d[i + 1];
+    out[keep - 1] = qf_argmax_f32(q->lg + (size_t)(keep - 1) * q->V, (int)q->V);
+    return QF_OK;
+}
+
+/* The head drafts d[1..n] from d[0], a copy of the DeltaNet states is taken, the model runs d[0..n]. */
+static int draft_and_run(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t *d, int n) {
+    int rc = qf_spec_seq_draft(e, q, st, d, n);
+    return rc == QF_OK ? run_rows(e, q, st, d, n + 1) : rc;
+}
+
+/* Only keep of the forward's rows stand: the state back to its copy, and they run again. */
+static int keep_rows(qf_engine *e, qf_spec_seq *q, qf_state *st, const int32_t *d, int p0, int keep) {
+    qf_spec_seq_restore(q, st, p0);
+    return run_rows(e, q, st, d, keep);
 }
 
 int qf_spec_seq_step(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t x, int n, int32_t *out, int *k_out) {
@@ -156,13 +173,10 @@ int qf_spec_seq_step(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t x, int 
     d[0] = x;
     int rc = draft_and_run(e, q, st, d, n);
     if (rc != QF_OK) return rc;
-    int k = accepted(q, d, n);
+    int k = qf_spec_seq_accepted(q, d, n);
     if (k < n && (rc = keep_rows(e, q, st, d, p0, k + 1)) != QF_OK) return rc;
-    if ((rc = after_keep(e, q, d, k + 1)) != QF_OK) return rc;
-    for (int i = 0; i < k; i++) out[i] = d[i + 1];
-    out[k] = qf_argmax_f32(q->lg + (size_t)k * q->V, (int)q->V);
     *k_out = k;
-    return QF_OK;
+    return qf_spec_seq_kept(e, q, d, k + 1, out);
 }
 
 /* ---- the engine's loop ---- */
@@ -242,7 +256,7 @@ static int step(qf_engine *e, qf_emitter *em, qf_state *st, int32_t *x, int *rc)
         return how == 1 || *rc != QF_OK;
     }
     if ((*rc = draft_and_run(e, q, st, d, n)) != QF_OK) return 1;
-    int k = accepted(q, d, n);
+    int k = qf_spec_seq_accepted(q, d, n);
     em->stats->steps += n > 0, em->stats->drafted += n, em->stats->accepted += k;
     int keep = k + 1, end = how == 1; /* rows of the forward that stand */
     for (int i = 0; i < k && !end; i++) {

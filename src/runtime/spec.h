@@ -31,6 +31,17 @@ int qf_spec_seq_fed(qf_engine *e, qf_spec_seq *q, const int32_t *tok, int n, int
  * holds x and the k accepted drafts (back to a copy and run again when one was refused); out gets
  * the k drafts and the next pick (k + 1 tokens), *k_out = k. */
 int qf_spec_seq_step(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t x, int n, int32_t *out, int *k_out);
+/* qf_spec_seq_step in parts, for a step of many sequences (the scheduler's): d[1..n] drafted from
+ * d[0] and a copy of the DeltaNet states taken; the forward of d[0..n] puts its logits in
+ * qf_spec_seq_logits and its hidden states in qf_spec_seq_hidden; the drafts that equal the
+ * model's picks are counted; when one was refused the state goes back to its copy (position p0)
+ * and the k + 1 rows that stand run again; then the head gets their pairs and out the k accepted
+ * drafts and the next pick. */
+int qf_spec_seq_draft(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t *d, int n);
+float *qf_spec_seq_logits(qf_spec_seq *q);
+int qf_spec_seq_accepted(const qf_spec_seq *q, const int32_t *d, int n);
+void qf_spec_seq_restore(qf_spec_seq *q, qf_state *st, int p0);
+int qf_spec_seq_kept(qf_engine *e, qf_spec_seq *q, const int32_t *d, int keep, int32_t *out);
 /* Positions left in the head's context beyond a step's pair: a step may draft fewer than these. */
 int qf_spec_seq_room(const qf_spec_seq *q);
 

@@ -140,7 +140,7 @@ void ep_metrics(srv *s, struct evhttp_request *req) {
     metric(b, "qflash:prefix_cache_bytes", "gauge", "Bytes the prefix snapshots hold (DeltaNet copies, KV pages, tokens).", (double)st.prefix_bytes);
     metric(b, "qflash:prefix_cache_budget_bytes", "gauge", "The prefix snapshots' budget (--prefix-cache-mem).", (double)st.prefix_budget);
     metric(b, "qflash:grammar_masks_total", "counter", "Token masks computed for constrained output (response_format, forced tool calls).", (double)st.masks);
-    metric(b, "qflash:spec_decode_steps_total", "counter", "Steps that verified MTP drafts (serve --draft).", (double)st.spec_steps);
+    metric(b, "qflash:spec_decode_steps_total", "counter", "Sequence steps that verified MTP drafts (serve --draft).", (double)st.spec_steps);
     metric(b, "qflash:spec_decode_draft_tokens_total", "counter", "MTP draft tokens proposed.", (double)st.spec_drafted);
     metric(b, "qflash:spec_decode_accepted_tokens_total", "counter", "MTP draft tokens the model accepted (its own greedy picks).", (double)st.spec_accepted);
     metric(b, "qflash:grammar_mask_seconds_total", "counter", "Time spent computing those masks.", st.mask_seconds);

@@ -106,11 +106,14 @@ def test_spread_and_failover(cluster):
     # long generations in flight on both; replica 0 dies holding some: nginx sends those again to replica 1
     before = metrics(replicas[1])["qflash:requests_total"]
     with concurrent.futures.ThreadPoolExecutor(6) as ex:
-        futs = [ex.submit(complete, front, 300, True) for _ in range(6)]
-        time.sleep(0.3)
+        futs = [ex.submit(complete, front, 900, True) for _ in range(6)]
+        for _ in range(250):  # killed while it holds some (900 tokens take seconds at -t 1)
+            if metrics(replicas[0])["qflash:num_requests_running"] >= 1:
+                break
+            time.sleep(0.02)
         os.kill(pids[0], signal.SIGKILL)
         done = [f.result() for f in futs]
-    assert all(st == 200 and r["usage"]["completion_tokens"] == 300 for st, r in done), [d[1] if d[0] != 200 else d[0] for d in done]
+    assert all(st == 200 and r["usage"]["completion_tokens"] == 900 for st, r in done), [d[1] if d[0] != 200 else d[0] for d in done]
     after = [complete(front, 24) for _ in range(4)]
     assert all(st == 200 and r["choices"][0]["text"] == want for st, r in after)
     served = metrics(replicas[1])["qflash:requests_total"] - before

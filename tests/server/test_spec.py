@@ -1,11 +1,12 @@
 """serve --draft: MTP speculative decoding through the server on the bundled model with its trained
 head (tests/data/mtp, loaded as a second shard). Greedy text equals `qflash run` without drafts,
-alone and with other requests decoding beside it (then no drafts, the head kept fed), drafts are
-made and most are accepted (the metrics say so), and requests that cannot draft (sampling,
-logprobs) are served as before."""
+alone and with other requests drafting beside it in the same steps, drafts are made and most are
+accepted (the metrics say so), and requests that cannot draft (sampling, logprobs) are served as
+before."""
 import concurrent.futures
 import json
 import os
+import re
 import struct
 
 import openai
@@ -69,8 +70,9 @@ def test_alone_equals_plain(mtp_dir, want, draft):
 
 
 def test_beside_others(mtp_dir, want):
-    """Four at once: while several decode there are no drafts (the heads are fed their pairs); the
-    longest, left alone, drafts; every text is the plain one."""
+    """Four at once: every decoding sequence's token and drafts go into the step's one forward (a
+    refused draft's rows run again, together); every text is the plain one, and steps verified the
+    drafts of several sequences at once."""
     with Server("--draft", "2", "--max-batch", "4", model=mtp_dir) as s:
         lens = [48, 48, 48, 96]
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
@@ -79,6 +81,8 @@ def test_beside_others(mtp_dir, want):
             assert g == want[p, n], p
         drafted, accepted, _ = spec_counts(s)
         assert drafted > 0 and accepted >= 0.35 * drafted, (drafted, accepted)
+        steps = [re.search(r"(\d+) decode \+ \d+ prefill sequences, \d+ rows \((\d+) drafts", l) for l in s.log]
+        assert any(m and int(m.group(1)) >= 2 and int(m.group(2)) >= 4 for m in steps), "no step drafted for several sequences"
 
 
 def test_requests_that_do_not_draft(mtp_dir):
