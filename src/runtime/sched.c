@@ -731,7 +731,7 @@ static int plan_drafts(qf_sched *s, int n, int *rows, int *drafting) {
         slot *sl = &s->slots[s->step_slot[j]];
         qf_req *r = sl->req;
         sl->spec_n = 0;
-        if (!sl->sp_on || r->n_toks - r->n_fed != 1) continue;
+        if (!sl->sp_on || sl->sp_fresh || r->n_toks - r->n_fed != 1) continue; /* sp_fresh: the head has not seen its last row (a fork's adopted state) */
         int nd = drafts_now(s, sl, s->rows - *rows, pages_left);
         if (nd <= 0) continue;
         sl->spec_d[0] = r->toks[r->n_fed];

@@ -57,7 +57,7 @@ qf_spec_seq *qf_spec_seq_create(const qf_engine *e, int max_draft, int rows, int
     }
     q->be = (qf_backend *)&e->be, q->max_draft = max_draft, q->rows = rows, q->H = (size_t)m->cfg.hidden, q->V = (size_t)m->cfg.vocab;
     q->mtp = qf_mtp_run_create(m, rows, max_ctx);
-    q->hb = malloc(((size_t)rows + 1) * q->H * sizeof(float)), q->hm = malloc((size_t)(max_draft + 1) * q->H * sizeof(float));
+    q->hb = calloc(((size_t)rows + 1) * q->H, sizeof(float)), q->hm = malloc((size_t)(max_draft + 1) * q->H * sizeof(float));
     q->lg = malloc((size_t)(max_draft + 1) * q->V * sizeof(float));
     if (!q->mtp || !q->hb || !q->hm || !q->lg || rows < max_draft + 1) {
         qf_spec_seq_free(q);

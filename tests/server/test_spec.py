@@ -85,6 +85,17 @@ def test_beside_others(mtp_dir, want):
         assert any(m and int(m.group(1)) >= 2 and int(m.group(2)) >= 4 for m in steps), "no step drafted for several sequences"
 
 
+def test_choices_and_prefix_reuse(mtp_dir, want):
+    """n = 2 (the second choice adopts the first's state, which its head has not seen) and a prompt
+    taken again from the prefix cache: the plain text each time."""
+    with Server("--draft", "2", model=mtp_dir) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=48, temperature=0, n=2)
+        assert [x.text for x in r.choices] == [want[PROMPTS[1], 48]] * 2
+        for _ in range(2):
+            assert complete(s, PROMPTS[2], temperature=0).choices[0].text == want[PROMPTS[2], 48]
+
+
 def test_requests_that_do_not_draft(mtp_dir):
     with Server("--draft", "2", model=mtp_dir) as s:
         r = complete(s, PROMPTS[0], temperature=0.8, seed=7)
