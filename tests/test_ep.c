@@ -2,7 +2,9 @@
  * ranks as threads, each with its own rows, each running only the experts it holds. Every rank's
  * MoE output equals, bit for bit, the single-device sum (experts in ascending id), for R = 1..4,
  * uneven expert shares, a rank without rows; an expert that fails on its rank fails the rows that
- * chose it on theirs; bad arguments are refused. */
+ * chose it on theirs; bad arguments are refused. And the bundled model's forward with its MoE
+ * layers spread over 2 and 3 ranks (each its own copy of the model and its own sequences, in
+ * lockstep): every sequence's greedy ids and last logits equal the one-rank forward's, bit for bit. */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -10,7 +12,9 @@
 #include <string.h>
 
 #include "base/err.h"
+#include "base/pool.h"
 #include "experts/ep.h"
+#include "model/model.h"
 #include "test_util.h"
 
 #define MAX_R 4
@@ -198,6 +202,81 @@ static void test_refusals(void) {
     pthread_barrier_destroy(&g_box.bar);
 }
 
+/* ---- the model's forward over ranks ---- */
+
+enum { SEQS_PER_RANK = 2, PROMPT = 12, GEN = 10 };
+
+typedef struct {
+    int rank, R, ep_on, rc, V;
+    int32_t ids[SEQS_PER_RANK][PROMPT + GEN];
+    float *last; /* [SEQS_PER_RANK][vocab]: the last step's logits */
+    char err[256];
+} fwd_job;
+
+/* Rank r's sequences: prompts of the bundled model's vocabulary, different on every rank. */
+static void fwd_prompts(fwd_job *j, int V) {
+    for (int s = 0; s < SEQS_PER_RANK; s++)
+        for (int t = 0; t < PROMPT; t++) j->ids[s][t] = (int32_t)((7919u * (unsigned)(j->rank * SEQS_PER_RANK + s + 1) + 104729u * (unsigned)t) % (unsigned)V);
+}
+
+/* Prompt then GEN greedy steps, each a forward of the rank's sequences together; with ep_on the
+ * MoE layers exchange rows with the other ranks (so every rank runs the same forwards). */
+static void *fwd_rank(void *arg) {
+    fwd_job *j = arg;
+    qf_model *m = NULL;
+    j->rc = qf_model_load(&m, qt_path("models/qwen36moe-code-14m"), NULL);
+    int V = j->V = m ? m->cfg.vocab : 1;
+    qf_pool *pool = qf_pool_create(1);
+    qf_backend be = {qf_cpu_ops_best(), pool, NULL};
+    qf_workspace *ws = m ? qf_workspace_create(m, SEQS_PER_RANK * PROMPT) : NULL;
+    qf_ep *ep = m && j->ep_on ? qf_ep_create(&g_comm[j->rank], m->cfg.n_experts, m->cfg.n_experts_used, m->cfg.hidden, SEQS_PER_RANK * PROMPT) : NULL;
+    qf_state *st[SEQS_PER_RANK] = {0};
+    j->last = malloc((size_t)SEQS_PER_RANK * V * sizeof(float));
+    for (int s = 0; m && s < SEQS_PER_RANK; s++) st[s] = qf_state_create(m, PROMPT + GEN + 4);
+    if (j->rc == QF_OK && (!ws || !j->last || !st[0] || !st[SEQS_PER_RANK - 1] || (j->ep_on && !ep))) j->rc = QF_ENOMEM;
+    if (ep) qf_workspace_set_ep(ws, ep);
+    fwd_prompts(j, V);
+    for (int step = 0; step <= GEN && j->rc == QF_OK; step++) { /* every rank runs GEN + 1 forwards, whatever happens */
+        qf_seq_step q[SEQS_PER_RANK];
+        for (int s = 0; s < SEQS_PER_RANK; s++) {
+            int at = step ? PROMPT + step - 1 : 0;
+            q[s] = (qf_seq_step){st[s], &j->ids[s][at], step ? 1 : PROMPT, QF_LOGITS_LAST, j->last + (size_t)s * V, NULL, 0, 0, NULL, NULL};
+        }
+        j->rc = qf_forward(m, &be, ws, q, SEQS_PER_RANK);
+        for (int s = 0; j->rc == QF_OK && step < GEN && s < SEQS_PER_RANK; s++) j->ids[s][PROMPT + step] = qt_argmax(j->last + (size_t)s * V, V);
+    }
+    if (j->rc != QF_OK) snprintf(j->err, sizeof j->err, "%s", qf_last_error());
+    for (int s = 0; s < SEQS_PER_RANK; s++) qf_state_free(st[s]);
+    qf_ep_free(ep), qf_workspace_free(ws), qf_pool_destroy(pool), qf_model_free(m);
+    return NULL;
+}
+
+static void test_forward_ranks(int R) {
+    fwd_job one[MAX_R], many[MAX_R];
+    pthread_t th[MAX_R];
+    for (int r = 0; r < R; r++) { /* each rank's sequences alone, every expert at hand */
+        one[r] = (fwd_job){.rank = r, .R = R};
+        fwd_rank(&one[r]);
+    }
+    pthread_barrier_init(&g_box.bar, NULL, (unsigned)R);
+    g_box.mismatch = 0;
+    for (int r = 0; r < R; r++) {
+        g_comm[r] = (qf_ep_comm){R, r, fake_alltoallv, &g_box};
+        many[r] = (fwd_job){.rank = r, .R = R, .ep_on = 1};
+        pthread_create(&th[r], NULL, fwd_rank, &many[r]);
+    }
+    for (int r = 0; r < R; r++) pthread_join(th[r], NULL);
+    pthread_barrier_destroy(&g_box.bar);
+    CHECK(!g_box.mismatch, "forward over %d ranks: a rank received other sizes than were sent", R);
+    for (int r = 0; r < R; r++) {
+        CHECK(one[r].rc == QF_OK && many[r].rc == QF_OK, "forward over %d ranks, rank %d: %s %s", R, r, one[r].err, many[r].err);
+        CHECK(!memcmp(one[r].ids, many[r].ids, sizeof one[r].ids), "forward over %d ranks, rank %d: greedy ids differ from one rank's", R, r);
+        CHECK(one[r].last && many[r].last && one[r].V == many[r].V && !memcmp(one[r].last, many[r].last, (size_t)SEQS_PER_RANK * one[r].V * sizeof(float)),
+              "forward over %d ranks, rank %d: the last logits differ from one rank's", R, r);
+        free(one[r].last), free(many[r].last);
+    }
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     test_owner();
@@ -214,5 +293,7 @@ int main(int argc, char **argv) {
     run_ranks(&u, 3, (int[]){8, 8, 8}, "10 experts over 3 ranks");
     run_ranks(&u, 4, (int[]){6, 6, 6, 6}, "10 experts over 4 ranks");
     free_world(&u);
+    test_forward_ranks(2);
+    test_forward_ranks(3);
     return qt_finish();
 }

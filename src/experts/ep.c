@@ -74,8 +74,10 @@ static void pack(qf_ep *ep, const float *x, int n, const int32_t *topi) {
         size_t first = at;
         for (int i = 0; i < n; i++) {
             int32_t *r = word(ep->dsend, ep->drec, at), nk = 0;
-            for (int k = 0; k < K; k++)
-                if (qf_ep_owner(ep->E, ep->R, topi[(size_t)i * K + k]) == j) r[2 + nk] = topi[(size_t)i * K + k], r[2 + K + nk] = k, nk++;
+            for (int k = 0; k < K; k++) {
+                int32_t e = topi[(size_t)i * K + k]; /* -1: dropped by sparsity */
+                if (e >= 0 && qf_ep_owner(ep->E, ep->R, e) == j) r[2 + nk] = e, r[2 + K + nk] = k, nk++;
+            }
             if (!nk) continue;
             r[0] = i, r[1] = nk;
             memcpy(r + 2 + 2 * K, x + (size_t)i * H, (size_t)H * sizeof(float));
@@ -116,6 +118,7 @@ static void combine(qf_ep *ep, int n, const int32_t *topi, const float *topw, fl
             int k = -1;
             for (int j = 0; j < K; j++)
                 if (ti[j] > last && (k < 0 || ti[j] < ti[k])) k = j;
+            if (k < 0) break; /* the rest were dropped */
             last = ti[k];
             const float *y = ep->yk + ((size_t)i * K + k) * H;
             float w = topw[(size_t)i * K + k], *o = out + (size_t)i * H;
@@ -136,7 +139,7 @@ int qf_ep_moe(qf_ep *ep, const float *x, int n, const int32_t *topi, const float
     int R = ep->R, K = ep->K;
     if (n < 0 || n > ep->max_rows) return qf_fail(QF_EINVAL, "expert parallel: %d rows, more than the %d it was made for", n, ep->max_rows);
     for (size_t i = 0; i < (size_t)n * K; i++)
-        if (topi[i] < 0 || topi[i] >= ep->E) return qf_fail(QF_EINVAL, "expert parallel: routed expert %d of row %zu is outside 0..%d", topi[i], i / K, ep->E - 1);
+        if (topi[i] < -1 || topi[i] >= ep->E) return qf_fail(QF_EINVAL, "expert parallel: routed expert %d of row %zu is outside 0..%d", topi[i], i / K, ep->E - 1);
     pack(ep, x, n, topi);
     for (int j = 0; j < R; j++) ep->one_len[j] = sizeof(size_t); /* first the record counts */
     int rc = exchange(ep, ep->cnt_s, ep->one_len, ep->cnt_r, ep->one_len);
@@ -155,6 +158,8 @@ int qf_ep_moe(qf_ep *ep, const float *x, int n, const int32_t *topi, const float
         memcpy(ep->yk + ((size_t)y[0] * K + y[1]) * ep->H, y + 3, (size_t)ep->H * sizeof(float));
     }
     if (rc != QF_OK) return rc;
-    combine(ep, n, topi, topw, out);
+    if (out) combine(ep, n, topi, topw, out);
     return QF_OK;
 }
+
+const float *qf_ep_output(const qf_ep *ep, int i, int k) { return ep->yk + ((size_t)i * ep->K + k) * ep->H; }

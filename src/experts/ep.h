@@ -38,8 +38,12 @@ qf_ep *qf_ep_create(qf_ep_comm *comm, int n_experts, int top_k, int hidden, int 
 void qf_ep_free(qf_ep *ep);
 
 /* One MoE layer's routed part for this rank's n rows (x [n][hidden], topi/topw [n][top_k] from
- * routing): out[i] = sum over row i's choices, in ascending expert id, of topw * expert(x[i]).
- * Collective: every rank calls it for the same layer (n may differ, and be 0). */
+ * routing; a choice of -1 was dropped): out[i] = sum over row i's choices, in ascending expert id,
+ * of topw * expert(x[i]). Collective: every rank calls it for the same layer (n may differ, and be
+ * 0). out NULL: no sum; each choice's output is then qf_ep_output's (the caller sums with its own
+ * arithmetic, as the model's MoE does). */
 int qf_ep_moe(qf_ep *ep, const float *x, int n, const int32_t *topi, const float *topw, qf_ep_expert_fn fn, void *ctx, float *out);
+/* After qf_ep_moe: expert(x[i]) of row i's choice k (hidden floats). */
+const float *qf_ep_output(const qf_ep *ep, int i, int k);
 
 #endif

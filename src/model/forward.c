@@ -271,6 +271,48 @@ static int shared_expert(fwd *f, int L, float *xn, const float *fused, float *ou
     return QF_OK;
 }
 
+/* An expert this rank holds on one dispatched row (experts/ep.h's callback). */
+typedef struct ep_call {
+    fwd *f;
+    int L;
+} ep_call;
+
+static int ep_expert(void *ctx, int e, const float *x, float *y) {
+    ep_call *c = ctx;
+    qf_expert_store *es = c->f->m->experts;
+    qf_expert ex;
+    int rc = es->ops->acquire(es, c->L, e, &ex);
+    if (rc != QF_OK) return rc;
+    swiglu_mlp(c->f, &ex.gate, &ex.up, &ex.down, x, 1, y, c->L, -1);
+    es->ops->release(es, c->L, e);
+    return QF_OK;
+}
+
+/* The routed experts across the ranks (ws->ep), their outputs summed a row at a time in ascending
+ * expert order with the model's own axpy: the one-rank loop's sums, bit for bit. */
+static int moe_ep(fwd *f, int L, const float *xn, float *out) {
+    qf_workspace *ws = f->ws;
+    qf_backend *be = f->be;
+    int H = f->m->cfg.hidden, K = f->m->cfg.n_experts_used;
+    const float *topw = WS(ws, topw);
+    ep_call c = {f, L};
+    int rc = qf_ep_moe(ws->ep, xn, f->N, ws->topi, topw, ep_expert, &c, NULL);
+    if (rc != QF_OK) return rc;
+    memset(out, 0, (size_t)f->N * H * sizeof(float));
+    for (int r = 0; r < f->N; r++) {
+        const int *ti = ws->topi + (size_t)r * K;
+        for (int last = -1;;) {
+            int k = -1;
+            for (int j = 0; j < K; j++)
+                if (ti[j] > last && (k < 0 || ti[j] < ti[k])) k = j;
+            if (k < 0) break;
+            last = ti[k];
+            OPS->axpy(be, out + (size_t)r * H, qf_ep_output(ws->ep, r, k), topw[(size_t)r * K + k], H);
+        }
+    }
+    return QF_OK;
+}
+
 static int moe(fwd *f, int L, float *xn, float *out) {
     const qf_model *m = f->m;
     const qf_config *c = &m->cfg;
@@ -291,6 +333,10 @@ static int moe(fwd *f, int L, float *xn, float *out) {
         return shared_expert(f, L, xn, fused, out);
     }
     route(f, L, WS(ws, rl));
+    if (ws->ep) {
+        int rc = moe_ep(f, L, xn, out);
+        return rc == QF_OK ? shared_expert(f, L, xn, fused, out) : rc;
+    }
     memset(out, 0, (size_t)N * H * sizeof(float));
     for (int e = 0; e < c->n_experts; e++) {
         int g0 = ws->counts[e], cnt = ws->counts[e + 1] - g0;

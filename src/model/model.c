@@ -152,6 +152,8 @@ int qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud) {
     return QF_OK;
 }
 
+void qf_workspace_set_ep(qf_workspace *ws, qf_ep *ep) { ws->ep = ep; }
+
 void qf_workspace_set_route_hook(qf_workspace *ws, qf_route_hook fn, void *ud) {
     ws->route_hook = fn;
     ws->route_ud = ud;

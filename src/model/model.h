@@ -8,6 +8,7 @@
 
 #include "backend/ops.h"
 #include "base/err.h"
+#include "experts/ep.h"
 #include "experts/store.h"
 #include "format/config.h"
 #include "format/safetensors.h"
@@ -235,6 +236,11 @@ void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud);
  * block. A device that routes itself does not call it. */
 typedef void (*qf_route_hook)(void *ud, int layer, const int *ids, int rows, int top_k, const float *x, int hidden);
 void qf_workspace_set_route_hook(qf_workspace *ws, qf_route_hook fn, void *ud);
+/* Expert parallelism (experts/ep.h): the routed experts of every MoE layer run on the rank that
+ * holds them, the rows dispatched there and their outputs sent back, summed here as the one-rank
+ * MoE sums them (the same bits). Every rank runs its forwards in lockstep with the others (each
+ * layer's exchange is collective). Host path; NULL: every expert here. */
+void qf_workspace_set_ep(qf_workspace *ws, qf_ep *ep);
 /* Calibration hook: on the host path, each trunk projection group's input before any sparsity
  * mask, x [rows][dim] (group: QF_ACT_*). */
 typedef void (*qf_act_hook)(void *ud, int layer, int group, const float *x, int rows, int dim);

@@ -31,6 +31,7 @@ struct qf_workspace {
     float *act_host;   /* on a device: the hook's host copy of a group's input (act_floats floats) */
     size_t act_floats;
     qf_sparsity_counts sparsity; /* what sparsity skipped, counted as steps run (host path) */
+    qf_ep *ep;         /* expert parallel: this rank's share of every MoE layer's experts (host path; NULL: all here) */
 };
 
 #define WS(ws, name) ((ws)->f + (ws)->name##_off)
