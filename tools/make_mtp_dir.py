@@ -21,8 +21,8 @@ def names(path):
         return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
 
 
-def main():
-    out = sys.argv[1]
+def make(out):
+    """Writes the directory at out (made if missing)."""
     os.makedirs(out, exist_ok=True)
     cfg = json.load(open(os.path.join(MODEL, "config.json")))
     cfg.get("text_config", cfg)["mtp_num_hidden_layers"] = 1
@@ -41,4 +41,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    make(sys.argv[1])

@@ -26,6 +26,13 @@ int qf_ep_owner(int E, int R, int e) {
     return r;
 }
 
+int qf_ep_next_choice(const int32_t *ti, int K, int last) {
+    int k = -1;
+    for (int j = 0; j < K; j++)
+        if (ti[j] > last && (k < 0 || ti[j] < ti[k])) k = j;
+    return k;
+}
+
 qf_ep *qf_ep_create(qf_ep_comm *comm, int n_experts, int top_k, int hidden, int max_rows) {
     if (!comm || comm->n_ranks < 1 || comm->rank < 0 || comm->rank >= comm->n_ranks || n_experts < comm->n_ranks || top_k < 1 ||
         top_k > n_experts || hidden < 1 || max_rows < 0) {
@@ -114,12 +121,7 @@ static void combine(qf_ep *ep, int n, const int32_t *topi, const float *topw, fl
     memset(out, 0, (size_t)n * H * sizeof(float));
     for (int i = 0; i < n; i++) {
         const int32_t *ti = topi + (size_t)i * K;
-        for (int done = 0, last = -1; done < K; done++) { /* the next larger expert id */
-            int k = -1;
-            for (int j = 0; j < K; j++)
-                if (ti[j] > last && (k < 0 || ti[j] < ti[k])) k = j;
-            if (k < 0) break; /* the rest were dropped */
-            last = ti[k];
+        for (int k = qf_ep_next_choice(ti, K, -1); k >= 0; k = qf_ep_next_choice(ti, K, ti[k])) {
             const float *y = ep->yk + ((size_t)i * K + k) * H;
             float w = topw[(size_t)i * K + k], *o = out + (size_t)i * H;
             for (int c = 0; c < H; c++) o[c] += w * y[c];

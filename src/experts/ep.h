@@ -28,6 +28,9 @@ typedef struct qf_ep_comm {
  * most); rank r holds [qf_ep_first(E, R, r), qf_ep_first(E, R, r + 1)). */
 static inline int qf_ep_first(int E, int R, int r) { return (int)(((int64_t)E * r) / R); }
 int qf_ep_owner(int E, int R, int e);
+/* The choice (of a row's K, ids ti; -1: dropped) with the smallest expert id above last; -1 when
+ * none is left. From last = -1, the choices in ascending expert order: the order a MoE sums in. */
+int qf_ep_next_choice(const int32_t *ti, int K, int last);
 
 /* y[H] = expert e (held by this rank) applied to x[H]. */
 typedef int (*qf_ep_expert_fn)(void *ctx, int e, const float *x, float *y);

@@ -300,15 +300,9 @@ static int moe_ep(fwd *f, int L, const float *xn, float *out) {
     if (rc != QF_OK) return rc;
     memset(out, 0, (size_t)f->N * H * sizeof(float));
     for (int r = 0; r < f->N; r++) {
-        const int *ti = ws->topi + (size_t)r * K;
-        for (int last = -1;;) {
-            int k = -1;
-            for (int j = 0; j < K; j++)
-                if (ti[j] > last && (k < 0 || ti[j] < ti[k])) k = j;
-            if (k < 0) break;
-            last = ti[k];
+        const int32_t *ti = ws->topi + (size_t)r * K;
+        for (int k = qf_ep_next_choice(ti, K, -1); k >= 0; k = qf_ep_next_choice(ti, K, ti[k]))
             OPS->axpy(be, out + (size_t)r * H, qf_ep_output(ws->ep, r, k), topw[(size_t)r * K + k], H);
-        }
     }
     return QF_OK;
 }

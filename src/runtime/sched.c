@@ -392,6 +392,13 @@ static int fork_join(qf_sched *s, qf_req *r, qf_state *st) {
 }
 
 /* Ends a request: its last status goes to the reader, its slot and pages are freed. */
+/* Slots holding a sequence. */
+static int slots_running(const qf_sched *s) {
+    int n = 0;
+    for (int i = 0; i < s->o.max_batch; i++) n += s->slots[i].req != NULL;
+    return n;
+}
+
 static void finish(qf_sched *s, qf_req *r, int why, const char *err) {
     fork_leave(s, r);
     if (r->slot >= 0) {
@@ -405,8 +412,7 @@ static void finish(qf_sched *s, qf_req *r, int why, const char *err) {
             r->n_prompt, r->n_gen, pages, qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
         r->slot = -1;
     }
-    int running = 0; /* counted before the reader hears of the end: /metrics and /ready agree with the answer */
-    for (int i = 0; i < s->o.max_batch; i++) running += s->slots[i].req != NULL;
+    int running = slots_running(s); /* counted before the reader hears of the end: /metrics and /ready agree with the answer */
     pthread_mutex_lock(&s->mu);
     s->stats.finished += why != QF_FINISH_CANCELLED;
     s->stats.cancelled += why == QF_FINISH_CANCELLED;
@@ -660,8 +666,7 @@ static int seq_pages(qf_sched *s) {
 }
 
 static void publish_stats(qf_sched *s) {
-    int running = 0;
-    for (int i = 0; i < s->o.max_batch; i++) running += s->slots[i].req != NULL;
+    int running = slots_running(s);
     pthread_mutex_lock(&s->mu);
     s->stats.running = running;
     s->stats.kv_pages_total = qf_kv_pool_pages(s->kv);

@@ -89,7 +89,7 @@ static int feed(qf_engine *e, qf_spec_seq *q, const int32_t *tok, const float *h
 }
 
 int qf_spec_seq_fed(qf_engine *e, qf_spec_seq *q, const int32_t *tok, int n, int first) {
-    if (qf_mtp_pos(q->mtp) + n + 2 >= qf_mtp_state(q->mtp)->max_ctx) return QF_OK; /* full: no more pairs, no drafts */
+    if (qf_spec_seq_room(q) <= n) return QF_OK; /* full: no more pairs, no drafts */
     if (first) return feed(e, q, tok + 1, q->hb + q->H, n - 1, n - 1);
     return feed(e, q, tok, q->hb, n, n - 1);
 }
@@ -164,19 +164,6 @@ static int draft_and_run(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t *d,
 static int keep_rows(qf_engine *e, qf_spec_seq *q, qf_state *st, const int32_t *d, int p0, int keep) {
     qf_spec_seq_restore(q, st, p0);
     return run_rows(e, q, st, d, keep);
-}
-
-int qf_spec_seq_step(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t x, int n, int32_t *out, int *k_out) {
-    int32_t d[QF_SPEC_MAX_DRAFT + 1];
-    int p0 = st->pos;
-    n = n < q->max_draft ? n : q->max_draft;
-    d[0] = x;
-    int rc = draft_and_run(e, q, st, d, n);
-    if (rc != QF_OK) return rc;
-    int k = qf_spec_seq_accepted(q, d, n);
-    if (k < n && (rc = keep_rows(e, q, st, d, p0, k + 1)) != QF_OK) return rc;
-    *k_out = k;
-    return qf_spec_seq_kept(e, q, d, k + 1, out);
 }
 
 /* ---- the engine's loop ---- */

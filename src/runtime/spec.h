@@ -26,12 +26,8 @@ float *qf_spec_seq_hidden(qf_spec_seq *q);
  * gets the pairs (tok[i], hidden before tok[i]) the rows complete: tok[0]'s with the last row of the
  * forward before (none at the sequence's start: first), then tok[i + 1]'s with row i. */
 int qf_spec_seq_fed(qf_engine *e, qf_spec_seq *q, const int32_t *tok, int n, int first);
-/* One step from x (picked, not fed yet; the head has every pair before it): up to n drafts, the
- * model runs x and them in one forward, the drafts equal to its picks are accepted. The state then
- * holds x and the k accepted drafts (back to a copy and run again when one was refused); out gets
- * the k drafts and the next pick (k + 1 tokens), *k_out = k. */
-int qf_spec_seq_step(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t x, int n, int32_t *out, int *k_out);
-/* qf_spec_seq_step in parts, for a step of many sequences (the scheduler's): d[1..n] drafted from
+/* A step from d[0] (picked, not fed yet; the head has every pair before it), in parts so that many
+ * sequences share the model's forwards (the scheduler's): d[1..n] drafted from
  * d[0] and a copy of the DeltaNet states taken; the forward of d[0..n] puts its logits in
  * qf_spec_seq_logits and its hidden states in qf_spec_seq_hidden; the drafts that equal the
  * model's picks are counted; when one was refused the state goes back to its copy (position p0)

@@ -4,43 +4,27 @@ alone and with other requests drafting beside it in the same steps, drafts are m
 accepted (the metrics say so), and requests that cannot draft (sampling, logprobs) are served as
 before."""
 import concurrent.futures
-import json
 import os
 import re
-import struct
+import sys
 
 import openai
 import pytest
 
-from qfserver import MODEL, ROOT, Server, run_cli
+from qfserver import ROOT, Server, run_cli
 
-SHARD = os.path.join(ROOT, "tests", "data", "mtp", "qwen36moe-code-14m.mtp.safetensors")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import make_mtp_dir  # noqa: E402  (tools/: the bundled model with its head, also for gpu-check.sh spec)
+
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n\ndef list_files(path):",
            "def quicksort(xs):\n    if len(xs) <= 1:"]
-
-
-def names(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
 
 
 @pytest.fixture(scope="module")
 def mtp_dir(tmp_path_factory):
     """The bundled model with the head as a second shard: mtp_num_hidden_layers 1 and an index."""
     d = tmp_path_factory.mktemp("mtp")
-    cfg = json.load(open(os.path.join(MODEL, "config.json")))
-    cfg.get("text_config", cfg)["mtp_num_hidden_layers"] = 1
-    json.dump(cfg, open(d / "config.json", "w"))
-    files = {"model-00001-of-00002.safetensors": os.path.join(MODEL, "model.safetensors"), "model-00002-of-00002.safetensors": SHARD}
-    wmap = {}
-    for name, src in files.items():
-        os.symlink(os.path.realpath(src), d / name)
-        wmap.update({k: name for k in names(src)})
-    json.dump({"metadata": {}, "weight_map": wmap}, open(d / "model.safetensors.index.json", "w"))
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if os.path.exists(os.path.join(MODEL, f)):
-            os.symlink(os.path.realpath(os.path.join(MODEL, f)), d / f)
+    make_mtp_dir.make(str(d))
     return str(d)
 
 
