@@ -21,6 +21,7 @@ typedef struct bench_opts {
     const char *model, *synthetic, *config, *json, *plot;
     int layers, prompt_len, gen_len, runs, threads, help;
     int experts; /* --experts: a synthetic model's expert format (0: bf16) */
+    int trunk;   /* --trunk: its trunk's (0: bf16; QF_Q_I8B32) */
     int draft;   /* --draft: speculative decoding with the MTP head measured beside plain decoding (a synthetic model gets a head) */
     int prefill_chunk; /* a prompt's tokens per forward call (the workspace's rows, at least the widest batch) */
     int conc[16], n_conc;
@@ -370,6 +371,10 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
             const char *v = cli_value(&a);
             if (v && strcmp(v, "bf16") && (o->experts = qf_qfmt_parse(v)) != QF_Q_I8B32 && o->experts != QF_Q_I4B32)
                 fprintf(stderr, "error: --experts takes bf16, int8 or int4 (a synthetic model's experts)\n"), a.bad = 1;
+        } else if (cli_is(&a, NULL, "--trunk")) {
+            const char *v = cli_value(&a);
+            if (v && strcmp(v, "bf16") && (o->trunk = qf_qfmt_parse(v)) != QF_Q_I8B32)
+                fprintf(stderr, "error: --trunk takes bf16 or int8 (a synthetic model's trunk, as qflash quantize --trunk makes it)\n"), a.bad = 1;
         }
         else if (cli_is(&a, "-p", "--prompt-len")) o->prompt_len = cli_int(&a, 1, 1 << 20);
         else if (cli_is(&a, "-n", "--gen-len")) o->gen_len = cli_int(&a, 1, 1 << 20);
@@ -400,7 +405,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         }
     }
     if (!a.bad && (o->help || !o->model == !(o->synthetic || o->config))) {
-        fprintf(stderr, "usage: qflash bench (-m DIR | --synthetic %s [--layers N] [--experts bf16|int8|int4] | --config FILE [--layers N])\n"
+        fprintf(stderr, "usage: qflash bench (-m DIR | --synthetic %s [--layers N] [--experts bf16|int8|int4] [--trunk bf16|int8] | --config FILE [--layers N])\n"
                         "       [--prompt-len 128] [--gen-len 64] [--concurrency 1,16] [--runs 3] [--prefill-chunk 512] [--bw GB/s]\n"
                         "       [--levels 0,0.3,0.6 (sparsity levels, one after another on the loaded model)] [--only experts|trunk|kv] [--warmup 1]\n"
                         "       [-t THREADS] [--json FILE] [--plot FILE.svg] [--device cpu|cuda[:N]] [--draft N (MTP speculative decoding beside plain)]\n",
@@ -428,7 +433,7 @@ static void cpu_name(char *out, size_t cap) {
 static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
     int max_c = 1;
     for (int i = 0; i < o->n_conc; i++) max_c = o->conc[i] > max_c ? o->conc[i] : max_c;
-    qf_synth_opts so = {o->synthetic, o->config, o->layers, 0, o->experts, o->draft > 0};
+    qf_synth_opts so = {o->synthetic, o->config, o->layers, 0, o->experts, o->draft > 0, o->trunk};
     qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > o->prefill_chunk ? max_c : o->prefill_chunk, .synth = o->model ? NULL : &so, .device = cli_device,
                          .cuda = &cli_cuda, .expert_cache = cli_expert_cache, .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy,
                          .reserve_seqs = max_c, .reserve_tokens = max_c * (o->prompt_len + o->gen_len + 1), .max_prompt = o->prompt_len,

@@ -58,7 +58,7 @@ int cmd_synth_export(int argc, char **argv) {
         fprintf(stderr, "usage: qflash synth-export --synthetic qwen3.6-35b-a3b [--layers N] -o DIR\n");
         return 2;
     }
-    qf_synth_opts so = {preset, NULL, layers, 0, 0, 0};
+    qf_synth_opts so = {preset, NULL, layers, 0, 0, 0, 0};
     qf_model *m = NULL;
     int rc = qf_model_synthetic(&m, &so, &(qf_load_opts){0});
     if (rc == QF_OK && mkdir(dir, 0755) != 0 && access(dir, W_OK) != 0) rc = qf_fail(QF_EIO, "cannot make %s", dir);

@@ -40,6 +40,26 @@ static qf_mat bf16_mat(int64_t rows, int64_t cols, void **host) {
     return (qf_mat){QF_DT_BF16, p, rows, cols, NULL};
 }
 
+static int trunk_fmt = QF_DT_BF16; /* the trunk's format in the fused product tests */
+
+/* A random trunk weight in trunk_fmt: bf16, or int8 rows (one scale a block of 32) as qflash
+ * quantize --trunk int8 makes them from the same values. */
+static qf_mat trunk_mat(int64_t rows, int64_t cols, void **host) {
+    qf_mat w = bf16_mat(rows, cols, host);
+    if (trunk_fmt == QF_DT_BF16) return w;
+    size_t rb = qf_q_row_bytes(trunk_fmt, cols);
+    float *row = malloc((size_t)cols * sizeof *row);
+    uint8_t *q = malloc((size_t)rows * rb);
+    const uint16_t *b = *host;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < cols; c++) row[c] = qf_bf16_to_f32(b[r * cols + c]);
+        qf_q_quantize_row(trunk_fmt, row, cols, q + (size_t)r * rb);
+    }
+    free(row), free(*host);
+    *host = q;
+    return (qf_mat){trunk_fmt, q, rows, cols, NULL};
+}
+
 static void report(const char *op, const char *shape, double err, double tol) {
     fprintf(stderr, "  %-18s %-40s rel err %.2e\n", op, shape, err);
     CHECK(err < tol, "%s %s: rel err %.3g >= %.3g", op, shape, err, tol);
@@ -395,11 +415,11 @@ static qf_mat up_transposed(const void *hw, int64_t rows, int64_t cols) {
 
 /* A decode product's tolerance: the GEMV kernels' fp32 sums, or from option dec_tc rows the
  * tensor cores' with activations as two bf16 parts (~16 bits of each, as the prompt products). */
-static double dec_tol(int n) { return n > 1 && n >= g_opts.dec_tc && !sparse_share ? 5e-5 : 1e-5; }
+static double dec_tol(int n) { return n > 1 && n >= g_opts.dec_tc && !sparse_share && trunk_fmt == QF_DT_BF16 ? 5e-5 : 1e-5; }
 
 static void test_dec_matmul(int kind, int64_t rows, int64_t cols, int head, int n, int acc) {
     void *hw;
-    qf_mat w = bf16_mat(rows, cols, &hw);
+    qf_mat w = trunk_mat(rows, cols, &hw);
     int nh = (int)(cols / head), gs = kind == QF_PRE_SIGMOID ? 2 * (int)cols : (int)cols, ghs = kind == QF_PRE_SIGMOID ? 2 * head : head;
     float *x = qt_rnd((size_t)n * cols, 2.0f), *nw = qt_rnd((size_t)cols, 1.0f), *g = qt_rnd((size_t)n * gs, 3.0f);
     float *y0 = qt_rnd((size_t)n * rows, 1.0f), *want = copy_f(y0, (size_t)n * rows), *xp = copy_f(x, (size_t)n * cols);
@@ -415,7 +435,7 @@ static void test_dec_matmul(int kind, int64_t rows, int64_t cols, int head, int 
     ref.ops->matmul(&ref, &w, xp, n, tmp);
     for (size_t i = 0; i < (size_t)n * rows; i++) want[i] = acc ? want[i] + tmp[i] : tmp[i];
     qf_mat dw = w;
-    dw.data = up(hw, (size_t)(rows * cols) * 2);
+    dw.data = up(hw, qf_mat_bytes(&w));
     float *dx = up_f(x, (size_t)n * cols), *dnw = up_f(nw, (size_t)cols), *dg = up_f(g, (size_t)n * gs), *dy = up_f(y0, (size_t)n * rows);
     qf_pre pre = {kind, dnw, kind == QF_PRE_SIGMOID ? dg + head : dg, gs, ghs, head, 1e-6f};
     qf_mat wt = sparse_share > 0 ? up_transposed(hw, rows, cols) : dw;
@@ -424,7 +444,7 @@ static void test_dec_matmul(int kind, int64_t rows, int64_t cols, int head, int 
     const char *names[] = {"none", "rmsnorm", "gated norm", "sigmoid gate"};
     char s[96];
     snprintf(s, sizeof s, "%s [%lld x %lld] n=%d%s", names[kind], (long long)rows, (long long)cols, n, acc ? " +=" : "");
-    report(sparse_share > 0 ? "dec matmul sparse" : "dec matmul", s, cmp(dy, want, (size_t)n * rows), dec_tol(n));
+    report(sparse_share > 0 ? "dec matmul sparse" : trunk_fmt == QF_DT_BF16 ? "dec matmul" : "dec matmul int8", s, cmp(dy, want, (size_t)n * rows), dec_tol(n));
     if (sparse_share > 0) gpu.ops->free(&gpu, (void *)wt.data);
     free(hw), free(x), free(nw), free(g), free(y0), free(want), free(xp), free(tmp);
     void *d[] = {(void *)dw.data, dx, dnw, dg, dy};
@@ -435,7 +455,7 @@ static void test_dec_matmul(int kind, int64_t rows, int64_t cols, int head, int 
 static void test_dec_gdn_proj(int n) {
     int H = 2048, cd = 8192, nv = 32, zd = nv * 128, K = 4, rows = cd + zd + 2 * nv;
     void *hw;
-    qf_mat w = bf16_mat(rows, H, &hw);
+    qf_mat w = trunk_mat(rows, H, &hw);
     float *x = qt_rnd((size_t)n * H, 2.0f), *nw = qt_rnd(H, 1.0f), *cw = qt_rnd((size_t)cd * K, 0.5f), *dtb = qt_rnd(nv, 1.0f), *na = qt_rnd(nv, 1.0f);
     float *st = qt_rnd((size_t)n * (K - 1) * cd, 1.0f), *want_st = copy_f(st, (size_t)n * (K - 1) * cd);
     float *xn = malloc((size_t)n * H * 4), *mixed = malloc((size_t)n * rows * 4), *want = malloc((size_t)n * rows * 4);
@@ -450,7 +470,7 @@ static void test_dec_gdn_proj(int n) {
         ref.ops->gdn_gates(&ref, o + cd + zd, o + cd + zd + nv, dtb, na, 1, nv);
     }
     qf_mat dw = w;
-    dw.data = up(hw, (size_t)rows * H * 2);
+    dw.data = up(hw, qf_mat_bytes(&w));
     float *dx = up_f(x, (size_t)n * H), *dnw = up_f(nw, H), *dcw = up_f(cw, (size_t)cd * K), *ddtb = up_f(dtb, nv), *dna = up_f(na, nv);
     float *dst = up_f(st, (size_t)n * (K - 1) * cd), *dy = gpu.ops->alloc(&gpu, (size_t)n * rows * 4);
     qf_pre pre = {QF_PRE_RMSNORM, dnw, NULL, 0, 0, 0, 1e-6f};
@@ -460,7 +480,7 @@ static void test_dec_gdn_proj(int n) {
     if (sparse_share > 0) gpu.ops->dec->matmul_sparse(&gpu, &wt, dx, n, &pre, &e, 0, thr, dy), gpu.ops->free(&gpu, (void *)wt.data);
     else gpu.ops->dec->matmul(&gpu, &dw, dx, n, &pre, &e, 0, dy);
     char s[64];
-    snprintf(s, sizeof s, "[%d x 2048] n=%d%s", rows, n, sparse_share > 0 ? " sparse" : "");
+    snprintf(s, sizeof s, "[%d x 2048] n=%d%s%s", rows, n, sparse_share > 0 ? " sparse" : "", trunk_fmt == QF_DT_BF16 ? "" : " int8");
     report("dec in_proj+conv", s, cmp(dy, want, (size_t)n * rows), dec_tol(n));
     report("dec conv states", s, cmp(dst, want_st, (size_t)n * (K - 1) * cd), dec_tol(n)); /* raw products, as the matmul tolerance */
     free(hw), free(x), free(nw), free(cw), free(dtb), free(na), free(st), free(want_st), free(xn), free(mixed), free(want);
@@ -705,8 +725,8 @@ static void test_dec_argmax(int n, int cols) {
 /* Bandwidth of the fused products at the 35B's decode shapes. */
 static void bench_dec_matmul(int64_t rows, int64_t cols, int n) {
     void *hw;
-    qf_mat w = bf16_mat(rows, cols, &hw);
-    w.data = up(hw, (size_t)(rows * cols) * 2);
+    qf_mat w = trunk_mat(rows, cols, &hw);
+    w.data = up(hw, qf_mat_bytes(&w));
     free(hw);
     float *x = qt_rnd((size_t)n * cols, 1.0f), *nw = qt_rnd((size_t)cols, 1.0f), *dx = up_f(x, (size_t)n * cols), *dnw = up_f(nw, (size_t)cols);
     float *dy = gpu.ops->alloc(&gpu, (size_t)n * rows * 4);
@@ -717,8 +737,8 @@ static void bench_dec_matmul(int64_t rows, int64_t cols, int n) {
     double t0 = qf_now();
     for (int i = 0; i < reps; i++) gpu.ops->dec->matmul(&gpu, &w, dx, n, &pre, NULL, 0, dy);
     qf_be_sync(&gpu);
-    double dt = (qf_now() - t0) / reps, bytes = (double)rows * cols * 2;
-    fprintf(stderr, "  dec matmul (rmsnorm) [%lld x %lld] n=%d: %.1f us, %.0f GB/s (%.0f%% of 4300 GB/s copy)\n", (long long)rows, (long long)cols, n,
+    double dt = (qf_now() - t0) / reps, bytes = (double)qf_mat_bytes(&w);
+    fprintf(stderr, "  dec matmul %s (rmsnorm) [%lld x %lld] n=%d: %.1f us, %.0f GB/s (%.0f%% of 4300 GB/s copy)\n", qf_dtype_name(trunk_fmt), (long long)rows, (long long)cols, n,
             dt * 1e6, bytes / dt / 1e9, 100 * bytes / dt / 4.3e12);
     gpu.ops->free(&gpu, (void *)w.data), gpu.ops->free(&gpu, dx), gpu.ops->free(&gpu, dnw), gpu.ops->free(&gpu, dy);
     free(x), free(nw);
@@ -999,6 +1019,30 @@ static void quant_grouped_checks(int bench) {
     if (bench) test_moe_shape(512, 256, 8, 2048, 512, 0, 1);
 }
 
+/* The fused decode products with an int8 trunk (qflash quantize --trunk int8) at the release's
+ * shapes (DeltaNet in_proj with its epilogue, ffn_in, out_proj, o_proj, attention q|gate/k/v) for
+ * 1..16 rows and 64 (passes of 16), against the reference ops on the same int8 rows; bench: their
+ * time beside bf16's. */
+static void trunk_checks(int bench) {
+    trunk_fmt = QF_Q_I8B32;
+    const int ns[] = {1, 2, 5, 16, 64};
+    for (size_t i = 0; i < sizeof ns / sizeof *ns; i++) {
+        test_dec_gdn_proj(ns[i]);
+        test_dec_matmul(QF_PRE_RMSNORM, 1281, 2048, 1, ns[i], 0);
+        test_dec_matmul(QF_PRE_GATED_NORM, 2048, 4096, 128, ns[i], 1);
+        test_dec_matmul(QF_PRE_SIGMOID, 2048, 4096, 256, ns[i], 1);
+    }
+    test_dec_matmul(QF_PRE_RMSNORM, 9216, 2048, 1, 1, 0);
+    test_dec_matmul(QF_PRE_NONE, 100, 256, 1, 3, 1); /* one unit a lane at most */
+    for (int f = 0; bench && f < 2; f++, trunk_fmt = QF_DT_BF16) {
+        bench_dec_matmul(12352, 2048, 1);
+        bench_dec_matmul(1281, 2048, 1);
+        bench_dec_matmul(2048, 4096, 1);
+        bench_dec_matmul(12352, 2048, 8);
+    }
+    trunk_fmt = QF_DT_BF16;
+}
+
 static void quant_checks(int bench) {
     int fmts[3] = {QF_Q_I8B32, QF_Q_I4B32, QF_Q_FP8B128};
     for (int f = 0; f < 3; f++) {
@@ -1016,6 +1060,7 @@ static void quant_checks(int bench) {
         test_dec_moe(3, 64, 4, 256, 256, 128, 0, 1); /* one unit a lane, tied logits */
     }
     quant_grouped_checks(bench);
+    trunk_checks(bench);
     moe_fmt = QF_DT_BF16;
     if (bench) test_dec_moe(1, 256, 8, 2048, 512, 512, 1, 0); /* bf16 beside them, same run */
 }
@@ -1054,9 +1099,15 @@ int main(int argc, char **argv) {
     test_matmul(8192, 2048, 300, 1e-4);
     /* QFLASH_TEST_QUICK (a device call that wants a part): 1 the prompt ops alone, 2 the many-row MoE
      * alone, 3 the rest (the decode kernels), 4 sparsity's kernels alone, 5 quantised weights alone, 6 the
-     * one-row MoE of quantised experts, 7 their prompt-sized MoE, 8 the decode ops at 1..64 rows alone */
+     * one-row MoE of quantised experts, 7 their prompt-sized MoE, 8 the decode ops at 1..64 rows alone,
+     * 9 the fused products of an int8 trunk alone, with their time */
     const char *quick = getenv("QFLASH_TEST_QUICK");
     int part = quick ? atoi(quick) : 0;
+    if (part == 9) {
+        trunk_checks(1);
+        qf_cuda_backend_free(&gpu);
+        return qt_finish();
+    }
     if (part == 8) {
         dec_rows_checks();
         qf_cuda_backend_free(&gpu);

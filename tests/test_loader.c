@@ -431,7 +431,8 @@ static void case_fp8(void) {
 
 /* qflash quantize: a directory the loader reads whose int experts are, byte for byte, the
  * reference quantisation of the original's rows (the per-expert tiny fixture and the bundled
- * model's fused experts), whose trunk is int8 when asked (router and in_proj_a stay), fp8 experts
+ * model's fused experts), whose trunk is int8 when asked (every fused decode product's matrix, the
+ * router and in_proj_a too; the shared expert's down rows bf16; embeddings as stored), fp8 experts
  * within half a step, an FP8 input dequantised first, and a SHA256SUMS that verify accepts. */
 static int quantize(const char *in, const char *out, const char *args) {
     char cmd[1600], o[8192];
@@ -468,8 +469,9 @@ static void int_rows_exact(const char *src, const char *qdir, int fmt, int trunk
     const qf_layer_w *w0 = &q->layers[0];
     int want_trunk = trunk ? QF_Q_I8B32 : QF_DT_BF16;
     CHECK(w0->sh_up.dtype == want_trunk && (w0->kind == QF_LAYER_FULL ? w0->wq.dtype : w0->w_qkv.dtype) == want_trunk, "%s: trunk format", qdir);
-    CHECK(w0->router.dtype == QF_DT_BF16 && q->embed.dtype == QF_DT_BF16 && (w0->kind == QF_LAYER_FULL || w0->w_a.dtype == QF_DT_BF16),
-          "%s: router, in_proj_a and embeddings stay as stored", qdir);
+    CHECK(w0->router.dtype == want_trunk && w0->sh_gate_w.dtype == want_trunk && (w0->kind == QF_LAYER_FULL || w0->w_a.dtype == want_trunk),
+          "%s: the router, the shared gate logit and in_proj_a join the trunk's format", qdir);
+    CHECK(w0->sh_down.dtype == QF_DT_BF16 && q->embed.dtype == QF_DT_BF16 && q->lm_head.dtype == QF_DT_BF16, "%s: shared down, embeddings, lm_head bf16", qdir);
     qf_model_free(b), qf_model_free(q);
 }
 

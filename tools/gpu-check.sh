@@ -24,6 +24,10 @@
 #   bash tools/gpu-check.sh prefix    the bundled model served on the GPU with and without prefix
 #                                     snapshots (tools/prefix_check.py: digests must match), and
 #                                     qflash chat's snapshot restore after /reset
+#   bash tools/gpu-check.sh trunk8    the int8 trunk: test_cuda's fused int8 products (QUICK=9, with their
+#                                     time beside bf16), then batch 1 on the whole synthetic model with int4
+#                                     experts and a bf16 / int8 trunk alternating, int8 experts + int8 trunk,
+#                                     and int4 + int8 trunk in a 12G budget
 #   bash tools/gpu-check.sh flash-serve [ARGS]  serve the synthetic model (the bundled tokenizer) with
 #                                     ARGS, 16 streams of 64 tokens from bench/serve_load.py, memory traced
 # Results land in $OUT.
@@ -115,6 +119,14 @@ flash-serve)
     curl -s http://127.0.0.1:8099/metrics 2>/dev/null | grep expert_cache || python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8099/metrics').read().decode())" | grep expert_cache
     kill $srv; wait $srv; kill $smi
     grep -E "plan|slots|rror" "$OUT/serve.log" | head
+    ;;
+trunk8)
+    QFLASH_TEST_QUICK=9 timeout 200 gpu/test_cuda . >"$OUT/test_cuda9.log" 2>&1; echo "test_cuda (int8 trunk) rc=$?"
+    grep -E "FAIL|checks|rror|dec matmul.*us" "$OUT/test_cuda9.log" | head -40
+    W="--prompt-len 128 --gen-len 64 --concurrency 1 --runs 2"
+    for i in 1 2; do new $W --experts int4; new $W --experts int4 --trunk int8; done
+    new $W --experts int8 --trunk int8
+    new $W --experts int4 --trunk int8 --gpu-mem 12G
     ;;
 streams)
     new --prompt-len 128 --gen-len 64 --concurrency 1 --runs 2

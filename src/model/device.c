@@ -149,9 +149,15 @@ static int bf16_rows(const qf_mat *w) {
     return w->data && w->dtype == QF_DT_BF16 && w->cols % 8 == 0 && (uintptr_t)w->data % 16 == 0;
 }
 
+/* What the fused decode products take: bf16 rows, or int8 rows of whole 16-byte units (blocks of
+ * 32 weights: 256 columns make 17 units of quants and scales). */
+static int dec_rows(const qf_mat *w) {
+    return bf16_rows(w) || (w->data && w->dtype == QF_DT_Q8_B32 && w->cols % 256 == 0 && (uintptr_t)w->data % 16 == 0);
+}
+
 /* Whether the fused decode ops (ops.h qf_dec_ops) can run this model: a MoE with a shared expert,
- * every trunk product's parts fused in bf16 rows of a multiple of 8, experts qf_moe_dec_fits
- * takes, and shapes the kernels hold. */
+ * every trunk product's parts fused in rows dec_rows takes (one format a fused matrix), the shared
+ * expert's down rows and lm_head bf16, experts qf_moe_dec_fits takes, and shapes the kernels hold. */
 static int dec_fits(const qf_model *m) {
     const qf_config *c = &m->cfg;
     if (c->arch != QF_ARCH_QWEN35_MOE || c->shared_ffn <= 0 || !m->experts || c->hidden % 8 || c->expert_ffn % 8 || c->shared_ffn % 8 ||
@@ -162,7 +168,7 @@ static int dec_fits(const qf_model *m) {
         qf_expert_table t;
         if (m->experts->ops->table(m->experts, L, &t) != QF_OK) return 0;
         const qf_expert *x = &t.experts[0];
-        if (!bf16_rows(&w->in_proj) || !bf16_rows(&w->ffn_in) || !bf16_rows(w->kind == QF_LAYER_FULL ? &w->wo : &w->w_out) ||
+        if (!dec_rows(&w->in_proj) || !dec_rows(&w->ffn_in) || !dec_rows(w->kind == QF_LAYER_FULL ? &w->wo : &w->w_out) ||
             !bf16_rows(&w->sh_down) || x->up.dtype != x->gate.dtype || x->down.dtype != x->gate.dtype ||
             !qf_moe_dec_fits(x->gate.dtype, c->hidden, c->expert_ffn, c->shared_ffn) || (uintptr_t)x->gate.data % 16 || (uintptr_t)x->down.data % 16)
             return 0;

@@ -60,6 +60,7 @@ typedef struct qf_model {
     uint64_t synth_seed; /* synthetic models: the weights' seed */
     qf_pool *synth_pool; /* while a synthetic model's weights are made: the threads that fill them */
     int synth_experts;   /* a synthetic model's expert format (qf_synth_opts.experts) */
+    int synth_trunk;     /* and its trunk's (qf_synth_opts.trunk) */
     qf_backend *dev;     /* set by qf_model_to_device: weights, states and scratch live there */
     void **dev_bufs;     /* device copies of the weights, freed with the model */
     int n_dev_bufs;
@@ -146,6 +147,7 @@ typedef struct qf_synth_opts {
     uint64_t seed;
     int experts;             /* the routed experts' format: 0 (bf16), QF_Q_I8B32 or QF_Q_I4B32 (quantised from the generated values) */
     int mtp;                 /* 1: an MTP head of the release's shapes too (mtp_num_hidden_layers 1) */
+    int trunk;               /* 0 (bf16) or QF_Q_I8B32: the projections qf_quant_trunk_format names, drawn as int8 codes */
 } qf_synth_opts;
 int qf_model_synthetic(qf_model **out, const qf_synth_opts *so, const qf_load_opts *opts);
 const char *qf_synth_presets(void);

@@ -54,6 +54,7 @@ static int is_expert(const char *n) {
     return strncmp(n, "mtp.", 4) && strstr(n, ".mlp.experts.") &&
            (ends_with(n, "_proj.weight") || ends_with(n, "experts.gate_up_proj") || ends_with(n, "experts.down_proj"));
 }
+/* The trunk's large projections (quantize.h: qf_quant_trunk_format says what each becomes). */
 static int is_trunk(const char *n) {
     static const char *k[] = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                               "linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.out_proj.weight",
@@ -61,6 +62,23 @@ static int is_trunk(const char *n) {
     for (size_t i = 0; strncmp(n, "mtp.", 4) && i < sizeof k / sizeof *k; i++)
         if (ends_with(n, k[i])) return 1;
     return 0;
+}
+
+/* The small matrices that join the large ones in the device's fused decode products: DeltaNet's
+ * in_proj_b / in_proj_a (beside in_proj_qkv / z), the router and the shared expert's gate logit
+ * (beside its gate / up). */
+static int joins_fused(const char *n) {
+    static const char *k[] = {"linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "mlp.gate.weight", "mlp.shared_expert_gate.weight"};
+    for (size_t i = 0; strncmp(n, "mtp.", 4) && i < sizeof k / sizeof *k; i++)
+        if (ends_with(n, k[i])) return 1;
+    return 0;
+}
+
+int qf_quant_trunk_format(const char *name, int trunk) {
+    if (trunk == QF_DT_BF16) return is_trunk(name) ? QF_DT_BF16 : 0;
+    if (trunk != QF_Q_I8B32) return 0;
+    if (ends_with(name, "mlp.shared_expert.down_proj.weight")) return strncmp(name, "mtp.", 4) ? QF_DT_BF16 : 0;
+    return is_trunk(name) || joins_fused(name) ? QF_Q_I8B32 : 0;
 }
 
 static job *add(plan *p, const char *name, int kind, const qf_st_tensor *src) {
@@ -157,7 +175,7 @@ static int plan_tensor(plan *p, const qf_st_tensor *t) {
         const qf_st_tensor *wt = qf_st_find(&p->st, w);
         if (wt && wt->dtype == QF_DT_F8_E4M3) return QF_OK; /* goes with its weight */
     }
-    int fmt = is_expert(t->name) ? o->experts : is_trunk(t->name) ? o->trunk : 0;
+    int fmt = is_expert(t->name) ? o->experts : qf_quant_trunk_format(t->name, o->trunk);
     if (fmt == QF_Q_FP8B128 && t->dtype == QF_DT_F8_E4M3) fmt = 0;
     if (fmt == QF_DT_BF16 && t->dtype == QF_DT_BF16) fmt = 0;
     if (!fmt) { /* as stored: an FP8 weight keeps its scales beside it */

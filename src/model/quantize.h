@@ -1,10 +1,9 @@
 /* Writing a quantised copy of a model directory (`qflash quantize`).
  *
  * Layout written (readable by the loader, model/weights.c):
- *   - routed experts and, with a trunk format, the trunk's large projections (attention q/k/v/o,
- *     DeltaNet in_proj_qkv / in_proj_z / out_proj, the shared expert's gate/up/down) in the chosen
- *     format; the router, the shared-expert gate, DeltaNet's in_proj_a / in_proj_b / conv1d /
- *     A_log / dt_bias / norm, every norm, the embeddings, lm_head and mtp.* stay as they are;
+ *   - routed experts and, with a trunk format, the trunk's projections (qf_quant_trunk_format) in
+ *     the chosen format; DeltaNet's conv1d / A_log / dt_bias / norm, every norm, the embeddings,
+ *     lm_head and mtp.* stay as they are;
  *   - int8 / int4 (base/quant.h QF_Q_I8B32 / QF_Q_I4B32): a U8 tensor under the weight's own name,
  *     shaped [..., rows, row bytes] (one row of blocks per weight row; fused experts stay fused);
  *   - fp8: the official layout, F8_E4M3 [rows, cols] plus `<name>_scale_inv` F32 per 128 x 128
@@ -31,6 +30,14 @@ typedef struct qf_quantize_opts {
     void (*progress)(void *ud, uint64_t done, uint64_t total); /* bytes of input tensors */
     void *progress_ud;
 } qf_quantize_opts;
+
+/* What a trunk format makes of the weight `name` (0: it stays as stored). QF_DT_BF16 (an FP8
+ * trunk dequantised): attention q/k/v/o, DeltaNet in_proj_qkv / in_proj_z / out_proj, the shared
+ * expert's gate/up/down. QF_Q_I8B32: those and every matrix that joins them in the device's fused
+ * decode products (DeltaNet in_proj_b / in_proj_a, the router, the shared expert's gate logit), so
+ * each fused matrix is one format; the shared expert's down rows become bf16 (the fused MoE reads
+ * them beside the routed experts, in bf16). */
+int qf_quant_trunk_format(const char *name, int trunk);
 
 int qf_quantize_dir(const char *in, const char *out, const qf_quantize_opts *o);
 

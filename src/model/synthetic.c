@@ -12,6 +12,7 @@
 #include "base/numeric.h"
 #include "base/pool.h"
 #include "base/quant.h"
+#include "model/quantize.h"
 #include "model/model_int.h"
 
 /* Qwen3.6-35B-A3B's text_config (shared/docs/model-spec.md §1.1). */
@@ -137,25 +138,29 @@ static void qfill_task(void *ctx, int task) {
     }
 }
 
-static const qf_st_tensor *synth_quant(qf_model *m, const char *name, const int64_t *shape) {
-    qfill q = {{0}, NULL, m->synth_experts, shape[0] * shape[1], shape[2]};
-    plan(&q.f, name, shape, 3);
+/* A quantised weight of fmt, [rows, cols] or fused experts [E, rows, cols], as U8 rows of blocks. */
+static const qf_st_tensor *synth_quant(qf_model *m, const char *name, int fmt, int ndim, const int64_t *shape) {
+    int64_t cols = shape[ndim - 1], lead = ndim == 3 ? shape[0] : 1;
+    qfill q = {{0}, NULL, fmt, lead * shape[ndim - 2], cols};
+    plan(&q.f, name, shape, ndim);
     q.f.seed = qf_fnv1a(QF_HASH_START, name, strlen(name)) ^ m->synth_seed;
-    if (q.cols % QF_Q_BLOCK) return qf_fail(QF_EINVAL, "synthetic %s experts: rows of %lld", qf_qfmt_name(q.fmt), (long long)q.cols), NULL;
+    if (q.cols % QF_Q_BLOCK) return qf_fail(QF_EINVAL, "synthetic %s weight %s: rows of %lld", qf_qfmt_name(q.fmt), name, (long long)q.cols), NULL;
     int64_t rb = (int64_t)qf_q_row_bytes(q.fmt, q.cols), qshape[3] = {shape[0], shape[1], rb};
+    if (ndim == 2) qshape[1] = rb;
     if (!(q.out = malloc((size_t)(q.rows * rb)))) return NULL;
     int64_t per = CHUNK / q.cols > 0 ? CHUNK / q.cols : 1;
     int tasks = (int)((q.rows + per - 1) / per);
     if (m->synth_pool) qf_pool_run(m->synth_pool, qfill_task, &q, tasks);
     else
         for (int t = 0; t < tasks; t++) qfill_task(&q, t);
-    if (qf_st_add_memory(&m->st, name, QF_DT_U8, 3, qshape, q.out) != QF_OK) return NULL;
+    if (qf_st_add_memory(&m->st, name, QF_DT_U8, ndim, qshape, q.out) != QF_OK) return NULL;
     return qf_st_find(&m->st, name);
 }
 
 const qf_st_tensor *qf_synth_tensor(qf_model *m, const char *name, int ndim, const int64_t *shape) {
     if (m->synth_experts && ndim == 3 && (ends_with(name, "mlp.experts.gate_up_proj") || ends_with(name, "mlp.experts.down_proj")))
-        return synth_quant(m, name, shape);
+        return synth_quant(m, name, m->synth_experts, 3, shape);
+    if (m->synth_trunk && ndim == 2 && qf_quant_trunk_format(name, m->synth_trunk) == QF_Q_I8B32) return synth_quant(m, name, QF_Q_I8B32, 2, shape);
     fill f = {0};
     plan(&f, name, shape, ndim);
     f.n = 1;
@@ -200,9 +205,11 @@ int qf_model_synthetic(qf_model **out, const qf_synth_opts *so, const qf_load_op
         snprintf(m->cfg.model_type + strlen(m->cfg.model_type), sizeof m->cfg.model_type - strlen(m->cfg.model_type), "%s", " (synthetic)");
         m->synth_seed = so->seed;
         m->synth_experts = so->experts;
+        m->synth_trunk = so->trunk;
         m->cfg.mtp_layers = so->mtp ? 1 : 0; /* the preset names none: the head is asked for */
         if (so->experts && so->experts != QF_Q_I8B32 && so->experts != QF_Q_I4B32)
             rc = qf_fail(QF_EINVAL, "synthetic experts are bf16, int8 or int4 (not %s)", qf_qfmt_name(so->experts));
+        if (so->trunk && so->trunk != QF_Q_I8B32) rc = qf_fail(QF_EINVAL, "a synthetic trunk is bf16 or int8 (not %s)", qf_qfmt_name(so->trunk));
         if (rc == QF_OK) rc = qf_model_check_limits(&m->cfg);
     }
     if (rc == QF_OK) {

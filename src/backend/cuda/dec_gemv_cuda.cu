@@ -2,6 +2,7 @@
 // in_proj, the conv and gate epilogue; and the greedy pick over the logits.
 #include "backend/cuda/dec_int.cuh"
 #include "backend/cuda/bulk.cuh"
+#include "backend/cuda/quant.cuh"
 
 namespace qfc {
 
@@ -13,31 +14,64 @@ __host__ __device__ __forceinline__ unsigned gemv_bit(int rows, int cols) {
 }
 
 
-// y[t][row] (= or +=) W[row] . pre(x[t]): bf16 W (cols % 8 == 0), x staged once per block, the
-// blocks striding over groups of rows so the staging is paid once per resident block.
+// Unit u of an int8 row (16 weights under scale d) dotted with x in shared memory: the four
+// float4 reads go out rotated by (lane >> 1) & 3 so that the 8 lanes of a phase, 64 bytes apart,
+// fall in distinct banks (in order, lanes 0, 2, 4 and 6 would share theirs); the weight words are
+// rotated to match by selects, not by indexing a register array (which would go to local memory).
+__device__ __forceinline__ float dot16q8s(uint4 w, float d, const float *x, int lane) {
+    int rot = (lane >> 1) & 3;
+    uint32_t q0 = w.x, q1 = w.y, q2 = w.z, q3 = w.w, t;
+    if (rot & 1) t = q0, q0 = q1, q1 = q2, q2 = q3, q3 = t;
+    if (rot & 2) t = q0, q0 = q2, q2 = t, t = q1, q1 = q3, q3 = t;
+    uint32_t q[4] = {q0, q1, q2, q3};
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float4 a = *(const float4 *)(x + 4 * ((k + rot) & 3));
+        float v[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) s += (__uint_as_float(0x4B000000u | (((q[k] >> (8 * j)) & 0xffu) ^ 0x80u)) - 8388736.0f) * v[j]; // b ^ 0x80 is q + 128
+    }
+    return d * s;
+}
+
+// y[t][row] (= or +=) W[row] . pre(x[t]): W bf16 (cols % 8 == 0) or int8 rows of whole 16-byte
+// units (F, quant.cuh; cols % 256 == 0), x staged once per block, the blocks striding over groups
+// of rows so the staging is paid once per resident block.
 // early: the warp's first loads go out before the wait for the kernel before and the staging
 // (weights never depend on them), so their memory latency overlaps both.
-template <int NT, int PWT> // PWT rows per warp (PW; 1 for one-row products of few rows: twice the warps)
-__global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, int n, dpre p,
+template <int NT, int PWT, int F = QK_BF16> // PWT rows per warp (PW; 1 for one-row products of few rows: twice the warps)
+__global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint8_t *__restrict__ W, int rows, int cols, const float *__restrict__ x, int n, dpre p,
                                                      depi e, int acc, float *__restrict__ y, int early) {
-    constexpr int CU = PWT == 1 ? 16 : NT <= 2 ? 8 : 4; // 16-byte loads per lane and row in flight: one row is bound by them, more rows by the FMAs
+    static_assert(F == QK_BF16 || F == QK_I8, "bf16 or int8 rows");
+    // 16-byte loads per lane and row in flight: one row is bound by them, more rows by the FMAs; an
+    // int8 load holds twice the columns, so half as many cover the same part of a row
+    constexpr int CU = (PWT == 1 ? 16 : NT <= 2 ? 8 : 4) / (F == QK_BF16 ? 1 : 2);
+    constexpr int QS = F == QK_BF16 ? 1 : CU; // a scale per load (int8)
     extern __shared__ float4 dyn[];
     __shared__ float red[NT * PRE_MAX_HEADS];
     float *xs = (float *)dyn;
-    int warps = blockDim.x / 32, lane = threadIdx.x & 31, n8 = cols / 8, row0 = (blockIdx.x * warps + threadIdx.x / 32) * PWT;
+    int warps = blockDim.x / 32, lane = threadIdx.x & 31, nu = qk_units(F, cols), qo = qk_qoff(F, cols), row0 = (blockIdx.x * warps + threadIdx.x / 32) * PWT;
+    int64_t rb = qk_row_bytes(F, cols);
     uint4 v[CU][PWT];
+    float d[QS][PWT];
     auto load = [&](int nr, int cb) {
 #pragma unroll
         for (int u = 0; u < CU; u++) {
             int c = cb + lane + 32 * u;
 #pragma unroll
-            for (int r = 0; r < PWT; r++) v[u][r] = r < nr && c < n8 ? __ldcs((const uint4 *)(W + (int64_t)(row0 + r) * cols) + c) : make_uint4(0, 0, 0, 0);
+            for (int r = 0; r < PWT; r++) {
+                const uint8_t *row = W + (int64_t)(row0 + r) * rb;
+                bool in = r < nr && c < nu;
+                v[u][r] = in ? __ldcs((const uint4 *)(row + qo) + c) : make_uint4(0, 0, 0, 0);
+                if constexpr (F != QK_BF16) d[u][r] = in ? qk_f16(row + 2 * (c / 2)) : 0.0f;
+            }
         }
     };
     int have = early && row0 < rows;
     if (have) load(min(PWT, rows - row0), 0);
     else if (row0 < rows) // the warp's first row streams into L2 while the kernel before ends and x is staged
-        for (int l = lane * 64; l < cols; l += 32 * 64) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)row0 * cols + l));
+        for (int64_t l = lane * 128; l < rb; l += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)row0 * rb + l));
     pdl_wait();
     pdl_launch();
     stage<NT>(x, n, cols, p, xs, red);
@@ -53,18 +87,21 @@ __global__ void __launch_bounds__(256, 2) k_gemv_pre(const uint16_t *__restrict_
         for (int r = 0; r < PWT; r++)
 #pragma unroll
             for (int t = 0; t < NT; t++) a[r][t] = 0.0f;
-        for (int cb = 0; cb < n8; cb += 32 * CU) {
+        for (int cb = 0; cb < nu; cb += 32 * CU) {
             if (!have) load(nr, cb);
             have = 0;
 #pragma unroll
             for (int u = 0; u < CU; u++) {
                 int c = cb + lane + 32 * u;
-                if (c < n8)
+                if (c < nu)
 #pragma unroll
                     for (int t = 0; t < NT; t++)
                         if (t < n) // shared memory holds n rows
 #pragma unroll
-                            for (int r = 0; r < PWT; r++) a[r][t] += dot8s(v[u][r], xs + t * cols + c * 8, lane);
+                            for (int r = 0; r < PWT; r++) {
+                                if constexpr (F == QK_BF16) a[r][t] += dot8s(v[u][r], xs + t * cols + c * 8, lane);
+                                else a[r][t] += dot16q8s(v[u][r], d[u][r], xs + t * cols + c * 16, lane);
+                            }
             }
         }
 #pragma unroll
@@ -201,23 +238,46 @@ int resident(ctx *c, const void *fn, int threads, size_t smem) {
     return n;
 }
 
-// n <= NT rows (the rows from n on are masked; called with n == NT)
-template <int NT>
+// n <= NT rows (the rows from n on are masked; called with n == NT); F: the weight's format
+template <int NT, int F>
 static void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, const dpre &p, const depi &e, int acc, float *y) {
     size_t smem = (size_t)n * (size_t)w->cols * sizeof(float);
     int threads = 256, sms = c->sms > 0 ? c->sms : 1;
     // one row, few weight rows (out_proj, o_proj, the router): a warp per row, a whole row of up to
-    // 4096 columns in flight per warp, so the SMs hold twice the warps (option pw1=0: off)
-    int one = NT == 1 && c->pw1 && w->cols <= 32 * 16 * 8 && (w->rows + 8 * PW - 1) / (8 * PW) < 2 * sms;
-    void (*k)(const uint16_t *, int, int, const float *, int, dpre, depi, int, float *, int) = k_gemv_pre<NT, PW>;
+    // 512 units in flight per warp, so the SMs hold twice the warps (option pw1=0: off)
+    int one = NT == 1 && c->pw1 && qk_units(F, (int)w->cols) <= 32 * 16 && (w->rows + 8 * PW - 1) / (8 * PW) < 2 * sms;
+    void (*k)(const uint8_t *, int, int, const float *, int, dpre, depi, int, float *, int) = k_gemv_pre<NT, PW, F>;
     if constexpr (NT == 1)
-        if (one) k = k_gemv_pre<1, 1>;
+        if (one) k = k_gemv_pre<1, 1, F>;
     int per_block = threads / 32 * (one ? 1 : PW);
     // no more blocks than fit at once: a second wave would pay the staging again, exposed
     int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)sms * resident(c, (const void *)k, threads, smem);
     int64_t rounds = (need + cap - 1) / cap, grid = (need + rounds - 1) / rounds; // equal rounds for every block
-    launch(c, "k_gemv_pre", 1, k, dim3((unsigned)grid), dim3(threads), (unsigned)smem, (const uint16_t *)w->data, (int)w->rows, (int)w->cols, x, n, p, e,
+    launch(c, "k_gemv_pre", 1, k, dim3((unsigned)grid), dim3(threads), (unsigned)smem, (const uint8_t *)w->data, (int)w->rows, (int)w->cols, x, n, p, e,
            acc, y, c->early);
+}
+
+// nt rows (1..16) of one pass: the kernel built for that count
+template <int F>
+static void gemv_pre_rows(ctx *c, const qf_mat *w, const float *x, int nt, const dpre &p, const depi &e, int acc, float *y) {
+    switch (nt) { // one kernel per row count (rows below NT are masked, but only NT == nt ran on a GPU)
+    case 1: gemv_pre_launch<1, F>(c, w, x, nt, p, e, acc, y); break;
+    case 2: gemv_pre_launch<2, F>(c, w, x, nt, p, e, acc, y); break;
+    case 3: gemv_pre_launch<3, F>(c, w, x, nt, p, e, acc, y); break;
+    case 4: gemv_pre_launch<4, F>(c, w, x, nt, p, e, acc, y); break;
+    case 5: gemv_pre_launch<5, F>(c, w, x, nt, p, e, acc, y); break;
+    case 6: gemv_pre_launch<6, F>(c, w, x, nt, p, e, acc, y); break;
+    case 7: gemv_pre_launch<7, F>(c, w, x, nt, p, e, acc, y); break;
+    case 8: gemv_pre_launch<8, F>(c, w, x, nt, p, e, acc, y); break;
+    case 9: gemv_pre_launch<9, F>(c, w, x, nt, p, e, acc, y); break;
+    case 10: gemv_pre_launch<10, F>(c, w, x, nt, p, e, acc, y); break;
+    case 11: gemv_pre_launch<11, F>(c, w, x, nt, p, e, acc, y); break;
+    case 12: gemv_pre_launch<12, F>(c, w, x, nt, p, e, acc, y); break;
+    case 13: gemv_pre_launch<13, F>(c, w, x, nt, p, e, acc, y); break;
+    case 14: gemv_pre_launch<14, F>(c, w, x, nt, p, e, acc, y); break;
+    case 15: gemv_pre_launch<15, F>(c, w, x, nt, p, e, acc, y); break;
+    default: gemv_pre_launch<16, F>(c, w, x, nt, p, e, acc, y); break;
+    }
 }
 
 // ---- many-row decode products on the tensor cores (tc_dense): the GEMV kernels above multiply
@@ -277,8 +337,9 @@ static int dec_matmul_tc(ctx *c, const qf_mat *w, const float *x, int n, const d
 
 void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, float *y) {
     ctx *c = C(be);
-    if (w->dtype != QF_DT_BF16 || w->cols % 8 || (uintptr_t)w->data % 16 || (uintptr_t)x % 16) {
-        return dev_fail(c, "fused product needs 16-byte aligned bf16 rows of a multiple of 8 columns");
+    int q8 = w->dtype == QF_Q_I8B32;
+    if ((w->dtype != QF_DT_BF16 && !q8) || !qk_unit_ok(qk_of(w->dtype), w->cols) || (uintptr_t)w->data % 16 || (uintptr_t)x % 16) {
+        return dev_fail(c, "fused product needs 16-byte aligned bf16 rows of a multiple of 8 columns or int8 rows of a multiple of 256");
     }
     if (pre && (pre->kind == QF_PRE_GATED_NORM || pre->kind == QF_PRE_SIGMOID) && (pre->head < 1 || w->cols / pre->head > PRE_MAX_HEADS)) {
         return dev_fail(c, "fused product: more than %d heads per row", PRE_MAX_HEADS);
@@ -289,7 +350,7 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
         e = {1, epi->conv_dim, epi->z_dim, epi->nv, epi->conv_k, epi->conv_w, epi->dt_bias, epi->neg_A, {}};
         for (int t = 0; t < QF_DEC_ROWS; t++) e.st[t] = epi->conv_state[t];
     }
-    if ((c->bulk & gemv_bit((int)w->rows, (int)w->cols)) && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
+    if (!q8 && (c->bulk & gemv_bit((int)w->rows, (int)w->cols)) && n == 1 && w->cols % 256 == 0 && w->cols <= 8192) {
         size_t smem = bulk_smem_bytes((int)w->cols);
         void (*k)(const uint16_t *, int, int, const float *, dpre, depi, int, float *) = w->cols == 2048 ? k_gemv_bulk<8> : k_gemv_bulk<0>;
         int fit = resident(c, (const void *)k, 256, smem), per = fit < c->bulk_blocks ? fit : c->bulk_blocks;
@@ -297,7 +358,7 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
                acc, y);
         return;
     }
-    if (n > 1 && dec_matmul_tc(c, w, x, n, p, e, acc, y)) return;
+    if (n > 1 && !q8 && dec_matmul_tc(c, w, x, n, p, e, acc, y)) return;
     // rows of x that fit beside the kernel's own shared memory (red: GEMV_MAX_N * PRE_MAX_HEADS floats)
     size_t room = (size_t)(c->smem_optin > 0 ? c->smem_optin : 48 * 1024) - GEMV_MAX_N * PRE_MAX_HEADS * sizeof(float) - 1024;
     int fit = (int)(room / ((size_t)w->cols * sizeof(float)));
@@ -310,24 +371,8 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
         for (int t = 0; t < QF_DEC_ROWS; t++) et.st[t] = t0 + t < QF_DEC_ROWS ? e.st[t0 + t] : NULL;
         const float *xt = x + (int64_t)t0 * w->cols;
         float *yt = y + (int64_t)t0 * w->rows;
-        switch (nt) { // one kernel per row count (rows below NT are masked, but only NT == nt ran on a GPU)
-        case 1: gemv_pre_launch<1>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 2: gemv_pre_launch<2>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 3: gemv_pre_launch<3>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 4: gemv_pre_launch<4>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 5: gemv_pre_launch<5>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 6: gemv_pre_launch<6>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 7: gemv_pre_launch<7>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 8: gemv_pre_launch<8>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 9: gemv_pre_launch<9>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 10: gemv_pre_launch<10>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 11: gemv_pre_launch<11>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 12: gemv_pre_launch<12>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 13: gemv_pre_launch<13>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 14: gemv_pre_launch<14>(c, w, xt, nt, pt, et, acc, yt); break;
-        case 15: gemv_pre_launch<15>(c, w, xt, nt, pt, et, acc, yt); break;
-        default: gemv_pre_launch<16>(c, w, xt, nt, pt, et, acc, yt); break;
-        }
+        if (w->dtype == QF_DT_BF16) gemv_pre_rows<QK_BF16>(c, w, xt, nt, pt, et, acc, yt);
+        else gemv_pre_rows<QK_I8>(c, w, xt, nt, pt, et, acc, yt);
     }
 }
 
