@@ -246,7 +246,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
     for (int i = 0; i < x->G - 1; i++) {
         double s0 = qf_now();
         /* greedy: the pick happens where the logits are (on a GPU, only the ids come back) */
-        for (int s = 0; s < x->C; s++) x->steps[s] = (qf_seq_step){x->st[s], &x->next[s], 1, QF_LOGITS_TOP1, NULL, &x->next[s], 0, 0, NULL, NULL};
+        for (int s = 0; s < x->C; s++) x->steps[s] = (qf_seq_step){x->st[s], &x->next[s], 1, QF_LOGITS_TOP1, NULL, &x->next[s], 0, 0, NULL, NULL, NULL};
         int rc = qf_forward(e->model, &e->be, e->ws, x->steps, x->C);
         if (rc != QF_OK) return rc;
         itl[i] = qf_now() - s0;

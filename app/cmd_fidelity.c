@@ -73,7 +73,7 @@ static int run_windows(qf_engine *e, qf_engine *ea, const fid_opts *o, const int
         const int32_t *tok = ids + (size_t)w * o->window;
         qf_state_reset(sd), qf_state_reset(sa);
         for (int i = 0; i < o->window - 1 && rc == QF_OK; i++) {
-            qf_seq_step s = {sd, tok + i, 1, QF_LOGITS_LAST, d, NULL, 0, 0, NULL, NULL};
+            qf_seq_step s = {sd, tok + i, 1, QF_LOGITS_LAST, d, NULL, 0, 0, NULL, NULL, NULL};
             if ((rc = set_level(e, 0)) == QF_OK) rc = qf_forward(e->model, &e->be, e->ws, &s, 1);
             s.st = sa, s.logits = a;
             if (rc == QF_OK && (rc = set_level(ea, level)) == QF_OK) rc = qf_forward(ea->model, &ea->be, ea->ws, &s, 1);

@@ -15,7 +15,7 @@ static int window_nll(qf_engine *e, qf_state *st, const int32_t *tok, int n, flo
     *nll = 0;
     for (int i = 0; i < n - 1; i += chunk) {
         int cnt = n - 1 - i < chunk ? n - 1 - i : chunk;
-        qf_seq_step s = {st, tok + i, cnt, QF_LOGITS_ALL, logits, NULL, 0, 0, NULL, NULL};
+        qf_seq_step s = {st, tok + i, cnt, QF_LOGITS_ALL, logits, NULL, 0, 0, NULL, NULL, NULL};
         int rc = qf_forward(e->model, &e->be, e->ws, &s, 1);
         if (rc != QF_OK) return rc;
         for (int j = 0; j < cnt; j++) {

@@ -34,12 +34,13 @@ import urllib.parse
 
 
 RESPONSE_FORMAT = None
+SAMPLING = {"temperature": 0}  # --temperature / --top-p / --top-k (greedy unless given)
 
 
 def one_stream(url, prompt, gen, out):
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    body = {"prompt": prompt, "max_tokens": gen, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = dict(SAMPLING, prompt=prompt, max_tokens=gen, stream=True, ignore_eos=True)
     if RESPONSE_FORMAT:
         body["response_format"] = RESPONSE_FORMAT
     t0 = time.perf_counter()
@@ -119,12 +120,11 @@ def sharegpt_lengths(n, seed, ctx):
 
 
 def one_request(url, ids, gen, rec):
-    """One streamed greedy completion of token ids; rec gets the send time, each chunk's arrival
-    and the usage the server reports."""
+    """One streamed completion of token ids (SAMPLING's settings); rec gets the send time, each
+    chunk's arrival and the usage the server reports."""
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    body = {"prompt": ids, "max_tokens": gen, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = dict(SAMPLING, prompt=ids, max_tokens=gen, stream=True, ignore_eos=True, stream_options={"include_usage": True})
     rec["t0"] = time.perf_counter()
     try:
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -254,8 +254,13 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=200, help="sharegpt: requests a run")
     ap.add_argument("--rate", default="inf", help="sharegpt: requests a second (Poisson), or inf")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling (0: greedy); e.g. Qwen's 0.7 with --top-p 0.8 --top-k 20")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--json", help="sharegpt: write the results here")
     a = ap.parse_args()
+    if a.temperature > 0:
+        SAMPLING.update(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
     if a.mix == "sharegpt":
         sharegpt_main(a)
         return

@@ -9,6 +9,7 @@
 #include "base/dtype.h"
 #include "base/numeric.h"
 #include "base/quant.h"
+#include "runtime/sampler.h"
 #include "base/timer.h"
 #include "experts/store.h"
 #include "test_util.h"
@@ -722,6 +723,115 @@ static void test_dec_argmax(int n, int cols) {
     gpu.ops->free(&gpu, dx), gpu.ops->free(&gpu, dout);
 }
 
+/* The device's draw (ops.h qf_draw) against the host sampler with the same uniform numbers: rows of
+ * a few likely tokens over a Gaussian tail, each sampler with its own seed and a history of 12
+ * tokens (penalties), 32 rows a setting: the same ids, save (settings whose normaliser sums the
+ * whole vocabulary, in another order) one of them; timed. */
+/* Near-Gaussian (the sum of three uniforms: mean 0, variance 1). */
+static float nrand(void) { return qt_frand() + qt_frand() + qt_frand(); }
+
+static void test_dec_draw(int V) {
+    enum { R = 32 };
+    const qf_sampling set[] = {
+        {0.0f, 0, 1.0f, 0.0f, 1.3f, 0.0f, 0.0f, 1},    /* greedy after a repetition penalty */
+        {0.7f, 20, 0.8f, 0.0f, 1.0f, 0.0f, 0.0f, 2},   /* Qwen's recommended */
+        {1.0f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 3},    /* temperature alone (the API's default) */
+        {0.6f, 0, 0.95f, 0.0f, 1.0f, 0.0f, 0.0f, 4},   /* top-p with top-k off */
+        {1.0f, 50, 1.0f, 0.1f, 1.1f, 0.5f, 0.3f, 5},   /* min-p and every penalty */
+        {1.2f, QF_DRAW_MAX_K, 0.9f, 0.0f, 1.0f, 0.0f, 0.0f, 6},
+    };
+    float *x = malloc((size_t)R * V * 4), *host = malloc((size_t)V * 4);
+    float *dx = gpu.ops->alloc(&gpu, (size_t)R * V * 4);
+    int32_t *dout = gpu.ops->alloc(&gpu, R * 4), got[R];
+    for (size_t k = 0; k < sizeof set / sizeof *set; k++) {
+        qf_sampler *a[R], *b[R];
+        qf_draw d[R];
+        for (int t = 0; t < R; t++) {
+            float *r = x + (size_t)t * V;
+            for (int i = 0; i < V; i++) r[i] = nrand();
+            for (int j = 0; j < 6; j++) r[(t * 7919 + j * 104729) % V] = 6.0f + 0.5f * (float)j;
+            qf_sampling p = set[k];
+            p.seed = set[k].seed * 1000 + (uint64_t)t;
+            a[t] = qf_sampler_create(V, &p), b[t] = qf_sampler_create(V, &p);
+            for (int j = 0; j < 12; j++) {
+                int32_t tok = (t * 7919 + (j % 4) * 104729) % V; /* some likely ones, some twice */
+                qf_sampler_accept(a[t], tok, j >= 4), qf_sampler_accept(b[t], tok, j >= 4);
+            }
+            CHECK(qf_sampler_draw_desc(a[t], &d[t]), "draw_desc refused setting %zu", k);
+        }
+        gpu.ops->upload(&gpu, dx, x, (size_t)R * V * 4);
+        qf_be_sync(&gpu);
+        double t0 = qf_now();
+        gpu.ops->dec->draw(&gpu, dx, R, V, d, dout);
+        gpu.ops->download(&gpu, got, dout, R * 4);
+        double dt = qf_now() - t0;
+        int mism = 0;
+        for (int t = 0; t < R; t++) {
+            memcpy(host, x + (size_t)t * V, (size_t)V * 4);
+            mism += got[t] != qf_sampler_sample_u(b[t], host, d[t].u);
+            qf_sampler_free(a[t]), qf_sampler_free(b[t]);
+        }
+        int whole = set[k].temperature > 0.0f && set[k].top_k == 0;
+        CHECK(qf_be_sync(&gpu) == QF_OK && mism <= whole, "draw setting %zu, vocab %d: %d of %d ids differ from the host sampler's", k, V, mism, R);
+        fprintf(stderr, "  %-18s setting %zu, %d rows of %d: %d differ from the host's, %.0f us\n", "dec draw", k, R, V, mism, dt * 1e6);
+    }
+    free(x), free(host);
+    gpu.ops->free(&gpu, dx), gpu.ops->free(&gpu, dout);
+}
+
+/* A flat row (top-k off, top-p keeping more than QF_DRAW_MAX_K tokens): walked in id order on the
+ * device, so only the distribution is the host's: 19,200 draws, each of the 6 likeliest tokens
+ * at its probability under the rule within 5 sigma. */
+static void test_dec_draw_flat(void) {
+    enum { V = 4096, R = 64, ROUNDS = 300 };
+    float *x = malloc((size_t)R * V * 4);
+    for (int i = 0; i < V; i++) x[i] = nrand();
+    for (int j = 0; j < 6; j++) x[j * 601] = 4.0f + 0.2f * (float)j;
+    for (int t = 1; t < R; t++) memcpy(x + (size_t)t * V, x, (size_t)V * 4);
+    qf_sampling p = {1.5f, 0, 0.9f, 0.0f, 1.0f, 0.0f, 0.0f, 11};
+    /* the rule's probabilities: every token sorted, top-p's prefix, each w / total */
+    double w[V], mx = -1e30, sum = 0, cum = 0, total = 0, prob[6];
+    int ord[V];
+    for (int i = 0; i < V; i++) w[i] = (double)(x[i] / p.temperature), ord[i] = i, mx = w[i] > mx ? w[i] : mx;
+    for (int i = 0; i < V; i++) w[i] = exp(w[i] - mx), sum += w[i];
+    for (int i = 1; i < V; i++) /* insertion sort by weight, descending (ties: lower id) */
+        for (int j = i; j > 0 && (w[ord[j]] > w[ord[j - 1]] || (w[ord[j]] == w[ord[j - 1]] && ord[j] < ord[j - 1])); j--) {
+            int tmp = ord[j];
+            ord[j] = ord[j - 1], ord[j - 1] = tmp;
+        }
+    int kept = V;
+    for (int i = 0; i < V; i++)
+        if ((cum += w[ord[i]] / sum) >= p.top_p) {
+            kept = i + 1;
+            break;
+        }
+    for (int i = 0; i < kept; i++) total += w[ord[i]];
+    for (int j = 0; j < 6; j++) prob[j] = w[j * 601] / total;
+    float *dx = gpu.ops->alloc(&gpu, (size_t)R * V * 4);
+    int32_t *dout = gpu.ops->alloc(&gpu, R * 4), got[R];
+    qf_sampler *smp = qf_sampler_create(V, &p);
+    qf_draw d[R];
+    long hits[6] = {0}, n = 0;
+    for (int round = 0; round < ROUNDS; round++) {
+        for (int t = 0; t < R; t++) qf_sampler_draw_desc(smp, &d[t]);
+        gpu.ops->upload(&gpu, dx, x, (size_t)R * V * 4);
+        gpu.ops->dec->draw(&gpu, dx, R, V, d, dout);
+        gpu.ops->download(&gpu, got, dout, R * 4);
+        for (int t = 0; t < R; t++, n++)
+            for (int j = 0; j < 6; j++) hits[j] += got[t] == j * 601;
+    }
+    int bad = 0;
+    for (int j = 0; j < 6; j++) {
+        double e = prob[j] * (double)n, sd = sqrt(e * (1 - prob[j]));
+        bad += fabs((double)hits[j] - e) > 5 * sd;
+    }
+    CHECK(kept > QF_DRAW_MAX_K && bad == 0, "flat draw: %d tokens kept, %d of the 6 likeliest off their probability", kept, bad);
+    fprintf(stderr, "  %-18s %d of %d tokens kept, %ld draws: the likeliest at %ld against %.0f expected\n", "dec draw (flat)", kept, V, n, hits[5], prob[5] * (double)n);
+    qf_sampler_free(smp);
+    free(x);
+    gpu.ops->free(&gpu, dx), gpu.ops->free(&gpu, dout);
+}
+
 /* Bandwidth of the fused products at the 35B's decode shapes. */
 static void bench_dec_matmul(int64_t rows, int64_t cols, int n) {
     void *hw;
@@ -1100,9 +1210,16 @@ int main(int argc, char **argv) {
     /* QFLASH_TEST_QUICK (a device call that wants a part): 1 the prompt ops alone, 2 the many-row MoE
      * alone, 3 the rest (the decode kernels), 4 sparsity's kernels alone, 5 quantised weights alone, 6 the
      * one-row MoE of quantised experts, 7 their prompt-sized MoE, 8 the decode ops at 1..64 rows alone,
-     * 9 the fused products of an int8 trunk alone, with their time */
+     * 9 the fused products of an int8 trunk alone, with their time, 10 the draw alone */
     const char *quick = getenv("QFLASH_TEST_QUICK");
     int part = quick ? atoi(quick) : 0;
+    if (part == 10) {
+        test_dec_draw(248320);
+        test_dec_draw(4096);
+        test_dec_draw_flat();
+        qf_cuda_backend_free(&gpu);
+        return qt_finish();
+    }
     if (part == 9) {
         trunk_checks(1);
         qf_cuda_backend_free(&gpu);
@@ -1193,6 +1310,8 @@ int main(int argc, char **argv) {
     }
     if (part == 2) return qt_finish();
     dec_rows_checks();
+    test_dec_draw(248320);
+    test_dec_draw_flat();
     test_dec_gdn_gn(16, 32, 128, 128); /* the step with out_proj's gated norm (the default one-row step); twice in a row */
     test_dec_gdn_gn(16, 32, 128, 128);
     test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 3, 1); /* the fixtures' small heads */

@@ -240,7 +240,7 @@ static void *fwd_rank(void *arg) {
         qf_seq_step q[SEQS_PER_RANK];
         for (int s = 0; s < SEQS_PER_RANK; s++) {
             int at = step ? PROMPT + step - 1 : 0;
-            q[s] = (qf_seq_step){st[s], &j->ids[s][at], step ? 1 : PROMPT, QF_LOGITS_LAST, j->last + (size_t)s * V, NULL, 0, 0, NULL, NULL};
+            q[s] = (qf_seq_step){st[s], &j->ids[s][at], step ? 1 : PROMPT, QF_LOGITS_LAST, j->last + (size_t)s * V, NULL, 0, 0, NULL, NULL, NULL};
         }
         j->rc = qf_forward(m, &be, ws, q, SEQS_PER_RANK);
         for (int s = 0; j->rc == QF_OK && step < GEN && s < SEQS_PER_RANK; s++) j->ids[s][PROMPT + step] = qt_argmax(j->last + (size_t)s * V, V);

@@ -7,6 +7,7 @@
 
 #include "backend/cuda/ops_cuda.h"
 #include "model/model.h"
+#include "runtime/sampler.h"
 #include "test_util.h"
 
 #define TOL_LOGITS 1e-3
@@ -155,7 +156,7 @@ static void check_batching(const char *dir) {
     float *la = malloc((size_t)V * 4 * 12), *lb = malloc((size_t)V * 4), *wa = malloc((size_t)V * 4 * 12), *wb = malloc((size_t)V * 4);
     /* sequence b first gets 4 tokens alone, then its 5th token rides along with all of a */
     CHECK(qf_forward_seq(m, &be, ws, sb, b, 4, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
-    qf_seq_step steps[2] = {{sa, a, 12, QF_LOGITS_ALL, la, NULL, 0, 0, NULL, NULL}, {sb, b + 4, 1, QF_LOGITS_LAST, lb, NULL, 0, 0, NULL, NULL}};
+    qf_seq_step steps[2] = {{sa, a, 12, QF_LOGITS_ALL, la, NULL, 0, 0, NULL, NULL, NULL}, {sb, b + 4, 1, QF_LOGITS_LAST, lb, NULL, 0, 0, NULL, NULL, NULL}};
     CHECK(qf_forward(m, &be, ws, steps, 2) == QF_OK, "%s", qf_last_error());
     CHECK(qf_forward_seq(m, &be, ws, ra, a, 12, QF_LOGITS_ALL, wa) == QF_OK, "%s", qf_last_error());
     /* b alone decodes its 5th token as a one-row step, as a lone stream does */
@@ -164,11 +165,11 @@ static void check_batching(const char *dir) {
     double da = qt_max_abs_diff(la, wa, (int64_t)V * 12), db = qt_max_abs_diff(lb, wb, V);
     CHECK(da == 0 && db == 0, "%s batched vs alone: %.3g / %.3g", dir, da, db);
     int32_t bad = V;
-    qf_seq_step oob = {sa, &bad, 1, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL};
+    qf_seq_step oob = {sa, &bad, 1, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL, NULL};
     CHECK(qf_forward(m, &be, ws, &oob, 1) == QF_EINVAL && sa->pos == 12, "out-of-range token accepted");
     /* a holds 3 pages and b 2: the pool is empty, so a 13th token of a must fail and change nothing */
     int32_t more = 5;
-    qf_seq_step full = {sa, &more, 1, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL};
+    qf_seq_step full = {sa, &more, 1, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL, NULL};
     CHECK(qf_kv_pool_free_pages(pool) == 0 && qf_forward(m, &be, ws, &full, 1) == QF_ENOMEM && sa->pos == 12,
           "%s: full KV pool not reported (%d free)", dir, qf_kv_pool_free_pages(pool));
     qf_state_reset(sb);
@@ -194,7 +195,7 @@ static void check_top1(const char *dir) {
              *rb = qf_state_create(m, 16);
     float *wa = malloc((size_t)V * 4), *wb = malloc((size_t)V * 4), *lc = malloc((size_t)V * 4);
     CHECK(qf_forward_seq(m, &be, ws, sb, b, 2, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
-    qf_seq_step steps[3] = {{sa, a, 6, QF_LOGITS_TOP1, NULL, &ia, 0, 0, NULL, NULL}, {sb, b + 2, 1, QF_LOGITS_TOP1, NULL, &ib, 0, 0, NULL, NULL}, {sc, b, 3, QF_LOGITS_LAST, lc, NULL, 0, 0, NULL, NULL}};
+    qf_seq_step steps[3] = {{sa, a, 6, QF_LOGITS_TOP1, NULL, &ia, 0, 0, NULL, NULL, NULL}, {sb, b + 2, 1, QF_LOGITS_TOP1, NULL, &ib, 0, 0, NULL, NULL, NULL}, {sc, b, 3, QF_LOGITS_LAST, lc, NULL, 0, 0, NULL, NULL, NULL}};
     CHECK(qf_forward(m, &be, ws, steps, 3) == QF_OK, "%s", qf_last_error());
     CHECK(qf_forward_seq(m, &be, ws, ra, a, 6, QF_LOGITS_LAST, wa) == QF_OK, "%s", qf_last_error());
     CHECK(qf_forward_seq(m, &be, ws, rb, b, 3, QF_LOGITS_LAST, wb) == QF_OK, "%s", qf_last_error());
@@ -207,6 +208,67 @@ static void check_top1(const char *dir) {
     qf_model_free(m);
 }
 
+/* QF_LOGITS_DRAW on a backend with the draw op (the CPU's composed fused ops, or the GPU's): a
+ * prompt-path step (a prefilling sequence drawing beside a TOP1 and a LAST one) and a decode step
+ * (rows drawing beside NONE and TOP1 rows) pick, for each drawing row, what the host sampler picks
+ * from the same logits with the same uniform number (its twin sampler, same seed and history). */
+static void check_draw(const char *dir, int gpu) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
+    qf_pool *pool = qf_pool_create(2);
+    qf_backend be = {qf_cpu_ops_best(), pool, NULL};
+    int ok = gpu ? qf_cuda_backend_init(&be, 0, NULL) == QF_OK : qf_cpu_dec_compose_init(&be, qf_cpu_ops_best(), (size_t)4 << 20) == QF_OK;
+    CHECK(ok && qf_model_to_device(m, &be, 0) == QF_OK, "%s", qf_last_error());
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    int V = m->cfg.vocab, mism = 0, draws = 0;
+    qf_sampling sp[3] = {{0.8f, 20, 0.9f, 0.0f, 1.1f, 0.3f, 0.2f, 7}, {1.0f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 8}, {0.7f, 0, 0.8f, 0.05f, 1.0f, 0.0f, 0.0f, 9}};
+    float *lg = malloc((size_t)V * 4 * 6), *ref = malloc((size_t)V * 4);
+    for (int round = 0; round < 8 && ok; round++) {
+        qf_state *st[6], *tw[6];
+        qf_sampler *smp[3], *twin[3];
+        qf_draw d[3];
+        int32_t toks[6][8], pick[6] = {0};
+        for (int i = 0; i < 6; i++) {
+            st[i] = qf_state_create(m, 32), tw[i] = qf_state_create(m, 32);
+            for (int k = 0; k < 8; k++) toks[i][k] = (int32_t)((round * 131 + i * 17 + k * 7) % V);
+        }
+        for (int i = 0; i < 3; i++) {
+            smp[i] = qf_sampler_create(V, &sp[i]), twin[i] = qf_sampler_create(V, &sp[i]);
+            for (int k = 0; k < 5; k++) qf_sampler_accept(smp[i], toks[i][k], k > 2), qf_sampler_accept(twin[i], toks[i][k], k > 2);
+            qf_sampler_draw_desc(smp[i], &d[i]);
+        }
+        /* the prompt path: sequence 0 prefills 6 tokens and draws, 3 picks greedily, 4 wants LAST */
+        qf_seq_step a[3] = {{st[0], toks[0], 6, QF_LOGITS_DRAW, lg, &pick[0], 0, 0, NULL, NULL, &d[0]},
+                            {st[3], toks[3], 2, QF_LOGITS_TOP1, NULL, &pick[3], 0, 0, NULL, NULL, NULL},
+                            {st[4], toks[4], 3, QF_LOGITS_LAST, lg + V, NULL, 0, 0, NULL, NULL, NULL}};
+        CHECK(qf_forward(m, &be, ws, a, 3) == QF_OK, "%s", qf_last_error());
+        /* the decode path: 1 and 2 prefill first, then one token each beside 5 (NONE) and 3 (TOP1) */
+        for (int i = 1; i < 3; i++) CHECK(qf_forward_seq(m, &be, ws, st[i], toks[i], 5, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
+        CHECK(qf_forward_seq(m, &be, ws, st[5], toks[5], 5, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
+        qf_seq_step b[4] = {{st[1], toks[1] + 5, 1, QF_LOGITS_DRAW, lg + 2 * V, &pick[1], 0, 0, NULL, NULL, &d[1]},
+                            {st[5], toks[5] + 5, 1, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL, NULL},
+                            {st[2], toks[2] + 5, 1, QF_LOGITS_DRAW, lg + 3 * V, &pick[2], 0, 0, NULL, NULL, &d[2]},
+                            {st[3], toks[3] + 2, 1, QF_LOGITS_TOP1, NULL, &pick[3], 0, 0, NULL, NULL, NULL}};
+        CHECK(qf_forward(m, &be, ws, b, 4) == QF_OK, "%s", qf_last_error());
+        const int n_in[3] = {6, 6, 6};
+        for (int i = 0; i < 3; i++) { /* the twin: the same tokens plainly, LAST logits, the host's pick with the same number */
+            CHECK(qf_forward_seq(m, &be, ws, tw[i], toks[i], n_in[i], QF_LOGITS_LAST, ref) == QF_OK, "%s", qf_last_error());
+            int32_t want = qf_sampler_sample_u(twin[i], ref, d[i].u);
+            mism += pick[i] != want, draws++;
+            if (pick[i] != want) fprintf(stderr, "  draw: round %d row %d picked %d, the host %d\n", round, i, pick[i], want);
+        }
+        for (int i = 0; i < 6; i++) qf_state_free(st[i]), qf_state_free(tw[i]);
+        for (int i = 0; i < 3; i++) qf_sampler_free(smp[i]), qf_sampler_free(twin[i]);
+    }
+    CHECK(mism == 0, "%s: %d of %d device draws differ from the host sampler's", dir, mism, draws);
+    fprintf(stderr, "%s [%s]: %d draws (prompt and decode steps) as the host sampler's\n", dir, gpu ? "cuda" : "composed", draws);
+    free(lg), free(ref);
+    qf_workspace_free(ws);
+    qf_model_free(m);
+    if (gpu) qf_cuda_backend_free(&be);
+    qf_pool_destroy(pool);
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     const char *dev = getenv("QFLASH_TEST_DEVICE");
@@ -217,6 +279,7 @@ int main(int argc, char **argv) {
             run_model("tests/data/qwen35-tiny", "logits", 4, NULL, 0, 0);
             run_model("models/qwen36moe-code-14m", "logits_tail", 5, NULL, 0, 0);
         }
+        check_draw("models/qwen36moe-code-14m", 1);
         return qt_finish();
     }
     const qf_ops *tables[2] = {&qf_cpu_ops_ref, qf_cpu_ops_best()};
@@ -232,5 +295,7 @@ int main(int argc, char **argv) {
     check_batching("tests/data/qwen35moe-tiny");
     check_batching("tests/data/qwen35-tiny");
     check_top1("tests/data/qwen35moe-tiny");
+    check_draw("tests/data/qwen35moe-tiny", 0);
+    check_draw("models/qwen36moe-code-14m", 0);
     return qt_finish();
 }

@@ -57,7 +57,7 @@ static int make_dir(void) {
 /* The model's final-normed hidden states of a prompt (its MTP inputs), all rows at once. */
 static int hidden_of(const qf_model *m, qf_backend *be, qf_workspace *ws, const int32_t *ids, int T, float *h) {
     qf_state *st = qf_state_create(m, T + 8);
-    qf_seq_step s = {st, ids, T, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, h};
+    qf_seq_step s = {st, ids, T, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, h, NULL};
     int rc = st ? qf_forward(m, be, ws, &s, 1) : QF_ENOMEM;
     qf_state_free(st);
     return rc;
@@ -102,7 +102,7 @@ static void test_speculative(const int32_t *ids);
 
 /* One greedy step of the model: feed tok at st's position, its hidden state into h, the pick. */
 static int32_t greedy_step(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, int32_t tok, float *h, float *lg) {
-    qf_seq_step s = {st, &tok, 1, QF_LOGITS_LAST, lg, NULL, 0, 0, NULL, h};
+    qf_seq_step s = {st, &tok, 1, QF_LOGITS_LAST, lg, NULL, 0, 0, NULL, h, NULL};
     return qf_forward(m, be, ws, &s, 1) == QF_OK ? qt_argmax(lg, m->cfg.vocab) : -1;
 }
 
@@ -127,7 +127,7 @@ static void test_acceptance(const qf_model *m, qf_backend *be) {
     for (int p = 0; p < 8; p++) {
         qf_state_reset(st), qf_mtp_run_reset(run);
         memcpy(seq, ids + (size_t)p * P, (size_t)P * sizeof *seq);
-        qf_seq_step s = {st, seq, P, QF_LOGITS_LAST, lg, NULL, 0, 0, NULL, h};
+        qf_seq_step s = {st, seq, P, QF_LOGITS_LAST, lg, NULL, 0, 0, NULL, h, NULL};
         CHECK(qf_forward(m, be, ws, &s, 1) == QF_OK, "prompt %d", p);
         seq[P] = qt_argmax(lg, V);
         for (int j = 1; j < G; j++) seq[P + j] = greedy_step(m, be, ws, st, seq[P + j - 1], h + (size_t)(P + j - 1) * H, lg);

@@ -194,6 +194,46 @@ static void test_sampler_distribution(void) {
     }
 }
 
+/* The device's share of a draw (qf_sampler_draw_desc): it takes the uniform number sample would
+ * take (twin samplers stay in step), lists the penalties as sample applies them (the draw op's
+ * rule on a copy gives the penalised logits sample sees), and sample_u with that number picks
+ * what sample picks; a top_k above the draw's limit is refused without taking a number. */
+static void test_sampler_draw_desc(void) {
+    enum { V = 3000 };
+    static float base[V], a[V], b[V];
+    for (int i = 0; i < V; i++) base[i] = 2.0f * sinf((float)i * 0.37f) * cosf((float)i * 1.3f);
+    qf_sampling ps[] = {{0.8f, 20, 0.9f, 0.0f, 1.2f, 0.4f, 0.3f, 3}, {1.0f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 4}, {0.0f, 0, 1.0f, 0.0f, 1.5f, 0.0f, 0.0f, 5}};
+    int diff = 0, pen_bad = 0;
+    for (size_t c = 0; c < sizeof ps / sizeof *ps; c++) {
+        qf_sampler *x = qf_sampler_create(V, &ps[c]), *y = qf_sampler_create(V, &ps[c]);
+        for (int k = 0; k < 200; k++) {
+            qf_draw d;
+            CHECK(qf_sampler_draw_desc(y, &d) && d.on, "draw_desc refused");
+            memcpy(a, base, sizeof a), memcpy(b, base, sizeof b);
+            int32_t tx = qf_sampler_sample(x, a); /* a: penalised by sample */
+            for (int i = 0; i < d.n_pen; i++) { /* the draw's rule on b */
+                float v = b[d.pen_ids[i]];
+                if (d.repetition != 1.0f) v = v > 0.0f ? v / d.repetition : v * d.repetition;
+                b[d.pen_ids[i]] = v - d.pen_sub[i];
+            }
+            pen_bad += memcmp(a, b, sizeof a) != 0; /* sample leaves a penalised, unscaled */
+            memcpy(b, base, sizeof b);
+            int32_t ty = qf_sampler_sample_u(y, b, d.u);
+            diff += tx != ty;
+            qf_sampler_accept(x, tx, 1), qf_sampler_accept(y, ty, 1);
+        }
+        qf_sampler_free(x), qf_sampler_free(y);
+    }
+    CHECK(diff == 0 && pen_bad == 0, "draw_desc + sample_u: %d of 600 picks differ from sample's, %d penalty lists off", diff, pen_bad);
+    qf_sampling big = {1.0f, QF_DRAW_MAX_K + 1, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 6};
+    qf_sampler *z = qf_sampler_create(V, &big), *w = qf_sampler_create(V, &big);
+    qf_draw d;
+    CHECK(!qf_sampler_draw_desc(z, &d) && !qf_sampler_can_draw(z), "top_k %d: the device draw is not refused", big.top_k);
+    memcpy(a, base, sizeof a), memcpy(b, base, sizeof b);
+    CHECK(qf_sampler_sample(z, a) == qf_sampler_sample(w, b), "a refused draw_desc took a number from the stream");
+    qf_sampler_free(z), qf_sampler_free(w);
+}
+
 /* `qflash run --temp 0` on the decoded reference prompts prints exactly HF's greedy text. */
 static void test_cli_run(const qf_tokenizer *t) {
     qf_st_set ref;
@@ -410,6 +450,7 @@ int main(int argc, char **argv) {
     test_cli_manners();
     test_sampler();
     test_sampler_distribution();
+    test_sampler_draw_desc();
     test_cli_run(t);
     test_cli_chat();
     test_cli_perplexity();

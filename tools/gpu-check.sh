@@ -28,6 +28,8 @@
 #                                     time beside bf16), then batch 1 on the whole synthetic model with int4
 #                                     experts and a bf16 / int8 trunk alternating, int8 experts + int8 trunk,
 #                                     and int4 + int8 trunk in a 12G budget
+#   bash tools/gpu-check.sh draw      the token draw on the device: test_cuda's draws against the host sampler
+#                                     (QUICK=10) and test_model's DRAW steps on the GPU
 #   bash tools/gpu-check.sh flash-serve [ARGS]  serve the synthetic model (the bundled tokenizer) with
 #                                     ARGS, 16 streams of 64 tokens from bench/serve_load.py, memory traced
 # Results land in $OUT.
@@ -120,6 +122,10 @@ flash-serve)
     kill $srv; wait $srv; kill $smi
     grep -E "plan|slots|rror" "$OUT/serve.log" | head
     ;;
+draw)
+    QFLASH_TEST_QUICK=10 timeout 200 gpu/test_cuda . 2>&1 | grep -E "FAIL|checks|rror|dec draw"
+    QFLASH_TEST_DEVICE=cuda timeout 200 gpu/test_model . 2>&1 | grep -E "FAIL|checks|draws|rror"
+    ;;
 trunk8)
     QFLASH_TEST_QUICK=9 timeout 200 gpu/test_cuda . >"$OUT/test_cuda9.log" 2>&1; echo "test_cuda (int8 trunk) rc=$?"
     grep -E "FAIL|checks|rror|dec matmul.*us" "$OUT/test_cuda9.log" | head -40
@@ -146,6 +152,8 @@ serve-sharegpt)
     timeout 60 $L --num-prompts 8 --concurrency 1 --json "$OUT/sg1.json" | tail -2
     timeout 60 $L --num-prompts 48 --concurrency 16 --json "$OUT/sg16.json" | tail -1
     timeout 90 $L --num-prompts 128 --concurrency 64 --json "$OUT/sg64.json" | tail -1
+    echo "== sampled (0.7, top-p 0.8, top-k 20: drawn on the device), 64 in flight"
+    timeout 90 $L --num-prompts 128 --concurrency 64 --temperature 0.7 --top-p 0.8 --top-k 20 --json "$OUT/sg64s.json" | tail -1
     kill $srv; wait $srv
     ;;
 esac

@@ -231,6 +231,25 @@ static inline int qf_moe_dec_fits(int dtype, int64_t hidden, int64_t ffn, int64_
     return (dtype == QF_DT_Q8_B32 || dtype == QF_DT_Q4_B32) && hidden % 256 == 0 && ffn % 256 == 0;
 }
 
+/* One row's token draw (runtime/sampler.h's rule, which the host sampler also follows): the
+ * penalties (the repetition rule on every listed id when repetition != 1, then minus sub[i]),
+ * then the first largest (temperature 0) or a draw with the uniform number u in [0, 1) among the
+ * best top_k (0 or >= vocab: every token) of logits / temperature, cut by min_p and top_p, each
+ * with weight exp(v - max) in double, walked best first (ties: the lower id first); with every
+ * token kept (top_k, top_p and min_p off) the best QF_DRAW_SORTED first, then the rest in id order
+ * (the same distribution, without sorting the vocabulary). */
+typedef struct qf_draw {
+    int on; /* 0: the row is not drawn (its out entry is left as it is) */
+    float temperature, top_p, min_p, repetition;
+    int top_k;
+    int n_pen;
+    const int32_t *pen_ids; /* host memory: the ids with a count (the prompt's too) */
+    const float *pen_sub;   /* what each loses after the repetition rule (presence + frequency x generated count; 0: none) */
+    double u;
+} qf_draw;
+#define QF_DRAW_MAX_K 1024 /* the largest top_k a device draw takes (above: the host draws) */
+#define QF_DRAW_SORTED 256 /* see above */
+
 typedef struct qf_dec_ops {
     /* y[n][w.rows] = W . pre(x), or += with accumulate; epi (may be NULL) as qf_gdn_epi says */
     void (*matmul)(qf_backend *be, const qf_mat *w, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi,
@@ -264,6 +283,13 @@ typedef struct qf_dec_ops {
      * the row's physical page ids, ascending, to sel[t] (backend memory): the page table of a view
      * of them. */
     void (*page_select)(qf_backend *be, const qf_attn_dec *a, const int *n_pages, const int *budget, int32_t *const *sel);
+    /* Optional: out[r] = row r's draw (d[r]; rows without `on` untouched) from logits (rows of
+     * cols floats, backend memory; the penalties are applied in place). The draw walks the same
+     * candidates in the same order with the same u as the host sampler, so it picks the same id,
+     * save a sum rounded differently at a boundary; where top-p or min-p keeps more than
+     * QF_DRAW_MAX_K tokens of a top_k-off row (a flat distribution) the kept tokens are walked in
+     * id order instead: the same distribution, another id for the same u. */
+    void (*draw)(qf_backend *be, float *logits, int n, int cols, const qf_draw *d, int32_t *out);
 } qf_dec_ops;
 
 

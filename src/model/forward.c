@@ -17,6 +17,8 @@ typedef struct fwd {
     qf_workspace *ws;
     qf_seq_step *seqs;
     int n_seqs, N; /* sequences, total rows */
+    int lg_rows;   /* after the step: the rows of lg that hold logits (DRAW rows drawn from there; 0: none kept) */
+    int lg_by_seq; /* lg's row t is sequence t's (a decode step), else the t-th sequence that wants logits */
 } fwd;
 
 /* ---- sparsity (model.h): levels per row, the trunk's masks on the host path ---- */
@@ -438,6 +440,14 @@ static int dec_layer(fwd *f, int L) {
     return QF_OK;
 }
 
+/* A DRAW row the backend cannot draw (no draw op, or its logits leave lg before the step ends):
+ * its logits go to the host like a LAST row's, and *top1 = -1 says the caller samples them. Else
+ * *top1 = 0 until draw_after sets it. */
+static void draw_on_host(qf_backend *be, qf_seq_step *q, const float *row, int V) {
+    qf_be_download(be, q->logits, row, (size_t)V * sizeof(float));
+    if (q->logits_mode == QF_LOGITS_DRAW) q->top1[0] = -1;
+}
+
 /* Final norm + lm_head over every row (one per sequence), then each sequence's logits or pick. */
 static void dec_logits(fwd *f) {
     const qf_model *m = f->m;
@@ -451,11 +461,44 @@ static void dec_logits(fwd *f) {
     if (!any) return;
     OPS->dec->matmul(be, &m->lm_head, WS(f->ws, x), f->N, &fin, NULL, 0, lg);
     if (top1) OPS->dec->argmax(be, lg, f->N, V, amax);
+    f->lg_rows = f->N, f->lg_by_seq = 1;
     for (int t = 0; t < f->N; t++) {
         qf_seq_step *q = &f->seqs[t];
-        if (q->logits_mode == QF_LOGITS_LAST) qf_be_download(be, q->logits, lg + (size_t)t * V, (size_t)V * sizeof(float));
+        if (q->logits_mode == QF_LOGITS_LAST || (q->logits_mode == QF_LOGITS_DRAW && !OPS->dec->draw)) draw_on_host(be, q, lg + (size_t)t * V, V);
+        else if (q->logits_mode == QF_LOGITS_DRAW) q->top1[0] = 0;
         else if (q->logits_mode == QF_LOGITS_TOP1) qf_be_download(be, q->top1, amax + t, sizeof(int32_t));
     }
+}
+
+/* The DRAW rows after the step, where lg holds their logits (row t of lg: sequence t's in a
+ * decode step, the t-th wanted row in the prompt path): the backend's draw, ids into *top1. Not
+ * inside the step: the penalty lists are uploaded as they are, which a recorded step could not
+ * repeat. */
+static int lg_row(const fwd *f, int s, int *j) {
+    int mode = f->seqs[s].logits_mode;
+    if (f->lg_by_seq) return s;
+    return mode == QF_LOGITS_LAST || mode == QF_LOGITS_TOP1 || mode == QF_LOGITS_DRAW ? (*j)++ : -1;
+}
+
+static int draw_after(fwd *f) {
+    qf_backend *be = f->be;
+    qf_draw d[QF_DEC_ROWS];
+    int n = 0, V = f->m->cfg.vocab, rows[QF_DEC_ROWS];
+    for (int s = 0, j = 0; s < f->n_seqs; s++) {
+        int row = lg_row(f, s, &j);
+        const qf_seq_step *q = &f->seqs[s];
+        if (row < 0 || row >= f->lg_rows || row >= QF_DEC_ROWS || q->logits_mode != QF_LOGITS_DRAW || q->top1[0] == -1) continue;
+        for (; n < row; n++) d[n].on = 0;
+        d[n] = *q->draw, d[n].on = 1, rows[n] = s, n++;
+    }
+    if (!n) return QF_OK;
+    int32_t ids[QF_DEC_ROWS], *amax = (int32_t *)WS(f->ws, amax);
+    OPS->dec->draw(be, WS(f->ws, lg), n, V, d, amax);
+    qf_be_download(be, ids, amax, (size_t)n * sizeof(int32_t));
+    int rc = qf_be_sync(be);
+    for (int r = 0; rc == QF_OK && r < n; r++)
+        if (d[r].on) f->seqs[rows[r]].top1[0] = ids[r];
+    return rc;
 }
 
 static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_step *seqs, int n_seqs, int *N) {
@@ -464,6 +507,7 @@ static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_s
         const qf_seq_step *q = &seqs[s];
         if (q->n < 1) return qf_fail(QF_EINVAL, "sequence %d of the batch has no tokens", s);
         if (q->sparsity_set && !(q->sparsity >= 0.0f && q->sparsity <= 1.0f)) return qf_fail(QF_EINVAL, "sparsity level %g is outside 0..1", q->sparsity);
+        if (q->logits_mode == QF_LOGITS_DRAW && (!q->draw || !q->top1 || !q->logits)) return qf_fail(QF_EINVAL, "sequence %d draws without its draw, pick or logits", s);
         if (q->sparsity_set && q->sparsity > 0.0f && !qf_model_sparsity_ready(m))
             return qf_fail(QF_EUNSUPPORTED, "a sparsity level above 0 on this device needs the model loaded with one (its transposed weights)");
         for (int i = 0; !q->inputs && i < q->n; i++)
@@ -511,10 +555,12 @@ static void logits(fwd *f) {
                 OPS->matmul(be, &m->lm_head, lrows, cnt, lg);
                 qf_be_download(be, q->logits + (size_t)i0 * V, lg, (size_t)cnt * V * sizeof(float));
             }
-        } else if (q->logits_mode == QF_LOGITS_LAST || q->logits_mode == QF_LOGITS_TOP1) {
+        } else if (q->logits_mode == QF_LOGITS_LAST || q->logits_mode == QF_LOGITS_TOP1 || q->logits_mode == QF_LOGITS_DRAW) {
             ws->lrow_src[n_last++] = s;
         }
     }
+    int keep = n_last <= R && OPS->dec && OPS->dec->draw; /* lg holds every wanted row after the step: DRAW rows drawn from there */
+    f->lg_rows = keep ? n_last : 0, f->lg_by_seq = 0;
     for (int i0 = 0; i0 < n_last; i0 += R) {
         int cnt = n_last - i0 < R ? n_last - i0 : R;
         for (int j = 0; j < cnt; j++) {
@@ -525,7 +571,8 @@ static void logits(fwd *f) {
         OPS->matmul(be, &m->lm_head, lrows, cnt, lg);
         for (int j = 0; j < cnt; j++) {
             qf_seq_step *q = &f->seqs[ws->lrow_src[i0 + j]];
-            if (q->logits_mode == QF_LOGITS_LAST) qf_be_download(be, q->logits, lg + (size_t)j * V, (size_t)V * sizeof(float));
+            if (q->logits_mode == QF_LOGITS_LAST || (q->logits_mode == QF_LOGITS_DRAW && !keep)) draw_on_host(be, q, lg + (size_t)j * V, V);
+            else if (q->logits_mode == QF_LOGITS_DRAW) q->top1[0] = 0;
             else pick(f, lg + (size_t)j * V, q->top1);
         }
     }
@@ -596,7 +643,7 @@ static int step_fail(qf_backend *be, int rc) {
 }
 
 int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step *seqs, int n_seqs) {
-    fwd f = {m, be, ws, seqs, n_seqs, 0};
+    fwd f = {m, be, ws, seqs, n_seqs, 0, 0, 0};
     int rc = check_batch(m, ws, seqs, n_seqs, &f.N);
     if (rc != QF_OK) return rc;
     const qf_config *c = &m->cfg;
@@ -615,7 +662,8 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
         if (rc != QF_OK) return step_fail(be, rc);
         for (int s = 0; s < n_seqs; s++) seqs[s].st->pos += seqs[s].n;
         dec_logits(&f);
-        return OPS->step_end ? OPS->step_end(be, 0) : QF_OK;
+        rc = OPS->step_end ? OPS->step_end(be, 0) : QF_OK;
+        return rc == QF_OK ? draw_after(&f) : rc;
     }
     for (int L = 0; L < c->n_layers; L++) {
         if ((rc = prompt_layer(&f, L, x)) != QF_OK) return step_fail(be, rc);
@@ -628,7 +676,8 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     hidden_out(&f, x, xn);
     for (int s = 0; s < n_seqs; s++) seqs[s].st->pos += seqs[s].n;
     logits(&f);
-    return OPS->step_end ? OPS->step_end(be, 0) : QF_OK;
+    rc = OPS->step_end ? OPS->step_end(be, 0) : QF_OK;
+    return rc == QF_OK ? draw_after(&f) : rc;
 }
 
 /* A prompt longer than the workspace's rows, layer by layer: every chunk passes layer L before any
@@ -645,8 +694,8 @@ static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, 
     if (m->experts->ops->step) m->experts->ops->step(m->experts);
     if (OPS->step_begin) OPS->step_begin(be, 0, n); /* more rows than a recorded step: run as it goes */
     for (int i = 0; i < n; i += R) OPS->embed(be, &m->embed, tokens + i, n - i < R ? n - i : R, ws->px + (size_t)i * H);
-    qf_seq_step q = {st, NULL, 0, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL};
-    fwd f = {m, be, ws, &q, 1, 0};
+    qf_seq_step q = {st, NULL, 0, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL, NULL};
+    fwd f = {m, be, ws, &q, 1, 0, 0, 0};
     for (int L = 0; L < c->n_layers && rc == QF_OK; L++)
         for (int i = 0; i < n && rc == QF_OK; i += R) {
             q.tokens = tokens + i, q.n = f.N = n - i < R ? n - i : R;
@@ -675,7 +724,7 @@ int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state
     for (int i = 0; i < n; i += ws->max_rows) {
         int cnt = n - i < ws->max_rows ? n - i : ws->max_rows;
         int last = i + cnt == n;
-        qf_seq_step s = {st, tokens + i, cnt, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL};
+        qf_seq_step s = {st, tokens + i, cnt, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL, NULL};
         if (logits_mode == QF_LOGITS_ALL) {
             s.logits_mode = QF_LOGITS_ALL;
             s.logits = logits_out + (size_t)i * m->cfg.vocab;

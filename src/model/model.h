@@ -256,8 +256,11 @@ qf_sparsity_counts qf_workspace_sparsity(const qf_workspace *ws);
 int qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud);
 
 /* TOP1: only the greedy pick of the last token's logits (the first index of the largest), into
- * *top1: where the backend can pick on the device, the logits never travel to the host. */
-enum qf_logits_mode { QF_LOGITS_NONE = 0, QF_LOGITS_LAST = 1, QF_LOGITS_ALL = 2, QF_LOGITS_TOP1 = 3 };
+ * *top1: where the backend can pick on the device, the logits never travel to the host. DRAW:
+ * the pick of *draw (backend/ops.h qf_draw: the sampler's rule with its uniform number) into
+ * *top1, made on the device after the step; where it cannot be made there, the logits go to
+ * *logits (which a DRAW row must give) and *top1 = -1: the caller samples them. */
+enum qf_logits_mode { QF_LOGITS_NONE = 0, QF_LOGITS_LAST = 1, QF_LOGITS_ALL = 2, QF_LOGITS_TOP1 = 3, QF_LOGITS_DRAW = 4 };
 
 /* One sequence's share of a batched forward. logits: vocab floats (LAST) or n * vocab (ALL). */
 typedef struct qf_seq_step {
@@ -266,11 +269,12 @@ typedef struct qf_seq_step {
     int n;
     int logits_mode;
     float *logits;
-    int32_t *top1; /* TOP1 */
+    int32_t *top1; /* TOP1, DRAW */
     int sparsity_set; /* this sequence's sparsity level (every layer) instead of the model's (CPU path) */
     float sparsity;
     const float *inputs; /* n rows of hidden floats that replace the tokens' embeddings (the MTP head's; NULL: embed tokens) */
     float *hidden;       /* NULL, or where the n rows' final-normed hidden states go (host path: the MTP head's input) */
+    const qf_draw *draw; /* DRAW */
 } qf_seq_step;
 
 /* Runs the tokens of every sequence through the model at once (sum of n <= workspace rows),

@@ -135,11 +135,14 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
     if (rc != QF_OK) return rc;
     double t1 = qf_engine_prompt_done(req, stats, t0);
     qf_emitter em = {.e = e, .req = req, .stats = stats};
-    /* greedy without penalties: later picks are made where the logits are (QF_LOGITS_TOP1) */
+    /* later picks are made where the logits are: greedy without penalties (QF_LOGITS_TOP1), or a
+     * draw where the backend draws (QF_LOGITS_DRAW; -1: it left the logits to the host) */
     int greedy = qf_sampler_is_greedy(req->sampler), picked = 0;
+    int draws = !greedy && e->be.ops->dec && e->be.ops->dec->draw && qf_sampler_can_draw(req->sampler);
     int32_t pick = 0;
+    qf_draw d = {0};
     while (em.n < req->max_tokens) {
-        int32_t tok = picked ? pick : qf_sampler_sample(req->sampler, e->logits);
+        int32_t tok = picked && pick >= 0 ? pick : picked ? qf_sampler_sample_u(req->sampler, e->logits, d.u) : qf_sampler_sample(req->sampler, e->logits);
         int how = qf_engine_emit(&em, st, st->pos, tok);
         if (how == 2) break;
         if (how == 1) {
@@ -147,8 +150,9 @@ int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf
             rc = qf_forward_seq(e->model, &e->be, e->ws, st, &tok, 1, QF_LOGITS_NONE, NULL);
             break;
         }
-        if (greedy) {
-            qf_seq_step step = {st, &tok, 1, QF_LOGITS_TOP1, NULL, &pick, 0, 0, NULL, NULL};
+        if (greedy || draws) {
+            if (draws) qf_sampler_draw_desc(req->sampler, &d);
+            qf_seq_step step = {st, &tok, 1, draws ? QF_LOGITS_DRAW : QF_LOGITS_TOP1, e->logits, &pick, 0, 0, NULL, NULL, &d};
             rc = qf_forward(e->model, &e->be, e->ws, &step, 1);
             picked = 1;
         } else {

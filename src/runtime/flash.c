@@ -82,7 +82,7 @@ static int warm_up(qf_engine *e, int prompt) {
     int rc = st && tok ? QF_OK : qf_fail(QF_ENOMEM, "out of memory for the warm-up");
     if (rc == QF_OK) rc = qf_forward_seq(e->model, &e->be, e->ws, st, tok, R, QF_LOGITS_LAST, e->logits);
     for (int i = 0; i < 3 && rc == QF_OK; i++) { /* eager, recorded, replayed */
-        qf_seq_step step = {st, tok, 1, QF_LOGITS_TOP1, NULL, tok + 1, 0, 0, NULL, NULL};
+        qf_seq_step step = {st, tok, 1, QF_LOGITS_TOP1, NULL, tok + 1, 0, 0, NULL, NULL, NULL};
         rc = qf_forward(e->model, &e->be, e->ws, &step, 1);
     }
     if (rc == QF_OK) rc = qf_be_sync(&e->be);

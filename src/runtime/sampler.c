@@ -23,11 +23,13 @@ struct qf_sampler {
     double *w;                  /* (vocab) exp(logit - max) of the sorted candidates */
     float *x;                   /* (vocab) the logits over the temperature */
     unsigned char *best;        /* (vocab) 1: among the sorted candidates (the unsorted tail's walk skips it) */
+    float *sub;                 /* (vocab) per touched id, what the presence and frequency penalties take (draw_desc) */
 };
 
 /* With top_k off, the best candidates sorted first: top-p and min-p stop inside them unless the
- * distribution is flat, and only then is every candidate sorted. */
-#define SORTED_FIRST 256
+ * distribution is flat, and only then is every candidate sorted (the walk of backend/ops.h's
+ * qf_draw, which the device's draw follows too). */
+#define SORTED_FIRST QF_DRAW_SORTED
 
 qf_sampling qf_sampling_default(void) {
     qf_sampling p = {0.0f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 0};
@@ -81,7 +83,8 @@ qf_sampler *qf_sampler_create(int vocab, const qf_sampling *p) {
     s->w = malloc((size_t)vocab * sizeof(double));
     s->x = malloc((size_t)vocab * sizeof(float));
     s->best = calloc((size_t)vocab, 1);
-    if (!s->count_all || !s->count_gen || !s->touched || !s->c || !s->w || !s->x || !s->best) {
+    s->sub = malloc((size_t)vocab * sizeof(float));
+    if (!s->count_all || !s->count_gen || !s->touched || !s->c || !s->w || !s->x || !s->best || !s->sub) {
         qf_sampler_free(s);
         return NULL;
     }
@@ -98,6 +101,7 @@ void qf_sampler_free(qf_sampler *s) {
     free(s->w);
     free(s->x);
     free(s->best);
+    free(s->sub);
     free(s);
 }
 
@@ -115,12 +119,15 @@ void qf_sampler_accept(qf_sampler *s, int32_t tok, int generated) {
     if (generated) s->count_gen[tok]++;
 }
 
+/* What the presence and frequency penalties take from a token generated gen times. */
+static float gen_sub(const qf_sampling *p, int gen) { return p->presence_penalty + p->frequency_penalty * (float)gen; }
+
 static void apply_penalties(qf_sampler *s, float *logits) {
     const qf_sampling *p = &s->p;
     for (int i = 0; i < s->n_touched; i++) {
         int32_t t = s->touched[i];
         if (p->repetition_penalty != 1.0f) logits[t] = logits[t] > 0 ? logits[t] / p->repetition_penalty : logits[t] * p->repetition_penalty;
-        if (s->count_gen[t]) logits[t] -= p->presence_penalty + p->frequency_penalty * (float)s->count_gen[t];
+        if (s->count_gen[t]) logits[t] -= gen_sub(p, s->count_gen[t]);
     }
 }
 
@@ -205,11 +212,11 @@ static int keep_count(const qf_sampling *p, const double *w, int n, double sum) 
     return n + 1;
 }
 
-/* A draw from the kept sorted candidates. */
-static int32_t draw_sorted(qf_sampler *s, int kept) {
+/* A draw with the uniform number u0 from the kept sorted candidates. */
+static int32_t draw_sorted(qf_sampler *s, int kept, double u0) {
     double total = 0;
     for (int i = 0; i < kept; i++) total += s->w[i];
-    double u = next_unit(s->rng) * total, acc = 0;
+    double u = u0 * total, acc = 0;
     for (int i = 0; i < kept; i++) {
         acc += s->w[i];
         if (u < acc) return s->c[i].id;
@@ -219,8 +226,8 @@ static int32_t draw_sorted(qf_sampler *s, int kept) {
 
 /* Every token kept (top-p and min-p off): the sorted best first, then the rest in id order (the
  * same distribution; no order of the rest is needed for a draw). */
-static int32_t draw_all(qf_sampler *s, int k, double sum) {
-    double u = next_unit(s->rng) * sum, acc = 0, mx = s->c[0].logit;
+static int32_t draw_all(qf_sampler *s, int k, double sum, double u0) {
+    double u = u0 * sum, acc = 0, mx = s->c[0].logit;
     int32_t last = s->c[k - 1].id;
     for (int i = 0; i < k; i++) {
         acc += s->w[i];
@@ -236,10 +243,9 @@ static int32_t draw_all(qf_sampler *s, int k, double sum) {
     return last;
 }
 
-int32_t qf_sampler_sample(qf_sampler *s, float *logits) {
+/* The draw with u0 from penalised logits (temperature above 0). */
+static int32_t draw_from(qf_sampler *s, float *logits, double u0) {
     const qf_sampling *p = &s->p;
-    apply_penalties(s, logits);
-    if (p->temperature == 0.0f) return qf_argmax_f32(logits, s->vocab);
     int all = p->top_k <= 0 || p->top_k >= s->vocab;
     int n = select_best(s->c, logits, p->temperature, s->vocab, all ? SORTED_FIRST : p->top_k, all ? s->x : NULL);
     /* softmax over the survivors (sorted, best first): w[i] / sum is candidate i's probability */
@@ -247,12 +253,36 @@ int32_t qf_sampler_sample(qf_sampler *s, float *logits) {
     for (int i = 0; i < n; i++) sum += s->w[i] = exp((double)s->c[i].logit - mx);
     if (all && n < s->vocab) sum = exp_sum(s->x, s->vocab, (float)mx);
     int kept = keep_count(p, s->w, n, sum);
-    if (kept <= n) return draw_sorted(s, kept);
-    if (!all || n == s->vocab) return draw_sorted(s, n);
-    if (p->top_p >= 1.0f && p->min_p <= 0.0f) return draw_all(s, n, sum);
+    if (kept <= n) return draw_sorted(s, kept, u0);
+    if (!all || n == s->vocab) return draw_sorted(s, n, u0);
+    if (p->top_p >= 1.0f && p->min_p <= 0.0f) return draw_all(s, n, sum, u0);
     /* a flat distribution: top-p or min-p reaches past the first candidates, so all are sorted */
     n = select_best(s->c, s->x, 1.0f, s->vocab, s->vocab, NULL);
     for (int i = 0; i < n; i++) s->w[i] = exp((double)s->c[i].logit - mx);
     kept = keep_count(p, s->w, n, sum);
-    return draw_sorted(s, kept <= n ? kept : n);
+    return draw_sorted(s, kept <= n ? kept : n, u0);
+}
+
+int32_t qf_sampler_sample(qf_sampler *s, float *logits) {
+    apply_penalties(s, logits);
+    if (s->p.temperature == 0.0f) return qf_argmax_f32(logits, s->vocab);
+    return draw_from(s, logits, next_unit(s->rng));
+}
+
+int32_t qf_sampler_sample_u(qf_sampler *s, float *logits, double u) {
+    apply_penalties(s, logits);
+    if (s->p.temperature == 0.0f) return qf_argmax_f32(logits, s->vocab);
+    return draw_from(s, logits, u);
+}
+
+int qf_sampler_can_draw(const qf_sampler *s) { return !(s->p.top_k > QF_DRAW_MAX_K && s->p.top_k < s->vocab); }
+
+int qf_sampler_draw_desc(qf_sampler *s, qf_draw *d) {
+    const qf_sampling *p = &s->p;
+    if (!qf_sampler_can_draw(s)) return 0;
+    int pen = p->repetition_penalty != 1.0f || p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f;
+    for (int i = 0; pen && i < s->n_touched; i++) s->sub[i] = s->count_gen[s->touched[i]] ? gen_sub(p, s->count_gen[s->touched[i]]) : 0.0f;
+    *d = (qf_draw){1, p->temperature, p->top_p, p->min_p, p->repetition_penalty, p->top_k, pen ? s->n_touched : 0, s->touched, s->sub,
+                   p->temperature > 0.0f ? next_unit(s->rng) : 0.0};
+    return 1;
 }

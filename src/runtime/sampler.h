@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include "backend/ops.h"
+
 typedef struct qf_sampling {
     float temperature;       /* 0 = greedy */
     int top_k;               /* 0 = off */
@@ -32,6 +34,16 @@ void qf_sampler_accept(qf_sampler *s, int32_t tok, int generated);
 int qf_sampler_is_greedy(const qf_sampler *s);
 /* Picks the next token from logits[vocab] (modified in place). */
 int32_t qf_sampler_sample(qf_sampler *s, float *logits);
+/* The device's share of the next pick (backend/ops.h qf_draw, which follows this sampler's rule):
+ * the parameters, the penalties as a list of ids (the sampler's, valid until it next changes),
+ * and the draw's uniform number, taken from the stream as sample would take it. 0 (nothing
+ * taken) when the device cannot draw with these parameters (top_k above QF_DRAW_MAX_K): sample. */
+int qf_sampler_draw_desc(qf_sampler *s, qf_draw *d);
+/* Whether draw_desc would give the device this sampler's draws (nothing taken). */
+int qf_sampler_can_draw(const qf_sampler *s);
+/* sample with the uniform number u that draw_desc took (where the device could not draw after
+ * all): the same pick the device would have made. */
+int32_t qf_sampler_sample_u(qf_sampler *s, float *logits, double u);
 /* Validates parameters; the message names the bad one. */
 int qf_sampling_check(const qf_sampling *p);
 

@@ -56,7 +56,8 @@ typedef struct slot {
     float *logits;
     qf_req *req;
     int batch_n;      /* tokens fed this step */
-    int32_t top1;     /* the step's greedy pick, when it asked for only that (QF_LOGITS_TOP1) */
+    int32_t top1;     /* the step's pick, when it asked for only that (QF_LOGITS_TOP1, QF_LOGITS_DRAW) */
+    qf_draw draw;     /* the step's draw on the device (QF_LOGITS_DRAW) */
     int pages_before; /* pages held before this step */
     qf_spec_seq *sp;  /* the MTP head of the slot's sequence (serve --draft) */
     int sp_on;        /* the request drafts: greedy, without logprobs or a grammar */
@@ -547,6 +548,13 @@ static size_t chan_room(qf_req *r) {
 
 /* Picks the step's rows: one token for every decoding sequence first, then prompt chunks.
  * Returns the number of sequences; pages for all of them are guaranteed free. */
+/* Whether the device draws this request's tokens (backend/ops.h qf_draw): the backend can, and
+ * its top_k is one the draw takes (the probe takes nothing from the sampler's stream). */
+static int device_draws(const qf_sched *s, qf_req *r) {
+    const qf_dec_ops *d = s->e->be.ops->dec;
+    return d && d->draw && qf_sampler_can_draw(r->smp);
+}
+
 static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
     for (;;) {
         int n = 0, rows = 0, pages = 0;
@@ -567,10 +575,14 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
                 if (take > s->rows - rows) take = s->rows - rows;
                 if (take <= 0) continue;
                 sl->batch_n = take;
-                /* a plain greedy pick without logprobs: picked where the logits are (on a GPU, only the id comes back) */
-                int mode = take < left ? QF_LOGITS_NONE : r->logprobs < 0 && !r->gm && qf_sampler_is_greedy(r->smp) ? QF_LOGITS_TOP1 : QF_LOGITS_LAST;
+                /* a plain pick without logprobs or grammar: made where the logits are (on a GPU, only the id comes back) */
+                int plain = r->logprobs < 0 && !r->gm;
+                int mode = take < left ? QF_LOGITS_NONE
+                           : plain && qf_sampler_is_greedy(r->smp) ? QF_LOGITS_TOP1
+                           : plain && device_draws(s, r) ? QF_LOGITS_DRAW
+                                                          : QF_LOGITS_LAST;
                 s->steps[n] = (qf_seq_step){sl->st, r->toks + r->n_fed, take, mode, sl->logits, &sl->top1, r->sparsity_set, r->sparsity, NULL,
-                                            sl->sp_on ? qf_spec_seq_hidden(sl->sp) : NULL};
+                                            sl->sp_on ? qf_spec_seq_hidden(sl->sp) : NULL, NULL};
                 s->step_slot[n++] = i;
                 rows += take;
                 pages += qf_state_pages_needed(sl->st, take);
@@ -763,7 +775,7 @@ static int settle_drafts(qf_sched *s, int n, int *rc) {
         if (k == sl->spec_n) continue;
         qf_spec_seq_restore(sl->sp, sl->st, sl->spec_p0);
         s->redo[m++] = (qf_seq_step){sl->st, sl->spec_d, k + 1, QF_LOGITS_ALL, qf_spec_seq_logits(sl->sp), NULL, sl->req->sparsity_set,
-                                     sl->req->sparsity, NULL, qf_spec_seq_hidden(sl->sp)};
+                                     sl->req->sparsity, NULL, qf_spec_seq_hidden(sl->sp), NULL};
     }
     if (m) *rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->redo, m);
     return accepted;
@@ -799,8 +811,11 @@ typedef struct draws {
 
 static void draw_one(void *ctx, int i) {
     draws *d = ctx;
-    slot *sl = &d->s->slots[d->s->step_slot[d->idx[i]]];
-    sl->top1 = qf_sampler_sample(sl->req->smp, sl->logits);
+    int j = d->idx[i];
+    slot *sl = &d->s->slots[d->s->step_slot[j]];
+    /* a DRAW row the device left to the host: the uniform number it was given */
+    if (d->s->steps[j].logits_mode == QF_LOGITS_DRAW) sl->top1 = qf_sampler_sample_u(sl->req->smp, sl->logits, sl->draw.u);
+    else sl->top1 = qf_sampler_sample(sl->req->smp, sl->logits);
 }
 
 static void draw_rows(qf_sched *s, int n, int *pre) {
@@ -808,8 +823,9 @@ static void draw_rows(qf_sched *s, int n, int *pre) {
     for (int j = 0; j < n; j++) {
         slot *sl = &s->slots[s->step_slot[j]];
         qf_req *r = sl->req;
-        pre[j] = s->steps[j].logits_mode == QF_LOGITS_LAST && r->n_fed + sl->batch_n == r->n_toks && r->logprobs < 0 && !r->gm;
-        if (pre[j]) d.idx[d.n++] = j;
+        int mode = s->steps[j].logits_mode;
+        pre[j] = mode == QF_LOGITS_DRAW || (mode == QF_LOGITS_LAST && r->n_fed + sl->batch_n == r->n_toks && r->logprobs < 0 && !r->gm);
+        if (pre[j] && (mode == QF_LOGITS_LAST || sl->top1 < 0)) d.idx[d.n++] = j;
     }
     if (d.n > 1) qf_pool_run(s->e->pool, draw_one, &d, d.n);
     else if (d.n == 1) draw_one(&d, 0);
@@ -823,6 +839,12 @@ static int run_step(qf_sched *s) {
     qf_expert_store *es = s->e->model->experts;
     qf_expert_stats es0 = es && s->o.verbose ? qf_es_stats(es) : (qf_expert_stats){0};
     for (int j = 0; j < n; j++) s->slots[s->step_slot[j]].pages_before = s->steps[j].st->n_pages;
+    for (int j = 0; j < n; j++) /* the draws' uniform numbers, taken once the step is settled */
+        if (s->steps[j].logits_mode == QF_LOGITS_DRAW) {
+            slot *sl = &s->slots[s->step_slot[j]];
+            qf_sampler_draw_desc(sl->req->smp, &sl->draw);
+            s->steps[j].draw = &sl->draw;
+        }
     double t0 = qf_now();
     qf_sparsity_counts sp0 = qf_workspace_sparsity(s->e->ws);
     int rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->steps, n);

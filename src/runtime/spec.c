@@ -108,7 +108,7 @@ static int draft_chain(qf_engine *e, qf_spec_seq *q, int32_t *d, int n) {
 
 /* n rows of the model in one forward: their hidden states after hb[0], their logits into lg. */
 static int run_rows(qf_engine *e, qf_spec_seq *q, qf_state *st, const int32_t *tok, int n) {
-    qf_seq_step s = {st, tok, n, QF_LOGITS_ALL, q->lg, NULL, 0, 0, NULL, q->hb + q->H};
+    qf_seq_step s = {st, tok, n, QF_LOGITS_ALL, q->lg, NULL, 0, 0, NULL, q->hb + q->H, NULL};
     return qf_forward(e->model, &e->be, e->ws, &s, 1);
 }
 
@@ -210,7 +210,7 @@ static int prefill(qf_engine *e, qf_state *st, const int32_t *p, int n, int32_t 
     int rc = QF_OK;
     for (int i = 0; i < n && rc == QF_OK; i += q->rows) {
         int c = n - i < q->rows ? n - i : q->rows;
-        qf_seq_step s = {st, p + i, c, QF_LOGITS_LAST, e->logits, NULL, 0, 0, NULL, qf_spec_seq_hidden(q)};
+        qf_seq_step s = {st, p + i, c, QF_LOGITS_LAST, e->logits, NULL, 0, 0, NULL, qf_spec_seq_hidden(q), NULL};
         rc = qf_forward(e->model, &e->be, e->ws, &s, 1);
         if (rc == QF_OK) rc = qf_spec_seq_fed(e, q, p + i, c, i == 0);
     }

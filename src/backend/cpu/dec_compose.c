@@ -175,7 +175,77 @@ static void c_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *o
     for (int t = 0; t < n; t++) out[t] = qf_argmax_f32(x + (size_t)t * cols, cols);
 }
 
-static const qf_dec_ops k_compose = {c_matmul, c_gdn, c_attention, c_moe, c_argmax, NULL, NULL, c_matmul_sparse, NULL, c_page_select};
+/* ---- the draw (ops.h qf_draw), plainly: every token sorted ---- */
+
+typedef struct draw_cand {
+    float v;
+    int32_t id;
+} draw_cand;
+
+static int draw_cmp(const void *a, const void *b) {
+    const draw_cand *x = a, *y = b;
+    if (x->v != y->v) return x->v < y->v ? 1 : -1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* Every token kept: the best QF_DRAW_SORTED walked first, then the rest in id order. */
+static int32_t draw_every(const float *x, int V, const qf_draw *d, const draw_cand *c, const double *w, double uu) {
+    double acc = 0.0, mx = c[0].v;
+    for (int i = 0; i < QF_DRAW_SORTED; i++)
+        if (uu < (acc += w[i])) return c[i].id;
+    float lo = c[QF_DRAW_SORTED - 1].v;
+    int lo_id = c[QF_DRAW_SORTED - 1].id, last = lo_id;
+    for (int i = 0; i < V; i++) {
+        float v = x[i] / d->temperature;
+        if (v > lo || (v == lo && i <= lo_id)) continue; /* among the best */
+        acc += exp((double)v - mx), last = i;
+        if (uu < acc) return i;
+    }
+    return last;
+}
+
+/* One row: penalties in place, then the walk of ops.h's rule over the whole sorted vocabulary. */
+static int32_t draw_row(float *x, int V, const qf_draw *d, draw_cand *c, double *w) {
+    for (int i = 0; i < d->n_pen; i++) {
+        float v = x[d->pen_ids[i]];
+        if (d->repetition != 1.0f) v = v > 0.0f ? v / d->repetition : v * d->repetition;
+        x[d->pen_ids[i]] = v - d->pen_sub[i];
+    }
+    if (d->temperature == 0.0f) return qf_argmax_f32(x, V);
+    for (int i = 0; i < V; i++) c[i] = (draw_cand){x[i] / d->temperature, i};
+    qsort(c, (size_t)V, sizeof *c, draw_cmp);
+    int K = d->top_k > 0 && d->top_k < V ? d->top_k : V;
+    double mx = c[0].v, sum = 0.0, cum = 0.0, total = 0.0, acc = 0.0;
+    for (int i = 0; i < K; i++) sum += w[i] = exp((double)c[i].v - mx);
+    int kept = K;
+    for (int i = 0; i < K; i++) {
+        if (i > 0 && w[i] < d->min_p) {
+            kept = i;
+            break;
+        }
+        cum += w[i] / sum;
+        if (cum >= d->top_p) {
+            kept = i + 1;
+            break;
+        }
+    }
+    for (int i = 0; i < kept; i++) total += w[i];
+    if (kept == V && V > QF_DRAW_SORTED && d->top_p >= 1.0f && d->min_p <= 0.0f) return draw_every(x, V, d, c, w, d->u * total);
+    for (int i = 0; i < kept; i++)
+        if (d->u * total < (acc += w[i])) return c[i].id;
+    return c[kept - 1].id;
+}
+
+static void c_draw(qf_backend *be, float *logits, int n, int cols, const qf_draw *d, int32_t *out) {
+    (void)be;
+    draw_cand *c = malloc((size_t)cols * sizeof *c);
+    double *w = malloc((size_t)cols * sizeof *w);
+    for (int r = 0; c && w && r < n; r++)
+        if (d[r].on) out[r] = draw_row(logits + (size_t)r * cols, cols, &d[r], c, w);
+    free(c), free(w);
+}
+
+static const qf_dec_ops k_compose = {c_matmul, c_gdn, c_attention, c_moe, c_argmax, NULL, NULL, c_matmul_sparse, NULL, c_page_select, c_draw};
 
 int qf_cpu_dec_compose_init(qf_backend *be, const qf_ops *base, size_t scratch_floats) {
     compose *c = calloc(1, sizeof *c);

@@ -133,9 +133,11 @@ struct ctx {
     cublasHandle_t blas;
     size_t total, peak;
     char name[256];
-    void *tok, *xb, *moe, *attn, *sp, *ps;
+    void *tok, *xb, *moe, *attn, *sp, *ps, *draw;
     void *amax; // argmax partials and per-row counters (argmax_scratch_bytes, zeroed once)
-    size_t tok_cap, xb_cap, moe_cap, attn_cap, sp_cap, ps_cap;
+    size_t tok_cap, xb_cap, moe_cap, attn_cap, sp_cap, ps_cap, draw_cap;
+    char *draw_h; // host staging of the draws' descriptors and penalty lists (grown, never per call)
+    size_t draw_h_cap;
     expert_tab tabs[512];
     struct occ_rec { const void *fn; size_t smem; int blocks; } occ[64]; // resident blocks per SM, asked once
     int n_occ;

@@ -14,6 +14,7 @@ namespace qfc {
 
 void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, float *y);
 void dec_argmax(qf_backend *be, const float *x, int n, int cols, int32_t *out);
+void dec_draw(qf_backend *be, float *logits, int n, int cols, const qf_draw *d, int32_t *out);
 void dec_gdn(qf_backend *be, const qf_gdn_dec *a);
 int dec_gdn_gn(qf_backend *be, const qf_gdn_dec *a, const qf_pre *gn);
 void dec_attention(qf_backend *be, const qf_attn_dec *a);

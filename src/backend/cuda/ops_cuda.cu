@@ -741,7 +741,7 @@ void cu_moe(qf_backend *be, const qf_moe_args *a) {
 
 } // namespace
 
-static const qf_dec_ops k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_gn, dec_attn_gate, dec_matmul_sparse, dec_sparse_counts, dec_page_select};
+static const qf_dec_ops k_dec_ops = {dec_matmul, dec_gdn, dec_attention, dec_moe, dec_argmax, dec_gdn_gn, dec_attn_gate, dec_matmul_sparse, dec_sparse_counts, dec_page_select, dec_draw};
 
 const qf_ops qfc::k_cuda_ops = {
     "cuda",
