@@ -266,6 +266,7 @@ static void check_draw(const char *dir, int gpu) {
     qf_workspace_free(ws);
     qf_model_free(m);
     if (gpu) qf_cuda_backend_free(&be);
+    else qf_cpu_dec_compose_free(&be);
     qf_pool_destroy(pool);
 }
 
