@@ -208,6 +208,52 @@ static void check_top1(const char *dir) {
     qf_model_free(m);
 }
 
+/* A verify through the fused decode ops (a sequence of several tokens wanting every logit: its
+ * rows chained through its state, model.h QF_DEC_CHAIN) beside a one-token sequence: each row's
+ * logits and hidden state as the same tokens fed one a step, and the states left the same (the
+ * next step's logits equal). On the CPU's composed ops (CI) or the GPU. */
+static void check_chain(const char *dir, int gpu) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
+    qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
+    int ok = gpu ? qf_cuda_backend_init(&be, 0, NULL) == QF_OK : qf_cpu_dec_compose_init(&be, qf_cpu_ops_best(), (size_t)4 << 20) == QF_OK;
+    CHECK(ok && qf_model_to_device(m, &be, 0) == QF_OK && m->dec_ok, "%s: %s", dir, qf_last_error());
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    int V = m->cfg.vocab, H = m->cfg.hidden, D = 4;
+    int32_t p[6] = {5, 17, 300, 42, 9, 1000}, d[4] = {77, 1500, 2, 700}, one = 33, pa = -1, pb = -2;
+    qf_state *sa = qf_state_create(m, 32), *sb = qf_state_create(m, 32), *sc = qf_state_create(m, 32), *sd = qf_state_create(m, 32);
+    float *la = malloc((size_t)D * V * 4), *lb = malloc((size_t)D * V * 4), *ha = malloc((size_t)D * H * 4), *hb = malloc((size_t)D * H * 4);
+    float *lc = malloc((size_t)V * 4), *ld = malloc((size_t)V * 4), *ea = malloc((size_t)V * 4), *eb = malloc((size_t)V * 4);
+    for (int i = 0; i < 6; i++) p[i] %= V, i < 4 ? (d[i] %= V) : 0;
+    qf_state *all[4] = {sa, sb, sc, sd};
+    for (int i = 0; i < 4; i++) CHECK(qf_forward_seq(m, &be, ws, all[i], p, 6, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
+    qf_seq_step v[2] = {{sc, &one, 1, QF_LOGITS_LAST, lc, NULL, 0, 0, NULL, NULL, NULL}, {sa, d, D, QF_LOGITS_ALL, la, NULL, 0, 0, NULL, ha, NULL}};
+    CHECK(qf_forward(m, &be, ws, v, 2) == QF_OK, "%s", qf_last_error());
+    for (int i = 0; i < D; i++) {
+        qf_seq_step u = {sb, d + i, 1, QF_LOGITS_LAST, lb + (size_t)i * V, NULL, 0, 0, NULL, hb + (size_t)i * H, NULL};
+        CHECK(qf_forward(m, &be, ws, &u, 1) == QF_OK, "%s", qf_last_error());
+    }
+    qf_seq_step u = {sd, &one, 1, QF_LOGITS_LAST, ld, NULL, 0, 0, NULL, NULL, NULL};
+    CHECK(qf_forward(m, &be, ws, &u, 1) == QF_OK, "%s", qf_last_error());
+    /* the states after: one more step each */
+    qf_seq_step na = {sa, &one, 1, QF_LOGITS_TOP1, NULL, &pa, 0, 0, NULL, NULL, NULL}, nb = {sb, &one, 1, QF_LOGITS_TOP1, NULL, &pb, 0, 0, NULL, NULL, NULL};
+    CHECK(qf_forward(m, &be, ws, &na, 1) == QF_OK && qf_forward(m, &be, ws, &nb, 1) == QF_OK, "%s", qf_last_error());
+    na.logits_mode = nb.logits_mode = QF_LOGITS_LAST, na.logits = ea, nb.logits = eb;
+    CHECK(qf_forward(m, &be, ws, &na, 1) == QF_OK && qf_forward(m, &be, ws, &nb, 1) == QF_OK, "%s", qf_last_error());
+    double dl = qt_max_abs_diff(la, lb, (size_t)D * V), dh = qt_max_abs_diff(ha, hb, (size_t)D * H), dc = qt_max_abs_diff(lc, ld, V), de = qt_max_abs_diff(ea, eb, V);
+    CHECK(dl == 0 && dh == 0 && dc == 0 && de == 0 && pa == pb && sa->pos == sb->pos,
+          "%s: a chained verify against one token a step: logits %.3g, hidden %.3g, the row beside it %.3g, the step after %.3g (picks %d %d)", dir, dl, dh, dc,
+          de, pa, pb);
+    fprintf(stderr, "%s [%s]: a %d-row verify beside a decode row: logits, hidden states and the states after as one token a step (%.3g)\n", dir,
+            gpu ? "cuda" : "composed", D, dl);
+    free(la), free(lb), free(ha), free(hb), free(lc), free(ld), free(ea), free(eb);
+    for (int i = 0; i < 4; i++) qf_state_free(all[i]);
+    qf_workspace_free(ws);
+    qf_model_free(m);
+    if (gpu) qf_cuda_backend_free(&be);
+    else qf_cpu_dec_compose_free(&be);
+}
+
 /* QF_LOGITS_DRAW on a backend with the draw op (the CPU's composed fused ops, or the GPU's): a
  * prompt-path step (a prefilling sequence drawing beside a TOP1 and a LAST one) and a decode step
  * (rows drawing beside NONE and TOP1 rows) pick, for each drawing row, what the host sampler picks
@@ -281,6 +327,7 @@ int main(int argc, char **argv) {
             run_model("models/qwen36moe-code-14m", "logits_tail", 5, NULL, 0, 0);
         }
         check_draw("models/qwen36moe-code-14m", 1);
+        check_chain("models/qwen36moe-code-14m", 1);
         return qt_finish();
     }
     const qf_ops *tables[2] = {&qf_cpu_ops_ref, qf_cpu_ops_best()};
@@ -298,5 +345,7 @@ int main(int argc, char **argv) {
     check_top1("tests/data/qwen35moe-tiny");
     check_draw("tests/data/qwen35moe-tiny", 0);
     check_draw("models/qwen36moe-code-14m", 0);
+    check_chain("tests/data/qwen35moe-tiny", 0);
+    check_chain("models/qwen36moe-code-14m", 0);
     return qt_finish();
 }

@@ -18,7 +18,10 @@ typedef struct fwd {
     qf_seq_step *seqs;
     int n_seqs, N; /* sequences, total rows */
     int lg_rows;   /* after the step: the rows of lg that hold logits (DRAW rows drawn from there; 0: none kept) */
-    int lg_by_seq; /* lg's row t is sequence t's (a decode step), else the t-th sequence that wants logits */
+    int lg_by_seq; /* lg's rows are the step's rows (a decode step), else one a sequence that wants logits */
+    /* decode steps: row t is row roff[t] of sequence rseq[t]; chained: some sequence has several
+     * rows (a verify: its token and drafts), whose DeltaNet steps and attention run row by row */
+    int rseq[QF_DEC_ROWS], roff[QF_DEC_ROWS], chained;
 } fwd;
 
 /* ---- sparsity (model.h): levels per row, the trunk's masks on the host path ---- */
@@ -350,19 +353,52 @@ static int moe(fwd *f, int L, float *xn, float *out) {
 
 /* ---- decode steps through the device's fused ops (ops.h qf_dec_ops): 6-7 launches a layer ---- */
 
+/* Decode steps take one token a sequence, or a sequence's few tokens whose every logit is wanted
+ * (a verify of drafts; model.h QF_DEC_CHAIN): the rows then chain through the sequence's state. */
 static int dec_usable(const fwd *f) {
     if (!f->be->ops->dec || !f->m->dec_ok || f->N > QF_DEC_ROWS) return 0;
-    for (int s = 0; s < f->n_seqs; s++)
-        if (f->seqs[s].n != 1 || f->seqs[s].logits_mode == QF_LOGITS_ALL || f->seqs[s].inputs || f->seqs[s].hidden) return 0;
+    for (int s = 0; s < f->n_seqs; s++) {
+        const qf_seq_step *q = &f->seqs[s];
+        if (q->inputs || (q->n > 1 && (q->n > QF_DEC_CHAIN || q->logits_mode != QF_LOGITS_ALL))) return 0;
+    }
     return 1;
 }
 
+static void dec_rows(fwd *f) {
+    f->chained = 0;
+    for (int s = 0, t = 0; s < f->n_seqs; s++) {
+        f->chained |= f->seqs[s].n > 1;
+        for (int i = 0; i < f->seqs[s].n; i++, t++) f->rseq[t] = s, f->roff[t] = i;
+    }
+}
+
+static qf_state *row_state(const fwd *f, int t) { return f->seqs[f->rseq[t]].st; }
+
 /* Each row's threshold for layer L's trunk group; whether the product is to be the sparse one
- * (some row masks, and the device and the layer have what it needs). */
+ * (some row masks, and the device and the layer have what it needs; not beside chained rows, whose
+ * conv epilogue must take a channel's rows in order). */
 static int dec_thresholds(const fwd *f, int L, int group, float *thr) {
     int any = 0;
+    if (f->chained) return 0;
     for (int t = 0; t < f->N; t++) any |= (thr[t] = qf_sparsity_trunk_threshold(f->m, L, group, row_level(f, t, L))) > 0.0f;
     return any && f->be->ops->dec->matmul_sparse && f->m->layers[L].in_t.data;
+}
+
+/* Attention of the step's rows: at once, or row by row where rows chain (each row's key is stored
+ * before the next row attends). 1: the output heads are gated already. */
+static int dec_attend(fwd *f, qf_attn_dec *a) {
+    qf_backend *be = f->be;
+    const qf_dec_ops *d = OPS->dec;
+    if (!f->chained) return (d->attn_gate && d->attn_gate(be, a)) || (d->attention(be, a), 0);
+    int gated = 0, vd = a->nh * a->hd;
+    for (int t = 0; t < f->N; t++) {
+        qf_attn_dec r = *a;
+        r.qkv = a->qkv + (size_t)t * a->stride, r.n = 1, r.out = a->out + (size_t)t * vd;
+        r.kv[0] = a->kv[t], r.pos[0] = a->pos[t], r.n_keys[0] = a->n_keys[t];
+        gated = d->attn_gate && d->attn_gate(be, &r);
+        if (!gated) d->attention(be, &r);
+    }
+    return gated;
 }
 
 static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
@@ -379,22 +415,39 @@ static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
     int np[QF_DEC_ROWS], budget[QF_DEC_ROWS], any = 0;
     int32_t *sel[QF_DEC_ROWS];
     for (int t = 0; t < f->N; t++) {
-        qf_state *st = f->seqs[t].st;
-        a.kv[t] = qf_state_kv_view(st, L), a.pos[t] = st->pos;
-        np[t] = st->pos / a.kv[t].page_tokens + 1, budget[t] = kv_budget(f, t, L, st), sel[t] = st->sel_dev ? st->sel_dev : st->sel;
+        qf_state *st = row_state(f, t);
+        a.kv[t] = qf_state_kv_view(st, L), a.pos[t] = st->pos + f->roff[t];
+        np[t] = a.pos[t] / a.kv[t].page_tokens + 1, budget[t] = kv_budget(f, t, L, st), sel[t] = st->sel_dev ? st->sel_dev : st->sel;
         any |= budget[t] > 0;
-        kv_count(f, &f->seqs[t], any && d->page_select ? budget[t] : 0);
+        if (f->roff[t] == 0) kv_count(f, &f->seqs[f->rseq[t]], any && d->page_select ? budget[t] : 0);
     }
     if (any && d->page_select) {
         d->page_select(be, &a, np, budget, sel);
         for (int t = 0; t < f->N; t++)
             if (budget[t]) a.kv[t].pages = sel[t], a.n_keys[t] = (budget[t] - 1) * a.kv[t].page_tokens + a.pos[t] % a.kv[t].page_tokens + 1;
     }
-    int gated = d->attn_gate && d->attn_gate(be, &a); /* core is gated already */
-    if (!gated) d->attention(be, &a);
+    int gated = dec_attend(f, &a); /* core is gated already */
     qf_pre gate = {QF_PRE_SIGMOID, NULL, big + hd, stride, 2 * hd, hd, 0.0f};
     if (dec_thresholds(f, L, QF_ACT_MIX_OUT, thr)) d->matmul_sparse(be, &w->out_t, core, f->N, gated ? NULL : &gate, NULL, 1, thr, WS(f->ws, x));
     else d->matmul(be, &w->wo, core, f->N, gated ? NULL : &gate, NULL, 1, WS(f->ws, x));
+}
+
+/* The DeltaNet steps of the step's rows: at once, or row by row where rows chain. 1: out is gn(out). */
+static int dec_delta(fwd *f, const qf_gdn_dec *g, const qf_pre *gn) {
+    qf_backend *be = f->be;
+    const qf_dec_ops *d = OPS->dec;
+    int normed = 0;
+    for (int t = 0; t < (f->chained ? f->N : 1); t++) {
+        qf_gdn_dec r = *g;
+        qf_pre rn = *gn;
+        if (f->chained) {
+            r.mixed = g->mixed + (size_t)t * g->stride, r.n = 1, r.S[0] = g->S[t], r.out = g->out + (size_t)t * g->nv * g->dv;
+            rn.g = gn->g + (size_t)t * gn->g_stride;
+        }
+        normed = d->gdn_gn && d->gdn_gn(be, &r, &rn);
+        if (!normed) d->gdn(be, &r);
+    }
+    return normed;
 }
 
 static void dec_linear_attn(fwd *f, int L, const qf_pre *norm) {
@@ -406,12 +459,12 @@ static void dec_linear_attn(fwd *f, int L, const qf_pre *norm) {
     float *big = WS(f->ws, dec), *core = WS(f->ws, core), thr[QF_DEC_ROWS];
     qf_gdn_epi e = {cd, nv * dv, nv, c->conv_kernel, w->conv_w, w->dt_bias, w->neg_A, {0}};
     qf_gdn_dec g = {big, stride, f->N, c->lin_k_heads, nv, c->lin_k_dim, dv, {0}, core};
-    for (int t = 0; t < f->N; t++) e.conv_state[t] = f->seqs[t].st->conv[L], g.S[t] = f->seqs[t].st->ssm[L];
+    /* chained rows share their sequence's conv state: the product's epilogue takes a channel's rows in order */
+    for (int t = 0; t < f->N; t++) e.conv_state[t] = row_state(f, t)->conv[L], g.S[t] = row_state(f, t)->ssm[L];
     if (dec_thresholds(f, L, QF_ACT_MIX_IN, thr)) d->matmul_sparse(be, &w->in_t, WS(f->ws, x), f->N, norm, &e, 0, thr, big);
     else d->matmul(be, &w->in_proj, WS(f->ws, x), f->N, norm, &e, 0, big);
     qf_pre gn = {QF_PRE_GATED_NORM, w->gnorm, big + cd, stride, dv, dv, c->norm_eps};
-    int normed = d->gdn_gn && d->gdn_gn(be, &g, &gn); /* core is gn(core) already */
-    if (!normed) d->gdn(be, &g);
+    int normed = dec_delta(f, &g, &gn); /* core is gn(core) already */
     if (dec_thresholds(f, L, QF_ACT_MIX_OUT, thr)) d->matmul_sparse(be, &w->out_t, core, f->N, normed ? NULL : &gn, NULL, 1, thr, WS(f->ws, x));
     else d->matmul(be, &w->w_out, core, f->N, normed ? NULL : &gn, NULL, 1, WS(f->ws, x));
 }
@@ -448,7 +501,20 @@ static void draw_on_host(qf_backend *be, qf_seq_step *q, const float *row, int V
     if (q->logits_mode == QF_LOGITS_DRAW) q->top1[0] = -1;
 }
 
-/* Final norm + lm_head over every row (one per sequence), then each sequence's logits or pick. */
+/* The final-normed hidden states of the rows whose sequence asks for them (qf_seq_step.hidden). */
+static void hidden_out(fwd *f, const float *x, float *xn) {
+    const qf_model *m = f->m;
+    qf_backend *be = f->be;
+    int H = m->cfg.hidden, any = 0;
+    for (int s = 0; s < f->n_seqs; s++) any |= f->seqs[s].hidden != NULL;
+    if (!any) return;
+    OPS->rmsnorm(be, x, H, m->final_norm, f->N, H, m->cfg.norm_eps, xn, H);
+    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++)
+        if (f->seqs[s].hidden) qf_be_download(be, f->seqs[s].hidden, xn + (size_t)r0 * H, (size_t)f->seqs[s].n * H * sizeof(float));
+}
+
+/* Final norm + lm_head over every row, then each sequence's logits (its rows') or pick (its last
+ * row's), and the normed hidden states a sequence asks for. */
 static void dec_logits(fwd *f) {
     const qf_model *m = f->m;
     qf_backend *be = f->be;
@@ -457,16 +523,19 @@ static void dec_logits(fwd *f) {
     int32_t *amax = (int32_t *)WS(f->ws, amax);
     qf_pre fin = {QF_PRE_RMSNORM, m->final_norm, NULL, 0, 0, 0, m->cfg.norm_eps};
     int any = 0, top1 = 0;
-    for (int t = 0; t < f->N; t++) any |= f->seqs[t].logits_mode != QF_LOGITS_NONE, top1 |= f->seqs[t].logits_mode == QF_LOGITS_TOP1;
+    for (int s = 0; s < f->n_seqs; s++) any |= f->seqs[s].logits_mode != QF_LOGITS_NONE, top1 |= f->seqs[s].logits_mode == QF_LOGITS_TOP1;
+    hidden_out(f, WS(f->ws, x), WS(f->ws, xn));
     if (!any) return;
     OPS->dec->matmul(be, &m->lm_head, WS(f->ws, x), f->N, &fin, NULL, 0, lg);
     if (top1) OPS->dec->argmax(be, lg, f->N, V, amax);
     f->lg_rows = f->N, f->lg_by_seq = 1;
-    for (int t = 0; t < f->N; t++) {
-        qf_seq_step *q = &f->seqs[t];
-        if (q->logits_mode == QF_LOGITS_LAST || (q->logits_mode == QF_LOGITS_DRAW && !OPS->dec->draw)) draw_on_host(be, q, lg + (size_t)t * V, V);
+    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
+        qf_seq_step *q = &f->seqs[s];
+        int last = r0 + q->n - 1;
+        if (q->logits_mode == QF_LOGITS_ALL) qf_be_download(be, q->logits, lg + (size_t)r0 * V, (size_t)q->n * V * sizeof(float));
+        else if (q->logits_mode == QF_LOGITS_LAST || (q->logits_mode == QF_LOGITS_DRAW && !OPS->dec->draw)) draw_on_host(be, q, lg + (size_t)last * V, V);
         else if (q->logits_mode == QF_LOGITS_DRAW) q->top1[0] = 0;
-        else if (q->logits_mode == QF_LOGITS_TOP1) qf_be_download(be, q->top1, amax + t, sizeof(int32_t));
+        else if (q->logits_mode == QF_LOGITS_TOP1) qf_be_download(be, q->top1, amax + last, sizeof(int32_t));
     }
 }
 
@@ -474,9 +543,11 @@ static void dec_logits(fwd *f) {
  * decode step, the t-th wanted row in the prompt path): the backend's draw, ids into *top1. Not
  * inside the step: the penalty lists are uploaded as they are, which a recorded step could not
  * repeat. */
+/* The row of lg holding sequence s's last logits; *j: the rows counted so far (the step's rows,
+ * or the wanted sequences'). */
 static int lg_row(const fwd *f, int s, int *j) {
     int mode = f->seqs[s].logits_mode;
-    if (f->lg_by_seq) return s;
+    if (f->lg_by_seq) return (*j += f->seqs[s].n) - 1;
     return mode == QF_LOGITS_LAST || mode == QF_LOGITS_TOP1 || mode == QF_LOGITS_DRAW ? (*j)++ : -1;
 }
 
@@ -578,17 +649,6 @@ static void logits(fwd *f) {
     }
 }
 
-/* The final-normed hidden states of the rows whose sequence asks for them (qf_seq_step.hidden). */
-static void hidden_out(fwd *f, const float *x, float *xn) {
-    const qf_model *m = f->m;
-    qf_backend *be = f->be;
-    int H = m->cfg.hidden, any = 0;
-    for (int s = 0; s < f->n_seqs; s++) any |= f->seqs[s].hidden != NULL;
-    if (!any) return;
-    OPS->rmsnorm(be, x, H, m->final_norm, f->N, H, m->cfg.norm_eps, xn, H);
-    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++)
-        if (f->seqs[s].hidden) qf_be_download(be, f->seqs[s].hidden, xn + (size_t)r0 * H, (size_t)f->seqs[s].n * H * sizeof(float));
-}
 
 /* What fixes the sequence of kernels of a step: its sequences' row counts, the outputs wanted, their
  * sparsity and the expert cache (a cache given slots later adds kernels to the step). Which states
@@ -643,7 +703,7 @@ static int step_fail(qf_backend *be, int rc) {
 }
 
 int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step *seqs, int n_seqs) {
-    fwd f = {m, be, ws, seqs, n_seqs, 0, 0, 0};
+    fwd f = {.m = m, .be = be, .ws = ws, .seqs = seqs, .n_seqs = n_seqs};
     int rc = check_batch(m, ws, seqs, n_seqs, &f.N);
     if (rc != QF_OK) return rc;
     const qf_config *c = &m->cfg;
@@ -658,6 +718,7 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     }
     if (ws->hook && !m->dev) ws->hook(ws->hook_ud, 0, x, f.N, H);
     if (dec_usable(&f)) {
+        dec_rows(&f);
         for (int L = 0; L < c->n_layers && rc == QF_OK; L++) rc = dec_layer(&f, L);
         if (rc != QF_OK) return step_fail(be, rc);
         for (int s = 0; s < n_seqs; s++) seqs[s].st->pos += seqs[s].n;
@@ -695,7 +756,7 @@ static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, 
     if (OPS->step_begin) OPS->step_begin(be, 0, n); /* more rows than a recorded step: run as it goes */
     for (int i = 0; i < n; i += R) OPS->embed(be, &m->embed, tokens + i, n - i < R ? n - i : R, ws->px + (size_t)i * H);
     qf_seq_step q = {st, NULL, 0, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL, NULL};
-    fwd f = {m, be, ws, &q, 1, 0, 0, 0};
+    fwd f = {.m = m, .be = be, .ws = ws, .seqs = &q, .n_seqs = 1};
     for (int L = 0; L < c->n_layers && rc == QF_OK; L++)
         for (int i = 0; i < n && rc == QF_OK; i += R) {
             q.tokens = tokens + i, q.n = f.N = n - i < R ? n - i : R;

@@ -277,6 +277,11 @@ typedef struct qf_seq_step {
     const qf_draw *draw; /* DRAW */
 } qf_seq_step;
 
+/* On a device with fused decode ops, a step of one token a sequence runs them; so does a sequence
+ * of up to QF_DEC_CHAIN tokens that wants every logit (QF_LOGITS_ALL: a verify of drafts), its rows
+ * chained through its state, each row's numbers those of a one-token step. */
+#define QF_DEC_CHAIN 9
+
 /* Runs the tokens of every sequence through the model at once (sum of n <= workspace rows),
  * advancing each state. Fails (and changes nothing) on a bad token id or a full context. */
 int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step *seqs, int n_seqs);

@@ -303,16 +303,27 @@ __global__ void __launch_bounds__(256) k_pre_parts(const float *__restrict__ x, 
     }
 }
 
-// y[t][r] (= or +=) the epilogue of the sum of the product's splits yt[s][t][r].
+// y[t][r] (= or +=) the epilogue of the sum of the product's splits yt[s][t][r]. With the DeltaNet
+// epilogue a thread takes a channel and its rows in order: rows of one sequence (a verify's) share
+// a conv state, each row's conv reading what the row before left.
 __global__ void k_tc_finish(const float *__restrict__ yt, int splits, int n, int rows, depi e, int acc, float *y) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, all = (int64_t)n * rows;
     pdl_wait();
     pdl_launch();
+    if (e.on) {
+        if (i >= rows) return;
+        for (int t = 0; t < n; t++) {
+            int64_t j = (int64_t)t * rows + i;
+            float v = yt[j];
+            for (int s = 1; s < splits; s++) v += yt[s * all + j];
+            v = epi_value(e, t, (int)i, v);
+            y[j] = acc ? y[j] + v : v;
+        }
+        return;
+    }
     if (i >= all) return;
-    int t = (int)(i / rows), r = (int)(i - (int64_t)t * rows);
     float v = yt[i];
     for (int s = 1; s < splits; s++) v += yt[s * all + i];
-    if (e.on) v = epi_value(e, t, r, v);
     y[i] = acc ? y[i] + v : v;
 }
 
@@ -330,8 +341,8 @@ static int dec_matmul_tc(ctx *c, const qf_mat *w, const float *x, int n, const d
     launch(c, "k_pre_parts", 1, k_pre_parts, dim3(n), dim3(256), (unsigned)(cols * sizeof(float)), x, (int)cols, p, xh, xl);
     tc_dense(c, w, xh, xl, n, splits, yt);
     if (!direct)
-        launch(c, "k_tc_finish", 1, k_tc_finish, dim3((unsigned)blocks((int64_t)n * rows, 256)), dim3(256), 0u, (const float *)yt, splits, n, (int)rows, e, acc,
-               y);
+        launch(c, "k_tc_finish", 1, k_tc_finish, dim3((unsigned)blocks(e.on ? rows : (int64_t)n * rows, 256)), dim3(256), 0u, (const float *)yt, splits, n,
+               (int)rows, e, acc, y);
     return 1;
 }
 

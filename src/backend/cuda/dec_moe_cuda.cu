@@ -36,8 +36,20 @@ __device__ __forceinline__ int cand_rank(const float *cv, const int *ci, int nc,
     return r;
 }
 
+// The chosen logits tw[0..K) (tw[0] the largest) become their weights exp(l - max) normalised over
+// the chosen: the full softmax's sum over E cancels in the renormalisation. Every routing takes its
+// weights here, so a row's weights are the same bits in the one-row and the many-row kernels.
+__device__ __forceinline__ void chosen_weights(float *tw, int K) {
+    int tid = threadIdx.x, lane = tid & 31;
+    if (tid < 32) {
+        float p = lane < K ? expf(tw[lane] - tw[0]) : 0.0f, ts = warp_sum(p);
+        if (lane < K) tw[lane] = p / ts;
+    }
+    __syncthreads();
+}
+
 __device__ void route_block(const float *rl, int E, int K, int *ti, float *tw) {
-    __shared__ float cv[ROUTE_CAND], red[32];
+    __shared__ float cv[ROUTE_CAND];
     __shared__ int ci[ROUTE_CAND], nc;
     int tid = threadIdx.x, lane = tid & 31, nw = blockDim.x / 32;
     if (tid == 0) nc = 0;
@@ -62,27 +74,7 @@ __device__ void route_block(const float *rl, int E, int K, int *ti, float *tw) {
         if (r < K) ti[r] = mi, tw[r] = m;
     }
     __syncthreads();
-    float mx = tw[0], e = 0.0f;
-#pragma unroll
-    for (int u = 0; u < MOE_MAX_E / 256; u++)
-        if ((u * nw + tid / 32) * 32 + lane < E) e += expf(v[u] - mx);
-    float sum = block_sum(e, red);
-    if (tid < 32) {
-        float p = lane < K ? expf(tw[lane] - mx) / sum : 0.0f, ts = warp_sum(p);
-        if (lane < K) tw[lane] = p / ts;
-    }
-    __syncthreads();
-}
-
-// The chosen logits tw[0..K) (tw[0] the largest) become their weights exp(l - max) normalised over
-// the chosen: the full softmax's sum over E cancels in the renormalisation.
-__device__ __forceinline__ void chosen_weights(float *tw, int K) {
-    int tid = threadIdx.x, lane = tid & 31;
-    if (tid < 32) {
-        float p = lane < K ? expf(tw[lane] - tw[0]) : 0.0f, ts = warp_sum(p);
-        if (lane < K) tw[lane] = p / ts;
-    }
-    __syncthreads();
+    chosen_weights(tw, K);
 }
 
 // route_block's choice by all pairs (the default for shapes route_sort does not take; option route=2): the logits go to
