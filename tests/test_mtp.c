@@ -83,7 +83,7 @@ static void test_reference(const qf_model *m, qf_backend *be) {
         float *h = malloc((size_t)T * H * sizeof *h), *lg = malloc((size_t)(T - 1) * V * sizeof *lg);
         CHECK(hidden_of(m, be, ws, ids, T, h) == QF_OK, "p%d main forward: %s", p, qf_last_error());
         qf_mtp_run_reset(run);
-        CHECK(qf_mtp_step(m, be, run, ids + 1, h, T - 1, QF_LOGITS_ALL, lg, NULL) == QF_OK, "p%d MTP: %s", p, qf_last_error());
+        CHECK(qf_mtp_step(m, be, run, ids + 1, h, T - 1, QF_LOGITS_ALL, lg, NULL, NULL) == QF_OK, "p%d MTP: %s", p, qf_last_error());
         const float *got = lg + (size_t)(T - 1 - rows) * V;
         double err = qt_rel_err(got, want, (size_t)nw);
         int same = 1;
@@ -109,7 +109,7 @@ static int32_t greedy_step(const qf_model *m, qf_backend *be, qf_workspace *ws, 
 /* Draft acceptance as the reference measured it: 8 prompts of 64 held-out tokens (consecutive
  * windows of heldout.txt), 96 greedy tokens each; at every position with 3 tokens after it, 3
  * chained greedy drafts from the true pairs before it, counted while they equal the greedy text. */
-static void test_acceptance(const qf_model *m, qf_backend *be) {
+static void test_acceptance(const qf_model *m, qf_backend *be, int with_spec) {
     qf_tokenizer *tok = NULL;
     char *text = NULL;
     int32_t *ids = NULL;
@@ -131,13 +131,13 @@ static void test_acceptance(const qf_model *m, qf_backend *be) {
         CHECK(qf_forward(m, be, ws, &s, 1) == QF_OK, "prompt %d", p);
         seq[P] = qt_argmax(lg, V);
         for (int j = 1; j < G; j++) seq[P + j] = greedy_step(m, be, ws, st, seq[P + j - 1], h + (size_t)(P + j - 1) * H, lg);
-        CHECK(qf_mtp_step(m, be, run, seq + 1, h, P - 1, QF_LOGITS_NONE, NULL, NULL) == QF_OK, "MTP prompt pairs"); /* t = 0 .. P - 2 */
+        CHECK(qf_mtp_step(m, be, run, seq + 1, h, P - 1, QF_LOGITS_NONE, NULL, NULL, NULL) == QF_OK, "MTP prompt pairs"); /* t = 0 .. P - 2 */
         for (int j = 0; j + 3 < G; j++) { /* drafts from main position q = P - 1 + j: the pair (seq[q + 1], h[q]) first */
             int q = P - 1 + j, k = 0, ok = 1;
             int32_t d = seq[q + 1];
             const float *hin = h + (size_t)q * H;
             for (int i = 0; i < 3; i++) {
-                ok &= qf_mtp_step(m, be, run, &d, hin, 1, QF_LOGITS_LAST, lg, mo) == QF_OK;
+                ok &= qf_mtp_step(m, be, run, &d, hin, 1, QF_LOGITS_LAST, lg, NULL, mo) == QF_OK;
                 d = qt_argmax(lg, V), hin = mo;
                 if (k == i && d == seq[q + 2 + i]) k++;
             }
@@ -156,7 +156,7 @@ static void test_acceptance(const qf_model *m, qf_backend *be) {
     CHECK(fabs(first - 0.882) < 0.03 && fabs(mean - 2.25) < 0.15, "draft acceptance %.3f first, %.2f of 3, against the reference's 0.882 and 2.25", first, mean);
     free(h), free(lg), free(mo), free(seq), free(text);
     qf_state_free(st), qf_mtp_run_free(run), qf_workspace_free(ws), qf_tok_free(tok);
-    test_speculative(ids);
+    if (with_spec) test_speculative(ids);
     free(ids);
 }
 
@@ -223,8 +223,18 @@ int main(int argc, char **argv) {
     CHECK(m && m->mtp && m->mtp_fc.data, "the MTP head is bound");
     qf_pool *pool = qf_pool_create(qf_cpu_count() > 1 ? qf_cpu_count() : 2);
     qf_backend be = {qf_cpu_ops_best(), pool, NULL};
-    if (m && m->mtp) test_reference(m, &be), test_acceptance(m, &be);
+    if (m && m->mtp) test_reference(m, &be), test_acceptance(m, &be, 1);
     qf_model_free(m);
+    /* the same acceptance through the CPU's composed fused decode ops: the model's steps and the
+     * head's one-pair drafts take the decode path (as on a GPU) */
+    m = NULL;
+    qf_backend cb = {qf_cpu_ops_best(), pool, NULL};
+    CHECK(qf_model_load(&m, dir, NULL) == QF_OK && qf_cpu_dec_compose_init(&cb, qf_cpu_ops_best(), (size_t)4 << 20) == QF_OK &&
+              qf_model_to_device(m, &cb, 0) == QF_OK, "%s", qf_last_error());
+    CHECK(m && m->dec_ok && m->mtp && m->mtp->dec_ok, "the model and its head take the composed decode ops");
+    if (m && m->mtp && m->mtp->dec_ok) fprintf(stderr, "composed decode ops:\n"), test_acceptance(m, &cb, 0);
+    qf_model_free(m);
+    qf_cpu_dec_compose_free(&cb);
     qf_pool_destroy(pool);
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);

@@ -191,7 +191,7 @@ static void move_mtp(mover *mv) {
     move_layer(mv, 0);
     mv->m = m;
     if (mv->rc == QF_OK) mv->rc = move_experts(v, mv->be);
-    if (mv->rc == QF_OK) v->dev = mv->be;
+    if (mv->rc == QF_OK) v->dev = mv->be, v->dec_ok = dec_fits(v); /* its one-pair drafts take the fused decode ops too */
 }
 
 int qf_model_to_device(qf_model *m, qf_backend *be, int flags) {

@@ -353,13 +353,14 @@ static int moe(fwd *f, int L, float *xn, float *out) {
 
 /* ---- decode steps through the device's fused ops (ops.h qf_dec_ops): 6-7 launches a layer ---- */
 
-/* Decode steps take one token a sequence, or a sequence's few tokens whose every logit is wanted
- * (a verify of drafts; model.h QF_DEC_CHAIN): the rows then chain through the sequence's state. */
+/* Decode steps take one token (or input row: the MTP head's) a sequence, or a sequence's few tokens
+ * whose every logit is wanted (a verify of drafts; model.h QF_DEC_CHAIN): the rows then chain
+ * through the sequence's state. */
 static int dec_usable(const fwd *f) {
     if (!f->be->ops->dec || !f->m->dec_ok || f->N > QF_DEC_ROWS) return 0;
     for (int s = 0; s < f->n_seqs; s++) {
         const qf_seq_step *q = &f->seqs[s];
-        if (q->inputs || (q->n > 1 && (q->n > QF_DEC_CHAIN || q->logits_mode != QF_LOGITS_ALL))) return 0;
+        if (q->n > 1 && (q->inputs || q->n > QF_DEC_CHAIN || q->logits_mode != QF_LOGITS_ALL)) return 0;
     }
     return 1;
 }

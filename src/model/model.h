@@ -304,9 +304,10 @@ int qf_mtp_pos(const qf_mtp_run *r);
 void qf_mtp_truncate(qf_mtp_run *r, int pos);
 qf_state *qf_mtp_state(qf_mtp_run *r);
 /* n pairs (next[i], h[i]) at the head's next n positions (h: the model's final-normed hidden states,
- * qf_seq_step.hidden, or the head's own output for a chained draft): logits as qf_forward's
- * logits_mode; hidden_out (may be NULL) gets the head's normed outputs, the h of the next draft. */
-int qf_mtp_step(const qf_model *m, qf_backend *be, qf_mtp_run *r, const int32_t *next, const float *h, int n, int logits_mode, float *logits,
+ * qf_seq_step.hidden, or the head's own output for a chained draft): logits (or the pick, top1) as
+ * qf_forward's logits_mode; hidden_out (may be NULL) gets the head's normed outputs, the h of the
+ * next draft. */
+int qf_mtp_step(const qf_model *m, qf_backend *be, qf_mtp_run *r, const int32_t *next, const float *h, int n, int logits_mode, float *logits, int32_t *top1,
                 float *hidden_out);
 
 #endif

@@ -51,7 +51,7 @@ void qf_mtp_truncate(qf_mtp_run *r, int pos) {
 qf_state *qf_mtp_state(qf_mtp_run *r) { return r->st; }
 
 int qf_mtp_step(const qf_model *m, qf_backend *be, qf_mtp_run *r, const int32_t *next, const float *h, int n, int logits_mode, float *logits,
-                float *hidden_out) {
+                int32_t *top1, float *hidden_out) {
     const qf_config *c = &m->cfg;
     int H = c->hidden, V = c->vocab;
     if (n < 1 || n > r->rows) return qf_fail(QF_EINVAL, "MTP step of %d pairs (1..%d)", n, r->rows);
@@ -62,6 +62,6 @@ int qf_mtp_step(const qf_model *m, qf_backend *be, qf_mtp_run *r, const int32_t 
     be->ops->rmsnorm(be, r->e, H, m->mtp_norm_e, n, H, c->norm_eps, r->cat, 2 * H);
     be->ops->rmsnorm(be, h, H, m->mtp_norm_h, n, H, c->norm_eps, r->cat + H, 2 * H);
     be->ops->matmul(be, &m->mtp_fc, r->cat, n, r->u);
-    qf_seq_step s = {r->st, next, n, logits_mode, logits, NULL, 0, 0, r->u, hidden_out, NULL};
+    qf_seq_step s = {r->st, next, n, logits_mode, logits, top1, 0, 0, r->u, hidden_out, NULL};
     return qf_forward(m->mtp, be, r->ws, &s, 1);
 }

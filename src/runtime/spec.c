@@ -83,7 +83,7 @@ int qf_spec_seq_room(const qf_spec_seq *q) { return qf_mtp_state(q->mtp)->max_ct
 /* The pairs (tok[i], hb[i]), i < n, to the head (hb[0]: the row before tok[0]); then the last row
  * of the forward moves to hb[0] for the next one. */
 static int feed(qf_engine *e, qf_spec_seq *q, const int32_t *tok, const float *h, int n, int last_row) {
-    int rc = n > 0 ? qf_mtp_step(e->model, &e->be, q->mtp, tok, h, n, QF_LOGITS_NONE, NULL, NULL) : QF_OK;
+    int rc = n > 0 ? qf_mtp_step(e->model, &e->be, q->mtp, tok, h, n, QF_LOGITS_NONE, NULL, NULL, NULL) : QF_OK;
     if (rc == QF_OK) memmove(q->hb, q->hb + (size_t)(last_row + 1) * q->H, q->H * sizeof(float));
     return rc;
 }
@@ -99,8 +99,8 @@ static int draft_chain(qf_engine *e, qf_spec_seq *q, int32_t *d, int n) {
     int rc = QF_OK;
     const float *hin = q->hb;
     for (int i = 1; i <= n && rc == QF_OK; i++) {
-        rc = qf_mtp_step(e->model, &e->be, q->mtp, &d[i - 1], hin, 1, QF_LOGITS_LAST, q->lg, q->hm + (size_t)i * q->H);
-        d[i] = qf_argmax_f32(q->lg, (int)q->V);
+        /* the pick where the logits are (on a GPU only the id comes back) */
+        rc = qf_mtp_step(e->model, &e->be, q->mtp, &d[i - 1], hin, 1, QF_LOGITS_TOP1, q->lg, &d[i], q->hm + (size_t)i * q->H);
         hin = q->hm + (size_t)i * q->H;
     }
     return rc;
@@ -114,7 +114,7 @@ static int run_rows(qf_engine *e, qf_spec_seq *q, qf_state *st, const int32_t *t
 
 int qf_spec_seq_draft(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t *d, int n) {
     int mp = qf_mtp_pos(q->mtp);
-    int rc = n ? draft_chain(e, q, d, n) : qf_mtp_step(e->model, &e->be, q->mtp, d, q->hb, 1, QF_LOGITS_NONE, NULL, NULL);
+    int rc = n ? draft_chain(e, q, d, n) : qf_mtp_step(e->model, &e->be, q->mtp, d, q->hb, 1, QF_LOGITS_NONE, NULL, NULL, NULL);
     qf_mtp_truncate(q->mtp, mp + 1); /* the pair (d[0], hb[0]) stays; the chain's go */
     if (rc != QF_OK) return rc;
     if (q->saved_floats < st->block_floats) { /* once a state size, not a token */
