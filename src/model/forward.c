@@ -540,10 +540,6 @@ static void dec_logits(fwd *f) {
     }
 }
 
-/* The DRAW rows after the step, where lg holds their logits (row t of lg: sequence t's in a
- * decode step, the t-th wanted row in the prompt path): the backend's draw, ids into *top1. Not
- * inside the step: the penalty lists are uploaded as they are, which a recorded step could not
- * repeat. */
 /* The row of lg holding sequence s's last logits; *j: the rows counted so far (the step's rows,
  * or the wanted sequences'). */
 static int lg_row(const fwd *f, int s, int *j) {
@@ -552,6 +548,9 @@ static int lg_row(const fwd *f, int s, int *j) {
     return mode == QF_LOGITS_LAST || mode == QF_LOGITS_TOP1 || mode == QF_LOGITS_DRAW ? (*j)++ : -1;
 }
 
+/* The DRAW rows after the step, where lg holds their logits (lg_row): the backend's draw, ids into
+ * *top1. Not inside the step: the penalty lists are uploaded as they are, which a recorded step
+ * could not repeat. */
 static int draw_after(fwd *f) {
     qf_backend *be = f->be;
     qf_draw d[QF_DEC_ROWS];
@@ -649,7 +648,6 @@ static void logits(fwd *f) {
         }
     }
 }
-
 
 /* What fixes the sequence of kernels of a step: its sequences' row counts, the outputs wanted, their
  * sparsity and the expert cache (a cache given slots later adds kernels to the step). Which states
