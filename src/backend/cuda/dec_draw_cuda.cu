@@ -51,42 +51,25 @@ __device__ double block_dsum(double v, dshared &s) {
     return t;
 }
 
-// Inclusive prefix sum over the block in thread order; *total: the block's sum.
-__device__ double block_dscan(double v, dshared &s, double *total) {
+// Inclusive prefix sum over the block in thread order (part: a value a warp of shared memory);
+// *total: the block's sum.
+template <class T>
+__device__ T block_scan(T v, T *part, T *total) {
     int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     for (int o = 1; o < 32; o <<= 1) {
-        double u = __shfl_up_sync(0xffffffffu, v, o);
+        T u = __shfl_up_sync(0xffffffffu, v, o);
         if (lane >= o) v += u;
     }
     __syncthreads();
-    if (lane == 31) s.part[warp] = v;
+    if (lane == 31) part[warp] = v;
     __syncthreads();
-    double before = 0.0, all = 0.0;
+    T before = 0, all = 0;
     for (int i = 0; i < DR_T / 32; i++) {
-        if (i < warp) before += s.part[i];
-        all += s.part[i];
+        if (i < warp) before += part[i];
+        all += part[i];
     }
     *total = all;
     return before + v;
-}
-
-// Exclusive prefix count over the block in thread order; *total: the block's count.
-__device__ int block_iscan(int v, dshared &s, int *total) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x / 32, x = v;
-    for (int o = 1; o < 32; o <<= 1) {
-        int u = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += u;
-    }
-    __syncthreads();
-    if (lane == 31) s.iv[warp] = x;
-    __syncthreads();
-    int before = 0, all = 0;
-    for (int i = 0; i < DR_T / 32; i++) {
-        if (i < warp) before += s.iv[i];
-        all += s.iv[i];
-    }
-    *total = all;
-    return before + x - v;
 }
 
 // The smallest i over the block (INT_MAX: none).
@@ -152,7 +135,7 @@ __device__ void best_k(const float *x, float t, int V, int K, dshared &s) {
         uint32_t o = i < V ? ord32(x[i] / t) : 0u;
         int eq = i < V && o == T;
         if (i < V && o > T) s.key[atomicAdd(&s.n_gt, 1)] = dkey(o, i);
-        int pos = block_iscan(eq, s, &total);
+        int pos = block_scan(eq, s.iv, &total) - eq; // before this one
         if (eq && taken + pos < need) s.key[K - need + taken + pos] = dkey(o, i);
         taken += total;
     }
@@ -209,7 +192,7 @@ __device__ int walk_ids(const float *x, float t, int V, double mx, double acc0, 
             take = in(v, i);
             if (take) e = exp((double)v - mx);
         }
-        double a = acc + block_dscan(e, s, &total);
+        double a = acc + block_scan(e, s.part, &total);
         int hit = block_imin(take && uu < a ? i : 0x7fffffff, s);
         if (hit != 0x7fffffff) return hit;
         int lt = -block_imin(take ? -i : 0x7fffffff, s);
