@@ -208,10 +208,11 @@ static void check_top1(const char *dir) {
     qf_model_free(m);
 }
 
-/* A verify through the fused decode ops (a sequence of several tokens wanting every logit: its
- * rows chained through its state, model.h QF_DEC_CHAIN) beside a one-token sequence: each row's
- * logits and hidden state as the same tokens fed one a step, and the states left the same (the
- * next step's logits equal). On the CPU's composed ops (CI) or the GPU. */
+/* Verifies through the fused decode ops (sequences of several tokens wanting every logit: their
+ * rows chained through their states in waves, model.h QF_DEC_CHAIN), a 4-row and a 2-row one
+ * beside a one-token sequence: each row's logits and hidden state as the same tokens fed one a
+ * step, and the states left the same (the next step's logits equal). On the CPU's composed ops
+ * (CI) or the GPU. */
 static void check_chain(const char *dir, int gpu) {
     qf_model *m;
     if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
@@ -219,35 +220,45 @@ static void check_chain(const char *dir, int gpu) {
     int ok = gpu ? qf_cuda_backend_init(&be, 0, NULL) == QF_OK : qf_cpu_dec_compose_init(&be, qf_cpu_ops_best(), (size_t)4 << 20) == QF_OK;
     CHECK(ok && qf_model_to_device(m, &be, 0) == QF_OK && m->dec_ok, "%s: %s", dir, qf_last_error());
     qf_workspace *ws = qf_workspace_create(m, 64);
-    int V = m->cfg.vocab, H = m->cfg.hidden, D = 4;
-    int32_t p[6] = {5, 17, 300, 42, 9, 1000}, d[4] = {77, 1500, 2, 700}, one = 33, pa = -1, pb = -2;
-    qf_state *sa = qf_state_create(m, 32), *sb = qf_state_create(m, 32), *sc = qf_state_create(m, 32), *sd = qf_state_create(m, 32);
-    float *la = malloc((size_t)D * V * 4), *lb = malloc((size_t)D * V * 4), *ha = malloc((size_t)D * H * 4), *hb = malloc((size_t)D * H * 4);
-    float *lc = malloc((size_t)V * 4), *ld = malloc((size_t)V * 4), *ea = malloc((size_t)V * 4), *eb = malloc((size_t)V * 4);
-    for (int i = 0; i < 6; i++) p[i] %= V, i < 4 ? (d[i] %= V) : 0;
-    qf_state *all[4] = {sa, sb, sc, sd};
-    for (int i = 0; i < 4; i++) CHECK(qf_forward_seq(m, &be, ws, all[i], p, 6, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
-    qf_seq_step v[2] = {{sc, &one, 1, QF_LOGITS_LAST, lc, NULL, 0, 0, NULL, NULL, NULL}, {sa, d, D, QF_LOGITS_ALL, la, NULL, 0, 0, NULL, ha, NULL}};
-    CHECK(qf_forward(m, &be, ws, v, 2) == QF_OK, "%s", qf_last_error());
+    int V = m->cfg.vocab, H = m->cfg.hidden, D = 4, E = 2;
+    int32_t p[6] = {5, 17, 300, 42, 9, 1000}, d[4] = {77, 1500, 2, 700}, one = 33;
+    qf_state *st[6]; /* chained 4, chained 2, the one-token row; their twins fed one a step */
+    for (int i = 0; i < 6; i++) st[i] = qf_state_create(m, 32);
+    size_t LV = (size_t)V * 4, LH = (size_t)H * 4;
+    float *la = malloc(D * LV), *lb = malloc(D * LV), *ha = malloc(D * LH), *hb = malloc(D * LH), *le = malloc(E * LV), *lf = malloc(E * LV);
+    float *lc = malloc(LV), *ld = malloc(LV), *ea = malloc(3 * LV), *eb = malloc(3 * LV);
+    for (int i = 0; i < 6; i++) p[i] %= V;
+    for (int i = 0; i < 4; i++) d[i] %= V;
+    for (int i = 0; i < 6; i++) CHECK(qf_forward_seq(m, &be, ws, st[i], p, 6 - (i % 3 == 1), QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
+    qf_seq_step v[3] = {{st[2], &one, 1, QF_LOGITS_LAST, lc, NULL, 0, 0, NULL, NULL, NULL},
+                        {st[0], d, D, QF_LOGITS_ALL, la, NULL, 0, 0, NULL, ha, NULL},
+                        {st[1], d + 1, E, QF_LOGITS_ALL, le, NULL, 0, 0, NULL, NULL, NULL}};
+    CHECK(qf_forward(m, &be, ws, v, 3) == QF_OK, "%s", qf_last_error());
     for (int i = 0; i < D; i++) {
-        qf_seq_step u = {sb, d + i, 1, QF_LOGITS_LAST, lb + (size_t)i * V, NULL, 0, 0, NULL, hb + (size_t)i * H, NULL};
+        qf_seq_step u = {st[3], d + i, 1, QF_LOGITS_LAST, lb + (size_t)i * V, NULL, 0, 0, NULL, hb + (size_t)i * H, NULL};
         CHECK(qf_forward(m, &be, ws, &u, 1) == QF_OK, "%s", qf_last_error());
     }
-    qf_seq_step u = {sd, &one, 1, QF_LOGITS_LAST, ld, NULL, 0, 0, NULL, NULL, NULL};
+    for (int i = 0; i < E; i++) {
+        qf_seq_step u = {st[4], d + 1 + i, 1, QF_LOGITS_LAST, lf + (size_t)i * V, NULL, 0, 0, NULL, NULL, NULL};
+        CHECK(qf_forward(m, &be, ws, &u, 1) == QF_OK, "%s", qf_last_error());
+    }
+    qf_seq_step u = {st[5], &one, 1, QF_LOGITS_LAST, ld, NULL, 0, 0, NULL, NULL, NULL};
     CHECK(qf_forward(m, &be, ws, &u, 1) == QF_OK, "%s", qf_last_error());
-    /* the states after: one more step each */
-    qf_seq_step na = {sa, &one, 1, QF_LOGITS_TOP1, NULL, &pa, 0, 0, NULL, NULL, NULL}, nb = {sb, &one, 1, QF_LOGITS_TOP1, NULL, &pb, 0, 0, NULL, NULL, NULL};
-    CHECK(qf_forward(m, &be, ws, &na, 1) == QF_OK && qf_forward(m, &be, ws, &nb, 1) == QF_OK, "%s", qf_last_error());
-    na.logits_mode = nb.logits_mode = QF_LOGITS_LAST, na.logits = ea, nb.logits = eb;
-    CHECK(qf_forward(m, &be, ws, &na, 1) == QF_OK && qf_forward(m, &be, ws, &nb, 1) == QF_OK, "%s", qf_last_error());
-    double dl = qt_max_abs_diff(la, lb, (size_t)D * V), dh = qt_max_abs_diff(ha, hb, (size_t)D * H), dc = qt_max_abs_diff(lc, ld, V), de = qt_max_abs_diff(ea, eb, V);
-    CHECK(dl == 0 && dh == 0 && dc == 0 && de == 0 && pa == pb && sa->pos == sb->pos,
-          "%s: a chained verify against one token a step: logits %.3g, hidden %.3g, the row beside it %.3g, the step after %.3g (picks %d %d)", dir, dl, dh, dc,
-          de, pa, pb);
-    fprintf(stderr, "%s [%s]: a %d-row verify beside a decode row: logits, hidden states and the states after as one token a step (%.3g)\n", dir,
-            gpu ? "cuda" : "composed", D, dl);
-    free(la), free(lb), free(ha), free(hb), free(lc), free(ld), free(ea), free(eb);
-    for (int i = 0; i < 4; i++) qf_state_free(all[i]);
+    for (int i = 0; i < 3; i++) { /* the states after: one more step each */
+        qf_seq_step na = {st[i], &one, 1, QF_LOGITS_LAST, ea + (size_t)i * V, NULL, 0, 0, NULL, NULL, NULL};
+        qf_seq_step nb = {st[i + 3], &one, 1, QF_LOGITS_LAST, eb + (size_t)i * V, NULL, 0, 0, NULL, NULL, NULL};
+        CHECK(qf_forward(m, &be, ws, &na, 1) == QF_OK && qf_forward(m, &be, ws, &nb, 1) == QF_OK, "%s", qf_last_error());
+        CHECK(st[i]->pos == st[i + 3]->pos, "%s: positions %d and %d", dir, st[i]->pos, st[i + 3]->pos);
+    }
+    double dl = qt_max_abs_diff(la, lb, (size_t)D * V), dh = qt_max_abs_diff(ha, hb, (size_t)D * H), de = qt_max_abs_diff(le, lf, (size_t)E * V);
+    double dc = qt_max_abs_diff(lc, ld, V), dn = qt_max_abs_diff(ea, eb, (size_t)3 * V);
+    CHECK(dl == 0 && dh == 0 && de == 0 && dc == 0 && dn == 0,
+          "%s: chained verifies against one token a step: logits %.3g / %.3g, hidden %.3g, the row beside them %.3g, the steps after %.3g", dir, dl, de, dh,
+          dc, dn);
+    fprintf(stderr, "%s [%s]: a %d-row and a %d-row verify beside a decode row: logits, hidden states and the states after as one token a step\n", dir,
+            gpu ? "cuda" : "composed", D, E);
+    free(la), free(lb), free(ha), free(hb), free(le), free(lf), free(lc), free(ld), free(ea), free(eb);
+    for (int i = 0; i < 6; i++) qf_state_free(st[i]);
     qf_workspace_free(ws);
     qf_model_free(m);
     if (gpu) qf_cuda_backend_free(&be);

@@ -19,9 +19,11 @@ typedef struct fwd {
     int n_seqs, N; /* sequences, total rows */
     int lg_rows;   /* after the step: the rows of lg that hold logits (DRAW rows drawn from there; 0: none kept) */
     int lg_by_seq; /* lg's rows are the step's rows (a decode step), else one a sequence that wants logits */
-    /* decode steps: row t is row roff[t] of sequence rseq[t]; chained: some sequence has several
-     * rows (a verify: its token and drafts), whose DeltaNet steps and attention run row by row */
-    int rseq[QF_DEC_ROWS], roff[QF_DEC_ROWS], chained;
+    /* decode steps: row t is row roff[t] of sequence rseq[t], rows in waves (every sequence's
+     * first row, then the second rows of those with more, ...), wave i at rows wave[i] ..
+     * wave[i + 1] - 1; more than one wave: some sequence chains its rows (a verify: its token and
+     * drafts), and the DeltaNet steps and attention run a wave at a time */
+    int dec, rseq[QF_DEC_ROWS], roff[QF_DEC_ROWS], wave[QF_DEC_CHAIN + 1], waves;
 } fwd;
 
 /* ---- sparsity (model.h): levels per row, the trunk's masks on the host path ---- */
@@ -29,6 +31,10 @@ typedef struct fwd {
 /* Row r's sparsity level in layer L: 0 in a prompt (a sequence of more than one row), else its
  * sequence's when the step sets one, else the model's. */
 static float row_level(const fwd *f, int r, int L) {
+    if (f->dec) {
+        const qf_seq_step *q = &f->seqs[f->rseq[r]];
+        return q->n > 1 ? 0.0f : q->sparsity_set ? q->sparsity : f->m->sparsity[L];
+    }
     for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++)
         if (r < r0 + f->seqs[s].n) return f->seqs[s].n > 1 ? 0.0f : f->seqs[s].sparsity_set ? f->seqs[s].sparsity : f->m->sparsity[L];
     return 0.0f;
@@ -78,7 +84,8 @@ static void kv_prepare(fwd *f) {
     for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
         qf_state *st = f->seqs[s].st;
         int on = 0, full = st->pos / qf_kv_pool_page_tokens(st->kv);
-        for (int L = 0; L < c->n_layers && f->seqs[s].n == 1 && !on; L++) on = c->layer_kind[L] == QF_LAYER_FULL && kv_budget(f, r0, L, st) > 0;
+        int row = f->dec ? s : r0; /* a decode step's first wave holds every sequence's first row, in order */
+        for (int L = 0; L < c->n_layers && f->seqs[s].n == 1 && !on; L++) on = c->layer_kind[L] == QF_LAYER_FULL && kv_budget(f, row, L, st) > 0;
         if (!on || (!f->m->dev && full <= st->kv_summarized)) continue;
         for (int L = 0; L < c->n_layers; L++) {
             if (c->layer_kind[L] != QF_LAYER_FULL) continue;
@@ -366,11 +373,21 @@ static int dec_usable(const fwd *f) {
 }
 
 static void dec_rows(fwd *f) {
-    f->chained = 0;
-    for (int s = 0, t = 0; s < f->n_seqs; s++) {
-        f->chained |= f->seqs[s].n > 1;
-        for (int i = 0; i < f->seqs[s].n; i++, t++) f->rseq[t] = s, f->roff[t] = i;
+    int t = 0;
+    f->dec = 1, f->waves = 0;
+    for (int i = 0; t < f->N; i++) {
+        f->wave[f->waves++] = t;
+        for (int s = 0; s < f->n_seqs; s++)
+            if (f->seqs[s].n > i) f->rseq[t] = s, f->roff[t] = i, t++;
     }
+    f->wave[f->waves] = t;
+}
+
+/* The row of sequence s's i-th token. */
+static int seq_row(const fwd *f, int s, int i) {
+    for (int t = f->wave[i]; t < f->wave[i + 1]; t++)
+        if (f->rseq[t] == s) return t;
+    return -1;
 }
 
 static qf_state *row_state(const fwd *f, int t) { return f->seqs[f->rseq[t]].st; }
@@ -380,22 +397,22 @@ static qf_state *row_state(const fwd *f, int t) { return f->seqs[f->rseq[t]].st;
  * conv epilogue must take a channel's rows in order). */
 static int dec_thresholds(const fwd *f, int L, int group, float *thr) {
     int any = 0;
-    if (f->chained) return 0;
+    if (f->waves > 1) return 0;
     for (int t = 0; t < f->N; t++) any |= (thr[t] = qf_sparsity_trunk_threshold(f->m, L, group, row_level(f, t, L))) > 0.0f;
     return any && f->be->ops->dec->matmul_sparse && f->m->layers[L].in_t.data;
 }
 
-/* Attention of the step's rows: at once, or row by row where rows chain (each row's key is stored
- * before the next row attends). 1: the output heads are gated already. */
+/* Attention of the step's rows, a wave at a time (each wave's keys are stored before the next
+ * wave attends). 1: the output heads are gated already. */
 static int dec_attend(fwd *f, qf_attn_dec *a) {
     qf_backend *be = f->be;
     const qf_dec_ops *d = OPS->dec;
-    if (!f->chained) return (d->attn_gate && d->attn_gate(be, a)) || (d->attention(be, a), 0);
     int gated = 0, vd = a->nh * a->hd;
-    for (int t = 0; t < f->N; t++) {
+    for (int i = 0; i < f->waves; i++) {
+        int t0 = f->wave[i], n = f->wave[i + 1] - t0;
         qf_attn_dec r = *a;
-        r.qkv = a->qkv + (size_t)t * a->stride, r.n = 1, r.out = a->out + (size_t)t * vd;
-        r.kv[0] = a->kv[t], r.pos[0] = a->pos[t], r.n_keys[0] = a->n_keys[t];
+        r.qkv = a->qkv + (size_t)t0 * a->stride, r.n = n, r.out = a->out + (size_t)t0 * vd;
+        for (int t = 0; t < n; t++) r.kv[t] = a->kv[t0 + t], r.pos[t] = a->pos[t0 + t], r.n_keys[t] = a->n_keys[t0 + t];
         gated = d->attn_gate && d->attn_gate(be, &r);
         if (!gated) d->attention(be, &r);
     }
@@ -433,18 +450,18 @@ static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
     else d->matmul(be, &w->wo, core, f->N, gated ? NULL : &gate, NULL, 1, WS(f->ws, x));
 }
 
-/* The DeltaNet steps of the step's rows: at once, or row by row where rows chain. 1: out is gn(out). */
+/* The DeltaNet steps of the step's rows, a wave at a time. 1: out is gn(out). */
 static int dec_delta(fwd *f, const qf_gdn_dec *g, const qf_pre *gn) {
     qf_backend *be = f->be;
     const qf_dec_ops *d = OPS->dec;
     int normed = 0;
-    for (int t = 0; t < (f->chained ? f->N : 1); t++) {
+    for (int i = 0; i < f->waves; i++) {
+        int t0 = f->wave[i], n = f->wave[i + 1] - t0;
         qf_gdn_dec r = *g;
         qf_pre rn = *gn;
-        if (f->chained) {
-            r.mixed = g->mixed + (size_t)t * g->stride, r.n = 1, r.S[0] = g->S[t], r.out = g->out + (size_t)t * g->nv * g->dv;
-            rn.g = gn->g + (size_t)t * gn->g_stride;
-        }
+        r.mixed = g->mixed + (size_t)t0 * g->stride, r.n = n, r.out = g->out + (size_t)t0 * g->nv * g->dv;
+        for (int t = 0; t < n; t++) r.S[t] = g->S[t0 + t];
+        rn.g = gn->g + (size_t)t0 * gn->g_stride;
         normed = d->gdn_gn && d->gdn_gn(be, &r, &rn);
         if (!normed) d->gdn(be, &r);
     }
@@ -510,7 +527,11 @@ static void hidden_out(fwd *f, const float *x, float *xn) {
     for (int s = 0; s < f->n_seqs; s++) any |= f->seqs[s].hidden != NULL;
     if (!any) return;
     OPS->rmsnorm(be, x, H, m->final_norm, f->N, H, m->cfg.norm_eps, xn, H);
-    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++)
+    for (int t = 0; f->dec && t < f->N; t++) { /* a decode step's rows are in waves */
+        const qf_seq_step *q = &f->seqs[f->rseq[t]];
+        if (q->hidden) qf_be_download(be, q->hidden + (size_t)f->roff[t] * H, xn + (size_t)t * H, (size_t)H * sizeof(float));
+    }
+    for (int s = 0, r0 = 0; !f->dec && s < f->n_seqs; r0 += f->seqs[s].n, s++)
         if (f->seqs[s].hidden) qf_be_download(be, f->seqs[s].hidden, xn + (size_t)r0 * H, (size_t)f->seqs[s].n * H * sizeof(float));
 }
 
@@ -530,21 +551,21 @@ static void dec_logits(fwd *f) {
     OPS->dec->matmul(be, &m->lm_head, WS(f->ws, x), f->N, &fin, NULL, 0, lg);
     if (top1) OPS->dec->argmax(be, lg, f->N, V, amax);
     f->lg_rows = f->N, f->lg_by_seq = 1;
-    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
-        qf_seq_step *q = &f->seqs[s];
-        int last = r0 + q->n - 1;
-        if (q->logits_mode == QF_LOGITS_ALL) qf_be_download(be, q->logits, lg + (size_t)r0 * V, (size_t)q->n * V * sizeof(float));
-        else if (q->logits_mode == QF_LOGITS_LAST || (q->logits_mode == QF_LOGITS_DRAW && !OPS->dec->draw)) draw_on_host(be, q, lg + (size_t)last * V, V);
+    for (int t = 0; t < f->N; t++) {
+        qf_seq_step *q = &f->seqs[f->rseq[t]];
+        int i = f->roff[t];
+        if (q->logits_mode == QF_LOGITS_ALL) qf_be_download(be, q->logits + (size_t)i * V, lg + (size_t)t * V, (size_t)V * sizeof(float));
+        else if (i < q->n - 1) continue; /* the other modes want the last row's */
+        else if (q->logits_mode == QF_LOGITS_LAST || (q->logits_mode == QF_LOGITS_DRAW && !OPS->dec->draw)) draw_on_host(be, q, lg + (size_t)t * V, V);
         else if (q->logits_mode == QF_LOGITS_DRAW) q->top1[0] = 0;
-        else if (q->logits_mode == QF_LOGITS_TOP1) qf_be_download(be, q->top1, amax + last, sizeof(int32_t));
+        else if (q->logits_mode == QF_LOGITS_TOP1) qf_be_download(be, q->top1, amax + t, sizeof(int32_t));
     }
 }
 
-/* The row of lg holding sequence s's last logits; *j: the rows counted so far (the step's rows,
- * or the wanted sequences'). */
+/* The row of lg holding sequence s's last logits (the prompt path: *j counts the wanted sequences). */
 static int lg_row(const fwd *f, int s, int *j) {
     int mode = f->seqs[s].logits_mode;
-    if (f->lg_by_seq) return (*j += f->seqs[s].n) - 1;
+    if (f->lg_by_seq) return seq_row(f, s, f->seqs[s].n - 1);
     return mode == QF_LOGITS_LAST || mode == QF_LOGITS_TOP1 || mode == QF_LOGITS_DRAW ? (*j)++ : -1;
 }
 
@@ -701,6 +722,22 @@ static int step_fail(qf_backend *be, int rc) {
     return qf_fail(rc, "%s", msg);
 }
 
+/* The step's rows of x: each sequence's tokens embedded (or its input rows), one after another, or
+ * in a decode step's waves. */
+static void embed_rows(fwd *f, float *x) {
+    const qf_model *m = f->m;
+    qf_backend *be = f->be;
+    int H = m->cfg.hidden;
+    for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
+        const qf_seq_step *q = &f->seqs[s];
+        for (int i = 0; i < q->n; i += f->waves > 1 ? 1 : q->n) {
+            int row = f->waves > 1 ? seq_row(f, s, i) : r0 + i, n = f->waves > 1 ? 1 : q->n;
+            if (q->inputs) qf_be_copy(be, x + (size_t)row * H, q->inputs + (size_t)i * H, (size_t)n * H * sizeof(float));
+            else OPS->embed(be, &m->embed, q->tokens + i, n, x + (size_t)row * H);
+        }
+    }
+}
+
 int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step *seqs, int n_seqs) {
     fwd f = {.m = m, .be = be, .ws = ws, .seqs = seqs, .n_seqs = n_seqs};
     int rc = check_batch(m, ws, seqs, n_seqs, &f.N);
@@ -709,15 +746,13 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
     int H = c->hidden;
     float *x = WS(ws, x), *xn = WS(ws, xn);
     if (m->experts && m->experts->ops->step) m->experts->ops->step(m->experts);
-    if (OPS->step_begin) OPS->step_begin(be, dec_usable(&f) || f.N <= QF_GRAPH_ROWS ? step_key(m, seqs, n_seqs) : 0, f.N);
+    int dec = dec_usable(&f);
+    if (dec) dec_rows(&f);
+    if (OPS->step_begin) OPS->step_begin(be, dec || f.N <= QF_GRAPH_ROWS ? step_key(m, seqs, n_seqs) : 0, f.N);
     kv_prepare(&f);
-    for (int s = 0, r0 = 0; s < n_seqs; r0 += seqs[s].n, s++) {
-        if (seqs[s].inputs) qf_be_copy(be, x + (size_t)r0 * H, seqs[s].inputs, (size_t)seqs[s].n * H * sizeof(float));
-        else OPS->embed(be, &m->embed, seqs[s].tokens, seqs[s].n, x + (size_t)r0 * H);
-    }
+    embed_rows(&f, x);
     if (ws->hook && !m->dev) ws->hook(ws->hook_ud, 0, x, f.N, H);
-    if (dec_usable(&f)) {
-        dec_rows(&f);
+    if (dec) {
         for (int L = 0; L < c->n_layers && rc == QF_OK; L++) rc = dec_layer(&f, L);
         if (rc != QF_OK) return step_fail(be, rc);
         for (int s = 0; s < n_seqs; s++) seqs[s].st->pos += seqs[s].n;
