@@ -367,7 +367,7 @@ static int dec_usable(const fwd *f) {
     if (!f->be->ops->dec || !f->m->dec_ok || f->N > QF_DEC_ROWS) return 0;
     for (int s = 0; s < f->n_seqs; s++) {
         const qf_seq_step *q = &f->seqs[s];
-        if (q->n > 1 && (q->inputs || q->n > QF_DEC_CHAIN || q->logits_mode != QF_LOGITS_ALL)) return 0;
+        if (q->n > 1 && (q->inputs || q->n > QF_DEC_CHAIN || (q->logits_mode != QF_LOGITS_ALL && q->logits_mode != QF_LOGITS_PICKS))) return 0;
     }
     return 1;
 }
@@ -545,7 +545,10 @@ static void dec_logits(fwd *f) {
     int32_t *amax = (int32_t *)WS(f->ws, amax);
     qf_pre fin = {QF_PRE_RMSNORM, m->final_norm, NULL, 0, 0, 0, m->cfg.norm_eps};
     int any = 0, top1 = 0;
-    for (int s = 0; s < f->n_seqs; s++) any |= f->seqs[s].logits_mode != QF_LOGITS_NONE, top1 |= f->seqs[s].logits_mode == QF_LOGITS_TOP1;
+    for (int s = 0; s < f->n_seqs; s++) {
+        int mode = f->seqs[s].logits_mode;
+        any |= mode != QF_LOGITS_NONE, top1 |= mode == QF_LOGITS_TOP1 || mode == QF_LOGITS_PICKS;
+    }
     hidden_out(f, WS(f->ws, x), WS(f->ws, xn));
     if (!any) return;
     OPS->dec->matmul(be, &m->lm_head, WS(f->ws, x), f->N, &fin, NULL, 0, lg);
@@ -555,6 +558,7 @@ static void dec_logits(fwd *f) {
         qf_seq_step *q = &f->seqs[f->rseq[t]];
         int i = f->roff[t];
         if (q->logits_mode == QF_LOGITS_ALL) qf_be_download(be, q->logits + (size_t)i * V, lg + (size_t)t * V, (size_t)V * sizeof(float));
+        else if (q->logits_mode == QF_LOGITS_PICKS) qf_be_download(be, q->top1 + i, amax + t, sizeof(int32_t));
         else if (i < q->n - 1) continue; /* the other modes want the last row's */
         else if (q->logits_mode == QF_LOGITS_LAST || (q->logits_mode == QF_LOGITS_DRAW && !OPS->dec->draw)) draw_on_host(be, q, lg + (size_t)t * V, V);
         else if (q->logits_mode == QF_LOGITS_DRAW) q->top1[0] = 0;
@@ -600,6 +604,7 @@ static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_s
         if (q->n < 1) return qf_fail(QF_EINVAL, "sequence %d of the batch has no tokens", s);
         if (q->sparsity_set && !(q->sparsity >= 0.0f && q->sparsity <= 1.0f)) return qf_fail(QF_EINVAL, "sparsity level %g is outside 0..1", q->sparsity);
         if (q->logits_mode == QF_LOGITS_DRAW && (!q->draw || !q->top1 || !q->logits)) return qf_fail(QF_EINVAL, "sequence %d draws without its draw, pick or logits", s);
+        if ((q->logits_mode == QF_LOGITS_PICKS || q->logits_mode == QF_LOGITS_TOP1) && !q->top1) return qf_fail(QF_EINVAL, "sequence %d picks without a place for them", s);
         if (q->sparsity_set && q->sparsity > 0.0f && !qf_model_sparsity_ready(m))
             return qf_fail(QF_EUNSUPPORTED, "a sparsity level above 0 on this device needs the model loaded with one (its transposed weights)");
         for (int i = 0; !q->inputs && i < q->n; i++)
@@ -616,18 +621,18 @@ static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_s
     return QF_OK;
 }
 
-/* The greedy pick of one row of logits: on the device when it can, else on the host (where the
+/* The greedy picks of n rows of logits: on the device when it can, else on the host (where the
  * logits then are). */
-static void pick(fwd *f, const float *row, int32_t *out) {
+static void pick(fwd *f, const float *rows, int n, int32_t *out) {
     qf_backend *be = f->be;
     int V = f->m->cfg.vocab;
     if (OPS->dec) {
         int32_t *amax = (int32_t *)WS(f->ws, amax);
-        OPS->dec->argmax(be, row, 1, V, amax);
-        qf_be_download(be, out, amax, sizeof(int32_t));
+        OPS->dec->argmax(be, rows, n, V, amax);
+        qf_be_download(be, out, amax, (size_t)n * sizeof(int32_t));
         return;
     }
-    *out = qf_argmax_f32(row, V); /* the CPU tables have no device: row is host memory */
+    for (int t = 0; t < n; t++) out[t] = qf_argmax_f32(rows + (size_t)t * V, V); /* the CPU tables have no device: rows are host memory */
 }
 
 /* Final norm + lm_head for the wanted rows: ALL rows straight into the caller's buffer, LAST rows
@@ -640,12 +645,13 @@ static void logits(fwd *f) {
     float *x = WS(ws, x), *lrows = WS(ws, lrows), *lg = WS(ws, lg);
     for (int s = 0, r0 = 0; s < f->n_seqs; r0 += f->seqs[s].n, s++) {
         qf_seq_step *q = &f->seqs[s];
-        if (q->logits_mode == QF_LOGITS_ALL) { /* through lg in chunks: q->logits is host memory */
+        if (q->logits_mode == QF_LOGITS_ALL || q->logits_mode == QF_LOGITS_PICKS) { /* through lg in chunks: q->logits is host memory */
             for (int i0 = 0; i0 < q->n; i0 += R) {
                 int cnt = q->n - i0 < R ? q->n - i0 : R;
                 OPS->rmsnorm(be, x + (size_t)(r0 + i0) * H, H, m->final_norm, cnt, H, m->cfg.norm_eps, lrows, H);
                 OPS->matmul(be, &m->lm_head, lrows, cnt, lg);
-                qf_be_download(be, q->logits + (size_t)i0 * V, lg, (size_t)cnt * V * sizeof(float));
+                if (q->logits_mode == QF_LOGITS_PICKS) pick(f, lg, cnt, q->top1 + i0);
+                else qf_be_download(be, q->logits + (size_t)i0 * V, lg, (size_t)cnt * V * sizeof(float));
             }
         } else if (q->logits_mode == QF_LOGITS_LAST || q->logits_mode == QF_LOGITS_TOP1 || q->logits_mode == QF_LOGITS_DRAW) {
             ws->lrow_src[n_last++] = s;
@@ -665,7 +671,7 @@ static void logits(fwd *f) {
             qf_seq_step *q = &f->seqs[ws->lrow_src[i0 + j]];
             if (q->logits_mode == QF_LOGITS_LAST || (q->logits_mode == QF_LOGITS_DRAW && !keep)) draw_on_host(be, q, lg + (size_t)j * V, V);
             else if (q->logits_mode == QF_LOGITS_DRAW) q->top1[0] = 0;
-            else pick(f, lg + (size_t)j * V, q->top1);
+            else pick(f, lg + (size_t)j * V, 1, q->top1);
         }
     }
 }

@@ -260,7 +260,9 @@ int qf_workspace_set_act_hook(qf_workspace *ws, qf_act_hook fn, void *ud);
  * the pick of *draw (backend/ops.h qf_draw: the sampler's rule with its uniform number) into
  * *top1, made on the device after the step; where it cannot be made there, the logits go to
  * *logits (which a DRAW row must give) and *top1 = -1: the caller samples them. */
-enum qf_logits_mode { QF_LOGITS_NONE = 0, QF_LOGITS_LAST = 1, QF_LOGITS_ALL = 2, QF_LOGITS_TOP1 = 3, QF_LOGITS_DRAW = 4 };
+enum qf_logits_mode { QF_LOGITS_NONE = 0, QF_LOGITS_LAST = 1, QF_LOGITS_ALL = 2, QF_LOGITS_TOP1 = 3, QF_LOGITS_DRAW = 4, QF_LOGITS_PICKS = 5 };
+/* PICKS: the greedy pick of every row (TOP1's rule) into top1[0..n): a verify of drafts needs no
+ * more, and on a GPU only the ids come back. */
 
 /* One sequence's share of a batched forward. logits: vocab floats (LAST) or n * vocab (ALL). */
 typedef struct qf_seq_step {
@@ -269,7 +271,7 @@ typedef struct qf_seq_step {
     int n;
     int logits_mode;
     float *logits;
-    int32_t *top1; /* TOP1, DRAW */
+    int32_t *top1; /* TOP1, DRAW; PICKS: n of them */
     int sparsity_set; /* this sequence's sparsity level (every layer) instead of the model's (CPU path) */
     float sparsity;
     const float *inputs; /* n rows of hidden floats that replace the tokens' embeddings (the MTP head's; NULL: embed tokens) */
@@ -278,8 +280,9 @@ typedef struct qf_seq_step {
 } qf_seq_step;
 
 /* On a device with fused decode ops, a step of one token a sequence runs them; so does a sequence
- * of up to QF_DEC_CHAIN tokens that wants every logit (QF_LOGITS_ALL: a verify of drafts), its rows
- * chained through its state, each row's numbers those of a one-token step. */
+ * of up to QF_DEC_CHAIN tokens that wants every row's logits or pick (QF_LOGITS_ALL, QF_LOGITS_PICKS:
+ * a verify of drafts), its rows chained through its state, each row's numbers those of a
+ * one-token step. */
 #define QF_DEC_CHAIN 9
 
 /* Runs the tokens of every sequence through the model at once (sum of n <= workspace rows),

@@ -754,8 +754,8 @@ static int plan_drafts(qf_sched *s, int n, int *rows, int *drafting) {
         sl->spec_d[0] = r->toks[r->n_fed];
         if (qf_spec_seq_draft(s->e, sl->sp, sl->st, sl->spec_d, nd) != QF_OK) continue; /* no drafts this step */
         pages_left -= qf_state_pages_needed(sl->st, nd + 1) - qf_state_pages_needed(sl->st, 1);
-        s->steps[j].tokens = sl->spec_d, s->steps[j].n = nd + 1, s->steps[j].logits_mode = QF_LOGITS_ALL;
-        s->steps[j].logits = qf_spec_seq_logits(sl->sp);
+        s->steps[j].tokens = sl->spec_d, s->steps[j].n = nd + 1, s->steps[j].logits_mode = QF_LOGITS_PICKS;
+        s->steps[j].top1 = qf_spec_seq_picks(sl->sp);
         sl->spec_n = nd, sl->spec_p0 = sl->st->pos, sl->batch_n = nd + 1;
         *rows += nd, drafted += nd, (*drafting)++;
     }
@@ -774,7 +774,7 @@ static int settle_drafts(qf_sched *s, int n, int *rc) {
         accepted += k;
         if (k == sl->spec_n) continue;
         qf_spec_seq_restore(sl->sp, sl->st, sl->spec_p0);
-        s->redo[m++] = (qf_seq_step){sl->st, sl->spec_d, k + 1, QF_LOGITS_ALL, qf_spec_seq_logits(sl->sp), NULL, sl->req->sparsity_set,
+        s->redo[m++] = (qf_seq_step){sl->st, sl->spec_d, k + 1, QF_LOGITS_PICKS, NULL, qf_spec_seq_picks(sl->sp), sl->req->sparsity_set,
                                      sl->req->sparsity, NULL, qf_spec_seq_hidden(sl->sp), NULL};
     }
     if (m) *rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->redo, m);

@@ -22,11 +22,11 @@
 struct qf_spec_seq {
     qf_backend *be;   /* the engine's: where the states' copies live */
     int max_draft, rows;
-    size_t H, V;
+    size_t H;
     qf_mtp_run *mtp;
     float *hb;        /* (rows + 1, H): the hidden state of the row before a forward, then its rows' */
     float *hm;        /* (max_draft + 1, H): the head's outputs of a draft chain */
-    float *lg;        /* (max_draft + 1, V) */
+    int32_t *pk;      /* (rows): the model's picks of a forward's rows */
     float *saved;     /* a copy of a state's DeltaNet block (saved_floats), the backend's memory */
     size_t saved_floats;
 };
@@ -55,11 +55,11 @@ qf_spec_seq *qf_spec_seq_create(const qf_engine *e, int max_draft, int rows, int
         qf_fail(QF_ENOMEM, "out of memory");
         return NULL;
     }
-    q->be = (qf_backend *)&e->be, q->max_draft = max_draft, q->rows = rows, q->H = (size_t)m->cfg.hidden, q->V = (size_t)m->cfg.vocab;
+    q->be = (qf_backend *)&e->be, q->max_draft = max_draft, q->rows = rows, q->H = (size_t)m->cfg.hidden;
     q->mtp = qf_mtp_run_create(m, rows, max_ctx);
     q->hb = calloc(((size_t)rows + 1) * q->H, sizeof(float)), q->hm = malloc((size_t)(max_draft + 1) * q->H * sizeof(float));
-    q->lg = malloc((size_t)(max_draft + 1) * q->V * sizeof(float));
-    if (!q->mtp || !q->hb || !q->hm || !q->lg || rows < max_draft + 1) {
+    q->pk = malloc((size_t)rows * sizeof(int32_t));
+    if (!q->mtp || !q->hb || !q->hm || !q->pk || rows < max_draft + 1) {
         qf_spec_seq_free(q);
         qf_fail(QF_ENOMEM, "out of memory for speculative decoding (or forwards of under %d rows)", max_draft + 1);
         return NULL;
@@ -70,7 +70,7 @@ qf_spec_seq *qf_spec_seq_create(const qf_engine *e, int max_draft, int rows, int
 void qf_spec_seq_free(qf_spec_seq *q) {
     if (!q) return;
     qf_mtp_run_free(q->mtp);
-    free(q->hb), free(q->hm), free(q->lg);
+    free(q->hb), free(q->hm), free(q->pk);
     qf_be_free(q->be, q->saved);
     free(q);
 }
@@ -100,15 +100,15 @@ static int draft_chain(qf_engine *e, qf_spec_seq *q, int32_t *d, int n) {
     const float *hin = q->hb;
     for (int i = 1; i <= n && rc == QF_OK; i++) {
         /* the pick where the logits are (on a GPU only the id comes back) */
-        rc = qf_mtp_step(e->model, &e->be, q->mtp, &d[i - 1], hin, 1, QF_LOGITS_TOP1, q->lg, &d[i], q->hm + (size_t)i * q->H);
+        rc = qf_mtp_step(e->model, &e->be, q->mtp, &d[i - 1], hin, 1, QF_LOGITS_TOP1, NULL, &d[i], q->hm + (size_t)i * q->H);
         hin = q->hm + (size_t)i * q->H;
     }
     return rc;
 }
 
-/* n rows of the model in one forward: their hidden states after hb[0], their logits into lg. */
+/* n rows of the model in one forward: their hidden states after hb[0], their picks into pk. */
 static int run_rows(qf_engine *e, qf_spec_seq *q, qf_state *st, const int32_t *tok, int n) {
-    qf_seq_step s = {st, tok, n, QF_LOGITS_ALL, q->lg, NULL, 0, 0, NULL, q->hb + q->H, NULL};
+    qf_seq_step s = {st, tok, n, QF_LOGITS_PICKS, NULL, q->pk, 0, 0, NULL, q->hb + q->H, NULL};
     return qf_forward(e->model, &e->be, e->ws, &s, 1);
 }
 
@@ -126,11 +126,11 @@ int qf_spec_seq_draft(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t *d, in
     return QF_OK;
 }
 
-float *qf_spec_seq_logits(qf_spec_seq *q) { return q->lg; }
+int32_t *qf_spec_seq_picks(qf_spec_seq *q) { return q->pk; }
 
 int qf_spec_seq_accepted(const qf_spec_seq *q, const int32_t *d, int n) {
     int k = 0;
-    while (k < n && d[k + 1] == qf_argmax_f32(q->lg + (size_t)k * q->V, (int)q->V)) k++;
+    while (k < n && d[k + 1] == q->pk[k]) k++;
     return k;
 }
 
@@ -150,7 +150,7 @@ int qf_spec_seq_kept(qf_engine *e, qf_spec_seq *q, const int32_t *d, int keep, i
     int rc = after_keep(e, q, d, keep);
     if (rc != QF_OK) return rc;
     for (int i = 0; i + 1 < keep; i++) out[i] = d[i + 1];
-    out[keep - 1] = qf_argmax_f32(q->lg + (size_t)(keep - 1) * q->V, (int)q->V);
+    out[keep - 1] = q->pk[keep - 1];
     return QF_OK;
 }
 
@@ -239,7 +239,7 @@ static int step(qf_engine *e, qf_emitter *em, qf_state *st, int32_t *x, int *rc)
     d[0] = *x;
     if (s->off) { /* the head's context is full: plain steps */
         *rc = run_rows(e, q, st, d, 1);
-        *x = qf_argmax_f32(q->lg, (int)q->V);
+        *x = q->pk[0];
         return how == 1 || *rc != QF_OK;
     }
     if ((*rc = draft_and_run(e, q, st, d, n)) != QF_OK) return 1;
@@ -252,7 +252,7 @@ static int step(qf_engine *e, qf_emitter *em, qf_state *st, int32_t *x, int *rc)
     }
     if (keep < n + 1 && (*rc = keep_rows(e, q, st, d, p0, keep)) != QF_OK) return 1;
     if ((*rc = after_keep(e, q, d, keep)) != QF_OK) return 1;
-    *x = qf_argmax_f32(q->lg + (size_t)(keep - 1) * q->V, (int)q->V);
+    *x = q->pk[keep - 1];
     return end;
 }
 

@@ -28,13 +28,13 @@ float *qf_spec_seq_hidden(qf_spec_seq *q);
 int qf_spec_seq_fed(qf_engine *e, qf_spec_seq *q, const int32_t *tok, int n, int first);
 /* A step from d[0] (picked, not fed yet; the head has every pair before it), in parts so that many
  * sequences share the model's forwards (the scheduler's): d[1..n] drafted from
- * d[0] and a copy of the DeltaNet states taken; the forward of d[0..n] puts its logits in
- * qf_spec_seq_logits and its hidden states in qf_spec_seq_hidden; the drafts that equal the
+ * d[0] and a copy of the DeltaNet states taken; the forward of d[0..n] puts its picks in
+ * qf_spec_seq_picks (QF_LOGITS_PICKS) and its hidden states in qf_spec_seq_hidden; the drafts that equal the
  * model's picks are counted; when one was refused the state goes back to its copy (position p0)
  * and the k + 1 rows that stand run again; then the head gets their pairs and out the k accepted
  * drafts and the next pick. */
 int qf_spec_seq_draft(qf_engine *e, qf_spec_seq *q, qf_state *st, int32_t *d, int n);
-float *qf_spec_seq_logits(qf_spec_seq *q);
+int32_t *qf_spec_seq_picks(qf_spec_seq *q);
 int qf_spec_seq_accepted(const qf_spec_seq *q, const int32_t *d, int n);
 void qf_spec_seq_restore(qf_spec_seq *q, qf_state *st, int p0);
 int qf_spec_seq_kept(qf_engine *e, qf_spec_seq *q, const int32_t *d, int keep, int32_t *out);
