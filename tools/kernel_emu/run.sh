@@ -1,0 +1,31 @@
+#!/bin/bash
+# Runs CUDA kernels' logic on the CPU (no device needed): each kernel is cut from its .cu file and
+# compiled as C++ against shim/ (emu.h: blocks one after another, a std::thread a CUDA thread), then
+# checked against the reference it is tested against on the GPU. Slow (seconds a block) and blind
+# to speed, races between blocks and memory ordering: a check of indexing and arithmetic before a
+# device run, not a substitute for test_cuda.
+#   bash tools/kernel_emu/run.sh          k_gemv_pre (int8 rows, the chained epilogue) and k_draw
+set -eu
+cd "$(dirname "$0")"
+ROOT=../..
+B=${EMU_BUILD:-/tmp/qflash-kernel-emu}
+mkdir -p "$B"
+cut() { # file, first marker, end marker, out, [sed script]
+    python3 - "$ROOT/$1" "$2" "$3" "$B/$4" <<'PY'
+import sys
+src = open(sys.argv[1]).read()
+a, b = src.index(sys.argv[2]), src.index(sys.argv[3])
+k = src[a:b].replace('extern __shared__ float4 dyn[];', 'float4 *dyn = g_dyn;')
+k = '\n'.join(l for l in k.split('\n') if 'asm volatile("prefetch' not in l)
+open(sys.argv[4], 'w').write(k)
+PY
+}
+cut src/backend/cuda/dec_gemv_cuda.cu '// Unit u of an int8 row' '// The share [*lo, *hi) of n items' gemv.inc
+cut src/backend/cuda/dec_draw_cuda.cu '#define DR_T 1024' 'void dec_draw(qf_backend' draw.inc
+C="gcc -std=c11 -O2 -I$ROOT/src -c"
+$C $ROOT/src/base/quant.c -o "$B/quant.o" && $C $ROOT/src/base/err.c -o "$B/err.o" && $C $ROOT/src/runtime/sampler.c -o "$B/sampler.o"
+X="g++ -std=c++20 -O1 -Ishim -I$ROOT/src -I$B"
+$X gemv_emu.cpp "$B/quant.o" "$B/err.o" -o "$B/gemv_emu" -lpthread
+$X draw_emu.cpp "$B/sampler.o" "$B/err.o" -o "$B/draw_emu" -lpthread
+"$B/gemv_emu"
+"$B/draw_emu" 4096 2
