@@ -82,7 +82,7 @@ batch)
 tests)
     timeout 500 gpu/test_cuda . >"$OUT/test_cuda.log" 2>&1; echo "test_cuda rc=$?"  # parts alone: QFLASH_TEST_QUICK=1..8 (test_cuda.c)
     grep -E "FAIL|checks|rror|^with" "$OUT/test_cuda.log" | head -60
-    QFLASH_TEST_DEVICE=cuda timeout 120 gpu/test_model . 2>&1 | grep -E "FAIL|checks|largest|rror"
+    QFLASH_TEST_DEVICE=cuda timeout 120 gpu/test_model . 2>&1 | grep -E "FAIL|checks|largest|rror|draws|verify"
     timeout 120 gpu/test_experts . 2>&1 | grep -E "FAIL|checks|skipped" | head -20
     ;;
 slice8)
@@ -124,7 +124,7 @@ flash-serve)
     ;;
 draw)
     QFLASH_TEST_QUICK=10 timeout 200 gpu/test_cuda . 2>&1 | grep -E "FAIL|checks|rror|dec draw"
-    QFLASH_TEST_DEVICE=cuda timeout 200 gpu/test_model . 2>&1 | grep -E "FAIL|checks|draws|rror"
+    QFLASH_TEST_DEVICE=cuda timeout 200 gpu/test_model . 2>&1 | grep -E "FAIL|checks|draws|verify|rror"
     ;;
 trunk8)
     QFLASH_TEST_QUICK=9 timeout 200 gpu/test_cuda . >"$OUT/test_cuda9.log" 2>&1; echo "test_cuda (int8 trunk) rc=$?"
