@@ -416,7 +416,7 @@ static qf_mat up_transposed(const void *hw, int64_t rows, int64_t cols) {
 
 /* A decode product's tolerance: the GEMV kernels' fp32 sums, or from option dec_tc rows the
  * tensor cores' with activations as two bf16 parts (~16 bits of each, as the prompt products). */
-static double dec_tol(int n) { return n > 1 && n >= g_opts.dec_tc && !sparse_share && trunk_fmt == QF_DT_BF16 ? 5e-5 : 1e-5; }
+static double dec_tol(int n) { return n > 1 && n >= g_opts.dec_tc && !sparse_share ? 5e-5 : 1e-5; }
 
 static void test_dec_matmul(int kind, int64_t rows, int64_t cols, int head, int n, int acc) {
     void *hw;
@@ -1131,8 +1131,9 @@ static void quant_grouped_checks(int bench) {
 
 /* The fused decode products with an int8 trunk (qflash quantize --trunk int8) at the release's
  * shapes (DeltaNet in_proj with its epilogue, ffn_in, out_proj, o_proj, attention q|gate/k/v) for
- * 1..16 rows and 64 (passes of 16), against the reference ops on the same int8 rows; bench: their
- * time beside bf16's. */
+ * 1, 2 rows (GEMV), 5, 16 and 64 (the tensor cores, the rows decoded into their stages), and the
+ * GEMV kernels at 16 and 64 (passes of 16), against the reference ops on the same int8 rows;
+ * bench: their time beside bf16's. */
 static void trunk_checks(int bench) {
     trunk_fmt = QF_Q_I8B32;
     const int ns[] = {1, 2, 5, 16, 64};
@@ -1144,6 +1145,11 @@ static void trunk_checks(int bench) {
     }
     test_dec_matmul(QF_PRE_RMSNORM, 9216, 2048, 1, 1, 0);
     test_dec_matmul(QF_PRE_NONE, 100, 256, 1, 3, 1); /* one unit a lane at most */
+    if (restart_with("dec_tc=65")) { /* the GEMV kernels at many rows */
+        test_dec_gdn_proj(16), test_dec_gdn_proj(64);
+        test_dec_matmul(QF_PRE_GATED_NORM, 2048, 4096, 128, 64, 1);
+    }
+    restart_with("dec_tc=5");
     for (int f = 0; bench && f < 2; f++, trunk_fmt = QF_DT_BF16) {
         bench_dec_matmul(12352, 2048, 1);
         bench_dec_matmul(1281, 2048, 1);

@@ -369,7 +369,7 @@ void dec_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, const qf
                acc, y);
         return;
     }
-    if (n > 1 && !q8 && dec_matmul_tc(c, w, x, n, p, e, acc, y)) return;
+    if (n > 1 && dec_matmul_tc(c, w, x, n, p, e, acc, y)) return;
     // rows of x that fit beside the kernel's own shared memory (red: GEMV_MAX_N * PRE_MAX_HEADS floats)
     size_t room = (size_t)(c->smem_optin > 0 ? c->smem_optin : 48 * 1024) - GEMV_MAX_N * PRE_MAX_HEADS * sizeof(float) - 1024;
     int fit = (int)(room / ((size_t)w->cols * sizeof(float)));

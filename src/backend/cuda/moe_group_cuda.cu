@@ -377,7 +377,11 @@ static void mc_attrs(ctx *c) {
 
 int qfc::tc_splits(ctx *c, const qf_mat *w, int n) {
     int R = (int)w->rows, K = (int)w->cols;
-    if (!c->mg_cp || c->fp32 || w->dtype != QF_DT_BF16 || K % MC_KC || (uintptr_t)w->data % 16 || n < 1) return 0;
+    if (!c->mg_cp || c->fp32 || K % MC_KC || (uintptr_t)w->data % 16 || n < 1) return 0;
+    // int8 rows (a quantised trunk) are decoded into the stages whole: one split (a split's column
+    // offset would have to reach the units, not the pointer)
+    if (w->dtype == QF_Q_I8B32) return qk_unit_ok(QK_I8, K) ? 1 : 0;
+    if (w->dtype != QF_DT_BF16) return 0;
     // few output tiles (out_proj: 32 of 4096 columns each) leave most SMs idle: split the columns
     // while the tiles are fewer than 4 blocks an SM and a split keeps 4 stages or more
     int tiles = (R + 63) / 64, want = 4 * (c->sms > 0 ? c->sms : 132), splits = 1;
@@ -389,7 +393,10 @@ void qfc::tc_dense(ctx *c, const qf_mat *w, const __nv_bfloat16 *xh, const __nv_
     int R = (int)w->rows, K = (int)w->cols;
     mc_attrs(c);
     dim3 g((R + 63) / 64, splits);
-    if (n <= 32)
+    if (w->dtype == QF_Q_I8B32) // passes of 32 rows
+        LAUNCH_S(c, (k_mg_cp<1, 2, QK_I8>), g, MG_THREADS, mc_smem_bytes(1, 2, QK_I8), (const void *const *)NULL, 1, (const int *)NULL, xh, xl, K, R,
+                 (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y, (const void *)w->data, n);
+    else if (n <= 32)
         LAUNCH_S(c, (k_mg_cp<1, 2>), g, MG_THREADS, mc_smem_bytes(1, 2), (const void *const *)NULL, 1, (const int *)NULL, xh, xl, K, R,
                  (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y, (const void *)w->data, n);
     else
