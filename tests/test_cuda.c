@@ -503,7 +503,7 @@ static void test_dec_gdn(int n, int nk, int nv, int dk, int dv) {
         qf_gdn_args a = {r, r + qk, r + 2 * qk, stride, r + cd + nv * dv, r + cd + nv * dv + nv, S + (size_t)t * nv * dk * dv, out + (size_t)t * nv * dv, 1, nk, nv, dk, dv};
         ref.ops->gdn(&ref, &a);
     }
-    qf_gdn_dec g = {dm, stride, n, nk, nv, dk, dv, {0}, dout};
+    qf_gdn_dec g = {dm, stride, n, nk, nv, dk, dv, {0}, dout, 0};
     for (int t = 0; t < n; t++) g.S[t] = dS + (size_t)t * nv * dk * dv;
     gpu.ops->dec->gdn(&gpu, &g);
     char s[64];
@@ -556,7 +556,7 @@ static void test_dec_gdn_gn(int nk, int nv, int dk, int dv) {
     /* the gated norm, as out_proj's pre (and test_dec_matmul's reference): rmsnorm per head, then silu(z) * that */
     ref.ops->rmsnorm(&ref, out, dv, gw, nv, dv, 1e-6f, out, dv);
     ref.ops->swiglu(&ref, mixed + cd, out, dv, nv, dv, out);
-    qf_gdn_dec g = {dm, stride, 1, nk, nv, dk, dv, {dS}, dout}, g2 = g;
+    qf_gdn_dec g = {dm, stride, 1, nk, nv, dk, dv, {dS}, dout, 0}, g2 = g;
     g2.S[0] = dS2, g2.out = dout2;
     qf_pre gn = {QF_PRE_GATED_NORM, dw, dm + cd, stride, dv, dv, 1e-6f};
     int done = gpu.ops->dec->gdn_gn && gpu.ops->dec->gdn_gn(&gpu, &g, &gn);
@@ -569,6 +569,49 @@ static void test_dec_gdn_gn(int nk, int nv, int dk, int dv) {
     check_same_product("dec gdn_gn+out", s, H, nv * dv, 1, dout2, &gn, dout);
     free(mixed), free(S), free(out), free(gw);
     void *d[] = {dm, dS, dS2, dw, dout, dout2};
+    for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
+}
+
+/* A chain (a verify's rows: one sequence's n consecutive tokens, one state): gdn and gdn_gn step
+ * the rows in order (gdn_gn in one launch), against the CPU's steps one after another; and each
+ * row's output bit for bit the one-row launches' on a copy of the state. */
+static void test_dec_gdn_chain(int n, int nk, int nv, int dk, int dv) {
+    int qk = nk * dk, cd = 2 * qk + nv * dv, stride = cd + nv * dv + 2 * nv + 5, sz = nv * dk * dv;
+    float *mixed = qt_rnd((size_t)n * stride, 1.0f), *S = qt_rnd((size_t)sz, 0.1f), *out = malloc((size_t)n * nv * dv * 4), *gw = qt_rnd(dv, 1.0f);
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < nv; h++) {
+            float *r = mixed + (size_t)t * stride + cd + nv * dv;
+            r[h] = 0.5f + 0.4f * qt_frand(), r[nv + h] = -0.3f + 0.25f * qt_frand();
+        }
+    float *dm = up_f(mixed, (size_t)n * stride), *dS = up_f(S, sz), *dS1 = up_f(S, sz), *dw = up_f(gw, dv);
+    float *dout = gpu.ops->alloc(&gpu, (size_t)n * nv * dv * 4), *dout1 = gpu.ops->alloc(&gpu, (size_t)n * nv * dv * 4);
+    for (int t = 0; t < n; t++) {
+        float *r = mixed + (size_t)t * stride, *o = out + (size_t)t * nv * dv;
+        qf_gdn_args a = {r, r + qk, r + 2 * qk, stride, r + cd + nv * dv, r + cd + nv * dv + nv, S, o, 1, nk, nv, dk, dv};
+        ref.ops->gdn(&ref, &a);
+        ref.ops->rmsnorm(&ref, o, dv, gw, nv, dv, 1e-6f, o, dv);
+        ref.ops->swiglu(&ref, r + cd, o, dv, nv, dv, o);
+    }
+    qf_gdn_dec g = {dm, stride, n, nk, nv, dk, dv, {0}, dout, 1};
+    for (int t = 0; t < n; t++) g.S[t] = dS;
+    qf_pre gn = {QF_PRE_GATED_NORM, dw, dm + cd, stride, dv, dv, 1e-6f};
+    int done = gpu.ops->dec->gdn_gn && gpu.ops->dec->gdn_gn(&gpu, &g, &gn);
+    CHECK(done, "gdn_gn did not take a chain of %d", n);
+    char s[64];
+    snprintf(s, sizeof s, "chain of %d, %d/%d heads of %d/%d", n, nk, nv, dk, dv);
+    report("dec gdn_gn chain", s, cmp(dout, out, (size_t)n * nv * dv), 1e-4);
+    report("dec gdn_gn chain state", s, cmp(dS, S, (size_t)sz), 1e-4);
+    for (int t = 0; t < n; t++) { /* the rows one launch each */
+        qf_gdn_dec r = {dm + (size_t)t * stride, stride, 1, nk, nv, dk, dv, {dS1}, dout1 + (size_t)t * nv * dv, 0};
+        qf_pre rn = gn;
+        rn.g = gn.g + (size_t)t * stride;
+        gpu.ops->dec->gdn_gn(&gpu, &r, &rn);
+    }
+    float *a1 = malloc((size_t)n * nv * dv * 4), *a2 = malloc((size_t)n * nv * dv * 4);
+    gpu.ops->download(&gpu, a1, dout, (size_t)n * nv * dv * 4), gpu.ops->download(&gpu, a2, dout1, (size_t)n * nv * dv * 4);
+    CHECK(!memcmp(a1, a2, (size_t)n * nv * dv * 4), "%s: the chain's outputs are not the one-row launches' bits", s);
+    free(a1), free(a2), free(mixed), free(S), free(out), free(gw);
+    void *d[] = {dm, dS, dS1, dw, dout, dout1};
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
 }
 
@@ -1319,6 +1362,7 @@ int main(int argc, char **argv) {
     test_dec_draw(248320);
     test_dec_draw_flat();
     test_dec_gdn_gn(16, 32, 128, 128); /* the step with out_proj's gated norm (the default one-row step); twice in a row */
+    test_dec_gdn_chain(4, 16, 32, 128, 128);
     test_dec_gdn_gn(16, 32, 128, 128);
     test_dec_matmul(QF_PRE_GATED_NORM, 128, 96, 32, 3, 1); /* the fixtures' small heads */
     test_dec_gdn(3, 4, 8, 32, 32);

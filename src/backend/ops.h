@@ -175,12 +175,14 @@ typedef struct qf_gdn_epi {
 } qf_gdn_epi;
 
 /* The delta rule for one token per row (gdn with T = 1) reading the output of a qf_gdn_epi
- * product: row t at mixed + t*stride; S[t] its recurrent state; out [n][nv*dv]. */
+ * product: row t at mixed + t*stride; S[t] its recurrent state; out [n][nv*dv]. chain: the rows
+ * are one sequence's consecutive tokens (every S[t] the same state), stepped in order. */
 typedef struct qf_gdn_dec {
     const float *mixed;
     int stride, n, nk, nv, dk, dv;
     float *S[QF_DEC_ROWS];
     float *out;
+    int chain;
 } qf_gdn_dec;
 
 /* Attention of one new token per row from the fused q|gate, k, v product (row t at

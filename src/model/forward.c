@@ -450,11 +450,19 @@ static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
     else d->matmul(be, &w->wo, core, f->N, gated ? NULL : &gate, NULL, 1, WS(f->ws, x));
 }
 
-/* The DeltaNet steps of the step's rows, a wave at a time. 1: out is gn(out). */
+/* The DeltaNet steps of the step's rows, a wave at a time, or as one chain where the step is one
+ * sequence's rows (a verify alone). 1: out is gn(out). */
 static int dec_delta(fwd *f, const qf_gdn_dec *g, const qf_pre *gn) {
     qf_backend *be = f->be;
     const qf_dec_ops *d = OPS->dec;
     int normed = 0;
+    if (f->n_seqs == 1 && f->waves > 1) {
+        qf_gdn_dec c = *g;
+        c.chain = 1;
+        normed = d->gdn_gn && d->gdn_gn(be, &c, gn);
+        if (!normed) d->gdn(be, &c);
+        return normed;
+    }
     for (int i = 0; i < f->waves; i++) {
         int t0 = f->wave[i], n = f->wave[i + 1] - t0;
         qf_gdn_dec r = *g;
@@ -476,7 +484,7 @@ static void dec_linear_attn(fwd *f, int L, const qf_pre *norm) {
     int nv = c->lin_v_heads, dv = c->lin_v_dim, cd = qf_cfg_conv_dim(c), stride = (int)w->in_proj.rows;
     float *big = WS(f->ws, dec), *core = WS(f->ws, core), thr[QF_DEC_ROWS];
     qf_gdn_epi e = {cd, nv * dv, nv, c->conv_kernel, w->conv_w, w->dt_bias, w->neg_A, {0}};
-    qf_gdn_dec g = {big, stride, f->N, c->lin_k_heads, nv, c->lin_k_dim, dv, {0}, core};
+    qf_gdn_dec g = {big, stride, f->N, c->lin_k_heads, nv, c->lin_k_dim, dv, {0}, core, 0};
     /* chained rows share their sequence's conv state: the product's epilogue takes a channel's rows in order */
     for (int t = 0; t < f->N; t++) e.conv_state[t] = row_state(f, t)->conv[L], g.S[t] = row_state(f, t)->ssm[L];
     if (dec_thresholds(f, L, QF_ACT_MIX_IN, thr)) d->matmul_sparse(be, &w->in_t, WS(f->ws, x), f->N, norm, &e, 0, thr, big);

@@ -14,9 +14,10 @@ std::barrier<> *w_bar[32];
 uint64_t w_buf[32][32];
 std::mutex g_mu;
 
-static void run_grid(unsigned grid, unsigned threads, std::function<void()> body) {
+// Blocks first .. first + count - 1 of a grid of `grid` (x only).
+static void run_blocks(unsigned first, unsigned count, unsigned grid, unsigned threads, std::function<void()> body) {
     gridDim = {grid, 1, 1}, blockDim = {threads, 1, 1};
-    for (unsigned b = 0; b < grid; b++) {
+    for (unsigned b = first; b < first + count; b++) {
         blockIdx = {b, 0, 0};
         std::barrier<> bar(threads);
         g_bar = &bar;
@@ -27,6 +28,8 @@ static void run_grid(unsigned grid, unsigned threads, std::function<void()> body
         for (unsigned w = 0; w < threads / 32; w++) delete w_bar[w];
     }
 }
+
+static void run_grid(unsigned grid, unsigned threads, std::function<void()> body) { run_blocks(0, grid, grid, threads, body); }
 
 static uint64_t g_rs = 7;
 static float frand() {

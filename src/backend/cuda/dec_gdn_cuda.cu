@@ -81,29 +81,36 @@ __global__ void k_gdn_dec(qf_gdn_dec a) {
 // norm repeats stage_heads' sums in its order (a warp over the head, lane + 32 u), so the
 // product's input is bit for bit what it was. gg: out_proj's GATED_NORM (norm weight w over dv, the
 // gate of row t, head h at g + t * g_stride + h * g_hstride).
-template <int DK, int LPC>
+// CHAIN: the block steps every row of a.chain in order (blockIdx.z 0), the state carried in
+// registers from one row to the next: a verify's rows in one launch, each row's numbers those of
+// its own launch.
+template <int DK, int LPC, bool CHAIN = false>
 __global__ void __launch_bounds__(512) k_gdn_head(qf_gdn_dec a, dpre gg) {
     constexpr int CPW = 32 / LPC, NW = 512 / 32;
     __shared__ float qkn[NW * 2 * DK], on[NW * CPW], inv_s; // a warp's DK of qn then DK of kn; the head's outputs
-    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, h = blockIdx.x, t = blockIdx.z, dv = a.dv;
+    int warp = threadIdx.x / 32, lane = threadIdx.x & 31, h = blockIdx.x, dv = a.dv;
     gdn_task<DK, LPC> w;
-    w.load(a, h, warp, t); // state of earlier steps: before the wait
+    w.load(a, h, warp, blockIdx.z); // state of earlier steps: before the wait
     pdl_wait();
     pdl_launch();
     float *qk = qkn + warp * 2 * DK;
-    float o = w.template run<false>(a, qk, qk + DK); // the normed output only
-    if (w.live && !w.part) on[w.j] = o;
-    __syncthreads();
-    const float *gv = gg.g + (int64_t)t * gg.g_stride + (int64_t)h * gg.g_hstride;
-    if (warp == 0) { // stage_heads' 1/rms: lane + 32 u, then the warp's sum
-        float ss = 0.0f;
-        for (int d = lane; d < dv; d += 32) ss += on[d] * on[d];
-        ss = warp_sum(ss);
-        if (lane == 0) inv_s = 1.0f / sqrtf(ss / (float)dv + gg.eps);
+    for (int t = blockIdx.z; t < (CHAIN ? a.n : blockIdx.z + 1); t++) {
+        w.t = t;
+        float o = w.template run<false>(a, qk, qk + DK); // the normed output only
+        if (w.live && !w.part) on[w.j] = o;
+        __syncthreads();
+        const float *gv = gg.g + (int64_t)t * gg.g_stride + (int64_t)h * gg.g_hstride;
+        if (warp == 0) { // stage_heads' 1/rms: lane + 32 u, then the warp's sum
+            float ss = 0.0f;
+            for (int d = lane; d < dv; d += 32) ss += on[d] * on[d];
+            ss = warp_sum(ss);
+            if (lane == 0) inv_s = 1.0f / sqrtf(ss / (float)dv + gg.eps);
+        }
+        __syncthreads();
+        float inv = inv_s;
+        for (int d = threadIdx.x; d < dv; d += blockDim.x) a.out[((int64_t)t * a.nv + h) * dv + d] = silu(gv[d]) * (on[d] * inv * gg.w[d]);
+        __syncthreads(); // on and inv_s are the next row's
     }
-    __syncthreads();
-    float inv = inv_s;
-    for (int d = threadIdx.x; d < dv; d += blockDim.x) a.out[((int64_t)t * a.nv + h) * dv + d] = silu(gv[d]) * (on[d] * inv * gg.w[d]);
 }
 
 // Lanes per value column of the DeltaNet step (option gdn_lpc): more lanes, more warps and
@@ -118,7 +125,12 @@ void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
         return dev_fail(c, "linear-attention key dim %d > 128 is not supported", a->dk);
     }
     void (*k)(qf_gdn_dec) = a->dk <= 32 ? k_gdn_dec<32, 2> : a->dk <= 64 ? k_gdn_dec<64, 2> : lpc == 2 ? k_gdn_dec<128, 2> : lpc == 4 ? k_gdn_dec<128, 4> : k_gdn_dec<128, 8>;
-    launch(c, "k_gdn_dec", 1, k, g, dim3(32), 0u, *a);
+    if (!a->chain) return launch(c, "k_gdn_dec", 1, k, g, dim3(32), 0u, *a);
+    for (int t = 0; t < a->n; t++) { // a chain: its rows one launch each, in order
+        qf_gdn_dec r = *a;
+        r.mixed = a->mixed + (int64_t)t * a->stride, r.out = a->out + (int64_t)t * a->nv * a->dv, r.n = 1, r.chain = 0, r.S[0] = a->S[t];
+        launch(c, "k_gdn_dec", 1, k, dim3(g.x, g.y, 1), dim3(32), 0u, r);
+    }
 }
 
 // gdn(g) then the gated norm of its output in place (k_gdn_head); 0: not taken (a shape it is not
@@ -127,7 +139,8 @@ int dec_gdn_gn(qf_backend *be, const qf_gdn_dec *a, const qf_pre *gn) {
     ctx *c = C(be);
     if (!c->gdn_gn || a->dk != 128 || a->dv != 128 || gdn_lanes(c, a->dk) != 4 || !gn || gn->kind != QF_PRE_GATED_NORM || gn->head != a->dv)
         return 0;
-    launch(c, "k_gdn_head", 1, k_gdn_head<128, 4>, dim3(a->nv, 1, a->n), dim3(a->dv / 8 * 32), 0u, *a, dpre_of(gn));
+    if (a->chain) launch(c, "k_gdn_head", 1, k_gdn_head<128, 4, true>, dim3(a->nv, 1, 1), dim3(a->dv / 8 * 32), 0u, *a, dpre_of(gn));
+    else launch(c, "k_gdn_head", 1, k_gdn_head<128, 4>, dim3(a->nv, 1, a->n), dim3(a->dv / 8 * 32), 0u, *a, dpre_of(gn));
     return 1;
 }
 

@@ -23,7 +23,7 @@ extern uint64_t w_buf[32][32];
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(a, b)
+#define __launch_bounds__(...)
 #define __shared__ static
 #define __restrict__
 struct uint4 { uint32_t x, y, z, w; };
@@ -57,7 +57,8 @@ template <class T> static T atomicAdd(T *p, T v) {
     *p += v;
     return o;
 }
-static inline void __syncwarp() {}
+static inline void __syncwarp() { w_bar[threadIdx.x / 32]->arrive_and_wait(); }
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 namespace qfc {
 struct ctx;
 static inline void pdl_launch() {}
