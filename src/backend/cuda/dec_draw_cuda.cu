@@ -307,7 +307,12 @@ void dec_draw(qf_backend *be, float *logits, int n, int cols, const qf_draw *d, 
         char *nh = (char *)realloc(c->draw_h, bytes + bytes / 2);
         if (nh) c->draw_h = nh, c->draw_h_cap = bytes + bytes / 2;
     }
-    char *h = bytes <= c->draw_h_cap ? c->draw_h : NULL, *g = (char *)scratch(c, &c->draw, &c->draw_cap, bytes);
+    if (bytes > c->draw_cap) { // never read by a recorded step: grown without dropping the recordings (scratch's rule)
+        cudaFree(c->draw);
+        c->draw_cap = cudaMalloc(&c->draw, bytes + bytes / 2) == cudaSuccess ? bytes + bytes / 2 : 0;
+        if (!c->draw_cap) c->draw = NULL;
+    }
+    char *h = bytes <= c->draw_h_cap ? c->draw_h : NULL, *g = bytes <= c->draw_cap ? (char *)c->draw : NULL;
     if (!h || !g) return dev_fail(c, "draw: out of memory for %zu penalised tokens", pens);
     ddesc *hd = (ddesc *)h;
     int32_t *hid = (int32_t *)(h + db);
