@@ -67,6 +67,7 @@ typedef struct qf_gen_stats {
     double prompt_seconds, gen_seconds;
     int stopped_by_eos;
     int steps, drafted, accepted; /* speculative decoding: verify steps, draft tokens, those accepted */
+    int reruns;                   /* verify steps whose standing rows ran again (a draft refused, or a stop among them) */
 } qf_gen_stats;
 
 /* Called for each generated token with its text (whole characters only; may be empty). Special

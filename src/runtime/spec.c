@@ -250,6 +250,7 @@ static int step(qf_engine *e, qf_emitter *em, qf_state *st, int32_t *x, int *rc)
         int h2 = qf_engine_emit(em, st, p0 + 1 + i, d[i + 1]);
         if (h2) keep = i + (h2 == 1 ? 2 : 1), end = 1;
     }
+    em->stats->reruns += keep < n + 1;
     if (keep < n + 1 && (*rc = keep_rows(e, q, st, d, p0, keep)) != QF_OK) return 1;
     if ((*rc = after_keep(e, q, d, keep)) != QF_OK) return 1;
     *x = q->pk[keep - 1];
