@@ -4,13 +4,14 @@
 # checked against the reference it is tested against on the GPU. Slow (seconds a block) and blind
 # to speed, races between blocks and memory ordering: a check of indexing and arithmetic before a
 # device run, not a substitute for test_cuda.
-#   bash tools/kernel_emu/run.sh          k_gemv_pre (int8 rows, the chained epilogue), k_gdn_head's
-#                                         chain and k_draw
+#   bash tools/kernel_emu/run.sh [DIR]    k_gemv_pre (int8 rows, the chained epilogue), k_gdn_head's
+#                                         chain and k_draw; built in DIR (default /tmp/qflash-kernel-emu)
+# Exits 77 (a skipped test for CTest) where no C++20 compiler is found.
 set -eu
+B=$(mkdir -p "${1:-/tmp/qflash-kernel-emu}" && cd "${1:-/tmp/qflash-kernel-emu}" && pwd)
 cd "$(dirname "$0")"
 ROOT=../..
-B=${EMU_BUILD:-/tmp/qflash-kernel-emu}
-mkdir -p "$B"
+echo '#include <barrier>' | g++ -std=c++20 -x c++ -fsyntax-only - 2>/dev/null || { echo "kernel_emu: skipped (no g++ with C++20)"; exit 77; }
 cut() { # file, first marker, end marker, out, [sed script]
     python3 - "$ROOT/$1" "$2" "$3" "$B/$4" <<'PY'
 import sys
