@@ -546,15 +546,15 @@ static size_t chan_room(qf_req *r) {
     return room;
 }
 
-/* Picks the step's rows: one token for every decoding sequence first, then prompt chunks.
- * Returns the number of sequences; pages for all of them are guaranteed free. */
 /* Whether the device draws this request's tokens (backend/ops.h qf_draw): the backend can, and
- * its top_k is one the draw takes (the probe takes nothing from the sampler's stream). */
-static int device_draws(const qf_sched *s, qf_req *r) {
+ * its top_k is one the draw takes. */
+static int device_draws(const qf_sched *s, const qf_req *r) {
     const qf_dec_ops *d = s->e->be.ops->dec;
     return d && d->draw && qf_sampler_can_draw(r->smp);
 }
 
+/* Picks the step's rows: one token for every decoding sequence first, then prompt chunks.
+ * Returns the number of sequences; pages for all of them are guaranteed free. */
 static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
     for (;;) {
         int n = 0, rows = 0, pages = 0;
