@@ -30,6 +30,8 @@
 #                                     and int4 + int8 trunk in a 12G budget
 #   bash tools/gpu-check.sh draw      the token draw on the device: test_cuda's draws against the host sampler
 #                                     (QUICK=10) and test_model's DRAW steps on the GPU
+#   bash tools/gpu-check.sh prefill-profile  an 8K prompt in 2048-token chunks with every kernel timed
+#                                     (option profile=1): where the prefill's time goes
 #   bash tools/gpu-check.sh flash-serve [ARGS]  serve the synthetic model (the bundled tokenizer) with
 #                                     ARGS, 16 streams of 64 tokens from bench/serve_load.py, memory traced
 # Results land in $OUT.
@@ -133,6 +135,10 @@ trunk8)
     for i in 1 2; do new $W --experts int4; new $W --experts int4 --trunk int8; done
     new $W --experts int8 --trunk int8
     new $W --experts int4 --trunk int8 --gpu-mem 12G
+    ;;
+prefill-profile)
+    timeout 200 gpu/qflash $B --prompt-len 8192 --gen-len 2 --prefill-chunk 2048 --concurrency 1 --runs 1 --warmup 0 --cuda-opt profile=1 2>&1 |
+        grep -E "$show|profile|^ +[a-z_]+.* ms" | head -60
     ;;
 streams)
     new --prompt-len 128 --gen-len 64 --concurrency 1 --runs 2
