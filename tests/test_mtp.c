@@ -233,6 +233,11 @@ int main(int argc, char **argv) {
               qf_model_to_device(m, &cb, 0) == QF_OK, "%s", qf_last_error());
     CHECK(m && m->dec_ok && m->mtp && m->mtp->dec_ok, "the model and its head take the composed decode ops");
     if (m && m->mtp && m->mtp->dec_ok) fprintf(stderr, "composed decode ops:\n"), test_acceptance(m, &cb, 0);
+    /* the drafts from an int8 copy of lm_head (as on a GPU): the copy made from the device's rows,
+     * the acceptance as good (bundled: 77/101/75/491 against 77/102/74/491 with bf16) */
+    CHECK(m && qf_mtp_lm_head_int8(m) == QF_OK && m->mtp->lm_head.dtype == QF_Q_I8B32 && m->lm_head.dtype == QF_DT_BF16, "int8 lm_head for the drafts: %s",
+          qf_last_error());
+    if (m && m->mtp) fprintf(stderr, "composed decode ops, drafts from an int8 lm_head:\n"), test_acceptance(m, &cb, 0);
     qf_model_free(m);
     qf_cpu_dec_compose_free(&cb);
     qf_pool_destroy(pool);

@@ -23,14 +23,7 @@ static int cmp_addr(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static int keep(mover *mv, void *p) {
-    qf_model *m = mv->own;
-    void **nb = realloc(m->dev_bufs, (size_t)(m->n_dev_bufs + 1) * sizeof *nb);
-    if (!nb) return 0;
-    m->dev_bufs = nb;
-    m->dev_bufs[m->n_dev_bufs++] = p;
-    return 1;
-}
+static int keep(mover *mv, void *p) { return qf_model_keep_dev(mv->own, p) == QF_OK; }
 
 static void *copy_up(mover *mv, const void *src, size_t bytes) {
     void *d = qf_be_alloc(mv->be, bytes);
@@ -156,12 +149,13 @@ static int dec_rows(const qf_mat *w) {
 }
 
 /* Whether the fused decode ops (ops.h qf_dec_ops) can run this model: a MoE with a shared expert,
- * every trunk product's parts fused in rows dec_rows takes (one format a fused matrix), the shared
- * expert's down rows and lm_head bf16, experts qf_moe_dec_fits takes, and shapes the kernels hold. */
+ * every trunk product's parts fused in rows dec_rows takes (one format a fused matrix; lm_head
+ * too: the MTP head's drafts may read an int8 copy), the shared expert's down rows bf16, experts
+ * qf_moe_dec_fits takes, and shapes the kernels hold. */
 static int dec_fits(const qf_model *m) {
     const qf_config *c = &m->cfg;
     if (c->arch != QF_ARCH_QWEN35_MOE || c->shared_ffn <= 0 || !m->experts || c->hidden % 8 || c->expert_ffn % 8 || c->shared_ffn % 8 ||
-        c->head_dim > 256 || c->lin_k_dim > 128 || c->n_experts_used > 64 || c->n_experts > 512 || c->n_heads % c->n_kv_heads || !bf16_rows(&m->lm_head))
+        c->head_dim > 256 || c->lin_k_dim > 128 || c->n_experts_used > 64 || c->n_experts > 512 || c->n_heads % c->n_kv_heads || !dec_rows(&m->lm_head))
         return 0;
     for (int L = 0; L < c->n_layers; L++) {
         const qf_layer_w *w = &m->layers[L];

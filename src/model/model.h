@@ -310,6 +310,11 @@ qf_state *qf_mtp_state(qf_mtp_run *r);
  * qf_seq_step.hidden, or the head's own output for a chained draft): logits (or the pick, top1) as
  * qf_forward's logits_mode; hidden_out (may be NULL) gets the head's normed outputs, the h of the
  * next draft. */
+/* The head's drafts pick from an int8 copy of lm_head (rows of blocks of 32, made here from the
+ * model's, on its device where it lives): a draft needs only its argmax, and the copy is half the
+ * bytes each draft reads; the model's own logits keep lm_head as it is, so output is unchanged.
+ * Measured on the bundled model: the drafts accepted the same to a position (docs/performance.md). */
+int qf_mtp_lm_head_int8(qf_model *m);
 int qf_mtp_step(const qf_model *m, qf_backend *be, qf_mtp_run *r, const int32_t *next, const float *h, int n, int logits_mode, float *logits, int32_t *top1,
                 float *hidden_out);
 

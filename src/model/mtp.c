@@ -3,7 +3,11 @@
  * head's decoder layer (m->mtp, a one-layer view of the model) with its own KV cache; the view's
  * final norm (mtp.norm) gives the head's output, and lm_head its logits for x[t+2]. */
 #include <stdlib.h>
+#include <string.h>
 
+#include "base/dtype.h"
+#include "base/numeric.h"
+#include "base/quant.h"
 #include "model/model_int.h"
 #include "model/workspace.h"
 
@@ -64,4 +68,47 @@ int qf_mtp_step(const qf_model *m, qf_backend *be, qf_mtp_run *r, const int32_t 
     be->ops->matmul(be, &m->mtp_fc, r->cat, n, r->u);
     qf_seq_step s = {r->st, next, n, logits_mode, logits, top1, 0, 0, r->u, hidden_out, NULL};
     return qf_forward(m->mtp, be, r->ws, &s, 1);
+}
+
+/* A row of lm_head (BF16, F16 or F32) as floats. */
+static void row_floats(int dtype, const unsigned char *p, int64_t cols, float *out) {
+    for (int64_t c = 0; c < cols; c++) {
+        uint16_t h;
+        if (dtype == QF_DT_F32) memcpy(&out[c], p + 4 * c, 4);
+        else memcpy(&h, p + 2 * c, 2), out[c] = dtype == QF_DT_BF16 ? qf_bf16_to_f32(h) : qf_f16_to_f32(h);
+    }
+}
+
+int qf_mtp_lm_head_int8(qf_model *m) {
+    const qf_mat *w = &m->lm_head;
+    if (!m->mtp || w->cols % QF_Q_BLOCK || (w->dtype != QF_DT_BF16 && w->dtype != QF_DT_F16 && w->dtype != QF_DT_F32)) return QF_OK;
+    int64_t R = w->rows, C = w->cols, chunk = 4096;
+    size_t rb = qf_q_row_bytes(QF_Q_I8B32, C), es = qf_dtype_size(w->dtype);
+    uint8_t *q = malloc((size_t)R * rb);
+    float *row = malloc((size_t)C * sizeof *row);
+    unsigned char *src = m->dev ? malloc((size_t)chunk * C * es) : NULL;
+    int rc = q && row && (!m->dev || src) ? QF_OK : qf_fail(QF_ENOMEM, "out of memory for the drafts' int8 lm_head");
+    for (int64_t r0 = 0; rc == QF_OK && r0 < R; r0 += chunk) { /* a device's rows come down a chunk at a time */
+        int64_t n = R - r0 < chunk ? R - r0 : chunk;
+        const unsigned char *rows = (const unsigned char *)w->data + (size_t)r0 * C * es;
+        if (m->dev) qf_be_download(m->dev, src, rows, (size_t)n * C * es), rows = src;
+        for (int64_t r = 0; r < n; r++) {
+            row_floats(w->dtype, rows + (size_t)r * C * es, C, row);
+            qf_q_quantize_row(QF_Q_I8B32, row, C, q + (size_t)(r0 + r) * rb);
+        }
+    }
+    free(row), free(src);
+    void *at = q;
+    if (rc == QF_OK && m->dev) {
+        at = qf_be_alloc(m->dev, (size_t)R * rb);
+        rc = at ? qf_model_keep_dev(m, at) : qf_fail(QF_ENOMEM, "out of device memory for the drafts' int8 lm_head (%zu MB)", (size_t)R * rb >> 20);
+        if (rc == QF_OK) qf_be_upload(m->dev, at, q, (size_t)R * rb), rc = qf_be_sync(m->dev);
+        else qf_be_free(m->dev, at);
+        free(q);
+    } else if (rc == QF_OK) rc = qf_model_own(m, q);
+    else free(q);
+    if (rc != QF_OK) return rc;
+    m->mtp->lm_head = (qf_mat){QF_Q_I8B32, at, R, C, NULL};
+    if (m->dev) qf_model_dec_check(m->mtp);
+    return QF_OK;
 }

@@ -14,14 +14,6 @@ static void fetch(qf_model *m, void *dst, const void *src, size_t bytes) {
     else memcpy(dst, src, bytes);
 }
 
-static int keep_dev(qf_model *m, void *p) {
-    void **nb = realloc(m->dev_bufs, (size_t)(m->n_dev_bufs + 1) * sizeof *nb);
-    if (!nb) return 0;
-    m->dev_bufs = nb;
-    m->dev_bufs[m->n_dev_bufs++] = p;
-    return 1;
-}
-
 /* out = the transpose of parts stacked by rows (same dtype and columns), where the weights live. */
 static int transpose_parts(qf_model *m, qf_mat *const *parts, int n, qf_mat *out) {
     int64_t R = 0, C = parts[0]->cols;
@@ -45,7 +37,7 @@ static int transpose_parts(qf_model *m, qf_mat *const *parts, int n, qf_mat *out
     *out = (qf_mat){parts[0]->dtype, dst, C, R, NULL};
     if (!m->dev) return qf_model_own(m, dst);
     void *d = qf_be_alloc(m->dev, bytes);
-    if (!d || !keep_dev(m, d)) {
+    if (!d || qf_model_keep_dev(m, d) != QF_OK) {
         qf_be_free(m->dev, d), free(dst);
         out->data = NULL;
         return qf_fail(QF_ENOMEM, "out of device memory for %zu bytes of transposed weights", bytes);

@@ -138,6 +138,14 @@ static const float *fp8_scales(binder *b, const char *name, int64_t rows, int64_
     return v;
 }
 
+int qf_model_keep_dev(qf_model *m, void *p) {
+    void **nb = realloc(m->dev_bufs, (size_t)(m->n_dev_bufs + 1) * sizeof *nb);
+    if (!nb) return qf_fail(QF_ENOMEM, "out of memory");
+    m->dev_bufs = nb;
+    m->dev_bufs[m->n_dev_bufs++] = p;
+    return QF_OK;
+}
+
 int qf_model_own(qf_model *m, void *p) {
     if (!p) return qf_fail(QF_ENOMEM, "out of memory");
     if (m->n_owned == m->cap_owned) {

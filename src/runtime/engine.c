@@ -59,6 +59,8 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
     if (rc == QF_OK && e->on_gpu && stream) rc = qf_flash_gpu(e, opts, cache, free_start, free_trunk, sparse);
     if (rc == QF_OK) rc = qf_flash_sparsity(e, fc, dir, opts);
     if (rc == QF_OK && opts->draft > 0) rc = qf_spec_open(e, opts->draft);
+    /* on a GPU the drafts read half the bytes of lm_head (an int8 copy; output unchanged) */
+    if (rc == QF_OK && opts->draft > 0 && e->on_gpu) rc = qf_mtp_lm_head_int8(e->model);
     free(fc);
     if (rc != QF_OK) {
         qf_engine_close(e); /* cleanup never touches the error message */
