@@ -152,3 +152,12 @@ int qf_q_matmul_ref(int fmt, const void *w, const float *scales, int64_t rows, i
     free(row);
     return QF_OK;
 }
+
+void qf_float_row(int dtype, const void *p, int64_t cols, float *out) {
+    const unsigned char *b = p;
+    for (int64_t i = 0; i < cols; i++) {
+        uint16_t h;
+        if (dtype == QF_DT_F32) memcpy(&out[i], b + 4 * i, 4);
+        else memcpy(&h, b + 2 * i, 2), out[i] = dtype == QF_DT_BF16 ? qf_bf16_to_f32(h) : qf_f16_to_f32(h);
+    }
+}

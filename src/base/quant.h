@@ -40,6 +40,10 @@ size_t qf_q_row_bytes(int fmt, int64_t cols);
 void qf_q_quantize_row(int fmt, const float *w, int64_t cols, void *out);
 void qf_q_dequantize_row(int fmt, const void *q, int64_t cols, float *out);
 
+/* A row of cols BF16, F16 or F32 values (little-endian bytes, as stored) as fp32: what the
+ * quantiser reads from a float weight. */
+void qf_float_row(int dtype, const void *p, int64_t cols, float *out);
+
 /* e4m3fn: exact decode; encode rounds to nearest even and saturates to +-448 (NaN stays NaN). */
 float qf_fp8_to_f32(uint8_t b);
 uint8_t qf_f32_to_fp8(float f);

@@ -3,10 +3,8 @@
  * head's decoder layer (m->mtp, a one-layer view of the model) with its own KV cache; the view's
  * final norm (mtp.norm) gives the head's output, and lm_head its logits for x[t+2]. */
 #include <stdlib.h>
-#include <string.h>
 
 #include "base/dtype.h"
-#include "base/numeric.h"
 #include "base/quant.h"
 #include "model/model_int.h"
 #include "model/workspace.h"
@@ -70,15 +68,6 @@ int qf_mtp_step(const qf_model *m, qf_backend *be, qf_mtp_run *r, const int32_t 
     return qf_forward(m->mtp, be, r->ws, &s, 1);
 }
 
-/* A row of lm_head (BF16, F16 or F32) as floats. */
-static void row_floats(int dtype, const unsigned char *p, int64_t cols, float *out) {
-    for (int64_t c = 0; c < cols; c++) {
-        uint16_t h;
-        if (dtype == QF_DT_F32) memcpy(&out[c], p + 4 * c, 4);
-        else memcpy(&h, p + 2 * c, 2), out[c] = dtype == QF_DT_BF16 ? qf_bf16_to_f32(h) : qf_f16_to_f32(h);
-    }
-}
-
 int qf_mtp_lm_head_int8(qf_model *m) {
     const qf_mat *w = &m->lm_head;
     if (!m->mtp || w->cols % QF_Q_BLOCK || (w->dtype != QF_DT_BF16 && w->dtype != QF_DT_F16 && w->dtype != QF_DT_F32)) return QF_OK;
@@ -93,7 +82,7 @@ int qf_mtp_lm_head_int8(qf_model *m) {
         const unsigned char *rows = (const unsigned char *)w->data + (size_t)r0 * C * es;
         if (m->dev) qf_be_download(m->dev, src, rows, (size_t)n * C * es), rows = src;
         for (int64_t r = 0; r < n; r++) {
-            row_floats(w->dtype, rows + (size_t)r * C * es, C, row);
+            qf_float_row(w->dtype, rows + (size_t)r * C * es, C, row);
             qf_q_quantize_row(QF_Q_I8B32, row, C, q + (size_t)(r0 + r) * rb);
         }
     }

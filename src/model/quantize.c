@@ -239,17 +239,12 @@ typedef struct chunk {
 static void row_f32(const chunk *c, int64_t r, float *f) {
     const job *j = c->j;
     const unsigned char *p = c->in + (size_t)r * c->in_row;
-    int dt = j->src->dtype;
-    for (int64_t i = 0; i < j->cols; i++) {
-        if (dt == QF_DT_F32) memcpy(&f[i], p + 4 * i, 4);
-        else if (dt == QF_DT_F8_E4M3) {
-            int64_t sr = j->row0 + c->r0 + r; /* FP8 inputs are 2-D */
-            f[i] = qf_fp8_to_f32(p[i]) * j->src_scales[sr / 128 * ((j->cols + 127) / 128) + i / 128];
-        } else {
-            uint16_t h = (uint16_t)(p[2 * i] | p[2 * i + 1] << 8);
-            f[i] = dt == QF_DT_BF16 ? qf_bf16_to_f32(h) : qf_f16_to_f32(h);
-        }
+    if (j->src->dtype != QF_DT_F8_E4M3) {
+        qf_float_row(j->src->dtype, p, j->cols, f);
+        return;
     }
+    int64_t sr = j->row0 + c->r0 + r; /* FP8 inputs are 2-D */
+    for (int64_t i = 0; i < j->cols; i++) f[i] = qf_fp8_to_f32(p[i]) * j->src_scales[sr / 128 * ((j->cols + 127) / 128) + i / 128];
 }
 
 /* A task: a 128-row band (fp8 needs the band's block maxima first; the others go row by row). */
