@@ -17,8 +17,8 @@ typedef struct fwd {
     qf_workspace *ws;
     qf_seq_step *seqs;
     int n_seqs, N; /* sequences, total rows */
-    int lg_rows;   /* after the step: the rows of lg that hold logits (DRAW rows drawn from there; 0: none kept) */
-    int lg_by_seq; /* lg's rows are the step's rows (a decode step), else one a sequence that wants logits */
+    int lg_rows; /* after the step: the rows of lg that hold logits (DRAW rows drawn from there; 0: none kept):
+                  * a decode step's rows, or in the prompt path one a sequence that wants logits */
     /* decode steps: row t is row roff[t] of sequence rseq[t], rows in waves (every sequence's
      * first row, then the second rows of those with more, ...), wave i at rows wave[i] ..
      * wave[i + 1] - 1; more than one wave: some sequence chains its rows (a verify: its token and
@@ -455,19 +455,12 @@ static void dec_full_attn(fwd *f, int L, const qf_pre *norm) {
 static int dec_delta(fwd *f, const qf_gdn_dec *g, const qf_pre *gn) {
     qf_backend *be = f->be;
     const qf_dec_ops *d = OPS->dec;
-    int normed = 0;
-    if (f->n_seqs == 1 && f->waves > 1) {
-        qf_gdn_dec c = *g;
-        c.chain = 1;
-        normed = d->gdn_gn && d->gdn_gn(be, &c, gn);
-        if (!normed) d->gdn(be, &c);
-        return normed;
-    }
-    for (int i = 0; i < f->waves; i++) {
-        int t0 = f->wave[i], n = f->wave[i + 1] - t0;
+    int chain = f->n_seqs == 1 && f->waves > 1, normed = 0;
+    for (int i = 0; i < (chain ? 1 : f->waves); i++) {
+        int t0 = chain ? 0 : f->wave[i], n = chain ? f->N : f->wave[i + 1] - t0;
         qf_gdn_dec r = *g;
         qf_pre rn = *gn;
-        r.mixed = g->mixed + (size_t)t0 * g->stride, r.n = n, r.out = g->out + (size_t)t0 * g->nv * g->dv;
+        r.mixed = g->mixed + (size_t)t0 * g->stride, r.n = n, r.out = g->out + (size_t)t0 * g->nv * g->dv, r.chain = chain;
         for (int t = 0; t < n; t++) r.S[t] = g->S[t0 + t];
         rn.g = gn->g + (size_t)t0 * gn->g_stride;
         normed = d->gdn_gn && d->gdn_gn(be, &r, &rn);
@@ -561,7 +554,7 @@ static void dec_logits(fwd *f) {
     if (!any) return;
     OPS->dec->matmul(be, &m->lm_head, WS(f->ws, x), f->N, &fin, NULL, 0, lg);
     if (top1) OPS->dec->argmax(be, lg, f->N, V, amax);
-    f->lg_rows = f->N, f->lg_by_seq = 1;
+    f->lg_rows = f->N;
     for (int t = 0; t < f->N; t++) {
         qf_seq_step *q = &f->seqs[f->rseq[t]];
         int i = f->roff[t];
@@ -577,7 +570,7 @@ static void dec_logits(fwd *f) {
 /* The row of lg holding sequence s's last logits (the prompt path: *j counts the wanted sequences). */
 static int lg_row(const fwd *f, int s, int *j) {
     int mode = f->seqs[s].logits_mode;
-    if (f->lg_by_seq) return seq_row(f, s, f->seqs[s].n - 1);
+    if (f->dec) return seq_row(f, s, f->seqs[s].n - 1);
     return mode == QF_LOGITS_LAST || mode == QF_LOGITS_TOP1 || mode == QF_LOGITS_DRAW ? (*j)++ : -1;
 }
 
@@ -666,7 +659,7 @@ static void logits(fwd *f) {
         }
     }
     int keep = n_last <= R && OPS->dec && OPS->dec->draw; /* lg holds every wanted row after the step: DRAW rows drawn from there */
-    f->lg_rows = keep ? n_last : 0, f->lg_by_seq = 0;
+    f->lg_rows = keep ? n_last : 0;
     for (int i0 = 0; i0 < n_last; i0 += R) {
         int cnt = n_last - i0 < R ? n_last - i0 : R;
         for (int j = 0; j < cnt; j++) {
