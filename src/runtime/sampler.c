@@ -263,17 +263,14 @@ static int32_t draw_from(qf_sampler *s, float *logits, double u0) {
     return draw_sorted(s, kept <= n ? kept : n, u0);
 }
 
-int32_t qf_sampler_sample(qf_sampler *s, float *logits) {
-    apply_penalties(s, logits);
-    if (s->p.temperature == 0.0f) return qf_argmax_f32(logits, s->vocab);
-    return draw_from(s, logits, next_unit(s->rng));
-}
-
 int32_t qf_sampler_sample_u(qf_sampler *s, float *logits, double u) {
     apply_penalties(s, logits);
     if (s->p.temperature == 0.0f) return qf_argmax_f32(logits, s->vocab);
     return draw_from(s, logits, u);
 }
+
+/* A number from the stream only when a draw will use it (greedy takes none). */
+int32_t qf_sampler_sample(qf_sampler *s, float *logits) { return qf_sampler_sample_u(s, logits, s->p.temperature > 0.0f ? next_unit(s->rng) : 0.0); }
 
 int qf_sampler_can_draw(const qf_sampler *s) { return !(s->p.top_k > QF_DRAW_MAX_K && s->p.top_k < s->vocab); }
 
