@@ -554,8 +554,8 @@ static int device_draws(const qf_sched *s, const qf_req *r) {
 }
 
 /* Picks the step's rows: one token for every decoding sequence first, then prompt chunks.
- * Returns the number of sequences; pages for all of them are guaranteed free. */
-static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
+ * Returns the number of sequences; the pages they need (*pages_out) are guaranteed free. */
+static int plan_step(qf_sched *s, int *n_decode, int *rows_out, int *pages_out) {
     for (;;) {
         int n = 0, rows = 0, pages = 0;
         *n_decode = 0;
@@ -589,7 +589,7 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out) {
                 *n_decode += decode;
             }
         if (pages <= qf_kv_pool_free_pages(s->kv)) {
-            *rows_out = rows;
+            *rows_out = rows, *pages_out = pages;
             return n;
         }
         if (s->prefix && qf_prefix_evict(s->prefix, pages) > 0) continue;
@@ -739,11 +739,10 @@ static int drafts_now(qf_sched *s, const slot *sl, int rows_left, int pages_left
 }
 
 /* serve --draft: each greedy decoding sequence's row becomes its token and the head's drafts, all
- * verified in the step's one forward. Returns the drafts made; a failed draft fails its request. */
-static int plan_drafts(qf_sched *s, int n, int *rows, int *drafting) {
-    int pages = 0, drafted = 0;
-    for (int j = 0; j < n; j++) pages += qf_state_pages_needed(s->steps[j].st, s->steps[j].n);
-    int pages_left = qf_kv_pool_free_pages(s->kv) - pages;
+ * verified in the step's one forward (pages: what the step's rows need already). Returns the
+ * drafts made; a failed draft fails its request. */
+static int plan_drafts(qf_sched *s, int n, int pages, int *rows, int *drafting) {
+    int drafted = 0, pages_left = qf_kv_pool_free_pages(s->kv) - pages;
     for (int j = 0; j < n; j++) {
         slot *sl = &s->slots[s->step_slot[j]];
         qf_req *r = sl->req;
@@ -833,9 +832,9 @@ static void draw_rows(qf_sched *s, int n, int *pre) {
 
 /* Returns 0 when there was nothing it could run. */
 static int run_step(qf_sched *s) {
-    int n_decode, rows, n = plan_step(s, &n_decode, &rows);
+    int n_decode, rows, pages, n = plan_step(s, &n_decode, &rows, &pages);
     if (n == 0) return 0;
-    int drafting = 0, drafted = qf_spec_drafts(s->e) ? plan_drafts(s, n, &rows, &drafting) : 0, accepted = 0;
+    int drafting = 0, drafted = qf_spec_drafts(s->e) ? plan_drafts(s, n, pages, &rows, &drafting) : 0, accepted = 0;
     qf_expert_store *es = s->e->model->experts;
     qf_expert_stats es0 = es && s->o.verbose ? qf_es_stats(es) : (qf_expert_stats){0};
     for (int j = 0; j < n; j++) s->slots[s->step_slot[j]].pages_before = s->steps[j].st->n_pages;
