@@ -489,14 +489,21 @@ static void test_dec_gdn_proj(int n) {
     for (size_t i = 0; i < sizeof d / sizeof *d; i++) gpu.ops->free(&gpu, d[i]);
 }
 
-static void test_dec_gdn(int n, int nk, int nv, int dk, int dv) {
-    int qk = nk * dk, cd = 2 * qk + nv * dv, stride = cd + nv * dv + 2 * nv + 5; /* a stride wider than the row, as in_proj's */
-    float *mixed = qt_rnd((size_t)n * stride, 1.0f), *S = qt_rnd((size_t)n * nv * dk * dv, 0.1f), *out = malloc((size_t)n * nv * dv * 4);
+/* n rows of a DeltaNet in_proj's output, stride floats each: random, with each row's beta (at
+ * gates) in (0, 1) and decay g (at gates + nv) below 0, as its epilogue makes them. */
+static float *gdn_mixed_rnd(int n, int stride, int gates, int nv) {
+    float *mixed = qt_rnd((size_t)n * stride, 1.0f);
     for (int t = 0; t < n; t++)
         for (int h = 0; h < nv; h++) {
-            float *r = mixed + (size_t)t * stride + cd + nv * dv;
-            r[h] = 0.5f + 0.4f * qt_frand(), r[nv + h] = -0.3f + 0.25f * qt_frand(); /* beta in (0,1), g < 0 */
+            float *r = mixed + (size_t)t * stride + gates;
+            r[h] = 0.5f + 0.4f * qt_frand(), r[nv + h] = -0.3f + 0.25f * qt_frand();
         }
+    return mixed;
+}
+
+static void test_dec_gdn(int n, int nk, int nv, int dk, int dv) {
+    int qk = nk * dk, cd = 2 * qk + nv * dv, stride = cd + nv * dv + 2 * nv + 5; /* a stride wider than the row, as in_proj's */
+    float *mixed = gdn_mixed_rnd(n, stride, cd + nv * dv, nv), *S = qt_rnd((size_t)n * nv * dk * dv, 0.1f), *out = malloc((size_t)n * nv * dv * 4);
     float *dm = up_f(mixed, (size_t)n * stride), *dS = up_f(S, (size_t)n * nv * dk * dv), *dout = gpu.ops->alloc(&gpu, (size_t)n * nv * dv * 4);
     for (int t = 0; t < n; t++) {
         const float *r = mixed + (size_t)t * stride;
@@ -544,11 +551,7 @@ static void check_same_product(const char *op, const char *s, int H, int cols, i
  * product with the gated pre from the plain step's output. */
 static void test_dec_gdn_gn(int nk, int nv, int dk, int dv) {
     int qk = nk * dk, cd = 2 * qk + nv * dv, stride = cd + nv * dv + 2 * nv + 5, H = 2048;
-    float *mixed = qt_rnd((size_t)stride, 1.0f), *S = qt_rnd((size_t)nv * dk * dv, 0.1f), *out = malloc((size_t)nv * dv * 4), *gw = qt_rnd(dv, 1.0f);
-    for (int h = 0; h < nv; h++) {
-        float *r = mixed + cd + nv * dv;
-        r[h] = 0.5f + 0.4f * qt_frand(), r[nv + h] = -0.3f + 0.25f * qt_frand();
-    }
+    float *mixed = gdn_mixed_rnd(1, stride, cd + nv * dv, nv), *S = qt_rnd((size_t)nv * dk * dv, 0.1f), *out = malloc((size_t)nv * dv * 4), *gw = qt_rnd(dv, 1.0f);
     float *dm = up_f(mixed, (size_t)stride), *dS = up_f(S, (size_t)nv * dk * dv), *dS2 = up_f(S, (size_t)nv * dk * dv), *dw = up_f(gw, dv);
     float *dout = gpu.ops->alloc(&gpu, (size_t)nv * dv * 4), *dout2 = gpu.ops->alloc(&gpu, (size_t)nv * dv * 4);
     qf_gdn_args a = {mixed, mixed + qk, mixed + 2 * qk, stride, mixed + cd + nv * dv, mixed + cd + nv * dv + nv, S, out, 1, nk, nv, dk, dv};
@@ -577,12 +580,7 @@ static void test_dec_gdn_gn(int nk, int nv, int dk, int dv) {
  * row's output bit for bit the one-row launches' on a copy of the state. */
 static void test_dec_gdn_chain(int n, int nk, int nv, int dk, int dv) {
     int qk = nk * dk, cd = 2 * qk + nv * dv, stride = cd + nv * dv + 2 * nv + 5, sz = nv * dk * dv;
-    float *mixed = qt_rnd((size_t)n * stride, 1.0f), *S = qt_rnd((size_t)sz, 0.1f), *out = malloc((size_t)n * nv * dv * 4), *gw = qt_rnd(dv, 1.0f);
-    for (int t = 0; t < n; t++)
-        for (int h = 0; h < nv; h++) {
-            float *r = mixed + (size_t)t * stride + cd + nv * dv;
-            r[h] = 0.5f + 0.4f * qt_frand(), r[nv + h] = -0.3f + 0.25f * qt_frand();
-        }
+    float *mixed = gdn_mixed_rnd(n, stride, cd + nv * dv, nv), *S = qt_rnd((size_t)sz, 0.1f), *out = malloc((size_t)n * nv * dv * 4), *gw = qt_rnd(dv, 1.0f);
     float *dm = up_f(mixed, (size_t)n * stride), *dS = up_f(S, sz), *dS1 = up_f(S, sz), *dw = up_f(gw, dv);
     float *dout = gpu.ops->alloc(&gpu, (size_t)n * nv * dv * 4), *dout1 = gpu.ops->alloc(&gpu, (size_t)n * nv * dv * 4);
     for (int t = 0; t < n; t++) {
