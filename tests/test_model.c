@@ -208,6 +208,17 @@ static void check_top1(const char *dir) {
     qf_model_free(m);
 }
 
+/* A backend with fused decode ops for m: the GPU's, or the CPU's composed ones (CI). 1: ready. */
+static int dec_backend_open(qf_backend *be, qf_model *m, int gpu) {
+    int ok = gpu ? qf_cuda_backend_init(be, 0, NULL) == QF_OK : qf_cpu_dec_compose_init(be, qf_cpu_ops_best(), (size_t)4 << 20) == QF_OK;
+    return ok && qf_model_to_device(m, be, 0) == QF_OK;
+}
+
+static void dec_backend_close(qf_backend *be, int gpu) {
+    if (gpu) qf_cuda_backend_free(be);
+    else qf_cpu_dec_compose_free(be);
+}
+
 /* Verifies through the fused decode ops (sequences of several tokens wanting every logit: their
  * rows chained through their states in waves, model.h QF_DEC_CHAIN), a 4-row and a 2-row one
  * beside a one-token sequence: each row's logits and hidden state as the same tokens fed one a
@@ -217,8 +228,7 @@ static void check_chain(const char *dir, int gpu) {
     qf_model *m;
     if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
     qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
-    int ok = gpu ? qf_cuda_backend_init(&be, 0, NULL) == QF_OK : qf_cpu_dec_compose_init(&be, qf_cpu_ops_best(), (size_t)4 << 20) == QF_OK;
-    CHECK(ok && qf_model_to_device(m, &be, 0) == QF_OK && m->dec_ok, "%s: %s", dir, qf_last_error());
+    CHECK(dec_backend_open(&be, m, gpu) && m->dec_ok, "%s: %s", dir, qf_last_error());
     qf_workspace *ws = qf_workspace_create(m, 64);
     int V = m->cfg.vocab, H = m->cfg.hidden, D = 4, E = 2;
     int32_t p[6] = {5, 17, 300, 42, 9, 1000}, d[4] = {77, 1500, 2, 700}, one = 33;
@@ -261,8 +271,7 @@ static void check_chain(const char *dir, int gpu) {
     for (int i = 0; i < 6; i++) qf_state_free(st[i]);
     qf_workspace_free(ws);
     qf_model_free(m);
-    if (gpu) qf_cuda_backend_free(&be);
-    else qf_cpu_dec_compose_free(&be);
+    dec_backend_close(&be, gpu);
 }
 
 /* QF_LOGITS_DRAW on a backend with the draw op (the CPU's composed fused ops, or the GPU's): a
@@ -274,8 +283,8 @@ static void check_draw(const char *dir, int gpu) {
     if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
     qf_pool *pool = qf_pool_create(2);
     qf_backend be = {qf_cpu_ops_best(), pool, NULL};
-    int ok = gpu ? qf_cuda_backend_init(&be, 0, NULL) == QF_OK : qf_cpu_dec_compose_init(&be, qf_cpu_ops_best(), (size_t)4 << 20) == QF_OK;
-    CHECK(ok && qf_model_to_device(m, &be, 0) == QF_OK, "%s", qf_last_error());
+    int ok = dec_backend_open(&be, m, gpu);
+    CHECK(ok, "%s", qf_last_error());
     qf_workspace *ws = qf_workspace_create(m, 64);
     int V = m->cfg.vocab, mism = 0, draws = 0;
     qf_sampling sp[3] = {{0.8f, 20, 0.9f, 0.0f, 1.1f, 0.3f, 0.2f, 7}, {1.0f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 8}, {0.7f, 0, 0.8f, 0.05f, 1.0f, 0.0f, 0.0f, 9}};
@@ -322,8 +331,7 @@ static void check_draw(const char *dir, int gpu) {
     free(lg), free(ref);
     qf_workspace_free(ws);
     qf_model_free(m);
-    if (gpu) qf_cuda_backend_free(&be);
-    else qf_cpu_dec_compose_free(&be);
+    dec_backend_close(&be, gpu);
     qf_pool_destroy(pool);
 }
 
