@@ -6,6 +6,8 @@
 #   cmake --build build-cuda -j --target qflash-cli test_cuda test_model test_experts
 #   mkdir -p gpu && cp build-cuda/qflash build-cuda/tests/test_{cuda,model,experts} gpu/ && strip gpu/qflash gpu/test_*
 #   (cd gpu && tar cf - qflash test_cuda test_model test_experts | xz -9e -T0 > bins.txz && rm qflash test_*)
+# Several modes in one call (each mode's output is also kept in $OUT/log-MODE.txt, so a call cut at
+# its limit still brings back what ran): for m in batch spec streams; do bash tools/gpu-check.sh $m; done
 # A reference build (another commit) may travel as gpu/old/bins.txz holding its qflash: every
 # bench then runs it beside the new one, alternating, so both are measured in the same minutes.
 #   bash tools/gpu-check.sh tests     the GPU tests (test_cuda, test_model in both precisions, test_experts)
