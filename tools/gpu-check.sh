@@ -5,7 +5,8 @@
 #   (90-real: SASS alone, no PTX: the four binaries pack to 8.5 MB instead of 14, leaving room in a call)
 #   cmake --build build-cuda -j --target qflash-cli test_cuda test_model test_experts
 #   mkdir -p gpu && cp build-cuda/qflash build-cuda/tests/test_{cuda,model,experts} gpu/ && strip gpu/qflash gpu/test_*
-#   (cd gpu && tar cf - qflash test_cuda test_model test_experts | xz -9e -T0 > bins.txz && rm qflash test_*)
+#   nvcc -O2 -arch=sm_90 bench/gpu_copy_probe.cu -o gpu/copy_probe
+#   (cd gpu && tar cf - qflash test_cuda test_model test_experts copy_probe | xz -9e -T0 > bins.txz && rm qflash test_* copy_probe)
 # Several modes in one call (each mode's output is also kept in $OUT/log-MODE.txt, so a call cut at
 # its limit still brings back what ran): for m in batch spec streams; do bash tools/gpu-check.sh $m; done
 # A reference build (another commit) may travel as gpu/old/bins.txz holding its qflash: every
@@ -45,7 +46,11 @@ mkdir -p "$OUT"
 [ -f gpu/old/bins.txz ] && [ ! -x gpu/old/qflash ] && tar xJf gpu/old/bins.txz -C gpu/old
 exec > >(tee -a "$OUT/log-$1.txt") 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-B="bench --synthetic qwen3.6-35b-a3b --device cuda --bw 4300"
+# the roofline is this card's measured copy (bench/gpu_copy_probe.cu, carried as gpu/copy_probe)
+BW=$([ -x gpu/copy_probe ] && gpu/copy_probe)
+BW=${BW:-4300}
+echo "roofline: device copy $BW GB/s"
+B="bench --synthetic qwen3.6-35b-a3b --device cuda --bw $BW"
 show='^ +[0-9]+ +[0-9]+ +[0-9]+ \||rror|replayed|load:|peak|decoded ids'
 new() { echo "== new | $*"; timeout 150 gpu/qflash $B --cuda-opt steptime=1 "$@" 2>&1 | grep -E "$show"; }
 old() { [ -x gpu/old/qflash ] || return 0; echo "== old | $*"; QFLASH_CUDA_STEPTIME=1 timeout 150 gpu/old/qflash $B "$@" 2>&1 | grep -E "$show"; }
