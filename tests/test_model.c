@@ -262,11 +262,20 @@ static void check_chain(const char *dir, int gpu) {
     }
     double dl = qt_max_abs_diff(la, lb, (size_t)D * V), dh = qt_max_abs_diff(ha, hb, (size_t)D * H), de = qt_max_abs_diff(le, lf, (size_t)E * V);
     double dc = qt_max_abs_diff(lc, ld, V), dn = qt_max_abs_diff(ea, eb, (size_t)3 * V);
-    CHECK(dl == 0 && dh == 0 && de == 0 && dc == 0 && dn == 0,
-          "%s: chained verifies against one token a step: logits %.3g / %.3g, hidden %.3g, the row beside them %.3g, the steps after %.3g", dir, dl, de, dh,
-          dc, dn);
-    fprintf(stderr, "%s [%s]: a %d-row and a %d-row verify beside a decode row: logits, hidden states and the states after as one token a step\n", dir,
-            gpu ? "cuda" : "composed", D, E);
+    /* The GPU's one-row products and MoE are kernels of their own (bulk copies, one block for
+     * the MoE), summing in another order than the many-row ones: there a verify is one token a
+     * step to the products' rounding, as a sequence batched with others is, and picks the same
+     * tokens; the CPU's composed ops take every row alike, so there the bits are the same. */
+    double tol = gpu ? 2e-4 : 0.0;
+    int same_top = 1;
+    for (int i = 0; i < D; i++) same_top &= qt_argmax(la + (size_t)i * V, V) == qt_argmax(lb + (size_t)i * V, V);
+    for (int i = 0; i < E; i++) same_top &= qt_argmax(le + (size_t)i * V, V) == qt_argmax(lf + (size_t)i * V, V);
+    CHECK(dl <= tol && dh <= tol && de <= tol && dc <= tol && dn <= tol && same_top,
+          "%s: chained verifies against one token a step: logits %.3g / %.3g, hidden %.3g, the row beside them %.3g, the steps after %.3g (%s %g), "
+          "same top tokens %d",
+          dir, dl, de, dh, dc, dn, gpu ? "at most" : "want", tol, same_top);
+    fprintf(stderr, "%s [%s]: a %d-row and a %d-row verify beside a decode row: logits, hidden states and the states after as one token a step (largest "
+            "difference %.3g)\n", dir, gpu ? "cuda" : "composed", D, E, fmax(fmax(dl, dh), fmax(fmax(de, dc), dn)));
     free(la), free(lb), free(ha), free(hb), free(le), free(lf), free(lc), free(ld), free(ea), free(eb);
     for (int i = 0; i < 6; i++) qf_state_free(st[i]);
     qf_workspace_free(ws);

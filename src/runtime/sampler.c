@@ -183,9 +183,11 @@ static int select_best(cand *c, const float *l, float t, int n, int k, float *x)
     return k;
 }
 
-/* sum exp(x[i] - mx) over all n, in float lanes (the normaliser of top-p with top_k off). */
+/* sum exp(x[i] - mx) over all n (the normaliser of top-p with top_k off), in double lanes: at a
+ * 248k vocabulary float lanes drift by about one tail token's weight, moving the draw's threshold
+ * onto another token than the device's (and the walk's own double sums) would pick. */
 static double exp_sum(const float *x, int n, float mx) {
-    float lane[8] = {0};
+    double lane[8] = {0};
     int i = 0;
     for (; i + 8 <= n; i += 8)
         for (int j = 0; j < 8; j++) lane[j] += expf(x[i + j] - mx);
