@@ -210,7 +210,10 @@ static void check_top1(const char *dir) {
 
 /* A backend with fused decode ops for m: the GPU's, or the CPU's composed ones (CI). 1: ready. */
 static int dec_backend_open(qf_backend *be, qf_model *m, int gpu) {
-    int ok = gpu ? qf_cuda_backend_init(be, 0, NULL) == QF_OK : qf_cpu_dec_compose_init(be, qf_cpu_ops_best(), (size_t)4 << 20) == QF_OK;
+    qf_cuda_opts o; /* the defaults, or QFLASH_CUDA_OPTS's (tools/gpu-check.sh chain turns kernels off one by one) */
+    qf_cuda_opts_default(&o);
+    int ok = gpu ? qf_cuda_opts_from_env(&o) == QF_OK && qf_cuda_backend_init(be, 0, &o) == QF_OK
+                 : qf_cpu_dec_compose_init(be, qf_cpu_ops_best(), (size_t)4 << 20) == QF_OK;
     return ok && qf_model_to_device(m, be, 0) == QF_OK;
 }
 

@@ -34,6 +34,9 @@
 #                                     and int4 + int8 trunk in a 12G budget
 #   bash tools/gpu-check.sh draw      the token draw on the device: test_cuda's draws against the host sampler
 #                                     (QUICK=10) and test_model's DRAW steps on the GPU
+#   bash tools/gpu-check.sh chain     test_model's chain check (a verify against one token a step) with each
+#                                     one-row decode kernel turned off in turn: which one sums in other bits
+#   bash tools/gpu-check.sh spec-profile  one draft on the synthetic model with every kernel timed: a verify's cost
 #   bash tools/gpu-check.sh prefill-profile  an 8K prompt in 2048-token chunks with every kernel timed
 #                                     (option profile=1): where the prefill's time goes
 #   bash tools/gpu-check.sh flash-serve [ARGS]  serve the synthetic model (the bundled tokenizer) with
@@ -135,6 +138,16 @@ flash-serve)
 draw)
     QFLASH_TEST_QUICK=10 timeout 200 gpu/test_cuda . 2>&1 | grep -E "FAIL|checks|rror|dec draw"
     QFLASH_TEST_DEVICE=cuda timeout 200 gpu/test_model . 2>&1 | grep -E "FAIL|checks|draws|verify|rror"
+    ;;
+chain)
+    for o in "" bulk=0 moe1=0 gdn_gn=0 att1=0 att_gate=0 bulk=0,moe1=0,gdn_gn=0,att1=0; do
+        echo "== QFLASH_CUDA_OPTS=$o"
+        QFLASH_CUDA_OPTS=$o QFLASH_TEST_DEVICE=cuda timeout 120 gpu/test_model . 2>&1 | grep -E "verif|rror"
+    done
+    ;;
+spec-profile)
+    timeout 200 gpu/qflash $B --prompt-len 128 --gen-len 32 --concurrency 1 --runs 1 --draft 1 --cuda-opt profile=1 2>&1 |
+        grep -E "draft|rror|profile|^ +[a-z_]+.* ms" | head -60
     ;;
 trunk8)
     QFLASH_TEST_QUICK=9 timeout 200 gpu/test_cuda . >"$OUT/test_cuda9.log" 2>&1; echo "test_cuda (int8 trunk) rc=$?"
