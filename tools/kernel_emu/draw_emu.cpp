@@ -63,7 +63,7 @@ int main(int argc, char **argv) {
             std::vector<float> x(V), host(V);
             for (int i = 0; i < V; i++) x[i] = frand(&rs) + frand(&rs) + frand(&rs);
             if (k != 6)
-                for (int j = 0; j < 6; j++) x[(t * 7919 + j * 104729) % V] = 6.0f + 0.5f * (float)j;
+                for (int j = 0; j < 6; j++) x[(t * 7919 + j * 104729) % V] = 6.0f + logf((float)V / 4096.0f) + 0.5f * (float)j; // test_cuda's rows
             qf_sampling p = set[k];
             p.seed = set[k].seed * 1000 + t;
             qf_sampler *a = qf_sampler_create(V, &p), *b = qf_sampler_create(V, &p);
