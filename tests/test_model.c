@@ -265,10 +265,11 @@ static void check_chain(const char *dir, int gpu) {
     }
     double dl = qt_max_abs_diff(la, lb, (size_t)D * V), dh = qt_max_abs_diff(ha, hb, (size_t)D * H), de = qt_max_abs_diff(le, lf, (size_t)E * V);
     double dc = qt_max_abs_diff(lc, ld, V), dn = qt_max_abs_diff(ea, eb, (size_t)3 * V);
-    /* The GPU's one-row products and MoE are kernels of their own (bulk copies, one block for
-     * the MoE), summing in another order than the many-row ones: there a verify is one token a
-     * step to the products' rounding, as a sequence batched with others is, and picks the same
-     * tokens; the CPU's composed ops take every row alike, so there the bits are the same. */
+    /* This step holds 7 rows, past the GPU's tensor-core threshold (option dec_tc, 5), so there
+     * its products take two bf16 parts on the tensor cores while one token a step takes the GEMV
+     * kernels: the same to their rounding, as any sequence batched with 4 or more others, and the
+     * same picks (check_chain_alone asks the bits below the threshold). The CPU's composed ops
+     * take every row alike: the same bits. */
     double tol = gpu ? 2e-4 : 0.0;
     int same_top = 1;
     for (int i = 0; i < D; i++) same_top &= qt_argmax(la + (size_t)i * V, V) == qt_argmax(lb + (size_t)i * V, V);
@@ -281,6 +282,43 @@ static void check_chain(const char *dir, int gpu) {
             "difference %.3g)\n", dir, gpu ? "cuda" : "composed", D, E, fmax(fmax(dl, dh), fmax(fmax(de, dc), dn)));
     free(la), free(lb), free(ha), free(hb), free(le), free(lf), free(lc), free(ld), free(ea), free(eb);
     for (int i = 0; i < 6; i++) qf_state_free(st[i]);
+    qf_workspace_free(ws);
+    qf_model_free(m);
+    dec_backend_close(&be, gpu);
+}
+
+/* One sequence alone verifying 3 drafts (4 rows, under the GPU's tensor-core threshold): every
+ * row's logits and hidden state, and the state after, the bits of the same tokens one a step. */
+static void check_chain_alone(const char *dir, int gpu) {
+    enum { D = 4 };
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
+    qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
+    CHECK(dec_backend_open(&be, m, gpu) && m->dec_ok, "%s: %s", dir, qf_last_error());
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    int V = m->cfg.vocab, H = m->cfg.hidden;
+    int32_t p[5] = {5, 17, 300, 42, 9}, d[D] = {77, 1500, 2, 700}, one = 33;
+    for (int i = 0; i < 5; i++) p[i] %= V;
+    for (int i = 0; i < D; i++) d[i] %= V;
+    qf_state *a = qf_state_create(m, 32), *b = qf_state_create(m, 32);
+    float *la = malloc((size_t)(D + 1) * V * 4), *lb = malloc((size_t)(D + 1) * V * 4), *ha = malloc((size_t)D * H * 4), *hb = malloc((size_t)D * H * 4);
+    CHECK(qf_forward_seq(m, &be, ws, a, p, 5, QF_LOGITS_NONE, NULL) == QF_OK && qf_forward_seq(m, &be, ws, b, p, 5, QF_LOGITS_NONE, NULL) == QF_OK, "%s",
+          qf_last_error());
+    qf_seq_step v = {a, d, D, QF_LOGITS_ALL, la, NULL, 0, 0, NULL, ha, NULL};
+    CHECK(qf_forward(m, &be, ws, &v, 1) == QF_OK, "%s", qf_last_error());
+    for (int i = 0; i < D; i++) {
+        qf_seq_step u = {b, d + i, 1, QF_LOGITS_LAST, lb + (size_t)i * V, NULL, 0, 0, NULL, hb + (size_t)i * H, NULL};
+        CHECK(qf_forward(m, &be, ws, &u, 1) == QF_OK, "%s", qf_last_error());
+    }
+    qf_seq_step na = {a, &one, 1, QF_LOGITS_LAST, la + (size_t)D * V, NULL, 0, 0, NULL, NULL, NULL};
+    qf_seq_step nb = {b, &one, 1, QF_LOGITS_LAST, lb + (size_t)D * V, NULL, 0, 0, NULL, NULL, NULL};
+    CHECK(qf_forward(m, &be, ws, &na, 1) == QF_OK && qf_forward(m, &be, ws, &nb, 1) == QF_OK, "%s", qf_last_error());
+    double dl = qt_max_abs_diff(la, lb, (size_t)(D + 1) * V), dh = qt_max_abs_diff(ha, hb, (size_t)D * H);
+    CHECK(dl == 0 && dh == 0, "%s: a verify of %d rows alone against one token a step: logits (and the step after) %.3g, hidden %.3g", dir, D, dl, dh);
+    fprintf(stderr, "%s [%s]: a %d-row verify alone: logits, hidden states and the state after as one token a step, bit for bit\n", dir,
+            gpu ? "cuda" : "composed", D);
+    free(la), free(lb), free(ha), free(hb);
+    qf_state_free(a), qf_state_free(b);
     qf_workspace_free(ws);
     qf_model_free(m);
     dec_backend_close(&be, gpu);
@@ -359,6 +397,7 @@ int main(int argc, char **argv) {
         }
         check_draw("models/qwen36moe-code-14m", 1);
         check_chain("models/qwen36moe-code-14m", 1);
+        check_chain_alone("models/qwen36moe-code-14m", 1);
         return qt_finish();
     }
     const qf_ops *tables[2] = {&qf_cpu_ops_ref, qf_cpu_ops_best()};
@@ -378,5 +417,7 @@ int main(int argc, char **argv) {
     check_draw("models/qwen36moe-code-14m", 0);
     check_chain("tests/data/qwen35moe-tiny", 0);
     check_chain("models/qwen36moe-code-14m", 0);
+    check_chain_alone("tests/data/qwen35moe-tiny", 0);
+    check_chain_alone("models/qwen36moe-code-14m", 0);
     return qt_finish();
 }
