@@ -34,8 +34,8 @@
 #                                     and int4 + int8 trunk in a 12G budget
 #   bash tools/gpu-check.sh draw      the token draw on the device: test_cuda's draws against the host sampler
 #                                     (QUICK=10) and test_model's DRAW steps on the GPU
-#   bash tools/gpu-check.sh chain     test_model's chain check (a verify against one token a step) with each
-#                                     one-row decode kernel turned off in turn: which one sums in other bits
+#   bash tools/gpu-check.sh chain     test_model's chain checks (verifies against one token a step), with the
+#                                     tensor-core threshold raised and each one-row kernel off in turn
 #   bash tools/gpu-check.sh spec-profile  one draft on the synthetic model with every kernel timed: a verify's cost
 #   bash tools/gpu-check.sh prefill-profile  an 8K prompt in 2048-token chunks with every kernel timed
 #                                     (option profile=1): where the prefill's time goes
@@ -140,7 +140,7 @@ draw)
     QFLASH_TEST_DEVICE=cuda timeout 200 gpu/test_model . 2>&1 | grep -E "FAIL|checks|draws|verify|rror"
     ;;
 chain)
-    for o in "" bulk=0 moe1=0 gdn_gn=0 att1=0 att_gate=0 bulk=0,moe1=0,gdn_gn=0,att1=0; do
+    for o in "" dec_tc=64 bulk=0 moe1=0 gdn_gn=0 att1=0 att_gate=0 bulk=0,moe1=0,gdn_gn=0,att1=0; do
         echo "== QFLASH_CUDA_OPTS=$o"
         QFLASH_CUDA_OPTS=$o QFLASH_TEST_DEVICE=cuda timeout 120 gpu/test_model . 2>&1 | grep -E "verif|rror"
     done
