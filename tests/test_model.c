@@ -222,6 +222,16 @@ static void dec_backend_close(qf_backend *be, int gpu) {
     else qf_cpu_dec_compose_free(be);
 }
 
+/* The n tokens fed to st one a step: each step's logits (V floats a row) and, where hidden is
+ * given, its hidden state (H floats a row). */
+static void one_a_step(qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, const int32_t *tok, int n, float *logits, float *hidden) {
+    int V = m->cfg.vocab, H = m->cfg.hidden;
+    for (int i = 0; i < n; i++) {
+        qf_seq_step u = {st, tok + i, 1, QF_LOGITS_LAST, logits + (size_t)i * V, NULL, 0, 0, NULL, hidden ? hidden + (size_t)i * H : NULL, NULL};
+        CHECK(qf_forward(m, be, ws, &u, 1) == QF_OK, "%s", qf_last_error());
+    }
+}
+
 /* Verifies through the fused decode ops (sequences of several tokens wanting every logit: their
  * rows chained through their states in waves, model.h QF_DEC_CHAIN), a 4-row and a 2-row one
  * beside a one-token sequence: each row's logits and hidden state as the same tokens fed one a
@@ -247,20 +257,12 @@ static void check_chain(const char *dir, int gpu) {
                         {st[0], d, D, QF_LOGITS_ALL, la, NULL, 0, 0, NULL, ha, NULL},
                         {st[1], d + 1, E, QF_LOGITS_ALL, le, NULL, 0, 0, NULL, NULL, NULL}};
     CHECK(qf_forward(m, &be, ws, v, 3) == QF_OK, "%s", qf_last_error());
-    for (int i = 0; i < D; i++) {
-        qf_seq_step u = {st[3], d + i, 1, QF_LOGITS_LAST, lb + (size_t)i * V, NULL, 0, 0, NULL, hb + (size_t)i * H, NULL};
-        CHECK(qf_forward(m, &be, ws, &u, 1) == QF_OK, "%s", qf_last_error());
-    }
-    for (int i = 0; i < E; i++) {
-        qf_seq_step u = {st[4], d + 1 + i, 1, QF_LOGITS_LAST, lf + (size_t)i * V, NULL, 0, 0, NULL, NULL, NULL};
-        CHECK(qf_forward(m, &be, ws, &u, 1) == QF_OK, "%s", qf_last_error());
-    }
-    qf_seq_step u = {st[5], &one, 1, QF_LOGITS_LAST, ld, NULL, 0, 0, NULL, NULL, NULL};
-    CHECK(qf_forward(m, &be, ws, &u, 1) == QF_OK, "%s", qf_last_error());
+    one_a_step(m, &be, ws, st[3], d, D, lb, hb);
+    one_a_step(m, &be, ws, st[4], d + 1, E, lf, NULL);
+    one_a_step(m, &be, ws, st[5], &one, 1, ld, NULL);
     for (int i = 0; i < 3; i++) { /* the states after: one more step each */
-        qf_seq_step na = {st[i], &one, 1, QF_LOGITS_LAST, ea + (size_t)i * V, NULL, 0, 0, NULL, NULL, NULL};
-        qf_seq_step nb = {st[i + 3], &one, 1, QF_LOGITS_LAST, eb + (size_t)i * V, NULL, 0, 0, NULL, NULL, NULL};
-        CHECK(qf_forward(m, &be, ws, &na, 1) == QF_OK && qf_forward(m, &be, ws, &nb, 1) == QF_OK, "%s", qf_last_error());
+        one_a_step(m, &be, ws, st[i], &one, 1, ea + (size_t)i * V, NULL);
+        one_a_step(m, &be, ws, st[i + 3], &one, 1, eb + (size_t)i * V, NULL);
         CHECK(st[i]->pos == st[i + 3]->pos, "%s: positions %d and %d", dir, st[i]->pos, st[i + 3]->pos);
     }
     double dl = qt_max_abs_diff(la, lb, (size_t)D * V), dh = qt_max_abs_diff(ha, hb, (size_t)D * H), de = qt_max_abs_diff(le, lf, (size_t)E * V);
@@ -306,13 +308,9 @@ static void check_chain_alone(const char *dir, int gpu) {
           qf_last_error());
     qf_seq_step v = {a, d, D, QF_LOGITS_ALL, la, NULL, 0, 0, NULL, ha, NULL};
     CHECK(qf_forward(m, &be, ws, &v, 1) == QF_OK, "%s", qf_last_error());
-    for (int i = 0; i < D; i++) {
-        qf_seq_step u = {b, d + i, 1, QF_LOGITS_LAST, lb + (size_t)i * V, NULL, 0, 0, NULL, hb + (size_t)i * H, NULL};
-        CHECK(qf_forward(m, &be, ws, &u, 1) == QF_OK, "%s", qf_last_error());
-    }
-    qf_seq_step na = {a, &one, 1, QF_LOGITS_LAST, la + (size_t)D * V, NULL, 0, 0, NULL, NULL, NULL};
-    qf_seq_step nb = {b, &one, 1, QF_LOGITS_LAST, lb + (size_t)D * V, NULL, 0, 0, NULL, NULL, NULL};
-    CHECK(qf_forward(m, &be, ws, &na, 1) == QF_OK && qf_forward(m, &be, ws, &nb, 1) == QF_OK, "%s", qf_last_error());
+    one_a_step(m, &be, ws, b, d, D, lb, hb);
+    one_a_step(m, &be, ws, a, &one, 1, la + (size_t)D * V, NULL); /* the states after */
+    one_a_step(m, &be, ws, b, &one, 1, lb + (size_t)D * V, NULL);
     double dl = qt_max_abs_diff(la, lb, (size_t)(D + 1) * V), dh = qt_max_abs_diff(ha, hb, (size_t)D * H);
     CHECK(dl == 0 && dh == 0, "%s: a verify of %d rows alone against one token a step: logits (and the step after) %.3g, hidden %.3g", dir, D, dl, dh);
     fprintf(stderr, "%s [%s]: a %d-row verify alone: logits, hidden states and the state after as one token a step, bit for bit\n", dir,
