@@ -1252,6 +1252,11 @@ static int one_call(jc *c, json_t *fn, int form, const char *path) {
     return c->failed ? -1 : r;
 }
 
+int qf_tool_calls_max(int n_tools) {
+    long long m = (long long)n_tools * QF_TOOL_CALLS_PER_TOOL;
+    return m > QF_TOOL_CALLS_MOST ? QF_TOOL_CALLS_MOST : m < 1 ? 1 : (int)m;
+}
+
 int qf_grammar_tools(qf_grammar **out, json_t *tools, const char *name, int form, int parallel) {
     *out = NULL;
     jc c;
@@ -1274,12 +1279,17 @@ int qf_grammar_tools(qf_grammar **out, json_t *tools, const char *name, int form
     int root = -1;
     if (!found && !c.failed) jfail(&c, "tools", name ? "no tool is named '%s'" : "no tools%s", name ? name : "");
     else if (!c.failed) {
-        int more = newrule(&c); /* more ::= "\n" call more | empty */
+        /* the calls after the first, unrolled so that the count is bounded: more_k ::= empty |
+         * "\n" call more_(k+1), and the last allows only the end */
+        int most = parallel ? qf_tool_calls_max(found) : 1, more = newrule(&c);
         qf_gb_alt(b, more, &q);
-        if (parallel) {
+        for (int k = most - 1; k > 0 && !c.failed; k--) {
+            int prev = more;
+            more = newrule(&c);
+            qf_gb_alt(b, more, &q);
             qf_gseq_byte(b, &q, '\n');
             qf_gseq_ref(&q, call);
-            qf_gseq_ref(&q, more);
+            qf_gseq_ref(&q, prev);
             add_alt(&c, more, &q);
         }
         qf_gseq_ref(&q, call);

@@ -27,7 +27,14 @@ int qf_grammar_json(qf_grammar **out, json_t *schema);
 
 enum { QF_TOOLS_XML, QF_TOOLS_JSON };
 
-/* One or more tool calls (parallel: more than one allowed), nothing else: tools is the request's
+/* A forced reply's parallel calls are bounded, so that a model that would call tools without end
+ * still ends (every call complete) within a few calls: at most QF_TOOL_CALLS_PER_TOOL calls per
+ * tool the grammar allows, and never more than QF_TOOL_CALLS_MOST; past them only the end. */
+#define QF_TOOL_CALLS_PER_TOOL 4
+#define QF_TOOL_CALLS_MOST 64
+int qf_tool_calls_max(int n_tools);
+
+/* One or more tool calls (parallel: up to qf_tool_calls_max of the tools allowed), nothing else: tools is the request's
  * array ({type: function, function: {name, parameters}}), name restricts to one function
  * (NULL: any). XML: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...
  * </function>\n</tool_call>, a string value as raw text without "</" or "<t" (so no tag closes

@@ -32,6 +32,9 @@ struct qf_req {
     qf_grammar *grammar;
     qf_gmatch *gm;
     int32_t grammar_after;
+    int min_tokens, n_stop_ids, n_bias, think_on, think_budget; /* think_on: in a reasoning block with a budget */
+    int32_t *stop_ids, *bias_ids, think_end;
+    float *bias;
     /* n > 1: a first choice keeps a copy of its state before the prompt's last token (fork_snap)
      * until every later choice, waiting on after, has taken it */
     int fork, fork_state, fork_waiters; /* fork_state: enum fork_state */
@@ -114,6 +117,9 @@ static void req_free(qf_req *r) {
     qf_gmatch_free(r->gm);
     qf_grammar_free(r->grammar);
     free(r->toks);
+    free(r->stop_ids);
+    free(r->bias_ids);
+    free(r->bias);
     free(r->hold);
     free(r->chan);
     pthread_mutex_destroy(&r->mu);
@@ -144,6 +150,12 @@ static int check_params(const qf_sched *s, const qf_req_params *p) {
         if (n == 0 || n > QF_MAX_STOP_LEN) return qf_fail(QF_EINVAL, "stop strings must be 1..%d bytes", QF_MAX_STOP_LEN);
     }
     if (p->logprobs > QF_MAX_TOP_LOGPROBS) return qf_fail(QF_EINVAL, "top_logprobs must be at most %d", QF_MAX_TOP_LOGPROBS);
+    for (int i = 0; i < p->n_stop_ids; i++)
+        if (p->stop_ids[i] < 0 || p->stop_ids[i] >= V) return qf_fail(QF_EINVAL, "stop token id %d is outside the vocabulary (0..%d)", p->stop_ids[i], V - 1);
+    for (int i = 0; i < p->n_bias; i++)
+        if (p->bias_ids[i] < 0 || p->bias_ids[i] >= V || !isfinite(p->bias[i]))
+            return qf_fail(QF_EINVAL, "logit bias of token id %d: the id must be within the vocabulary (0..%d), the bias finite", p->bias_ids[i], V - 1);
+    if (p->think_budget_on && (p->think_end < 0 || p->think_end >= V || p->think_budget < 0)) return qf_fail(QF_EINVAL, "a reasoning budget needs its end token");
     return qf_sampling_check(&p->sampling);
 }
 
@@ -163,6 +175,18 @@ static qf_req *req_new(qf_sched *s, const qf_req_params *p, int fork, qf_req *af
         memcpy(r->stop[i], p->stop[i], r->stop_len[i] + 1);
         if (r->stop_len[i] > r->max_stop) r->max_stop = r->stop_len[i];
     }
+    r->min_tokens = p->min_tokens;
+    r->think_on = p->think_budget_on, r->think_budget = p->think_budget, r->think_end = p->think_end;
+    r->n_stop_ids = p->n_stop_ids, r->n_bias = p->n_bias;
+    r->stop_ids = p->n_stop_ids ? malloc((size_t)p->n_stop_ids * sizeof *r->stop_ids) : NULL;
+    r->bias_ids = p->n_bias ? malloc((size_t)p->n_bias * sizeof *r->bias_ids) : NULL;
+    r->bias = p->n_bias ? malloc((size_t)p->n_bias * sizeof *r->bias) : NULL;
+    if ((p->n_stop_ids && !r->stop_ids) || (p->n_bias && (!r->bias_ids || !r->bias))) {
+        req_free(r);
+        return NULL;
+    }
+    if (p->n_stop_ids) memcpy(r->stop_ids, p->stop_ids, (size_t)p->n_stop_ids * sizeof *r->stop_ids);
+    if (p->n_bias) memcpy(r->bias_ids, p->bias_ids, (size_t)p->n_bias * sizeof *r->bias_ids), memcpy(r->bias, p->bias, (size_t)p->n_bias * sizeof *r->bias);
     r->hold = malloc(r->max_stop + s->text_cap + 1);
     r->chan_cap = CHAN_BASE + 2 * s->rec_max;
     r->chan = malloc(r->chan_cap);
@@ -187,6 +211,7 @@ static qf_req *req_new(qf_sched *s, const qf_req_params *p, int fork, qf_req *af
     r->notify_ud = p->notify_ud;
     r->slot = -1;
     r->status.prompt_tokens = p->n_prompt;
+    r->status.stop_index = r->status.stop_token = -1;
     r->t_submit = qf_now();
     return r;
 }
@@ -285,12 +310,12 @@ static size_t partial_stop(const qf_req *r, const char *h, size_t n) {
     return best;
 }
 
-/* Earliest complete stop string in h[0..n), or n when none. */
-static size_t find_stop(const qf_req *r, const char *h, size_t n) {
+/* Earliest complete stop string in h[0..n), or n when none; *which: its index. */
+static size_t find_stop(const qf_req *r, const char *h, size_t n, int *which) {
     size_t at = n;
     for (int i = 0; i < r->n_stop; i++) {
         const char *p = memmem(h, n, r->stop[i], r->stop_len[i]);
-        if (p && (size_t)(p - h) < at) at = (size_t)(p - h);
+        if (p && (size_t)(p - h) < at) at = (size_t)(p - h), *which = i;
     }
     return at;
 }
@@ -300,10 +325,12 @@ static size_t find_stop(const qf_req *r, const char *h, size_t n) {
 static int push_text(qf_req *r, const char *p, size_t n, int final) {
     memcpy(r->hold + r->hold_len, p, n);
     r->hold_len += n;
-    size_t at = find_stop(r, r->hold, r->hold_len);
+    int which = -1;
+    size_t at = r->n_gen >= r->min_tokens ? find_stop(r, r->hold, r->hold_len, &which) : r->hold_len;
     if (at < r->hold_len) {
         chan_text(r, r->hold, at);
         r->hold_len = 0;
+        r->status.stop_index = which;
         return 1;
     }
     size_t keep = final ? 0 : partial_stop(r, r->hold, r->hold_len);
@@ -498,7 +525,11 @@ static void admit(qf_sched *s) {
         r->n_fed = r->after && r->fork_state != FORK_LEFT ? fork_join(s, r, s->slots[fs].st) : 0;
         if (!r->n_fed && s->prefix) r->n_fed = qf_prefix_restore(s->prefix, s->slots[fs].st, r->toks, r->n_toks);
         fork_mark(s, r, s->slots[fs].st);
-        if (!r->primed) r->status.cached_tokens = r->n_fed;
+        if (!r->primed) {
+            pthread_mutex_lock(&r->mu); /* status is the reader's too */
+            r->status.cached_tokens = r->n_fed;
+            pthread_mutex_unlock(&r->mu);
+        }
         s->slots[fs].req = r;
         if (!r->primed && r->grammar && grammar_start(s, r) != QF_OK) {
             finish(s, r, QF_FINISH_ERROR, qf_last_error());
@@ -512,7 +543,7 @@ static void admit(qf_sched *s) {
             pthread_mutex_unlock(&s->mu);
         }
         slot *sl = &s->slots[fs];
-        sl->sp_on = sl->sp && r->logprobs < 0 && !r->grammar && qf_sampler_is_greedy(r->smp), sl->sp_fresh = 1;
+        sl->sp_on = sl->sp && r->logprobs < 0 && !r->grammar && !r->n_bias && !r->min_tokens && !r->think_on && !r->n_stop_ids && qf_sampler_is_greedy(r->smp), sl->sp_fresh = 1;
         if (sl->sp_on) qf_spec_seq_reset(sl->sp); /* a reused prefix or a fork's state was not shown to the head: fewer drafts accepted, the same text */
         LOG(s, "seq %llu admitted to slot %d: %d tokens to prefill (%d reused)\n", (unsigned long long)r->seq_no, fs, r->n_toks - r->n_fed, r->n_fed);
     }
@@ -546,6 +577,27 @@ static size_t chan_room(qf_req *r) {
     return room;
 }
 
+static int is_stop_id(const qf_req *r, int32_t tok) {
+    for (int i = 0; i < r->n_stop_ids; i++)
+        if (r->stop_ids[i] == tok) return 1;
+    return 0;
+}
+
+/* Whether the request changes its logits before the pick (logit bias, ends held off by
+ * min_tokens), so they must come to the host. */
+static int shapes_logits(const qf_req *r) {
+    return r->n_bias > 0 || r->n_gen < r->min_tokens;
+}
+
+/* Logit bias, then the ends masked while fewer than min_tokens are out. */
+static void shape_logits(const qf_sched *s, const qf_req *r, float *logits) {
+    for (int i = 0; i < r->n_bias; i++) logits[r->bias_ids[i]] += r->bias[i];
+    if (r->n_gen >= r->min_tokens) return;
+    const qf_config *c = &s->e->model->cfg;
+    for (int i = 0; i < c->n_eos; i++) logits[c->eos_ids[i]] = -INFINITY;
+    for (int i = 0; i < r->n_stop_ids; i++) logits[r->stop_ids[i]] = -INFINITY;
+}
+
 /* Whether the device draws this request's tokens (backend/ops.h qf_draw): the backend can, and
  * its top_k is one the draw takes. */
 static int device_draws(const qf_sched *s, const qf_req *r) {
@@ -576,7 +628,7 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out, int *pages_out) 
                 if (take <= 0) continue;
                 sl->batch_n = take;
                 /* a plain pick without logprobs or grammar: made where the logits are (on a GPU, only the id comes back) */
-                int plain = r->logprobs < 0 && !r->gm;
+                int plain = r->logprobs < 0 && !r->gm && !shapes_logits(r);
                 int mode = take < left ? QF_LOGITS_NONE
                            : plain && qf_sampler_is_greedy(r->smp) ? QF_LOGITS_TOP1
                            : plain && device_draws(s, r) ? QF_LOGITS_DRAW
@@ -617,8 +669,10 @@ static int emit_token(qf_sched *s, qf_req *r, float *logits, const int32_t *top1
     int V = e->model->cfg.vocab;
     qf_token_lp lp;
     if (r->logprobs >= 0) memcpy(s->lp_scratch, logits, (size_t)V * sizeof(float)); /* the model's own distribution */
+    if (logits) shape_logits(s, r, logits);
     if (r->gm && apply_grammar(s, r, logits) != QF_OK) return QF_FINISH_ERROR;
     int32_t tok = top1 ? *top1 : qf_sampler_sample(r->smp, logits);
+    if (r->think_on && (tok == r->think_end || r->n_gen >= r->think_budget)) tok = r->think_end, r->think_on = 0;
     if (r->logprobs >= 0) fill_logprobs(s->lp_scratch, V, r->logprobs, tok, &lp);
     double now = qf_now();
     pthread_mutex_lock(&s->mu);
@@ -635,7 +689,7 @@ static int emit_token(qf_sched *s, qf_req *r, float *logits, const int32_t *top1
     pthread_mutex_unlock(&s->mu);
     r->t_last = now;
     r->n_gen++;
-    int eos = qf_engine_is_eos(e, tok) && (!r->ignore_eos || r->gm); /* a grammar allows an end only where it is complete */
+    int eos = (qf_engine_is_eos(e, tok) && (!r->ignore_eos || r->gm)) || is_stop_id(r, tok); /* a grammar allows an end only where it is complete */
     size_t len = 0;
     if (!eos && r->gm && qf_gmatch_accept(r->gm, tok) != QF_OK) return QF_FINISH_ERROR;
     if (!eos) {
@@ -648,6 +702,7 @@ static int emit_token(qf_sched *s, qf_req *r, float *logits, const int32_t *top1
     if (done) len += qf_utf8_stream_flush(&r->us, s->text + len, s->text_cap - len);
     pthread_mutex_lock(&r->mu);
     if (r->n_gen == 1) r->status.ttft = now - r->t_submit;
+    if (eos) r->status.stop_token = tok;
     r->status.gen_tokens = r->n_gen;
     if (r->logprobs >= 0 && !eos) chan_token(r, &lp);
     int stopped = push_text(r, s->text, len, done);

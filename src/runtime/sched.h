@@ -56,6 +56,15 @@ typedef struct qf_req_params {
     float sparsity;
     qf_grammar *grammar;   /* the reply follows it (constrained decoding); submit takes it, even when it fails */
     int32_t grammar_after; /* the grammar starts after this token (a reasoning block's end); -1: at once */
+    int min_tokens;        /* the end (eos, stop_ids, stop strings) is held off until this many tokens */
+    const int32_t *stop_ids; /* more ids that end the reply, not emitted (copied) */
+    int n_stop_ids;
+    const int32_t *bias_ids; /* logit_bias: bias[i] added to logit bias_ids[i] before sampling (copied) */
+    const float *bias;
+    int n_bias;
+    int think_budget_on;   /* the reply starts in a reasoning block that ends (think_end forced) */
+    int think_budget;      /* after this many generated tokens when not ended before */
+    int32_t think_end;
     void (*notify)(void *ud); /* called from the scheduler thread when output is ready */
     void *notify_ud;
 } qf_req_params;
@@ -82,6 +91,8 @@ typedef struct qf_req_status {
     int finish;            /* enum qf_finish; NONE while running */
     int prompt_tokens, gen_tokens;
     int cached_tokens;     /* prompt tokens not prefilled: taken from a prefix snapshot */
+    int stop_index;        /* finish STOP by a stop string: its index in the params' stop; else -1 */
+    int32_t stop_token;    /* finish STOP by an end token (eos or stop_ids): the id; else -1 */
     double ttft;           /* seconds from submit to the first token; 0 before it */
     char error[256];
 } qf_req_status;

@@ -79,8 +79,8 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
     sp->temperature = c->gen_temperature;
     sp->top_p = c->gen_top_p > 0 && c->gen_top_p <= 1 ? c->gen_top_p : 1.0f;
     sp->top_k = c->gen_top_k;
-    static unsigned long long counter;
-    sp->seed = (unsigned long long)time(NULL) * 1000003ull + ++counter;
+    static atomic_ullong counter; /* the preparation workers parse at once */
+    sp->seed = (unsigned long long)time(NULL) * 1000003ull + atomic_fetch_add(&counter, 1) + 1;
     long long max_tokens = -1, top_k = sp->top_k, seed = 0, n = 1;
     int has_seed = json_object_get(b, "seed") && !json_is_null(json_object_get(b, "seed"));
     if (opt_num(ao, b, "temperature", 0, 2, &sp->temperature) || opt_num(ao, b, "top_p", 1e-9, 1, &sp->top_p) ||

@@ -110,6 +110,7 @@ void tc_parse(const char *text, size_t n, json_t *tools, const char *id_base, js
         char id[96];
         snprintf(id, sizeof id, "call_%s_%zu", id_base, json_array_size(out));
         json_t *call = one_call(body, bl, tools, id);
+        if (!call && !close) break; /* the reply was cut inside its last call: that one is dropped */
         if (!call) return json_decref(out); /* malformed: all of it is content */
         json_array_append_new(out, call);
         at = close ? (size_t)(close - text) + 12 : n;
@@ -118,6 +119,7 @@ void tc_parse(const char *text, size_t n, json_t *tools, const char *id_base, js
     }
     size_t c = (size_t)(first - text);
     while (c && is_ws(text[c - 1])) c--;
+    if (!json_array_size(out)) json_decref(out), out = NULL;
     *calls = out, *content_len = c;
 }
 

@@ -12,8 +12,9 @@
 
 /* text[0..n): the content before the first <tool_call> (*content_len bytes, trailing whitespace
  * dropped) and, in *calls, OpenAI tool_calls ([{id, type, function: {name, arguments (a JSON
- * string)}}], ids "call_<id_base>_<i>"). Any malformed block: no calls (*calls NULL), the whole
- * text is content. tools: the request's (for the parameters' types; may be NULL). */
+ * string)}}], ids "call_<id_base>_<i>"). A last block the reply ended inside (no </tool_call>, and not parseable) is
+ * dropped: the calls before it stay, the content stops before the first block. Any other
+ * malformed block: no calls (*calls NULL), the whole text is content. tools: the request's (for the parameters' types; may be NULL). */
 void tc_parse(const char *text, size_t n, json_t *tools, const char *id_base, json_t **calls, size_t *content_len);
 
 /* Where streamed content must stop being sent: the first <tool_call>, or a tail of text that may

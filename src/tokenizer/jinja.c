@@ -619,12 +619,14 @@ static int body(parser *p, jnode ***out, int *n, const char *const *ends) {
     return -1;
 }
 
-int qf_jinja_parse(const char *src, qf_jinja **out) {
+int qf_jinja_parse(const char *text, qf_jinja **out) {
     qf_jinja *t = calloc(1, sizeof *t);
     if (!t) return qf_fail(QF_ENOMEM, "out of memory");
+    t->src = strdup(text); /* the caller's buffer may go once this returns */
+    const char *src = t->src ? t->src : "";
     t->caplits = 4096 + (int)strlen(src);
     t->lits = calloc((size_t)t->caplits, sizeof *t->lits);
-    parser p = {t, src, NULL, 0, 0, 0, t->lits ? QF_OK : qf_fail(QF_ENOMEM, "out of memory"), {0}};
+    parser p = {t, src, NULL, 0, 0, 0, t->lits && t->src ? QF_OK : qf_fail(QF_ENOMEM, "out of memory"), {0}};
     if (p.rc == QF_OK) lex(&p, src);
     if (p.rc == QF_OK) body(&p, &t->body, &t->nbody, NULL);
     free(p.toks);
@@ -640,5 +642,5 @@ void qf_jinja_free(qf_jinja *t) {
     if (!t) return;
     for (int i = 0; i < t->nmem; i++) free(t->mem[i]);
     for (int i = 0; i < t->nlits; i++) json_decref(t->lits[i]);
-    free(t->mem), free(t->lits), free(t);
+    free(t->mem), free(t->lits), free(t->src), free(t);
 }

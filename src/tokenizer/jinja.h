@@ -16,7 +16,7 @@
 
 typedef struct qf_jinja qf_jinja;
 
-/* Compiles a template; QF_EFORMAT / QF_EUNSUPPORTED with "line N: ..." on what it cannot take. */
+/* Compiles a template (from a copy: the caller may free src at once); QF_EFORMAT / QF_EUNSUPPORTED with "line N: ..." on what it cannot take. */
 int qf_jinja_parse(const char *src, qf_jinja **out);
 /* Renders with vars (a JSON object: messages, tools, add_generation_prompt, bos_token, ...) into a
  * heap string the caller frees. raise_exception and runtime errors fail with their message. */

@@ -39,6 +39,7 @@ struct qf_jinja {
     int nmem, capmem;
     json_t **lits;
     int nlits, caplits;
+    char *src; /* the template's own copy of its text: N_TEXT nodes point into it */
 };
 
 #endif

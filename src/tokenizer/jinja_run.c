@@ -421,7 +421,7 @@ static val call(env *e, const jnode *n);
 static val eval(env *e, const jnode *n) {
     if (e->rc != QF_OK || !n) return UNDEF;
     switch (n->type) {
-    case E_LIT: return vref(n->lit);
+    case E_LIT: return vj(json_deep_copy(n->lit)); /* renders on other threads share the template: each takes its own copy */
     case E_NAME: return lookup(e, n->name);
     case E_ATTR: {
         val o = eval(e, n->a), r = attr_of(e, n, o, n->name);
