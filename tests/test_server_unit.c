@@ -57,6 +57,10 @@ static void test_tool_calls(void) {
     CHECK(strstr(got, "call_t_1") && strstr(got, "\\\"days\\\":\\\"three\\\"") && strstr(got, "Oslo") && !content[0], "parallel calls: %s", got);
     calls_of("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Lima\"}}\n</tool_call>", tools, got, sizeof got, content, sizeof content);
     CHECK(strstr(got, "\"name\":\"get_weather\"") && strstr(got, "Lima"), "JSON form: %s", got);
+    calls_of("<tool_call>\n<function=get_weather>\n<parameter=location>\nRome\n</parameter>\n</function>\n</tool_call>\n"
+             "<tool_call>\n<function=get_weather>\n<parameter=loc",
+             tools, got, sizeof got, content, sizeof content);
+    CHECK(strstr(got, "Rome") && !strstr(got, "call_t_1") && !content[0], "a cut last call is dropped, the complete one kept: %s / [%s]", got, content);
     const char *bad[] = {"<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n", "<tool_call>\n{\"name\": 5}\n</tool_call>",
                          "<tool_call>\n<function=f>\n</function>\n</tool_call>\nand then some text", "no calls at all"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {

@@ -117,9 +117,9 @@ void tc_parse(const char *text, size_t n, json_t *tools, const char *id_base, js
         while (at < n && is_ws(text[at])) at++;
         if (at < n && !find(text, n, at, TC_OPEN)) return json_decref(out); /* text after the calls: not a tool-call answer */
     }
+    if (!json_array_size(out)) return json_decref(out); /* only a cut call: the text stays content */
     size_t c = (size_t)(first - text);
     while (c && is_ws(text[c - 1])) c--;
-    if (!json_array_size(out)) json_decref(out), out = NULL;
     *calls = out, *content_len = c;
 }
 

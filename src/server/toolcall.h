@@ -13,7 +13,8 @@
 /* text[0..n): the content before the first <tool_call> (*content_len bytes, trailing whitespace
  * dropped) and, in *calls, OpenAI tool_calls ([{id, type, function: {name, arguments (a JSON
  * string)}}], ids "call_<id_base>_<i>"). A last block the reply ended inside (no </tool_call>, and not parseable) is
- * dropped: the calls before it stay, the content stops before the first block. Any other
+ * dropped: the calls before it stay, the content stops before the first block (with no call
+ * before it, the whole text is content). Any other
  * malformed block: no calls (*calls NULL), the whole text is content. tools: the request's (for the parameters' types; may be NULL). */
 void tc_parse(const char *text, size_t n, json_t *tools, const char *id_base, json_t **calls, size_t *content_len);
 
