@@ -10,7 +10,7 @@
 static void serve_usage(void) {
     fprintf(stderr,
             "usage: qflash serve -m DIR [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--model-name NAME]\n"
-            "                    [--chat-template FILE]\n"
+            "                    [--served-model-name NAME,...] [--metrics-auth] [--chat-template FILE]\n"
             "                    [--max-batch 16] [--ctx 4096] [--kv-pages N | --kv-mem MIB] [--page-tokens 16]\n"
             "                    [--prefill-chunk 256] [--prefix-cache-mem MIB] [--max-queue 256] [--max-body MIB] [--shutdown-timeout S]\n"
             "                    [--max-conns 512] [--header-timeout 60] [--body-timeout 120] [--idle-timeout 75]\n"
@@ -20,6 +20,9 @@ static void serve_usage(void) {
             "--dp: N replicas of the model in this process behind the one endpoint (GPU i each with --device cuda, else the\n"
             "      threads shared out); a request goes to the one with the fewest running and waiting.\n"
             "--chat-template: a Jinja file used instead of the model's own template.\n"
+            "--served-model-name: the names a request's 'model' may give (the first is the id /v1/models lists; default: the\n"
+            "      id alone, --model-name or the directory's name); any other name is answered 404 model_not_found.\n"
+            "--metrics-auth: /metrics asks for the API key too (by default it is public, as vLLM's is).\n"
             "--draft: MTP speculative decoding with N drafts a step (the model's MTP head) for every greedy request without\n"
             "      logprobs or a grammar, all verified in the step's one forward; the output is the same as without (on a\n"
             "      GPU such a request's steps take the plain, unrecorded path: slower there so far).\n"
@@ -50,6 +53,8 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
         else if (cli_is(&a, NULL, "--port")) o->port = cli_int(&a, 0, 65535);
         else if (cli_is(&a, NULL, "--api-key")) o->api_key = cli_value(&a);
         else if (cli_is(&a, NULL, "--model-name")) o->model_name = cli_value(&a);
+        else if (cli_is(&a, NULL, "--served-model-name")) o->served_names = cli_value(&a);
+        else if (cli_is(&a, NULL, "--metrics-auth")) o->metrics_auth = 1;
         else if (cli_is(&a, NULL, "--chat-template")) o->chat_template = cli_value(&a);
         else if (cli_is(&a, NULL, "--max-batch")) o->sched.max_batch = cli_int(&a, 1, 1024);
         else if (cli_is(&a, NULL, "--draft")) o->engine.draft = cli_int(&a, 0, 8);

@@ -69,11 +69,82 @@ static int parse_stop(api_out *ao, json_t *b, qf_req_params *p) {
     return rc;
 }
 
+/* stop_token_ids: more ids that end the reply (vLLM's extension). */
+static int parse_stop_ids(srv *s, api_out *ao, json_t *b, gen_req *g) {
+    json_t *v = json_object_get(b, "stop_token_ids");
+    if (!v || json_is_null(v)) return 0;
+    int V = s->e->model->cfg.vocab;
+    if (!json_is_array(v) || json_array_size(v) > 256) return api_bad(ao, "'stop_token_ids' must be a list of at most 256 token ids");
+    g->stop_ids = malloc((json_array_size(v) + 1) * sizeof *g->stop_ids);
+    if (!g->stop_ids) return api_bad(ao, "out of memory");
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *t = json_array_get(v, i);
+        if (!json_is_integer(t) || json_integer_value(t) < 0 || json_integer_value(t) >= V)
+            return api_bad(ao, "'stop_token_ids[%zu]' must be a token id between 0 and %d", i, V - 1);
+        g->stop_ids[i] = (int32_t)json_integer_value(t);
+    }
+    g->p.stop_ids = g->stop_ids, g->p.n_stop_ids = (int)json_array_size(v);
+    return 0;
+}
+
+/* logit_bias: {"token id": bias}; biases beyond +-100 are clamped to it, as vLLM does. */
+static int parse_logit_bias(srv *s, api_out *ao, json_t *b, gen_req *g) {
+    json_t *v = json_object_get(b, "logit_bias");
+    if (!v || json_is_null(v)) return 0;
+    int V = s->e->model->cfg.vocab;
+    if (!json_is_object(v)) return api_bad(ao, "'logit_bias' must be an object mapping token ids to biases");
+    size_t n = json_object_size(v), i = 0;
+    g->bias_ids = malloc((n + 1) * sizeof *g->bias_ids), g->bias = malloc((n + 1) * sizeof *g->bias);
+    if (!g->bias_ids || !g->bias) return api_bad(ao, "out of memory");
+    const char *key;
+    json_t *x;
+    json_object_foreach(v, key, x) {
+        char *end = NULL;
+        long id = strtol(key, &end, 10);
+        if (!*key || *end || id < 0 || id >= V) return api_bad(ao, "'logit_bias' key '%.40s' must be a token id between 0 and %d", key, V - 1);
+        if (!json_is_number(x)) return api_bad(ao, "'logit_bias[\"%s\"]' must be a number", key);
+        double bias = json_number_value(x);
+        g->bias_ids[i] = (int32_t)id, g->bias[i++] = (float)(bias > 100 ? 100 : bias < -100 ? -100 : bias);
+    }
+    g->p.bias_ids = g->bias_ids, g->p.bias = g->bias, g->p.n_bias = (int)n;
+    return 0;
+}
+
+/* Fields of OpenAI's or vLLM's schema this server cannot honour: a 400 naming the field, never a
+ * silent reply that ignores it. Fields that only describe the request (user, metadata, store,
+ * service_tier, prompt_cache_key, safety_identifier) are accepted; unknown fields are ignored. */
+static int refuse_unserved(api_out *ao, json_t *b) {
+    static const char *const refused[][2] = {
+        {"functions", "use 'tools'"}, {"function_call", "use 'tool_choice'"}, {"audio", "this model has no audio output"},
+        {"prediction", "predicted outputs are not served"}, {"web_search_options", "no web search is served"},
+        {"guided_json", "use 'response_format' json_schema"}, {"guided_regex", "use 'response_format' json_schema with a pattern"},
+        {"guided_choice", "use 'response_format' json_schema with an enum"}, {"guided_grammar", "grammars are given as 'response_format' json_schema"},
+        {"structured_outputs", "use 'response_format' json_schema"}, {"prompt_logprobs", "prompt logprobs are not computed"},
+        {"use_beam_search", "beam search is not served"}, {"length_penalty", "beam search is not served"},
+        {"truncate_prompt_tokens", "prompts are not truncated: send one that fits the context"}};
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
+        json_t *v = json_object_get(b, refused[i][0]);
+        if (v && !json_is_null(v) && !json_is_false(v)) return api_bad(ao, "'%s' is not supported: %s", refused[i][0], refused[i][1]);
+    }
+    json_t *mod = json_object_get(b, "modalities");
+    for (size_t i = 0; json_is_array(mod) && i < json_array_size(mod); i++) {
+        const char *m = json_string_value(json_array_get(mod, i));
+        if (!m || strcmp(m, "text")) return api_bad(ao, "'modalities[%zu]' must be \"text\" (the only output this model has)", i);
+    }
+    if (mod && !json_is_null(mod) && !json_is_array(mod)) return api_bad(ao, "'modalities' must be a list");
+    return 0;
+}
+
 /* Sampling and limits shared by every generating endpoint; defaults from generation_config.json. */
 static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
     const qf_config *c = &s->e->model->cfg;
-    json_t *model = json_object_get(b, "model"); /* any name is served by the one model (clients send their own); replies name it */
+    json_t *model = json_object_get(b, "model"); /* absent: the one model */
     if (model && !json_is_null(model) && !json_is_string(model)) return api_bad(ao, "'model' must be a string");
+    if (json_is_string(model) && !srv_model_known(s, json_string_value(model))) {
+        api_bad(ao, "The model '%.200s' does not exist (this server serves '%s'; --served-model-name adds names)", json_string_value(model), s->model_name);
+        ao->code = 404, ao->err_code = "model_not_found";
+        return -1;
+    }
     qf_sampling *sp = &g->p.sampling;
     *sp = qf_sampling_default();
     sp->temperature = c->gen_temperature;
@@ -81,7 +152,8 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
     sp->top_k = c->gen_top_k;
     static atomic_ullong counter; /* the preparation workers parse at once */
     sp->seed = (unsigned long long)time(NULL) * 1000003ull + atomic_fetch_add(&counter, 1) + 1;
-    long long max_tokens = -1, top_k = sp->top_k, seed = 0, n = 1;
+    long long max_tokens = -1, top_k = sp->top_k, seed = 0, n = 1, min_tokens = 0;
+    g->think_budget = -1;
     int has_seed = json_object_get(b, "seed") && !json_is_null(json_object_get(b, "seed"));
     if (opt_num(ao, b, "temperature", 0, 2, &sp->temperature) || opt_num(ao, b, "top_p", 1e-9, 1, &sp->top_p) ||
         opt_num(ao, b, "min_p", 0, 1, &sp->min_p) || opt_num(ao, b, "presence_penalty", -2, 2, &sp->presence_penalty) ||
@@ -90,8 +162,12 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
         opt_int(ao, b, "top_k", -1, 1 << 30, &top_k) || opt_int(ao, b, "seed", INT64_MIN, INT64_MAX, &seed) ||
         opt_int(ao, b, "max_tokens", 1, 1 << 30, &max_tokens) || opt_int(ao, b, "max_completion_tokens", 1, 1 << 30, &max_tokens) ||
         opt_int(ao, b, "n", 1, QF_MAX_CHOICES, &n) || opt_bool(ao, b, "stream", &g->stream) || opt_bool(ao, b, "ignore_eos", &g->p.ignore_eos) ||
-        parse_stop(ao, b, &g->p))
+        opt_int(ao, b, "min_tokens", 0, 1 << 30, &min_tokens) || opt_int(ao, b, "thinking_budget", 0, 1 << 30, &g->think_budget) ||
+        opt_int(ao, b, "max_thinking_tokens", 0, 1 << 30, &g->think_budget) || parse_stop(ao, b, &g->p) || parse_stop_ids(s, ao, b, g) ||
+        parse_logit_bias(s, ao, b, g) || refuse_unserved(ao, b))
         return -1;
+    if (max_tokens > 0 && min_tokens > max_tokens) return api_bad(ao, "'min_tokens' (%lld) must not exceed 'max_tokens' (%lld)", min_tokens, max_tokens);
+    g->p.min_tokens = (int)min_tokens;
     json_t *sl = json_object_get(b, "sparsity_level"); /* qflash's extension: this request's level, every layer */
     if (sl && !json_is_null(sl)) {
         if (opt_num(ao, b, "sparsity_level", 0, 1, &g->p.sparsity)) return -1;
@@ -181,23 +257,61 @@ static int template_messages(api_out *ao, json_t *b, json_t **out) {
     return 0;
 }
 
-/* The template's variables: messages, tools, the generation prompt, the caller's template kwargs. */
-static int template_vars(api_out *ao, json_t *b, json_t **vars) {
+/* The template's variables: messages, tools, add_generation_prompt, and the caller's template
+ * kwargs as given (a variable the client did not send stays undefined, as transformers and vLLM
+ * leave it). reasoning_effort is passed on, and turns enable_thinking off at none or minimal
+ * unless the kwargs set it. *cont: the final message is left open (continue_final_message). */
+static int template_vars(api_out *ao, json_t *b, json_t **vars, int *cont) {
     json_t *msgs = NULL, *tools = json_object_get(b, "tools"), *kw = json_object_get(b, "chat_template_kwargs");
     *vars = NULL;
     if (tools && !json_is_null(tools) && !json_is_array(tools)) return api_bad(ao, "'tools' must be a list");
     for (size_t i = 0; json_is_array(tools) && i < json_array_size(tools); i++)
         if (!json_is_object(json_array_get(tools, i))) return api_bad(ao, "'tools[%zu]' must be an object", i);
     if (kw && !json_is_null(kw) && !json_is_object(kw)) return api_bad(ao, "'chat_template_kwargs' must be an object");
-    int thinking = 1;
-    if (kw && !json_is_null(kw) && opt_bool(ao, kw, "enable_thinking", &thinking)) return -1;
+    int gen_prompt = 1, thinking = 1;
+    *cont = 0;
+    if (json_is_object(kw) && opt_bool(ao, kw, "enable_thinking", &thinking)) return -1;
+    if (opt_bool(ao, b, "add_generation_prompt", &gen_prompt) || opt_bool(ao, b, "continue_final_message", cont)) return -1;
+    if (*cont && gen_prompt && json_is_true(json_object_get(b, "add_generation_prompt")))
+        return api_bad(ao, "'continue_final_message' and 'add_generation_prompt' cannot both be true");
+    json_t *effort = json_object_get(b, "reasoning_effort");
+    if (effort && !json_is_null(effort) && !json_is_string(effort)) return api_bad(ao, "'reasoning_effort' must be a string");
     if (template_messages(ao, b, &msgs)) return json_decref(msgs), -1;
     json_t *v = json_is_object(kw) ? json_deep_copy(kw) : json_object();
     json_object_set_new(v, "messages", msgs);
     json_object_set(v, "tools", json_is_array(tools) && json_array_size(tools) ? tools : json_null());
-    json_object_set_new(v, "add_generation_prompt", json_true());
-    json_object_set_new(v, "enable_thinking", json_boolean(thinking));
+    json_object_set_new(v, "add_generation_prompt", json_boolean(gen_prompt && !*cont));
+    if (json_is_string(effort)) {
+        const char *e = json_string_value(effort);
+        json_object_set(v, "reasoning_effort", effort);
+        if (!json_object_get(v, "enable_thinking") && (!strcmp(e, "none") || !strcmp(e, "minimal"))) json_object_set_new(v, "enable_thinking", json_false());
+    }
     *vars = v;
+    return 0;
+}
+
+/* continue_final_message: the render cut where the last message's content ends (as vLLM does),
+ * so the reply continues it. */
+static int cut_at_final(api_out *ao, json_t *vars, char *text) {
+    json_t *ms = json_object_get(vars, "messages"), *c = json_object_get(json_array_get(ms, json_array_size(ms) - 1), "content");
+    const char *cs = json_string_value(c);
+    size_t n = cs ? strlen(cs) : 0;
+    char *at = NULL;
+    for (char *p = n ? strstr(text, cs) : NULL; p; p = strstr(p + 1, cs)) at = p;
+    if (!at) return api_bad(ao, "'continue_final_message': the last message's content must be text the template shows");
+    at[n] = 0;
+    return 0;
+}
+
+/* A reasoning prompt ends its block after the request's thinking_budget tokens; with none given,
+ * a reply whose grammar waits for the block's end gets half of max_tokens for reasoning. */
+static int think_budget(srv *s, api_out *ao, gen_req *g) {
+    long long budget = g->think_budget;
+    if (budget < 0 && g->p.grammar && g->p.max_tokens > 0) budget = g->p.max_tokens / 2;
+    if (!g->think_prompt || budget < 0) return 0;
+    int32_t end = qf_tok_lookup(s->e->tok, "</think>");
+    if (end < 0) return api_bad(ao, "'thinking_budget' needs a </think> token, which this tokenizer lacks");
+    g->p.think_budget_on = 1, g->p.think_budget = (int)budget, g->p.think_end = end;
     return 0;
 }
 
@@ -269,8 +383,9 @@ int api_parse_chat(srv *s, api_out *ao, json_t *b, gen_req *g) {
     if (!s->has_tmpl) return api_bad(ao, "this model has no chat template; use /v1/completions");
     json_t *vars = NULL;
     char *text = NULL;
-    int rc = template_vars(ao, b, &vars);
+    int cont = 0, rc = template_vars(ao, b, &vars, &cont);
     if (rc == 0 && qf_chat_render_vars(&s->tmpl, vars, &text) != QF_OK) rc = api_bad(ao, "cannot render the chat: %s", qf_last_error());
+    if (rc == 0 && cont) rc = cut_at_final(ao, vars, text);
     if (rc == 0) {
         size_t tl = strlen(text);
         g->think_prompt = tl >= 8 && memcmp(text + tl - 8, "<think>\n", 8) == 0;
@@ -280,6 +395,7 @@ int api_parse_chat(srv *s, api_out *ao, json_t *b, gen_req *g) {
     if (rc == 0 && json_is_array(tools) && !(json_is_string(choice) && !strcmp(json_string_value(choice), "none"))) g->tools = json_incref(tools);
     if (rc == 0) rc = parse_tool_choice(s, ao, b, tools, g);
     if (rc == 0 && g->p.grammar && g->think_prompt) g->p.grammar_after = qf_tok_lookup(s->e->tok, "</think>");
+    if (rc == 0) rc = think_budget(s, ao, g);
     json_decref(vars);
     free(text);
     return rc;
@@ -342,6 +458,8 @@ void gen_req_clear(gen_req *g) {
     g->prompt = NULL;
     json_decref(g->tools);
     g->tools = NULL;
+    free(g->stop_ids), free(g->bias_ids), free(g->bias);
+    g->stop_ids = g->bias_ids = NULL, g->bias = NULL;
 }
 
 /* ---- /tokenize, /detokenize (vLLM's and llama-server's field names both work) ---- */

@@ -149,8 +149,8 @@ static int responses_body(api_out *ao, json_t *b, json_t *chat) {
                                                "top_k", "min_p", "chat_template_kwargs", NULL});
     json_t *mx = json_object_get(b, "max_output_tokens"), *rs = json_object_get(b, "reasoning");
     if (mx) json_object_set(chat, "max_tokens", mx);
-    const char *effort = json_string_value(json_object_get(rs, "effort"));
-    if (effort && (!strcmp(effort, "none") || !strcmp(effort, "minimal"))) set_thinking(chat, 0);
+    json_t *effort = json_object_get(rs, "effort");
+    if (json_is_string(effort)) json_object_set(chat, "reasoning_effort", effort);
     return responses_tools(ao, b, chat) || responses_format(ao, b, chat);
 }
 
@@ -273,7 +273,23 @@ static int messages_body(api_out *ao, json_t *b, json_t *chat) {
     if (stops) json_object_set(chat, "stop", stops);
     const char *tht = json_string_value(json_object_get(th, "type"));
     if (tht) set_thinking(chat, strcmp(tht, "disabled") != 0);
+    json_t *budget = json_object_get(th, "budget_tokens");
+    if (tht && !strcmp(tht, "enabled") && budget) json_object_set(chat, "thinking_budget", budget);
+    const char *last = json_string_value(json_object_get(json_array_get(in, json_array_size(in) - 1), "role"));
+    if (last && !strcmp(last, "assistant")) json_object_set_new(chat, "continue_final_message", json_true()); /* a prefill */
     return messages_tools(ao, b, chat);
 }
 
 int api_parse_messages(srv *s, api_out *ao, json_t *body, gen_req *g) { return parse_translated(s, ao, body, g, API_MESSAGES, messages_body); }
+
+void api_count_tokens(srv *s, api_out *ao, json_t *body) {
+    gen_req g;
+    memset(&g, 0, sizeof g);
+    g.tokenize_only = 1;
+    json_t *b = json_copy(body);
+    if (b && !json_object_get(b, "max_tokens")) json_object_set_new(b, "max_tokens", json_integer(1));
+    if (b && api_parse_messages(s, ao, b, &g) == 0) ao->code = 200, ao->body = json_pack("{s:i}", "input_tokens", g.p.n_prompt);
+    else if (!b) api_bad(ao, "out of memory");
+    json_decref(b);
+    gen_req_clear(&g);
+}

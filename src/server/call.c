@@ -102,6 +102,8 @@ static void sink_token(void *ud, const qf_token_lp *t) {
     json_array_append_new(json_object_get(target, "tokens"), jstr_lossy(p ? p : "", n));
     json_array_append_new(json_object_get(target, "token_logprobs"), json_real(t->logprob));
     json_array_append_new(json_object_get(target, "top_logprobs"), tops);
+    json_array_append_new(json_object_get(target, "text_offset"), json_integer(c->lp_offset));
+    for (size_t i = 0; i < n; i++) c->lp_offset += ((unsigned char)p[i] & 0xC0) != 0x80; /* characters, as OpenAI counts them */
 }
 
 static json_t *new_lp(const call *c) {
@@ -459,6 +461,7 @@ static call *call_new(srv *s, struct evhttp_request *req, gen_req *g, int kind) 
     c->api = g->api;
     c->orig = json_incref(g->orig);
     c->created = (long long)time(NULL);
+    c->n_prompt = g->p.n_prompt;
     static const char *const prefix[] = {"chatcmpl-", "resp_", "msg_"};
     snprintf(c->id, sizeof c->id, "%s%llx%06llx", kind == CALL_CHAT ? prefix[c->api] : "cmpl-", c->created, ++counter);
     if (c->logprobs && !c->stream) c->lp = new_lp(c);

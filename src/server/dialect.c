@@ -51,8 +51,14 @@ static json_t *call_item(json_t *tc, const char *id, const char *args, const cha
 
 /* ---- whole objects ---- */
 
-static const char *stop_reason(int finish, int called) {
-    return called ? "tool_use" : finish == QF_FINISH_LENGTH ? "max_tokens" : "end_turn";
+/* The matched stop sequence of a Messages reply (the request's stop_sequences[i]), or NULL. */
+static json_t *stop_sequence(const call *c, const qf_req_status *st) {
+    if (!st || st->finish != QF_FINISH_STOP || st->stop_index < 0) return NULL;
+    return json_array_get(json_object_get(c->orig, "stop_sequences"), (size_t)st->stop_index);
+}
+
+static const char *stop_reason(const call *c, const qf_req_status *st, int called) {
+    return called ? "tool_use" : st->finish == QF_FINISH_LENGTH ? "max_tokens" : stop_sequence(c, st) ? "stop_sequence" : "end_turn";
 }
 
 static json_t *responses_output(const call *c, const char *content, size_t clen, const char *reasoning, size_t rlen, json_t *calls) {
@@ -95,13 +101,19 @@ static json_t *responses_object(const call *c, const qf_req_status *st, const ch
     return r;
 }
 
+/* Anthropic counts input_tokens apart from the tokens read from the cache; before the first poll
+ * (message_start) the whole prompt is counted as input. */
+static json_t *messages_usage(const call *c, const qf_req_status *st) {
+    return json_pack("{s:i,s:i,s:i,s:i}", "input_tokens", st ? st->prompt_tokens - st->cached_tokens : c->n_prompt, "output_tokens", st ? st->gen_tokens : 0,
+                     "cache_read_input_tokens", st ? st->cached_tokens : 0, "cache_creation_input_tokens", 0);
+}
+
 static json_t *messages_object(const call *c, const qf_req_status *st, json_t *content, const char *stop) {
-    json_t *m = json_pack("{s:s,s:s,s:s,s:s,s:o,s:n}", "id", c->id, "type", "message", "role", "assistant", "model", c->s->model_name, "content", content,
-                          "stop_sequence");
+    json_t *m = json_pack("{s:s,s:s,s:s,s:s,s:o}", "id", c->id, "type", "message", "role", "assistant", "model", c->s->model_name, "content", content);
+    json_t *seq = stop_sequence(c, st);
     json_object_set_new(m, "stop_reason", stop ? json_string(stop) : json_null());
-    /* Anthropic counts input_tokens apart from the tokens read from the cache */
-    json_object_set_new(m, "usage", json_pack("{s:i,s:i,s:i,s:i}", "input_tokens", st ? st->prompt_tokens - st->cached_tokens : 0, "output_tokens", st ? st->gen_tokens : 0,
-                                              "cache_read_input_tokens", st ? st->cached_tokens : 0, "cache_creation_input_tokens", 0));
+    json_object_set(m, "stop_sequence", seq ? seq : json_null());
+    json_object_set_new(m, "usage", messages_usage(c, st));
     return m;
 }
 
@@ -125,7 +137,7 @@ void dl_reply_whole(call *c, const qf_req_status *st, const char *content, size_
         body = responses_object(c, st, st->finish == QF_FINISH_LENGTH ? "incomplete" : "completed",
                                 responses_output(c, content, clen, c->acc_r, c->len_r, calls));
     else
-        body = messages_object(c, st, messages_content(content, clen, c->acc_r, c->len_r, calls), stop_reason(st->finish, json_array_size(calls) > 0));
+        body = messages_object(c, st, messages_content(content, clen, c->acc_r, c->len_r, calls), stop_reason(c, st, json_array_size(calls) > 0));
     json_decref(calls);
     srv_count(c->s, 200);
     srv_send_json(c->http, 200, body);
@@ -248,8 +260,9 @@ void dl_stream_end(call *c, const qf_req_status *st) {
             json_t *out = responses_output(c, d->all_c, d->len_c, d->all_r, d->len_r, d->calls);
             send_event(c, st->finish == QF_FINISH_LENGTH ? "response.incomplete" : "response.completed", json_pack("{s:o}", "response", responses_object(c, st, status, out)));
         } else {
-            send_event(c, "message_delta", json_pack("{s:{s:s,s:n},s:{s:i}}", "delta", "stop_reason", stop_reason(st->finish, called), "stop_sequence", "usage",
-                                                     "output_tokens", st->gen_tokens));
+            json_t *seq = stop_sequence(c, st);
+            send_event(c, "message_delta", json_pack("{s:{s:s,s:O},s:o}", "delta", "stop_reason", stop_reason(c, st, called), "stop_sequence", seq ? seq : json_null(),
+                                                     "usage", messages_usage(c, st)));
             send_event(c, "message_stop", json_object());
         }
     }

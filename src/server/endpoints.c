@@ -1,6 +1,7 @@
 /* GET endpoints: /v1/models, /metrics (Prometheus text format), /ready, and the chat page at /. */
 #include <event2/buffer.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -9,11 +10,26 @@
 extern const char qf_webui_html[];
 extern const size_t qf_webui_html_len;
 
+static json_t *model_object(srv *s, const char *id) {
+    return json_pack("{s:s,s:s,s:I,s:s,s:s,s:i}", "id", id, "object", "model", "created", (json_int_t)time(NULL), "owned_by", "qflash", "root",
+                     s->model_name, "max_model_len", s->o->sched.ctx);
+}
+
 void ep_models(srv *s, struct evhttp_request *req) {
-    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:i}", "id", s->model_name, "object", "model", "created", (json_int_t)time(NULL), "owned_by",
-                          "qflash", "max_model_len", s->o->sched.ctx);
     srv_count(s, 200);
-    srv_send_json(req, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m));
+    srv_send_json(req, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", model_object(s, s->model_name)));
+}
+
+void ep_model(srv *s, struct evhttp_request *req, const char *escaped) {
+    char *name = evhttp_uridecode(escaped, 0, NULL);
+    if (name && srv_model_known(s, name)) {
+        srv_count(s, 200);
+        srv_send_json(req, 200, model_object(s, name));
+    } else {
+        srv_count(s, 404);
+        srv_send_error_code(req, 404, "invalid_request_error", "model_not_found", "The model '%.200s' does not exist", name ? name : escaped);
+    }
+    free(name);
 }
 
 static void histogram(struct evbuffer *b, const char *name, const char *help, const uint64_t *h, const double *bounds, uint64_t n,

@@ -60,6 +60,7 @@ static void run_job(srv *s, job *j) {
     case PREP_RESPONSES: api_parse_responses(s, &j->out, j->body, &j->g); break;
     case PREP_MESSAGES: api_parse_messages(s, &j->out, j->body, &j->g); break;
     case PREP_TOKENIZE: api_tokenize(s, &j->out, j->body); break;
+    case PREP_COUNT_TOKENS: api_count_tokens(s, &j->out, j->body); break;
     default: api_detokenize(s, &j->out, j->body); break;
     }
     if (j->out.code == 200) { /* large replies (a long prompt's ids) are serialized here, not on the loop */
@@ -126,7 +127,7 @@ static void answer(srv *s, job *j) {
         srv_send_text(j->req, 200, j->out.text, j->out.text_len);
     } else {
         srv_count(s, j->out.code);
-        srv_send_error(j->req, j->out.code, j->out.code == 400 ? "invalid_request_error" : "server_error", "%s", j->out.msg);
+        srv_send_error_code(j->req, j->out.code, j->out.code < 500 ? "invalid_request_error" : "server_error", j->out.err_code, "%s", j->out.msg);
     }
 }
 

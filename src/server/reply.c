@@ -33,13 +33,43 @@ void srv_send_json(struct evhttp_request *req, int code, json_t *body) {
     free(text);
 }
 
-void srv_send_error(struct evhttp_request *req, int code, const char *type, const char *fmt, ...) {
+/* The field an error names: its message starts with it quoted ('messages[2].content' ...). */
+static json_t *error_param(const char *msg) {
+    const char *end = msg[0] == '\'' ? strchr(msg + 1, '\'') : NULL;
+    return end && end - msg < 200 ? json_stringn(msg + 1, (size_t)(end - msg - 1)) : json_null();
+}
+
+static const char *anthropic_type(int code) {
+    return code == 401 ? "authentication_error" : code == 403 ? "permission_error" : code == 404 ? "not_found_error" : code == 413 ? "request_too_large"
+         : code == 429 ? "rate_limit_error" : code == 503 || code == 529 ? "overloaded_error" : code >= 500 ? "api_error" : "invalid_request_error";
+}
+
+/* OpenAI's shape {"error": {message, type, param, code}}, or on /v1/messages Anthropic's
+ * {"type": "error", "error": {type, message}}. */
+static void send_error_v(struct evhttp_request *req, int code, const char *type, const char *ecode, const char *fmt, va_list ap) {
     char msg[1024];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    msg[qf_utf8_valid_prefix(msg, strlen(msg))] = 0; /* a cut-off quote of the input must not break the JSON */
+    const char *uri = evhttp_request_get_uri(req);
+    json_t *err;
+    if (uri && !strncmp(uri, "/v1/messages", 12))
+        err = json_pack("{s:s,s:{s:s,s:s}}", "type", "error", "error", "type", anthropic_type(code), "message", msg);
+    else
+        err = json_pack("{s:{s:s,s:s,s:o,s:o}}", "error", "message", msg, "type", type, "param", error_param(msg), "code",
+                        ecode ? json_string(ecode) : code == 401 ? json_string("invalid_api_key") : json_null());
+    srv_send_json(req, code, err);
+}
+
+void srv_send_error(struct evhttp_request *req, int code, const char *type, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    send_error_v(req, code, type, NULL, fmt, ap);
     va_end(ap);
-    msg[qf_utf8_valid_prefix(msg, strlen(msg))] = 0; /* a cut-off quote of the input must not break the JSON */
-    json_t *err = json_pack("{s:{s:s,s:s,s:i}}", "error", "message", msg, "type", type, "code", code);
-    srv_send_json(req, code, err);
+}
+
+void srv_send_error_code(struct evhttp_request *req, int code, const char *type, const char *ecode, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    send_error_v(req, code, type, ecode, fmt, ap);
+    va_end(ap);
 }

@@ -158,7 +158,17 @@ static int authorized(srv *s, struct evhttp_request *req) {
     return diff == 0;
 }
 
-/* Parses the body as a JSON object, or answers 400 and returns NULL. */
+int srv_model_known(const srv *s, const char *name) {
+    if (!strcmp(name, s->model_name)) return 1;
+    size_t n = strlen(name);
+    for (const char *p = s->o->served_names; p && *p;) {
+        size_t k = strcspn(p, ",");
+        if (k == n && !memcmp(p, name, n)) return 1;
+        p += k + (p[k] == ',');
+    }
+    return 0;
+}
+
 typedef struct route {
     const char *path;
     int method; /* EVHTTP_REQ_* */
@@ -166,14 +176,16 @@ typedef struct route {
     int id;
 } route;
 
-enum { R_CHAT, R_COMPL, R_GENERATE, R_RESPONSES, R_MESSAGES, R_MODELS, R_HEALTH, R_READY, R_METRICS, R_TOKENIZE, R_DETOKENIZE, R_WEBUI };
+enum { R_CHAT, R_COMPL, R_GENERATE, R_RESPONSES, R_MESSAGES, R_COUNT_TOKENS, R_MODELS, R_MODEL, R_HEALTH, R_READY, R_METRICS, R_TOKENIZE, R_DETOKENIZE, R_WEBUI };
 
+static const route MODEL_ROUTE = {"/v1/models/", EVHTTP_REQ_GET, 0, 1, R_MODEL}; /* /v1/models/{id} */
 static const route ROUTES[] = {
     {"/v1/chat/completions", EVHTTP_REQ_POST, 1, 1, R_CHAT},
     {"/v1/completions", EVHTTP_REQ_POST, 1, 1, R_COMPL},
     {"/generate", EVHTTP_REQ_POST, 1, 1, R_GENERATE},
     {"/v1/responses", EVHTTP_REQ_POST, 1, 1, R_RESPONSES},
     {"/v1/messages", EVHTTP_REQ_POST, 1, 1, R_MESSAGES},
+    {"/v1/messages/count_tokens", EVHTTP_REQ_POST, 1, 1, R_COUNT_TOKENS},
     {"/v1/models", EVHTTP_REQ_GET, 0, 1, R_MODELS},
     {"/health", EVHTTP_REQ_GET, 0, 0, R_HEALTH},
     {"/ready", EVHTTP_REQ_GET, 0, 0, R_READY},
@@ -187,7 +199,7 @@ static const route ROUTES[] = {
 /* The body goes to the preparation workers as it came (they parse it). */
 static void dispatch_body(srv *s, struct evhttp_request *req, int id) {
     int what = id == R_CHAT ? PREP_CHAT : id == R_COMPL ? PREP_COMPLETION : id == R_GENERATE ? PREP_GENERATE : id == R_RESPONSES ? PREP_RESPONSES
-             : id == R_MESSAGES ? PREP_MESSAGES : id == R_TOKENIZE ? PREP_TOKENIZE : PREP_DETOKENIZE;
+             : id == R_MESSAGES ? PREP_MESSAGES : id == R_TOKENIZE ? PREP_TOKENIZE : id == R_COUNT_TOKENS ? PREP_COUNT_TOKENS : PREP_DETOKENIZE;
     prep_submit(s, req, what);
 }
 
@@ -211,6 +223,7 @@ static void handle(struct evhttp_request *req, void *arg) {
     const route *rt = NULL;
     for (size_t i = 0; i < sizeof ROUTES / sizeof *ROUTES; i++)
         if (strcmp(ROUTES[i].path, path) == 0) rt = &ROUTES[i];
+    if (!rt && !strncmp(path, MODEL_ROUTE.path, strlen(MODEL_ROUTE.path)) && path[strlen(MODEL_ROUTE.path)]) rt = &MODEL_ROUTE;
     int method = (int)evhttp_request_get_command(req);
     if (!rt) {
         srv_count(s, 404);
@@ -219,7 +232,7 @@ static void handle(struct evhttp_request *req, void *arg) {
         srv_count(s, 405);
         evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", rt->method == EVHTTP_REQ_GET ? "GET, HEAD" : "POST");
         srv_send_error(req, 405, "invalid_request_error", "%s accepts %s only", path, rt->method == EVHTTP_REQ_GET ? "GET" : "POST");
-    } else if (rt->needs_auth && !authorized(s, req)) {
+    } else if (rt->needs_auth && (rt->id != R_METRICS || s->o->metrics_auth) && !authorized(s, req)) {
         srv_count(s, 401);
         evhttp_add_header(evhttp_request_get_output_headers(req), "WWW-Authenticate", "Bearer");
         srv_send_error(req, 401, "authentication_error", "missing or wrong API key (send Authorization: Bearer KEY)");
@@ -238,6 +251,8 @@ static void handle(struct evhttp_request *req, void *arg) {
         srv_send_json(req, 200, json_pack("{s:s}", "status", "ok"));
     } else if (rt->id == R_MODELS) {
         ep_models(s, req);
+    } else if (rt->id == R_MODEL) {
+        ep_model(s, req, path + strlen(MODEL_ROUTE.path));
     } else if (rt->id == R_METRICS) {
         ep_metrics(s, req);
     } else if (rt->id == R_WEBUI) {
@@ -315,11 +330,13 @@ int qf_server_run(const qf_server_opts *o) {
     memset(&s, 0, sizeof s);
     s.o = o;
     const char *name = o->model_name;
-    if (!name) {
+    size_t first = o->served_names ? strcspn(o->served_names, ",") : 0;
+    if (name) snprintf(s.model_name, sizeof s.model_name, "%s", name);
+    else if (first) snprintf(s.model_name, sizeof s.model_name, "%.*s", (int)first, o->served_names);
+    else {
         const char *slash = strrchr(o->model_dir, '/');
-        name = slash && slash[1] ? slash + 1 : o->model_dir;
+        snprintf(s.model_name, sizeof s.model_name, "%s", slash && slash[1] ? slash + 1 : o->model_dir);
     }
-    snprintf(s.model_name, sizeof s.model_name, "%s", name);
     signal(SIGPIPE, SIG_IGN);
     int rc = start(&s);
     pthread_t loader;

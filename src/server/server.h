@@ -15,7 +15,9 @@ typedef struct qf_server_opts {
     const char *model_dir;
     const char *host;
     int port;
-    const char *model_name;   /* id in /v1/models; default: the directory's name */
+    const char *model_name;   /* id in /v1/models; default: the first served name, or the directory's name */
+    const char *served_names; /* comma-separated names a request's model may give; NULL: the id alone */
+    int metrics_auth;         /* /metrics needs the API key (default: public) */
     const char *api_key;      /* NULL: no auth */
     const char *chat_template; /* a Jinja file used instead of the model's template (NULL: the model's) */
     size_t max_body;          /* bytes */

@@ -58,6 +58,8 @@ typedef struct call {
     int done;                    /* n > 1: this choice has ended (its group's reply may not have) */
     struct group *grp;           /* n > 1: the choices of one request (NULL: a single one) */
     dialect_state dl;
+    long long lp_offset;         /* completions logprobs: characters of text before the next token */
+    int n_prompt;                /* prompt tokens (known before the first poll) */
     struct call *prev, *next;
 } call;
 
@@ -110,7 +112,12 @@ void srv_send_json(struct evhttp_request *req, int code, json_t *body); /* steal
 void srv_send_text(struct evhttp_request *req, int code, const char *json, size_t len); /* a serialized JSON body */
 void srv_send_error(struct evhttp_request *req, int code, const char *type, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* the same with OpenAI's error code (model_not_found; NULL: none) */
+void srv_send_error_code(struct evhttp_request *req, int code, const char *type, const char *ecode, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
 void srv_count(srv *s, int code);
+/* Whether a request's model name is served (the id or one of --served-model-name). */
+int srv_model_known(const srv *s, const char *name);
 /* The replica a new request goes to: the fewest running and waiting (the first on ties). */
 qf_sched *srv_pick(srv *s);
 /* Every replica's scheduler statistics summed. */
@@ -120,6 +127,7 @@ void srv_stats(srv *s, qf_sched_stats *out);
  * (parsed, go on), 200 with body (tokenize), or an error code with its message. */
 typedef struct api_out {
     int code;
+    const char *err_code;       /* the error's OpenAI code (model_not_found), or NULL */
     json_t *body;
     char msg[768];
     char *text; /* body serialized by the worker */
@@ -134,6 +142,9 @@ typedef struct gen_req {
     int api;                    /* enum call_api */
     int n;                      /* choices */
     json_t *xbody, *orig;       /* Responses / Messages: the translated chat body, and the request's own */
+    int32_t *stop_ids, *bias_ids; /* heap: stop_token_ids, logit_bias */
+    float *bias;
+    long long think_budget;     /* thinking_budget / max_thinking_tokens; -1: none given */
 } gen_req;
 /* 400 with the message (ao->msg); returns -1. */
 int api_bad(api_out *ao, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -144,6 +155,8 @@ void gen_req_clear(gen_req *g);
 /* api_compat.c: /v1/responses and /v1/messages bodies, translated to a chat body and parsed. */
 int api_parse_responses(srv *s, api_out *ao, json_t *body, gen_req *g);
 int api_parse_messages(srv *s, api_out *ao, json_t *body, gen_req *g);
+/* POST /v1/messages/count_tokens: {"input_tokens": N} of a Messages body (max_tokens not needed) */
+void api_count_tokens(srv *s, api_out *ao, json_t *body);
 /* POST /tokenize and /detokenize */
 void api_tokenize(srv *s, api_out *ao, json_t *body);
 void api_detokenize(srv *s, api_out *ao, json_t *body);
@@ -151,7 +164,7 @@ void api_detokenize(srv *s, api_out *ao, json_t *body);
 /* prep.c: a request's body is parsed, rendered and tokenized on one of a few worker threads, so
  * no request's preprocessing holds the event loop; the loop is woken to answer or start the call.
  * route: the server.c route id, kind: the call kind for generation routes. */
-enum { PREP_CHAT, PREP_COMPLETION, PREP_GENERATE, PREP_RESPONSES, PREP_MESSAGES, PREP_TOKENIZE, PREP_DETOKENIZE };
+enum { PREP_CHAT, PREP_COMPLETION, PREP_GENERATE, PREP_RESPONSES, PREP_MESSAGES, PREP_TOKENIZE, PREP_DETOKENIZE, PREP_COUNT_TOKENS };
 #define PREP_LAST_CALL PREP_MESSAGES /* the kinds up to here start a call */
 int prep_create(srv *s, int n_workers);
 void prep_submit(srv *s, struct evhttp_request *req, int what); /* takes the request's body */
@@ -175,6 +188,7 @@ void acc_add(char **buf, size_t *len, size_t *cap, const char *p, size_t n);
 
 /* endpoints.c */
 void ep_models(srv *s, struct evhttp_request *req);
+void ep_model(srv *s, struct evhttp_request *req, const char *escaped_id); /* GET /v1/models/{id} */
 void ep_metrics(srv *s, struct evhttp_request *req);
 void ep_ready(srv *s, struct evhttp_request *req);
 void ep_webui(srv *s, struct evhttp_request *req);

@@ -14,7 +14,9 @@ MODEL = os.environ.get("QFLASH_TEST_MODEL", os.path.join(ROOT, "models", "qwen36
 
 class Server:
     def __init__(self, *args, env=None, wait_ready=True, model=MODEL, preexec_fn=None):
-        self.args = [BIN, "serve", "-m", model, "--port", "0", "-t", "2", "--verbose", *args]
+        names = [] if "--served-model-name" in args or "--model-name" in args else \
+            ["--served-model-name", os.path.basename(os.path.normpath(str(model))) + ",m"]  # the tests call it "m"
+        self.args = [BIN, "serve", "-m", model, "--port", "0", "-t", "2", "--verbose", *names, *args]
         self.log = []
         self.port = None
         self.ready = threading.Event()
