@@ -878,7 +878,7 @@ static void draw_rows(qf_sched *s, int n, int *pre) {
         slot *sl = &s->slots[s->step_slot[j]];
         qf_req *r = sl->req;
         int mode = s->steps[j].logits_mode;
-        pre[j] = mode == QF_LOGITS_DRAW || (mode == QF_LOGITS_LAST && r->n_fed + sl->batch_n == r->n_toks && r->logprobs < 0 && !r->gm);
+        pre[j] = mode == QF_LOGITS_DRAW || (mode == QF_LOGITS_LAST && r->n_fed + sl->batch_n == r->n_toks && r->logprobs < 0 && !r->gm && !shapes_logits(r));
         if (pre[j] && (mode == QF_LOGITS_LAST || sl->top1 < 0)) d.idx[d.n++] = j;
     }
     if (d.n > 1) qf_pool_run(s->e->pool, draw_one, &d, d.n);

@@ -296,8 +296,11 @@ static int cut_at_final(api_out *ao, json_t *vars, char *text) {
     json_t *ms = json_object_get(vars, "messages"), *c = json_object_get(json_array_get(ms, json_array_size(ms) - 1), "content");
     const char *cs = json_string_value(c);
     size_t n = cs ? strlen(cs) : 0;
+    while (n && strchr(" \t\n\r", cs[n - 1])) n--; /* templates often trim the content */
+    while (n && strchr(" \t\n\r", *cs)) cs++, n--;
     char *at = NULL;
-    for (char *p = n ? strstr(text, cs) : NULL; p; p = strstr(p + 1, cs)) at = p;
+    size_t tl = strlen(text);
+    for (char *p = n ? memmem(text, tl, cs, n) : NULL; p; p = memmem(p + 1, tl - (size_t)(p + 1 - text), cs, n)) at = p; /* the last */
     if (!at) return api_bad(ao, "'continue_final_message': the last message's content must be text the template shows");
     at[n] = 0;
     return 0;
@@ -411,6 +414,8 @@ static int parse_prompt(srv *s, api_out *ao, json_t *b, gen_req *g) {
         if (memchr(json_string_value(p), 0, json_string_length(p))) return api_bad(ao, "'prompt' contains a NUL character");
         return encode(s, ao, json_string_value(p), g, 1);
     }
+    if (json_is_array(p) && (json_is_string(json_array_get(p, 0)) || json_is_array(json_array_get(p, 0))))
+        return api_bad(ao, "'prompt' holds %zu prompts: one prompt per request (send each as its own request, or use 'n' for several choices)", json_array_size(p));
     if (!json_is_array(p) || json_array_size(p) == 0) return api_bad(ao, "'prompt' must be a non-empty string or list of token ids (one prompt per request)");
     size_t n = json_array_size(p);
     if (n > (size_t)s->o->sched.ctx) return api_bad(ao, "the prompt has %zu tokens; the context is %d tokens", n, s->o->sched.ctx);

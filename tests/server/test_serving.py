@@ -1,0 +1,286 @@
+"""Serving fidelity through the official SDKs: forced tool calls with default settings on all
+three APIs, a reasoning budget, template variables as transformers passes them, literal template
+text through --chat-template, every sampling field honoured or refused, and the API's shapes
+(Anthropic usage and stop_sequence, count_tokens, models.retrieve, error bodies).
+
+The bundled model is not trained for tools: with thinking on it never closes its reasoning, which
+is what the budget is for."""
+import json
+import os
+import tempfile
+
+import anthropic
+import openai
+import pytest
+import requests
+
+from qfserver import ROOT, Server
+
+TEMPLATE = os.path.join(ROOT, "tests", "data", "templates", "templates", "Qwen-Qwen3.6-35B-A3B.jinja")
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+GREEDY = {"temperature": 0}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "add", "description": "Adds two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"]}}},
+]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server("--max-batch", "4", "--ctx", "2048", "--chat-template", TEMPLATE) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oa(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def an(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def post(server, path, body):
+    return requests.post(server.url + path, json=body, timeout=120)
+
+
+def detok(server, ids):
+    return post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
+
+
+def assert_calls(calls):
+    assert calls, "no parsed tool calls"
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        assert c.function.name in ("get_weather", "add") and isinstance(args, dict)
+
+
+# ---- forced tool calls (defaults: parallel_tool_calls on, thinking as the template has it) ----
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_calls_chat(oa, choice):
+    r = oa.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=160, temperature=0, extra_body=NO_THINK)
+    assert_calls(r.choices[0].message.tool_calls)
+    if isinstance(choice, dict):
+        assert all(c.function.name == "add" for c in r.choices[0].message.tool_calls)
+
+
+def test_forced_calls_bounded(oa):
+    """The grammar ends after tools x 4 calls, so the reply stops by itself with every call parsed."""
+    r = oa.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=1500, temperature=0, extra_body=NO_THINK)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and 1 <= len(ch.message.tool_calls) <= 8
+
+
+def test_forced_calls_anthropic(an):
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    m = an.messages.create(model="m", max_tokens=160, messages=ASK, tools=tools, tool_choice={"type": "any"}, extra_body=GREEDY,
+                           thinking={"type": "disabled"})
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert uses and m.stop_reason == "tool_use" and all(u.name in ("get_weather", "add") for u in uses)
+
+
+def test_forced_calls_responses(oa):
+    tools = [dict(type="function", **t["function"]) for t in TOOLS]
+    r = oa.responses.create(model="m", input="Weather in Paris?", tools=tools, tool_choice="required", max_output_tokens=160, temperature=0,
+                            reasoning={"effort": "none"})
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and all(c.name in ("get_weather", "add") and isinstance(json.loads(c.arguments), dict) for c in calls)
+
+
+# ---- a reasoning budget ----
+
+def test_reasoning_never_ends_without_a_budget(oa):
+    """The premise: with thinking on and no room for a budget the untrained model reasons to the limit."""
+    r = oa.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=0,
+                                   extra_body={"thinking_budget": 10000})
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("extra", [{"thinking_budget": 12}, {"max_thinking_tokens": 12}, {}])
+def test_reasoning_budget_lets_a_forced_call_through(oa, extra):
+    """A budget (given, or half of max_tokens by default when a grammar waits) ends the reasoning."""
+    r = oa.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0, extra_body=extra)
+    msg = r.choices[0].message
+    assert_calls(msg.tool_calls)
+    reasoning = msg.model_extra.get("reasoning_content") or ""
+    if extra:
+        ids = requests.post(oa.base_url.scheme + "://" + oa.base_url.host + ":" + str(oa.base_url.port) + "/tokenize",
+                            json={"prompt": reasoning}).json()["tokens"]
+        assert len(ids) <= 13, reasoning
+
+
+def test_reasoning_budget_anthropic(an):
+    tools = [{"name": "add", "input_schema": TOOLS[1]["function"]["parameters"]}]
+    m = an.messages.create(model="m", max_tokens=200, messages=[{"role": "user", "content": "2+3?"}], tools=tools, tool_choice={"type": "any"},
+                           extra_body=GREEDY, thinking={"type": "enabled", "budget_tokens": 10})
+    assert [b for b in m.content if b.type == "tool_use"]
+
+
+def test_json_schema_after_budget(oa):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": False}
+    r = oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "A digit in JSON."}], max_tokens=120, temperature=0,
+                                   response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop" and 0 <= json.loads(r.choices[0].message.content)["n"] <= 9
+
+
+# ---- template variables ----
+
+def test_tokenize_generation_prompt_and_continue(server):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    full = detok(server, post(server, "/tokenize", {"messages": msgs[:1]}).json()["tokens"])
+    bare = detok(server, post(server, "/tokenize", {"messages": msgs[:1], "add_generation_prompt": False}).json()["tokens"])
+    assert full.endswith("<|im_start|>assistant\n<think>\n") and bare.endswith("hi<|im_end|>\n") and full.startswith(bare)
+    cont = detok(server, post(server, "/tokenize", {"messages": msgs, "continue_final_message": True, "add_generation_prompt": False}).json()["tokens"])
+    assert cont.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nThe answer is"), cont
+    both = post(server, "/tokenize", {"messages": msgs, "continue_final_message": True, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_anthropic_prefill_continues(an, oa):
+    m = an.messages.create(model="m", max_tokens=8, extra_body=GREEDY, thinking={"type": "disabled"},
+                           messages=[{"role": "user", "content": "def fib(n):"}, {"role": "assistant", "content": "    if n"}])
+    r = oa.chat.completions.create(model="m", max_tokens=8, temperature=0, extra_body={"continue_final_message": True, "add_generation_prompt": False, **NO_THINK},
+                                   messages=[{"role": "user", "content": "def fib(n):"}, {"role": "assistant", "content": "    if n"}])
+    assert m.content[0].text == r.choices[0].message.content and m.content[0].text
+
+
+def write_template(text):
+    f = tempfile.NamedTemporaryFile("w", suffix=".jinja", delete=False)
+    f.write(text)
+    f.close()
+    return f.name
+
+
+def test_chat_template_literal_text():
+    """The template's literal text outlives its file's buffer (run under ASan by the sanitized build)."""
+    path = write_template('Hello world{{ "!" }}<|im_start|>assistant\n')
+    try:
+        with Server("--chat-template", path) as s:
+            r = post(s, "/tokenize", {"messages": ASK})
+            assert r.status_code == 200, r.text
+            assert detok(s, r.json()["tokens"]) == "Hello world!<|im_start|>assistant\n"
+    finally:
+        os.unlink(path)
+
+
+def test_undefined_variables_stay_undefined():
+    """enable_thinking is not defined unless the client sends it (Gemma 4 reads `is defined`)."""
+    path = write_template("{% if enable_thinking is defined %}T{{ enable_thinking }}{% else %}U{% endif %}"
+                          "{% if reasoning_effort is defined %}E{{ reasoning_effort }}{% endif %}|")
+    try:
+        with Server("--chat-template", path) as s:
+            def render(extra):
+                return detok(s, post(s, "/tokenize", {"messages": ASK, **extra}).json()["tokens"])
+            assert render({}) == "U|"
+            assert render({"chat_template_kwargs": {"enable_thinking": False}}) == "TFalse|"
+            assert render({"reasoning_effort": "none"}) == "TFalseEnone|"
+            assert render({"reasoning_effort": "high"}) == "UEhigh|"
+    finally:
+        os.unlink(path)
+
+
+# ---- parameters honoured or refused ----
+
+def test_logit_bias_forces_a_token(oa, server):
+    r = oa.completions.create(model="m", prompt="def f():", max_tokens=4, temperature=0, logit_bias={"5": 100})
+    assert r.choices[0].text == detok(server, [5] * 4)
+    r = oa.chat.completions.create(model="m", messages=ASK, max_tokens=3, temperature=0.9, seed=3, logit_bias={"5": 100}, extra_body=NO_THINK)
+    assert r.choices[0].message.content == detok(server, [5] * 3)
+
+
+def test_logit_bias_bans_the_greedy_token(oa):
+    base = oa.completions.create(model="m", prompt="def f():", max_tokens=1, temperature=0, logprobs=1)
+    first = base.choices[0].logprobs.tokens[0]
+    tid = requests.post(str(oa.base_url).replace("/v1/", "/tokenize"), json={"prompt": first}).json()["tokens"]
+    r = oa.completions.create(model="m", prompt="def f():", max_tokens=1, temperature=0, logit_bias={str(tid[0]): -100})
+    assert r.choices[0].text != first
+
+
+def test_stop_token_ids_and_min_tokens(oa, server):
+    plain = post(server, "/v1/completions", {"prompt": "def f():", "max_tokens": 6, "temperature": 0, "logprobs": 0}).json()["choices"][0]
+    ids = post(server, "/tokenize", {"prompt": plain["text"]}).json()["tokens"]
+    stopped = post(server, "/v1/completions", {"prompt": "def f():", "max_tokens": 6, "temperature": 0, "stop_token_ids": [ids[2]]}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["choices"][0]["text"] == detok(server, ids[:2])
+    held = post(server, "/v1/completions", {"prompt": "def f():", "max_tokens": 6, "temperature": 0, "stop_token_ids": [ids[0]], "min_tokens": 6}).json()
+    assert held["usage"]["completion_tokens"] == 6 and held["choices"][0]["finish_reason"] == "length"
+
+
+def test_completions_text_offset(oa):
+    r = oa.completions.create(model="m", prompt="def f():", max_tokens=6, temperature=0, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp.text_offset[0] == 0 and len(lp.text_offset) == len(lp.tokens)
+    assert all(lp.text_offset[i + 1] == lp.text_offset[i] + len(lp.tokens[i]) for i in range(len(lp.tokens) - 1))
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": "auto"}, "function_call"), ({"audio": {"voice": "x"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities[1]"), ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"logit_bias": {"999999999": 1}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"stop_token_ids": [-1]}, "stop_token_ids[0]"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+])
+def test_refused_fields_name_themselves(server, extra, param):
+    r = post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["code"] is None, err
+
+
+def test_informational_fields_accepted(server):
+    r = post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 2, "user": "u", "metadata": {"a": "b"}, "store": False,
+                                              "service_tier": "auto", "modalities": ["text"], **NO_THINK})
+    assert r.status_code == 200, r.text
+
+
+def test_completions_batch_prompt_refused(server):
+    r = post(server, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2})
+    assert r.status_code == 400 and "one prompt per request" in r.json()["error"]["message"]
+
+
+# ---- API shape ----
+
+def test_models_retrieve_and_unknown_model(oa, server):
+    assert oa.models.retrieve("m").id == "m"
+    assert oa.models.retrieve("qwen36moe-code-14m").id == "qwen36moe-code-14m"
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.chat.completions.create(model="gpt-4o", messages=ASK, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_anthropic_stream_usage_and_count_tokens(an):
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    count = an.messages.count_tokens(model="m", messages=msgs).input_tokens
+    events = list(an.messages.create(model="m", max_tokens=6, messages=msgs, extra_body=GREEDY, stream=True))
+    start = [e for e in events if e.type == "message_start"][0]
+    assert count > 0 and start.message.usage.input_tokens == count
+
+
+def test_anthropic_stop_sequence(an):
+    msgs = [{"role": "user", "content": "def fib(n):"}]
+    whole = an.messages.create(model="m", max_tokens=16, messages=msgs, extra_body=GREEDY, thinking={"type": "disabled"}).content[0].text
+    seq = whole[4:7]
+    assert seq.strip(), whole
+    m = an.messages.create(model="m", max_tokens=16, messages=msgs, extra_body=GREEDY, thinking={"type": "disabled"}, stop_sequences=["zzzq", seq])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == seq and m.content[0].text == whole[:whole.index(seq)]
+    with an.messages.stream(model="m", max_tokens=16, messages=msgs, extra_body=GREEDY, thinking={"type": "disabled"}, stop_sequences=[seq]) as st:
+        final = st.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == seq
+
+
+def test_anthropic_error_shape(server):
+    r = post(server, "/v1/messages", {"model": "m", "messages": ASK})
+    assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_metrics_public(server):
+    assert requests.get(server.url + "/metrics", timeout=10).status_code == 200
