@@ -13,6 +13,7 @@
 #include "runtime/spec.h"
 
 const double qf_sched_ttft_buckets[15] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80};
+const double qf_sched_tok_buckets[15] = {1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000};
 const double qf_sched_itl_buckets[15] = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5};
 
 enum { REC_TEXT = 1, REC_TOKEN = 2, CHAN_BASE = 64 * 1024 };
@@ -43,7 +44,7 @@ struct qf_req {
     qf_utf8_stream us;
     char *hold;
     size_t hold_len;
-    double t_submit, t_last;
+    double t_submit, t_last, t_admit, t_first; /* t_admit: first given a slot; t_first: its first token */
     void (*notify)(void *ud);
     void *notify_ud;
     qf_req *next;
@@ -427,6 +428,17 @@ static int slots_running(const qf_sched *s) {
     return n;
 }
 
+/* A finished request's phases: queued (submit to a slot), prefill (to the first token), decode. */
+static void record_request(qf_sched_stats *st, const qf_req *r, int why) {
+    double now = qf_now(), admit = r->t_admit > 0 ? r->t_admit : now, first = r->t_first > 0 ? r->t_first : now;
+    double v[6] = {now - r->t_submit, admit - r->t_submit, first - admit, now - first, r->n_prompt, r->n_gen};
+    uint64_t *h[6] = {st->e2e_hist, st->queue_hist, st->prefill_hist, st->decode_hist, st->ptok_hist, st->gtok_hist};
+    double *sum[6] = {&st->e2e_sum, &st->queue_sum, &st->prefill_sum, &st->decode_sum, &st->ptok_sum, &st->gtok_sum};
+    for (int i = 0; i < 6; i++) hist_add(h[i], i < 4 ? qf_sched_ttft_buckets : qf_sched_tok_buckets, v[i]), *sum[i] += v[i];
+    st->req_n++;
+    st->finished_stop += why == QF_FINISH_STOP, st->finished_length += why == QF_FINISH_LENGTH, st->finished_error += why == QF_FINISH_ERROR;
+}
+
 static void finish(qf_sched *s, qf_req *r, int why, const char *err) {
     fork_leave(s, r);
     if (r->slot >= 0) {
@@ -442,6 +454,7 @@ static void finish(qf_sched *s, qf_req *r, int why, const char *err) {
     }
     int running = slots_running(s); /* counted before the reader hears of the end: /metrics and /ready agree with the answer */
     pthread_mutex_lock(&s->mu);
+    if (why != QF_FINISH_CANCELLED) record_request(&s->stats, r, why);
     s->stats.finished += why != QF_FINISH_CANCELLED;
     s->stats.cancelled += why == QF_FINISH_CANCELLED;
     s->stats.running = running;
@@ -531,6 +544,7 @@ static void admit(qf_sched *s) {
             pthread_mutex_unlock(&r->mu);
         }
         s->slots[fs].req = r;
+        if (r->t_admit == 0) r->t_admit = qf_now();
         if (!r->primed && r->grammar && grammar_start(s, r) != QF_OK) {
             finish(s, r, QF_FINISH_ERROR, qf_last_error());
             continue;
@@ -677,6 +691,7 @@ static int emit_token(qf_sched *s, qf_req *r, float *logits, const int32_t *top1
     double now = qf_now();
     pthread_mutex_lock(&s->mu);
     if (r->n_gen == 0) {
+        r->t_first = now;
         hist_add(s->stats.ttft_hist, qf_sched_ttft_buckets, now - r->t_submit);
         s->stats.ttft_n++;
         s->stats.ttft_sum += now - r->t_submit;

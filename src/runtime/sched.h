@@ -125,12 +125,17 @@ typedef struct qf_sched_stats {
     int prefix_snapshots;
     size_t prefix_bytes, prefix_budget;
     uint64_t spec_steps, spec_drafted, spec_accepted; /* serve --draft: steps with drafts, the drafts, those accepted */
+    /* finished requests (stop, length, error): histograms of their phases and sizes (vLLM's) */
+    uint64_t e2e_hist[16], queue_hist[16], prefill_hist[16], decode_hist[16], ptok_hist[16], gtok_hist[16], req_n;
+    double e2e_sum, queue_sum, prefill_sum, decode_sum, ptok_sum, gtok_sum;
+    uint64_t finished_stop, finished_length, finished_error;
     uint64_t masks;        /* grammar masks computed, and their time */
     double mask_seconds;
 } qf_sched_stats;
 
 extern const double qf_sched_ttft_buckets[15];
 extern const double qf_sched_itl_buckets[15];
+extern const double qf_sched_tok_buckets[15]; /* token counts */
 
 void qf_sched_get_stats(qf_sched *s, qf_sched_stats *out);
 

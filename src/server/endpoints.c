@@ -72,6 +72,13 @@ void srv_stats(srv *s, qf_sched_stats *out) {
         out->prefix_evicted += t.prefix_evicted, out->prefix_snapshots += t.prefix_snapshots, out->prefix_bytes += t.prefix_bytes;
         out->prefix_budget += t.prefix_budget, out->masks += t.masks, out->mask_seconds += t.mask_seconds;
         out->spec_steps += t.spec_steps, out->spec_drafted += t.spec_drafted, out->spec_accepted += t.spec_accepted;
+        for (int b = 0; b < 16; b++) {
+            out->e2e_hist[b] += t.e2e_hist[b], out->queue_hist[b] += t.queue_hist[b], out->prefill_hist[b] += t.prefill_hist[b];
+            out->decode_hist[b] += t.decode_hist[b], out->ptok_hist[b] += t.ptok_hist[b], out->gtok_hist[b] += t.gtok_hist[b];
+        }
+        out->req_n += t.req_n, out->e2e_sum += t.e2e_sum, out->queue_sum += t.queue_sum, out->prefill_sum += t.prefill_sum;
+        out->decode_sum += t.decode_sum, out->ptok_sum += t.ptok_sum, out->gtok_sum += t.gtok_sum;
+        out->finished_stop += t.finished_stop, out->finished_length += t.finished_length, out->finished_error += t.finished_error;
     }
 }
 
@@ -93,18 +100,47 @@ static void replica_lines(struct evbuffer *b, srv *s) {
 
 /* The gauges and counters routers and autoscalers read, under vLLM's names (the gateway API
  * inference extension, vllm-router and llm-d scrape these): the same values as ours above. */
-static void vllm_aliases(struct evbuffer *b, const qf_sched_stats *st) {
+static void vmetric(struct evbuffer *b, const char *model, const char *name, const char *type, const char *help, double v) {
+    evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s{model_name=\"%s\"} %.17g\n", name, help, name, type, name, model, v);
+}
+
+static void vhistogram(struct evbuffer *b, const char *model, const char *name, const char *help, const uint64_t *h, const double *bounds,
+                       uint64_t n, double sum) {
+    evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    for (int i = 0; i < 15; i++) evbuffer_add_printf(b, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", name, model, bounds[i], (unsigned long long)h[i]);
+    evbuffer_add_printf(b, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n%s_sum{model_name=\"%s\"} %.6f\n%s_count{model_name=\"%s\"} %llu\n", name, model,
+                        (unsigned long long)h[15], name, model, sum, name, model, (unsigned long long)n);
+}
+
+static void vllm_aliases(struct evbuffer *b, const qf_sched_stats *st, const char *m) {
     double kv = st->kv_pages_total > 0 ? (double)st->kv_pages_used / st->kv_pages_total : 0.0;
-    metric(b, "vllm:num_requests_running", "gauge", "Alias of qflash:num_requests_running.", st->running);
-    metric(b, "vllm:num_requests_waiting", "gauge", "Alias of qflash:num_requests_waiting.", st->waiting);
-    metric(b, "vllm:kv_cache_usage_perc", "gauge", "KV cache pages in use by running sequences, 0..1.", kv);
-    metric(b, "vllm:gpu_cache_usage_perc", "gauge", "Alias of vllm:kv_cache_usage_perc (vLLM's older name).", kv);
-    metric(b, "vllm:prompt_tokens_total", "counter", "Alias of qflash:prompt_tokens_total.", (double)st->prompt_tokens);
-    metric(b, "vllm:generation_tokens_total", "counter", "Alias of qflash:generation_tokens_total.", (double)st->gen_tokens);
-    metric(b, "vllm:num_preemptions_total", "counter", "Alias of qflash:preemptions_total.", (double)st->preempted);
-    metric(b, "vllm:spec_decode_num_drafts_total", "counter", "Alias of qflash:spec_decode_steps_total.", (double)st->spec_steps);
-    metric(b, "vllm:spec_decode_num_draft_tokens_total", "counter", "Alias of qflash:spec_decode_draft_tokens_total.", (double)st->spec_drafted);
-    metric(b, "vllm:spec_decode_num_accepted_tokens_total", "counter", "Alias of qflash:spec_decode_accepted_tokens_total.", (double)st->spec_accepted);
+    vmetric(b, m, "vllm:num_requests_running", "gauge", "Alias of qflash:num_requests_running.", st->running);
+    vmetric(b, m, "vllm:num_requests_waiting", "gauge", "Alias of qflash:num_requests_waiting.", st->waiting);
+    vmetric(b, m, "vllm:kv_cache_usage_perc", "gauge", "KV cache pages in use by running sequences, 0..1.", kv);
+    vmetric(b, m, "vllm:gpu_cache_usage_perc", "gauge", "Alias of vllm:kv_cache_usage_perc (vLLM's older name).", kv);
+    vmetric(b, m, "vllm:prompt_tokens_total", "counter", "Alias of qflash:prompt_tokens_total.", (double)st->prompt_tokens);
+    vmetric(b, m, "vllm:generation_tokens_total", "counter", "Alias of qflash:generation_tokens_total.", (double)st->gen_tokens);
+    vmetric(b, m, "vllm:num_preemptions_total", "counter", "Alias of qflash:preemptions_total.", (double)st->preempted);
+    vmetric(b, m, "vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", (double)(st->prefix_budget ? st->prompt_tokens : 0));
+    vmetric(b, m, "vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", (double)st->prefix_tokens);
+    vmetric(b, m, "vllm:spec_decode_num_drafts_total", "counter", "Alias of qflash:spec_decode_steps_total.", (double)st->spec_steps);
+    vmetric(b, m, "vllm:spec_decode_num_draft_tokens_total", "counter", "Alias of qflash:spec_decode_draft_tokens_total.", (double)st->spec_drafted);
+    vmetric(b, m, "vllm:spec_decode_num_accepted_tokens_total", "counter", "Alias of qflash:spec_decode_accepted_tokens_total.", (double)st->spec_accepted);
+    evbuffer_add_printf(b, "# HELP vllm:request_success_total Finished requests by reason.\n# TYPE vllm:request_success_total counter\n");
+    const char *why[3] = {"stop", "length", "abort"};
+    uint64_t n[3] = {st->finished_stop, st->finished_length, st->finished_error + st->cancelled};
+    for (int i = 0; i < 3; i++) evbuffer_add_printf(b, "vllm:request_success_total{model_name=\"%s\",finished_reason=\"%s\"} %llu\n", m, why[i], (unsigned long long)n[i]);
+    const double *tb = qf_sched_ttft_buckets, *kb = qf_sched_tok_buckets;
+    vhistogram(b, m, "vllm:time_to_first_token_seconds", "Time to the first token.", st->ttft_hist, tb, st->ttft_n, st->ttft_sum);
+    vhistogram(b, m, "vllm:inter_token_latency_seconds", "Time between tokens.", st->itl_hist, qf_sched_itl_buckets, st->itl_n, st->itl_sum);
+    vhistogram(b, m, "vllm:time_per_output_token_seconds", "Alias of vllm:inter_token_latency_seconds (vLLM's older name).", st->itl_hist,
+               qf_sched_itl_buckets, st->itl_n, st->itl_sum);
+    vhistogram(b, m, "vllm:e2e_request_latency_seconds", "Submit to the last token.", st->e2e_hist, tb, st->req_n, st->e2e_sum);
+    vhistogram(b, m, "vllm:request_queue_time_seconds", "Submit to a slot.", st->queue_hist, tb, st->req_n, st->queue_sum);
+    vhistogram(b, m, "vllm:request_prefill_time_seconds", "A slot to the first token.", st->prefill_hist, tb, st->req_n, st->prefill_sum);
+    vhistogram(b, m, "vllm:request_decode_time_seconds", "The first token to the last.", st->decode_hist, tb, st->req_n, st->decode_sum);
+    vhistogram(b, m, "vllm:request_prompt_tokens", "Prompt tokens of a finished request.", st->ptok_hist, kb, st->req_n, st->ptok_sum);
+    vhistogram(b, m, "vllm:request_generation_tokens", "Generated tokens of a finished request.", st->gtok_hist, kb, st->req_n, st->gtok_sum);
 }
 
 /* Readiness for a router or an orchestrator: 200 while this replica takes requests, 503 (with
@@ -164,7 +200,7 @@ void ep_metrics(srv *s, struct evhttp_request *req) {
               qf_sched_ttft_buckets, st.ttft_n, st.ttft_sum);
     histogram(b, "qflash:inter_token_latency_seconds", "Time between consecutive generated tokens of a request.", st.itl_hist,
               qf_sched_itl_buckets, st.itl_n, st.itl_sum);
-    vllm_aliases(b, &st);
+    vllm_aliases(b, &st, s->model_name);
     replica_lines(b, s);
     static const char *codes[6] = {"2xx", "400", "401", "404", "405_413", "5xx"};
     evbuffer_add_printf(b, "# HELP qflash:http_responses_total HTTP responses by status.\n# TYPE qflash:http_responses_total counter\n");

@@ -54,6 +54,8 @@ class Server:
             if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
+                if name.endswith('"}') and name.count("=") == 1 and '{model_name="' in name:  # vLLM's series: also by the bare name
+                    out[name.split("{", 1)[0]] = float(value)
         return out
 
     def stop(self, sig=signal.SIGTERM, timeout=30):

@@ -59,7 +59,11 @@ def complete(port, n, ignore_eos=False):
 def metrics(port):
     st, text = call(port, "GET", "/metrics")
     assert st == 200
-    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    # vLLM's series carry a model_name label: keyed by the bare name too
+    lines = [ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#")]
+    out = {k: float(v) for k, v in lines}
+    out.update({k.split("{")[0]: float(v) for k, v in lines if k.startswith("vllm:") and k.endswith('"}') and k.count("=") == 1})
+    return out
 
 
 @pytest.fixture

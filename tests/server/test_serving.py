@@ -282,5 +282,38 @@ def test_anthropic_error_shape(server):
     assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
 
 
-def test_metrics_public(server):
-    assert requests.get(server.url + "/metrics", timeout=10).status_code == 200
+# The series the published vLLM Grafana dashboard queries (its panels' PromQL, by metric name;
+# written here from the dashboard's queries, each filtered by model_name).
+DASHBOARD = ["vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
+             "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+             "vllm:inter_token_latency_seconds_bucket", "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+             "vllm:time_per_output_token_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_running",
+             "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:request_queue_time_seconds_bucket",
+             "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket", "vllm:request_prompt_tokens_bucket",
+             "vllm:request_generation_tokens_bucket", "vllm:request_success_total", "vllm:num_preemptions_total",
+             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"]
+
+
+def test_metrics_public_with_vllm_names(server, oa):
+    oa.chat.completions.create(model="m", messages=ASK, max_tokens=3, extra_body=NO_THINK)
+    r = requests.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 200
+    series = {}
+    for line in r.text.splitlines():
+        if line.startswith("vllm:"):
+            name, labels = line.split("{", 1) if "{" in line else (line.split(" ")[0], "")
+            series.setdefault(name, []).append(labels)
+            assert 'model_name="qwen36moe-code-14m"' in labels, line
+    missing = [n for n in DASHBOARD if n not in series]
+    assert not missing, missing
+    assert any('finished_reason="length"' in l for l in series["vllm:request_success_total"])
+    count = [l for l in r.text.splitlines() if l.startswith("vllm:e2e_request_latency_seconds_count")]
+    assert float(count[0].rsplit(" ", 1)[1]) >= 1
+
+
+def test_metrics_auth():
+    with Server("--api-key", "k", "--metrics-auth") as s:
+        assert requests.get(s.url + "/metrics", timeout=10).status_code == 401
+        assert requests.get(s.url + "/metrics", headers={"Authorization": "Bearer k"}, timeout=10).status_code == 200
+    with Server("--api-key", "k") as s:
+        assert requests.get(s.url + "/metrics", timeout=10).status_code == 200
