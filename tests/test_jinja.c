@@ -90,6 +90,11 @@ static void test_against_jinja2(void) {
         {"{% for m in messages if m.role == 'assistant' %}{{ loop.length }}{{ m.content }}{% else %}none{% endfor %}", "1yo"},
         {"{{ messages|selectattr('role', 'equalto', 'user')|map(attribute='content')|list }}", "[' hi ']"},
         {"{{ (messages|first).content|trim|tojson }}{{ messages[0]['content'] ~ 1 ~ none }}", "\"hi\" hi 1None"},
+        /* undefined values as jinja2's Undefined treats them */
+        {"{{ 'x' in nothing }}|{{ 'x' not in nothing }}|{{ nothing|default('d') }}|{{ nothing is defined }}", "False|True|d|False"},
+        {"{% for m in nothing %}a{% else %}e{% endfor %}|{{ nothing|length }}|{{ nothing == none }}|{{ not nothing }}|{{ nothing|string }}|{% if nothing %}t{% else %}f{% endif %}",
+         "e|0|False|True||f"},
+        {"{{ (messages[0].get('x')) }}|{{ messages[0].get('x', 'd') }}", "None|d"},
     };
     json_t *vars = json_loads("{\"messages\": [{\"role\": \"user\", \"content\": \" hi \"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}", 0, NULL);
     for (size_t i = 0; i < sizeof pairs / sizeof *pairs; i++) {
@@ -118,6 +123,9 @@ static void test_semantics(void) {
     expect("{% for i in range(3000000) %}{% endfor %}", NULL, "range of");
     expect("{{ 'x' * 100000000 }}", NULL, "MiB");
     expect("{{ x.y }}", NULL, "undefined");
+    expect("{% for message in [{'content': 'a'}, {'role': 'tool'}] %}{{ message.content + '!' }}{% endfor %}", NULL, "");
+    expect("{% set messages = [{'content': 'a'}, {'role': 'tool'}] %}{% for message in messages %}{{ message['content'] + '!' }}{% endfor %}", NULL,
+           "arithmetic on an undefined value: message['content'] (at messages[1])");
     expect("{{ 1 | nosuchfilter }}", NULL, "line 1: the filter 'nosuchfilter' is not supported");
     expect("a\n{{ 1 + }}", NULL, "line 2");
     expect("{% if true %}never closed", NULL, "'endif' is missing");

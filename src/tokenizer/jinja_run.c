@@ -41,20 +41,48 @@ typedef struct env {
     int nmac;
     sbuf *out;
     int rc, depth, brk; /* brk: 1 break, 2 continue */
+    const jnode *loops[MAX_FRAMES]; /* the for loops running, and each one's item index, for error messages */
+    size_t loop_at[MAX_FRAMES];
+    int nloop;
     long steps;
     time_t now;
 } env;
 
 static const val UNDEF = {VK_UNDEF, NULL, NULL};
 
+/* An expression as the template wrote it, for messages: message.content, message['content']. */
+static void describe(const jnode *x, char *out, size_t cap) {
+    out[0] = 0;
+    if (!x) return;
+    if (x->type == E_NAME) snprintf(out, cap, "%s", x->name);
+    else if (x->type == E_ATTR || (x->type == E_ITEM && x->b && x->b->type == E_LIT && json_is_string(x->b->lit))) {
+        char base[96];
+        describe(x->a, base, sizeof base);
+        if (!*base) return;
+        if (x->type == E_ATTR) snprintf(out, cap, "%s.%s", base, x->name);
+        else snprintf(out, cap, "%s['%s']", base, json_string_value(x->b->lit));
+    }
+}
+
+/* Where the render is: the innermost loops over named lists, "messages[2]". */
+static void where(const env *e, char *out, size_t cap) {
+    out[0] = 0;
+    for (int i = e->nloop - 1; i >= 0; i--)
+        if (e->loops[i]->a && e->loops[i]->a->type == E_NAME) {
+            snprintf(out, cap, " (at %s[%zu])", e->loops[i]->a->name, e->loop_at[i]);
+            return;
+        }
+}
+
 static int err(env *e, const jnode *n, const char *fmt, ...) {
     if (e->rc != QF_OK) return e->rc;
-    char msg[300];
+    char msg[300], at[128];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    e->rc = n ? qf_fail(QF_EINVAL, "chat template line %d: %s", n->line, msg) : qf_fail(QF_EINVAL, "chat template: %s", msg);
+    where(e, at, sizeof at);
+    e->rc = n ? qf_fail(QF_EINVAL, "chat template line %d: %s%s", n->line, msg, at) : qf_fail(QF_EINVAL, "chat template: %s%s", msg, at);
     return e->rc;
 }
 
@@ -619,11 +647,14 @@ static void exec_for(env *e, const jnode *n) {
     if (n->b) items = filtered(e, n, items, frame);
     size_t i;
     json_t *x;
+    int li = e->nloop++;
+    e->loops[li] = n;
     json_array_foreach(items, i, x) {
         if (e->rc != QF_OK || ++e->steps > MAX_STEPS) {
             err(e, n, "more than %ld loop steps", MAX_STEPS);
             break;
         }
+        e->loop_at[li] = i;
         bind_targets(e, n, frame, x);
         json_object_set_new(frame, "loop", loop_obj(items, i));
         exec(e, n->body, n->nbody);
@@ -631,6 +662,7 @@ static void exec_for(env *e, const jnode *n) {
         e->brk = 0;
     }
     e->brk = 0;
+    e->nloop--;
     if (json_array_size(items) == 0) exec(e, n->orelse, n->norelse);
     json_decref(items);
     json_decref(e->frames[--e->nf]);
