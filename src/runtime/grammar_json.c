@@ -759,6 +759,9 @@ static int int_bound(jc *c, json_t *node, const char *key, long long *out, int i
         if (!integral) return jfail(c, path, "a non-integer '%s' on a number is not supported", key);
         d = strstr(key, "inimum") ? ceil(d) : floor(d); /* the integers within a fractional bound */
     }
+    int lower = strstr(key, "inimum") != NULL; /* clamping the other side only narrows what is generated */
+    if ((lower && d > lim) || (!lower && d < -lim))
+        return jfail(c, path, "'%s' %g lies beyond the 15 digits integers are generated with: no value could meet it", key, d);
     *out = (long long)(d > lim ? lim : d < -lim ? -lim : d);
     return 1;
 }
@@ -1021,6 +1024,16 @@ static json_t *resolve_ref(jc *c, const char *ref, const char *path) {
     return at;
 }
 
+/* Whether alternative i of list v (compiled to rule a) repeats an earlier one: the same rule (a
+ * $ref given twice) or an equal schema. */
+static int same_alt(json_t *v, size_t i, int a, const int *seen, int n_seen) {
+    for (int k = 0; k < n_seen; k++)
+        if (seen[k] == a) return 1;
+    for (size_t k = 0; k < i && k < 256; k++)
+        if (json_equal(json_array_get(v, k), json_array_get(v, i))) return 1;
+    return 0;
+}
+
 /* Every alternative the schema allows, added to rule r. */
 static int compile_into(jc *c, json_t *node, int r, const char *path) {
     qf_gseq q = {0};
@@ -1051,12 +1064,15 @@ static int compile_into(jc *c, json_t *node, int r, const char *path) {
         if (!strcmp(kw, "allOf") && json_array_size(v) > 1) return jfail(c, path, "'allOf' of more than one schema is not supported");
         size_t i;
         json_t *e;
+        int seen[64], n_seen = 0;
         json_array_foreach(v, i, e) {
             char idx[32];
             snprintf(idx, sizeof idx, "%s/%zu", kw, i);
             subpath(sp, sizeof sp, path, idx);
             int a = compile(c, e, sp);
             if (a < 0) break;
+            if (same_alt(v, i, a, seen, n_seen)) continue; /* a repeated alternative would double the parses at every level */
+            if (n_seen < 64) seen[n_seen++] = a;
             qf_gseq_ref(&q, a);
             add_alt(c, r, &q);
         }
@@ -1090,9 +1106,36 @@ static int compile_into(jc *c, json_t *node, int r, const char *path) {
     return c->failed ? -1 : 0;
 }
 
+/* A {"$ref"} with only annotations beside it: the rule of its target itself, so alternatives that
+ * name one definition in different words are one rule (and deduplicated). */
+static json_t *plain_ref(jc *c, json_t *node, const char *path) {
+    static const char *const notes[] = {"$ref", "description", "title", "examples", "default", "$comment", "deprecated", "readOnly", "writeOnly"};
+    json_t *ref = json_object_get(node, "$ref");
+    if (!json_is_string(ref) || json_object_size(node) > 9) return NULL;
+    const char *key;
+    json_t *v;
+    json_object_foreach(node, key, v) {
+        size_t i = 0;
+        while (i < sizeof notes / sizeof *notes && strcmp(key, notes[i])) i++;
+        if (i == sizeof notes / sizeof *notes) return NULL;
+    }
+    return resolve_ref(c, json_string_value(ref), path);
+}
+
 static int compile(jc *c, json_t *node, const char *path) {
     int r = memo_find(c, node);
     if (r >= 0) return r;
+    json_t *chain[64];
+    for (int hops = 0; json_is_object(node); hops++) { /* a chain of plain refs: its end */
+        json_t *to = plain_ref(c, node, path);
+        if (!to) break;
+        chain[hops] = node;
+        for (int k = 0; k <= hops; k++)
+            if (chain[k] == to || hops == 63) return jfail(c, path, "'$ref' '%s' is a cycle of references that never reaches a schema", json_string_value(json_object_get(node, "$ref")));
+        node = to;
+        if ((r = memo_find(c, node)) >= 0) return r;
+    }
+    if (c->failed) return -1;
     r = newrule(c);
     if (r < 0) return -1;
     memo_add(c, node, r);

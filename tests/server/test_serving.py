@@ -317,3 +317,49 @@ def test_metrics_auth():
         assert requests.get(s.url + "/metrics", headers={"Authorization": "Bearer k"}, timeout=10).status_code == 200
     with Server("--api-key", "k") as s:
         assert requests.get(s.url + "/metrics", timeout=10).status_code == 200
+
+
+# ---- grammar attacks answered fast, the others unharmed ----
+
+def ref_chain(n, note=False):
+    d = {"d%d" % i: {"anyOf": [{"$ref": "#/$defs/d%d" % (i + 1)}, {"$ref": "#/$defs/d%d" % (i + 1), **({"description": "x"} if note else {})}]}
+         for i in range(n)}
+    d["d%d" % n] = {"type": "integer"}
+    return {"$defs": d, "$ref": "#/$defs/d0"}
+
+
+@pytest.mark.parametrize("note", [False, True])
+def test_doubling_ref_chain_is_fast(server, note):
+    """anyOf of the same $ref twice at every level (also in different words): once a doubling of the
+    parses per level (depth 29: ~25 s, and every other request waited)."""
+    import concurrent.futures
+    import time
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": ref_chain(29, note)}}
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        t0 = time.time()
+        attack = ex.submit(post, server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 8, "temperature": 0, "response_format": fmt, **NO_THINK})
+        plain = ex.submit(post, server, "/v1/completions", {"prompt": "def f():", "max_tokens": 16, "temperature": 0})
+        r = attack.result()
+        t_attack = time.time() - t0
+        assert plain.result().status_code == 200
+    assert t_attack < 1.0, t_attack
+    assert r.status_code == 400 or (r.status_code == 200 and (r.json()["choices"][0]["finish_reason"] == "length"
+                                                               or isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), int))), r.text
+
+
+@pytest.mark.parametrize("schema,words", [
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "cycle of references"),
+    ({"$ref": "#"}, "cycle of references"),
+    ({"type": "integer", "minimum": 1e300}, "'minimum' 1e+300 lies beyond"),
+    ({"type": "number", "maximum": -1e300}, "'maximum' -1e+300 lies beyond"),
+])
+def test_schemas_that_cannot_be_honoured_are_refused(server, schema, words):
+    """Refused before any reply (a 400 naming the keyword), never generated against (1e300 once gave 999999999999999)."""
+    r = post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_tool_with_a_root_cycle_refused(server):
+    r = post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "tool_choice": "required",
+                                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}]})
+    assert r.status_code == 400 and "cycle of references" in r.json()["error"]["message"], r.text
