@@ -420,11 +420,29 @@ static int rx_set_rule(rx *x, qf_cset s, int wide, qf_gseq *q) {
     return 0;
 }
 
+/* \xHH after the x: the ASCII character, or -1 (refused). */
+static int rx_hex(rx *x) {
+    int v = 0;
+    for (int i = 0; i < 2; i++, x->p++) {
+        char h = x->p < x->end ? *x->p : 0;
+        int d = h >= '0' && h <= '9' ? h - '0' : (h | 0x20) >= 'a' && (h | 0x20) <= 'f' ? (h | 0x20) - 'a' + 10 : -1;
+        if (d < 0) return jfail(x->c, x->path, "pattern: \\x needs two hex digits");
+        v = v * 16 + d;
+    }
+    return v < 0x80 ? v : jfail(x->c, x->path, "pattern: \\x%02X is not an ASCII character (write the character itself)", v);
+}
+
+static int cset_empty(const qf_cset *s) {
+    for (int w = 0; w < 8; w++)
+        if (s->w[w]) return 0;
+    return 1;
+}
+
 static int rx_class(rx *x, qf_gseq *q) {
     int neg = *x->p == '^';
     if (neg) x->p++;
     qf_cset s = {{0}};
-    int first = 1;
+    int first = 1, wide_in = 0; /* wide_in: a negated escape (\S \W \D) put every non-ASCII character in */
     while (x->p < x->end && (*x->p != ']' || first)) {
         first = 0;
         unsigned char lo = (unsigned char)*x->p++;
@@ -432,14 +450,25 @@ static int rx_class(rx *x, qf_gseq *q) {
         if (lo == '\\' && x->p < x->end) {
             int n2;
             char e = *x->p++;
-            if (rx_class_escape(e, &s, &n2)) continue;
-            lo = e == 'n' ? '\n' : e == 't' ? '\t' : (unsigned char)e;
+            if (rx_class_escape(e, &s, &n2)) {
+                wide_in |= n2;
+                continue;
+            }
+            int h = e == 'x' ? rx_hex(x) : 0;
+            if (h < 0) return -1;
+            if ((e >= '0' && e <= '9') || e == 'p' || e == 'P' || e == 'u' || e == 'b' || e == 'B') return jfail(x->c, x->path, "pattern: the escape \\%c in a [...] class is not supported", e);
+            lo = e == 'n' ? '\n' : e == 't' ? '\t' : e == 'x' ? (unsigned char)h : (unsigned char)e;
         }
         unsigned char hi = lo;
         if (x->p + 1 < x->end && *x->p == '-' && x->p[1] != ']') {
             x->p++;
             hi = (unsigned char)*x->p++;
             if (hi == '\\' && x->p < x->end) hi = (unsigned char)*x->p++;
+            if (hi == 'x' && x->p[-2] == '\\') {
+                int h = rx_hex(x);
+                if (h < 0) return -1;
+                hi = (unsigned char)h;
+            }
             if (hi < lo || hi >= 0x80) return jfail(x->c, x->path, "pattern: bad range in a [...] class");
         }
         qf_cset_add(&s, lo, hi);
@@ -449,9 +478,11 @@ static int rx_class(rx *x, qf_gseq *q) {
     if (neg) {
         qf_cset u = cset_range(0x20, 0x7e);
         for (int w = 0; w < 8; w++) u.w[w] &= ~s.w[w];
-        return rx_set_rule(x, u, 1, q);
+        s = u;
     }
-    return rx_set_rule(x, s, 0, q);
+    int wide = neg ? !wide_in : wide_in;
+    if (!wide && cset_empty(&s)) return jfail(x->c, x->path, "pattern: a [...] class that matches no character");
+    return rx_set_rule(x, s, wide, q);
 }
 
 /* One atom (its elements appended to q). */
@@ -491,9 +522,11 @@ static int rx_atom(rx *x, qf_gseq *q) {
         qf_cset s = {{0}};
         int neg;
         if (rx_class_escape(e, &s, &neg)) return rx_set_rule(x, s, neg, q);
-        if ((e >= '0' && e <= '9') || e == 'b' || e == 'B' || e == 'p' || e == 'P' || e == 'u' || e == 'x' || e == 'k')
+        if ((e >= '0' && e <= '9') || e == 'b' || e == 'B' || e == 'p' || e == 'P' || e == 'u' || e == 'k')
             return jfail(x->c, x->path, "pattern: the escape \\%c is not supported", e);
-        rx_char(x, q, (unsigned char)(e == 'n' ? '\n' : e == 't' ? '\t' : e));
+        int h = e == 'x' ? rx_hex(x) : 0;
+        if (h < 0) return -1;
+        rx_char(x, q, (unsigned char)(e == 'n' ? '\n' : e == 't' ? '\t' : e == 'x' ? h : e));
         return 0;
     }
     if ((unsigned char)ch >= 0x80) {

@@ -365,3 +365,24 @@ def test_tool_with_a_root_cycle_refused():
         r = post(s, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "tool_choice": "required",
                                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}]})
         assert r.status_code == 400 and "cycle of references" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("pattern,ok", [("^[\\x41-\\x43]{3}$", "ABC"), ("^\\x41[\\x62]$", "Ab"), ("^[^\\sa-z]{2}$", None), ("^[\\S]{2}$", None)])
+def test_pattern_escapes_and_classes(server, pattern, ok):
+    import re
+    schema = {"type": "string", "pattern": pattern}
+    for seed in range(3):
+        r = post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 12, "temperature": 1.0, "seed": seed, **NO_THINK,
+                                                  "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
+        assert r.status_code == 200, r.text
+        text = json.loads(r.json()["choices"][0]["message"]["content"])
+        assert re.search(pattern, text), (pattern, text)
+        if ok:
+            assert set(text) <= set(ok)
+
+
+@pytest.mark.parametrize("pattern,words", [("^[^\\s\\S]$", "matches no character"), ("^\\x4$", "two hex digits"), ("^\\xE9$", "not an ASCII character")])
+def test_patterns_refused(server, pattern, words):
+    r = post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4,
+                                              "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "string", "pattern": pattern}}}})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
