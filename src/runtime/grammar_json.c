@@ -920,7 +920,15 @@ static int type_object(jc *c, json_t *node, const char *path) {
             free(m);
             return jfail(c, path, "'required' must list strings");
         }
-        if (!props || !json_object_get(props, json_string_value(k))) m[n++] = (member){json_string_value(k), extra, 1};
+        if (!props || !json_object_get(props, json_string_value(k))) {
+            if (json_is_false(add)) { /* no object can hold it */
+                char what[200];
+                snprintf(what, sizeof what, "%s", json_string_value(k));
+                free(m);
+                return jfail(c, path, "'required' names '%s', which 'additionalProperties': false with no such property forbids", what);
+            }
+            m[n++] = (member){json_string_value(k), extra, 1};
+        }
     }
     int body = members_rule(c, m, n, path);
     free(m);

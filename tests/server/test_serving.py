@@ -352,6 +352,7 @@ def test_doubling_ref_chain_is_fast(server, note):
     ({"$ref": "#"}, "cycle of references"),
     ({"type": "integer", "minimum": 1e300}, "'minimum' 1e+300 lies beyond"),
     ({"type": "number", "maximum": -1e300}, "'maximum' -1e+300 lies beyond"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False}, "'required' names 'b'"),
 ])
 def test_schemas_that_cannot_be_honoured_are_refused(server, schema, words):
     """Refused before any reply (a 400 naming the keyword), never generated against (1e300 once gave 999999999999999)."""
