@@ -456,12 +456,13 @@ static void client_write(struct bufferevent *bev, void *arg) {
     if (finished(c)) conn_close(c);
 }
 
-/* An EOF after whole requests is a half-close: their replies are still written. Anything else
- * (an EOF inside a request, a reset, a failed write) ends the connection. */
+/* An EOF after whole requests is a half-close: their replies are still written, and a request
+ * the EOF cut short (bytes past a Content-Length) is dropped without taking them along. Anything
+ * else (an EOF inside the only request, a reset, a failed write) ends the connection. */
 static void client_event(struct bufferevent *bev, short what, void *arg) {
     conn *c = arg;
     int between = (c->rstate == R_HEAD && !c->head_start) || c->rstate == R_DISCARD; /* no request half-sent */
-    if ((what & BEV_EVENT_EOF) && (what & BEV_EVENT_READING) && between) {
+    if ((what & BEV_EVENT_EOF) && (what & BEV_EVENT_READING) && (between || owed(c))) {
         c->half_closed = 1;
         bufferevent_disable(bev, EV_READ);
         if (!finished(c)) return rearm(c);

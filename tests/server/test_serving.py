@@ -387,3 +387,22 @@ def test_patterns_refused(server, pattern, words):
     r = post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4,
                                               "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "string", "pattern": pattern}}}})
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_short_content_length_then_half_close(server):
+    """Bytes past the Content-Length and then an EOF: the complete first request is still answered."""
+    import socket
+    body = json.dumps({"prompt": "def f():", "max_tokens": 4, "temperature": 0}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+              + b"XYZ trailing bytes")
+    s.shutdown(socket.SHUT_WR)
+    s.settimeout(30)
+    data = b""
+    while True:
+        d = s.recv(65536)
+        if not d:
+            break
+        data += d
+    s.close()
+    assert data.startswith(b"HTTP/1.1 200") and b'"text_completion"' in data, data[:300]
