@@ -528,7 +528,7 @@ static int start(qf_gmatch *m) {
     m->err = 0;
     m->cur.n = m->cur.complete = 0;
     for (int a = g->rule_a0[g->root]; a < g->rule_a0[g->root] + g->rule_na[g->root]; a++) expand(m, &m->cur, a, 0, -1, 0);
-    return m->err ? qf_fail(QF_EINVAL, "grammar: left recursion or too many parses at the start") : QF_OK;
+    return m->err ? qf_fail(QF_EINVAL, "grammar: more than %d ways to begin (a long enum, many tools, nested alternatives) or left recursion", SET_MAX) : QF_OK;
 }
 
 int qf_gmatch_create(qf_gmatch **out, const qf_grammar *g, qf_vocab_index *v, const qf_tokenizer *t, int32_t free_until) {
@@ -557,6 +557,17 @@ int qf_gmatch_create(qf_gmatch **out, const qf_grammar *g, qf_vocab_index *v, co
     }
     *out = m;
     return QF_OK;
+}
+
+int qf_grammar_check(const qf_grammar *g) {
+    qf_vocab_index *v = calloc(1, sizeof *v); /* the start needs no vocabulary */
+    if (!v) return qf_fail(QF_ENOMEM, "out of memory");
+    v->vocab = 1, v->max_len = 1;
+    qf_gmatch *m = NULL;
+    int rc = qf_gmatch_create(&m, g, v, NULL, -1);
+    qf_gmatch_free(m);
+    free(v);
+    return rc;
 }
 
 int qf_gmatch_complete(const qf_gmatch *m) { return m->free_until < 0 && m->cur.complete; }

@@ -80,6 +80,9 @@ typedef struct qf_gmatch qf_gmatch;
  * reasoning block's end); until it is generated every token is allowed. */
 int qf_gmatch_create(qf_gmatch **out, const qf_grammar *g, qf_vocab_index *v, const qf_tokenizer *t, int32_t free_until);
 void qf_gmatch_free(qf_gmatch *m);
+/* Whether a matcher can start on g (no vocabulary needed): QF_EINVAL when its start holds more
+ * parses than a matcher keeps, so a request can be refused before it is queued. */
+int qf_grammar_check(const qf_grammar *g);
 /* Sets logits[tok] = -inf for every token the grammar does not allow next; the end-of-sequence
  * ids stay only when the grammar is complete. Returns the number of tokens left allowed, 0 when
  * the parse is stuck (no token and not complete), or a negative error. */

@@ -355,7 +355,8 @@ static int parse_response_format(api_out *ao, json_t *b, gen_req *g) {
         if (!json_is_object(js)) return api_bad(ao, "'response_format.json_schema' must be an object");
         if (!json_is_object(schema) && !json_is_boolean(schema)) return api_bad(ao, "'response_format.json_schema.schema' must be a JSON schema (an object)");
     } else if (strcmp(t, "json_object")) return api_bad(ao, "'response_format.type' must be text, json_object or json_schema");
-    if (qf_grammar_json(&g->p.grammar, schema) != QF_OK) return api_bad(ao, "'response_format.json_schema.schema': %s", qf_last_error());
+    if (qf_grammar_json(&g->p.grammar, schema) != QF_OK || qf_grammar_check(g->p.grammar) != QF_OK)
+        return api_bad(ao, "'response_format.json_schema.schema': %s", qf_last_error());
     return 0;
 }
 
@@ -375,7 +376,8 @@ static int parse_tool_choice(srv *s, api_out *ao, json_t *b, json_t *tools, gen_
     if (!json_is_array(tools) || !json_array_size(tools)) return api_bad(ao, "'tool_choice' %s needs 'tools'", cs ? cs : "naming a function");
     qf_grammar_free(g->p.grammar); /* a forced call wins over response_format */
     g->p.grammar = NULL;
-    if (qf_grammar_tools(&g->p.grammar, tools, name, s->tool_form, parallel) != QF_OK) return api_bad(ao, "'tool_choice': %s", qf_last_error());
+    if (qf_grammar_tools(&g->p.grammar, tools, name, s->tool_form, parallel) != QF_OK || qf_grammar_check(g->p.grammar) != QF_OK)
+        return api_bad(ao, "'tool_choice': %s", qf_last_error());
     return 0;
 }
 

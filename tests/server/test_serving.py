@@ -406,3 +406,17 @@ def test_short_content_length_then_half_close(server):
         data += d
     s.close()
     assert data.startswith(b"HTTP/1.1 200") and b'"text_completion"' in data, data[:300]
+
+
+def test_too_many_beginnings_refused_before_queueing(server):
+    """More ways to begin than the matcher keeps (500 tools forced, a 1,000-value enum): a 400
+    decided while the request is prepared, not a 500 from the scheduler."""
+    tools = [{"type": "function", "function": {"name": "t%d" % i, "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+             for i in range(500)]
+    r = post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "tool_choice": "required", "tools": tools, **NO_THINK})
+    assert r.status_code == 400 and "ways to begin" in r.json()["error"]["message"] and r.json()["error"]["param"] == "tool_choice", r.text
+    fmt = {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": ["v%d" % i for i in range(1000)]}}}
+    r = post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "response_format": fmt, **NO_THINK})
+    assert r.status_code == 400 and "ways to begin" in r.json()["error"]["message"], r.text
+    ok = post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "tool_choice": "required", "tools": tools[:20], **NO_THINK})
+    assert ok.status_code == 200, ok.text
