@@ -463,9 +463,9 @@ static int rx_class(rx *x, qf_gseq *q) {
         if (x->p + 1 < x->end && *x->p == '-' && x->p[1] != ']') {
             x->p++;
             hi = (unsigned char)*x->p++;
-            if (hi == '\\' && x->p < x->end) hi = (unsigned char)*x->p++;
-            if (hi == 'x' && x->p[-2] == '\\') {
-                int h = rx_hex(x);
+            if (hi == '\\' && x->p < x->end) {
+                hi = (unsigned char)*x->p++;
+                int h = hi == 'x' ? rx_hex(x) : hi;
                 if (h < 0) return -1;
                 hi = (unsigned char)h;
             }
@@ -922,10 +922,8 @@ static int type_object(jc *c, json_t *node, const char *path) {
         }
         if (!props || !json_object_get(props, json_string_value(k))) {
             if (json_is_false(add)) { /* no object can hold it */
-                char what[200];
-                snprintf(what, sizeof what, "%s", json_string_value(k));
                 free(m);
-                return jfail(c, path, "'required' names '%s', which 'additionalProperties': false with no such property forbids", what);
+                return jfail(c, path, "'required' names '%s', which 'additionalProperties': false with no such property forbids", json_string_value(k));
             }
             m[n++] = (member){json_string_value(k), extra, 1};
         }
@@ -1152,7 +1150,7 @@ static int compile_into(jc *c, json_t *node, int r, const char *path) {
 static json_t *plain_ref(jc *c, json_t *node, const char *path) {
     static const char *const notes[] = {"$ref", "description", "title", "examples", "default", "$comment", "deprecated", "readOnly", "writeOnly"};
     json_t *ref = json_object_get(node, "$ref");
-    if (!json_is_string(ref) || json_object_size(node) > 9) return NULL;
+    if (!json_is_string(ref)) return NULL;
     const char *key;
     json_t *v;
     json_object_foreach(node, key, v) {
@@ -1166,13 +1164,14 @@ static json_t *plain_ref(jc *c, json_t *node, const char *path) {
 static int compile(jc *c, json_t *node, const char *path) {
     int r = memo_find(c, node);
     if (r >= 0) return r;
-    json_t *chain[64];
-    for (int hops = 0; json_is_object(node); hops++) { /* a chain of plain refs: its end */
+    json_t *chain[64]; /* a chain of plain refs stands for its end; one that comes back (or runs on) is refused */
+    for (int hops = 0; json_is_object(node); hops++) {
         json_t *to = plain_ref(c, node, path);
         if (!to) break;
         chain[hops] = node;
-        for (int k = 0; k <= hops; k++)
-            if (chain[k] == to || hops == 63) return jfail(c, path, "'$ref' '%s' is a cycle of references that never reaches a schema", json_string_value(json_object_get(node, "$ref")));
+        int cycle = hops == 63;
+        for (int k = 0; k <= hops && !cycle; k++) cycle = chain[k] == to;
+        if (cycle) return jfail(c, path, "'$ref' '%s' is a cycle of references that never reaches a schema", json_string_value(json_object_get(node, "$ref")));
         node = to;
         if ((r = memo_find(c, node)) >= 0) return r;
     }

@@ -308,11 +308,10 @@ static int cut_at_final(api_out *ao, json_t *vars, char *text) {
 
 /* A reasoning prompt ends its block after the request's thinking_budget tokens; with none given,
  * a reply whose grammar waits for the block's end gets half of max_tokens for reasoning. */
-static int think_budget(srv *s, api_out *ao, gen_req *g) {
+static int think_budget(api_out *ao, gen_req *g, int32_t end) {
     long long budget = g->think_budget;
     if (budget < 0 && g->p.grammar && g->p.max_tokens > 0) budget = g->p.max_tokens / 2;
     if (!g->think_prompt || budget < 0) return 0;
-    int32_t end = qf_tok_lookup(s->e->tok, "</think>");
     if (end < 0) return api_bad(ao, "'thinking_budget' needs a </think> token, which this tokenizer lacks");
     g->p.think_budget_on = 1, g->p.think_budget = (int)budget, g->p.think_end = end;
     return 0;
@@ -399,8 +398,9 @@ int api_parse_chat(srv *s, api_out *ao, json_t *b, gen_req *g) {
     json_t *tools = json_object_get(vars, "tools"), *choice = json_object_get(b, "tool_choice");
     if (rc == 0 && json_is_array(tools) && !(json_is_string(choice) && !strcmp(json_string_value(choice), "none"))) g->tools = json_incref(tools);
     if (rc == 0) rc = parse_tool_choice(s, ao, b, tools, g);
-    if (rc == 0 && g->p.grammar && g->think_prompt) g->p.grammar_after = qf_tok_lookup(s->e->tok, "</think>");
-    if (rc == 0) rc = think_budget(s, ao, g);
+    int32_t think_end = g->think_prompt ? qf_tok_lookup(s->e->tok, "</think>") : -1;
+    if (rc == 0 && g->p.grammar && g->think_prompt) g->p.grammar_after = think_end;
+    if (rc == 0) rc = think_budget(ao, g, think_end);
     json_decref(vars);
     free(text);
     return rc;

@@ -32,16 +32,19 @@ void ep_model(srv *s, struct evhttp_request *req, const char *escaped) {
     free(name);
 }
 
-static void histogram(struct evbuffer *b, const char *name, const char *help, const uint64_t *h, const double *bounds, uint64_t n,
-                      double sum) {
+/* label: the series' labels without the braces ("" for none). */
+static void histogram(struct evbuffer *b, const char *label, const char *name, const char *help, const uint64_t *h, const double *bounds,
+                      uint64_t n, double sum) {
+    const char *sep = *label ? "," : "", *open = *label ? "{" : "", *close = *label ? "}" : "";
     evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
-    for (int i = 0; i < 15; i++) evbuffer_add_printf(b, "%s_bucket{le=\"%g\"} %llu\n", name, bounds[i], (unsigned long long)h[i]);
-    evbuffer_add_printf(b, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name, (unsigned long long)h[15], name, sum, name,
-                        (unsigned long long)n);
+    for (int i = 0; i < 15; i++) evbuffer_add_printf(b, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, label, sep, bounds[i], (unsigned long long)h[i]);
+    evbuffer_add_printf(b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n%s_sum%s%s%s %.6f\n%s_count%s%s%s %llu\n", name, label, sep, (unsigned long long)h[15], name,
+                        open, label, close, sum, name, open, label, close, (unsigned long long)n);
 }
 
-static void metric(struct evbuffer *b, const char *name, const char *type, const char *help, double v) {
-    evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
+static void metric(struct evbuffer *b, const char *label, const char *name, const char *type, const char *help, double v) {
+    const char *open = *label ? "{" : "", *close = *label ? "}" : "";
+    evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s%s%s%s %.17g\n", name, help, name, type, name, open, label, close, v);
 }
 
 qf_sched *srv_pick(srv *s) {
@@ -100,47 +103,37 @@ static void replica_lines(struct evbuffer *b, srv *s) {
 
 /* The gauges and counters routers and autoscalers read, under vLLM's names (the gateway API
  * inference extension, vllm-router and llm-d scrape these): the same values as ours above. */
-static void vmetric(struct evbuffer *b, const char *model, const char *name, const char *type, const char *help, double v) {
-    evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s{model_name=\"%s\"} %.17g\n", name, help, name, type, name, model, v);
-}
-
-static void vhistogram(struct evbuffer *b, const char *model, const char *name, const char *help, const uint64_t *h, const double *bounds,
-                       uint64_t n, double sum) {
-    evbuffer_add_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
-    for (int i = 0; i < 15; i++) evbuffer_add_printf(b, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", name, model, bounds[i], (unsigned long long)h[i]);
-    evbuffer_add_printf(b, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n%s_sum{model_name=\"%s\"} %.6f\n%s_count{model_name=\"%s\"} %llu\n", name, model,
-                        (unsigned long long)h[15], name, model, sum, name, model, (unsigned long long)n);
-}
-
-static void vllm_aliases(struct evbuffer *b, const qf_sched_stats *st, const char *m) {
+static void vllm_aliases(struct evbuffer *b, const qf_sched_stats *st, const char *model) {
+    char m[300];
+    snprintf(m, sizeof m, "model_name=\"%s\"", model);
     double kv = st->kv_pages_total > 0 ? (double)st->kv_pages_used / st->kv_pages_total : 0.0;
-    vmetric(b, m, "vllm:num_requests_running", "gauge", "Alias of qflash:num_requests_running.", st->running);
-    vmetric(b, m, "vllm:num_requests_waiting", "gauge", "Alias of qflash:num_requests_waiting.", st->waiting);
-    vmetric(b, m, "vllm:kv_cache_usage_perc", "gauge", "KV cache pages in use by running sequences, 0..1.", kv);
-    vmetric(b, m, "vllm:gpu_cache_usage_perc", "gauge", "Alias of vllm:kv_cache_usage_perc (vLLM's older name).", kv);
-    vmetric(b, m, "vllm:prompt_tokens_total", "counter", "Alias of qflash:prompt_tokens_total.", (double)st->prompt_tokens);
-    vmetric(b, m, "vllm:generation_tokens_total", "counter", "Alias of qflash:generation_tokens_total.", (double)st->gen_tokens);
-    vmetric(b, m, "vllm:num_preemptions_total", "counter", "Alias of qflash:preemptions_total.", (double)st->preempted);
-    vmetric(b, m, "vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", (double)(st->prefix_budget ? st->prompt_tokens : 0));
-    vmetric(b, m, "vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", (double)st->prefix_tokens);
-    vmetric(b, m, "vllm:spec_decode_num_drafts_total", "counter", "Alias of qflash:spec_decode_steps_total.", (double)st->spec_steps);
-    vmetric(b, m, "vllm:spec_decode_num_draft_tokens_total", "counter", "Alias of qflash:spec_decode_draft_tokens_total.", (double)st->spec_drafted);
-    vmetric(b, m, "vllm:spec_decode_num_accepted_tokens_total", "counter", "Alias of qflash:spec_decode_accepted_tokens_total.", (double)st->spec_accepted);
+    metric(b, m, "vllm:num_requests_running", "gauge", "Alias of qflash:num_requests_running.", st->running);
+    metric(b, m, "vllm:num_requests_waiting", "gauge", "Alias of qflash:num_requests_waiting.", st->waiting);
+    metric(b, m, "vllm:kv_cache_usage_perc", "gauge", "KV cache pages in use by running sequences, 0..1.", kv);
+    metric(b, m, "vllm:gpu_cache_usage_perc", "gauge", "Alias of vllm:kv_cache_usage_perc (vLLM's older name).", kv);
+    metric(b, m, "vllm:prompt_tokens_total", "counter", "Alias of qflash:prompt_tokens_total.", (double)st->prompt_tokens);
+    metric(b, m, "vllm:generation_tokens_total", "counter", "Alias of qflash:generation_tokens_total.", (double)st->gen_tokens);
+    metric(b, m, "vllm:num_preemptions_total", "counter", "Alias of qflash:preemptions_total.", (double)st->preempted);
+    metric(b, m, "vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", (double)(st->prefix_budget ? st->prompt_tokens : 0));
+    metric(b, m, "vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", (double)st->prefix_tokens);
+    metric(b, m, "vllm:spec_decode_num_drafts_total", "counter", "Alias of qflash:spec_decode_steps_total.", (double)st->spec_steps);
+    metric(b, m, "vllm:spec_decode_num_draft_tokens_total", "counter", "Alias of qflash:spec_decode_draft_tokens_total.", (double)st->spec_drafted);
+    metric(b, m, "vllm:spec_decode_num_accepted_tokens_total", "counter", "Alias of qflash:spec_decode_accepted_tokens_total.", (double)st->spec_accepted);
     evbuffer_add_printf(b, "# HELP vllm:request_success_total Finished requests by reason.\n# TYPE vllm:request_success_total counter\n");
     const char *why[3] = {"stop", "length", "abort"};
     uint64_t n[3] = {st->finished_stop, st->finished_length, st->finished_error + st->cancelled};
-    for (int i = 0; i < 3; i++) evbuffer_add_printf(b, "vllm:request_success_total{model_name=\"%s\",finished_reason=\"%s\"} %llu\n", m, why[i], (unsigned long long)n[i]);
+    for (int i = 0; i < 3; i++) evbuffer_add_printf(b, "vllm:request_success_total{%s,finished_reason=\"%s\"} %llu\n", m, why[i], (unsigned long long)n[i]);
     const double *tb = qf_sched_ttft_buckets, *kb = qf_sched_tok_buckets;
-    vhistogram(b, m, "vllm:time_to_first_token_seconds", "Time to the first token.", st->ttft_hist, tb, st->ttft_n, st->ttft_sum);
-    vhistogram(b, m, "vllm:inter_token_latency_seconds", "Time between tokens.", st->itl_hist, qf_sched_itl_buckets, st->itl_n, st->itl_sum);
-    vhistogram(b, m, "vllm:time_per_output_token_seconds", "Alias of vllm:inter_token_latency_seconds (vLLM's older name).", st->itl_hist,
+    histogram(b, m, "vllm:time_to_first_token_seconds", "Time to the first token.", st->ttft_hist, tb, st->ttft_n, st->ttft_sum);
+    histogram(b, m, "vllm:inter_token_latency_seconds", "Time between tokens.", st->itl_hist, qf_sched_itl_buckets, st->itl_n, st->itl_sum);
+    histogram(b, m, "vllm:time_per_output_token_seconds", "Alias of vllm:inter_token_latency_seconds (vLLM's older name).", st->itl_hist,
                qf_sched_itl_buckets, st->itl_n, st->itl_sum);
-    vhistogram(b, m, "vllm:e2e_request_latency_seconds", "Submit to the last token.", st->e2e_hist, tb, st->req_n, st->e2e_sum);
-    vhistogram(b, m, "vllm:request_queue_time_seconds", "Submit to a slot.", st->queue_hist, tb, st->req_n, st->queue_sum);
-    vhistogram(b, m, "vllm:request_prefill_time_seconds", "A slot to the first token.", st->prefill_hist, tb, st->req_n, st->prefill_sum);
-    vhistogram(b, m, "vllm:request_decode_time_seconds", "The first token to the last.", st->decode_hist, tb, st->req_n, st->decode_sum);
-    vhistogram(b, m, "vllm:request_prompt_tokens", "Prompt tokens of a finished request.", st->ptok_hist, kb, st->req_n, st->ptok_sum);
-    vhistogram(b, m, "vllm:request_generation_tokens", "Generated tokens of a finished request.", st->gtok_hist, kb, st->req_n, st->gtok_sum);
+    histogram(b, m, "vllm:e2e_request_latency_seconds", "Submit to the last token.", st->e2e_hist, tb, st->req_n, st->e2e_sum);
+    histogram(b, m, "vllm:request_queue_time_seconds", "Submit to a slot.", st->queue_hist, tb, st->req_n, st->queue_sum);
+    histogram(b, m, "vllm:request_prefill_time_seconds", "A slot to the first token.", st->prefill_hist, tb, st->req_n, st->prefill_sum);
+    histogram(b, m, "vllm:request_decode_time_seconds", "The first token to the last.", st->decode_hist, tb, st->req_n, st->decode_sum);
+    histogram(b, m, "vllm:request_prompt_tokens", "Prompt tokens of a finished request.", st->ptok_hist, kb, st->req_n, st->ptok_sum);
+    histogram(b, m, "vllm:request_generation_tokens", "Generated tokens of a finished request.", st->gtok_hist, kb, st->req_n, st->gtok_sum);
 }
 
 /* Readiness for a router or an orchestrator: 200 while this replica takes requests, 503 (with
@@ -169,36 +162,36 @@ void ep_metrics(srv *s, struct evhttp_request *req) {
     srv_stats(s, &st);
     struct evbuffer *b = evbuffer_new();
     if (!b) return;
-    metric(b, "qflash:requests_total", "counter", "Generation requests accepted.", (double)st.requests);
-    metric(b, "qflash:requests_finished_total", "counter", "Generation requests that ran to a stop or length.", (double)st.finished);
-    metric(b, "qflash:requests_cancelled_total", "counter", "Generation requests cancelled (client gone or shutdown).", (double)st.cancelled);
-    metric(b, "qflash:preemptions_total", "counter", "Sequences preempted for KV pages and recomputed.", (double)st.preempted);
-    metric(b, "qflash:prompt_tokens_total", "counter", "Prompt tokens admitted.", (double)st.prompt_tokens);
-    metric(b, "qflash:generation_tokens_total", "counter", "Tokens generated.", (double)st.gen_tokens);
-    metric(b, "qflash:scheduler_steps_total", "counter", "Batched forward steps.", (double)st.steps);
-    metric(b, "qflash:num_requests_running", "gauge", "Sequences holding a slot.", st.running);
-    metric(b, "qflash:num_requests_waiting", "gauge", "Requests in the queue.", st.waiting);
-    metric(b, "qflash:kv_cache_pages_used", "gauge", "KV cache pages the running sequences hold.", st.kv_pages_used);
-    metric(b, "qflash:kv_cache_pages_cached", "gauge", "KV cache pages only prefix snapshots hold (given back when needed).", st.kv_pages_cached);
-    metric(b, "qflash:kv_cache_pages_total", "gauge", "KV cache pages in the pool.", st.kv_pages_total);
-    metric(b, "qflash:expert_cache_hits_total", "counter", "Routed experts found in the expert cache (all resident: every use).", (double)st.expert_hits);
-    metric(b, "qflash:expert_cache_misses_total", "counter", "Routed experts loaded into the expert cache.", (double)st.expert_misses);
-    metric(b, "qflash:expert_cache_bytes_loaded_total", "counter", "Bytes of routed experts loaded.", (double)st.expert_bytes_loaded);
-    metric(b, "qflash:prefix_cache_hits_total", "counter", "Requests that started from a prefix snapshot.", (double)st.prefix_hits);
-    metric(b, "qflash:prefix_cache_misses_total", "counter", "Requests that found no prefix snapshot.", (double)st.prefix_misses);
-    metric(b, "qflash:prefix_cache_tokens_total", "counter", "Prompt tokens not prefilled: taken from prefix snapshots.", (double)st.prefix_tokens);
-    metric(b, "qflash:prefix_cache_evictions_total", "counter", "Prefix snapshots dropped (budget or KV pages needed).", (double)st.prefix_evicted);
-    metric(b, "qflash:prefix_cache_snapshots", "gauge", "Prefix snapshots held.", (double)st.prefix_snapshots);
-    metric(b, "qflash:prefix_cache_bytes", "gauge", "Bytes the prefix snapshots hold (DeltaNet copies, KV pages, tokens).", (double)st.prefix_bytes);
-    metric(b, "qflash:prefix_cache_budget_bytes", "gauge", "The prefix snapshots' budget (--prefix-cache-mem).", (double)st.prefix_budget);
-    metric(b, "qflash:grammar_masks_total", "counter", "Token masks computed for constrained output (response_format, forced tool calls).", (double)st.masks);
-    metric(b, "qflash:spec_decode_steps_total", "counter", "Sequence steps that verified MTP drafts (serve --draft).", (double)st.spec_steps);
-    metric(b, "qflash:spec_decode_draft_tokens_total", "counter", "MTP draft tokens proposed.", (double)st.spec_drafted);
-    metric(b, "qflash:spec_decode_accepted_tokens_total", "counter", "MTP draft tokens the model accepted (its own greedy picks).", (double)st.spec_accepted);
-    metric(b, "qflash:grammar_mask_seconds_total", "counter", "Time spent computing those masks.", st.mask_seconds);
-    histogram(b, "qflash:time_to_first_token_seconds", "Time from request to its first generated token.", st.ttft_hist,
+    metric(b, "", "qflash:requests_total", "counter", "Generation requests accepted.", (double)st.requests);
+    metric(b, "", "qflash:requests_finished_total", "counter", "Generation requests that ran to a stop or length.", (double)st.finished);
+    metric(b, "", "qflash:requests_cancelled_total", "counter", "Generation requests cancelled (client gone or shutdown).", (double)st.cancelled);
+    metric(b, "", "qflash:preemptions_total", "counter", "Sequences preempted for KV pages and recomputed.", (double)st.preempted);
+    metric(b, "", "qflash:prompt_tokens_total", "counter", "Prompt tokens admitted.", (double)st.prompt_tokens);
+    metric(b, "", "qflash:generation_tokens_total", "counter", "Tokens generated.", (double)st.gen_tokens);
+    metric(b, "", "qflash:scheduler_steps_total", "counter", "Batched forward steps.", (double)st.steps);
+    metric(b, "", "qflash:num_requests_running", "gauge", "Sequences holding a slot.", st.running);
+    metric(b, "", "qflash:num_requests_waiting", "gauge", "Requests in the queue.", st.waiting);
+    metric(b, "", "qflash:kv_cache_pages_used", "gauge", "KV cache pages the running sequences hold.", st.kv_pages_used);
+    metric(b, "", "qflash:kv_cache_pages_cached", "gauge", "KV cache pages only prefix snapshots hold (given back when needed).", st.kv_pages_cached);
+    metric(b, "", "qflash:kv_cache_pages_total", "gauge", "KV cache pages in the pool.", st.kv_pages_total);
+    metric(b, "", "qflash:expert_cache_hits_total", "counter", "Routed experts found in the expert cache (all resident: every use).", (double)st.expert_hits);
+    metric(b, "", "qflash:expert_cache_misses_total", "counter", "Routed experts loaded into the expert cache.", (double)st.expert_misses);
+    metric(b, "", "qflash:expert_cache_bytes_loaded_total", "counter", "Bytes of routed experts loaded.", (double)st.expert_bytes_loaded);
+    metric(b, "", "qflash:prefix_cache_hits_total", "counter", "Requests that started from a prefix snapshot.", (double)st.prefix_hits);
+    metric(b, "", "qflash:prefix_cache_misses_total", "counter", "Requests that found no prefix snapshot.", (double)st.prefix_misses);
+    metric(b, "", "qflash:prefix_cache_tokens_total", "counter", "Prompt tokens not prefilled: taken from prefix snapshots.", (double)st.prefix_tokens);
+    metric(b, "", "qflash:prefix_cache_evictions_total", "counter", "Prefix snapshots dropped (budget or KV pages needed).", (double)st.prefix_evicted);
+    metric(b, "", "qflash:prefix_cache_snapshots", "gauge", "Prefix snapshots held.", (double)st.prefix_snapshots);
+    metric(b, "", "qflash:prefix_cache_bytes", "gauge", "Bytes the prefix snapshots hold (DeltaNet copies, KV pages, tokens).", (double)st.prefix_bytes);
+    metric(b, "", "qflash:prefix_cache_budget_bytes", "gauge", "The prefix snapshots' budget (--prefix-cache-mem).", (double)st.prefix_budget);
+    metric(b, "", "qflash:grammar_masks_total", "counter", "Token masks computed for constrained output (response_format, forced tool calls).", (double)st.masks);
+    metric(b, "", "qflash:spec_decode_steps_total", "counter", "Sequence steps that verified MTP drafts (serve --draft).", (double)st.spec_steps);
+    metric(b, "", "qflash:spec_decode_draft_tokens_total", "counter", "MTP draft tokens proposed.", (double)st.spec_drafted);
+    metric(b, "", "qflash:spec_decode_accepted_tokens_total", "counter", "MTP draft tokens the model accepted (its own greedy picks).", (double)st.spec_accepted);
+    metric(b, "", "qflash:grammar_mask_seconds_total", "counter", "Time spent computing those masks.", st.mask_seconds);
+    histogram(b, "", "qflash:time_to_first_token_seconds", "Time from request to its first generated token.", st.ttft_hist,
               qf_sched_ttft_buckets, st.ttft_n, st.ttft_sum);
-    histogram(b, "qflash:inter_token_latency_seconds", "Time between consecutive generated tokens of a request.", st.itl_hist,
+    histogram(b, "", "qflash:inter_token_latency_seconds", "Time between consecutive generated tokens of a request.", st.itl_hist,
               qf_sched_itl_buckets, st.itl_n, st.itl_sum);
     vllm_aliases(b, &st, s->model_name);
     replica_lines(b, s);

@@ -10,6 +10,9 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.environ.get("QFLASH_BIN", os.path.join(ROOT, "build", "qflash"))
 MODEL = os.environ.get("QFLASH_TEST_MODEL", os.path.join(ROOT, "models", "qwen36moe-code-14m"))
+# the real Qwen3.6 template (tools, thinking), served with --chat-template by the tool-calling tests
+QWEN36_TEMPLATE = os.path.join(ROOT, "tests", "data", "templates", "templates", "Qwen-Qwen3.6-35B-A3B.jinja")
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 class Server:

@@ -62,3 +62,15 @@ def schemas():
     while len(out) < 60:
         out.append(combo(rng, 0))
     return out
+
+
+# Two tools whose parameters the untrained model can only fill from the grammar (enums, bounded
+# integers), so forced calls always complete.
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "add", "description": "Adds two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"]}}},
+]

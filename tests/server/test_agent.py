@@ -5,25 +5,14 @@ parallel calls and an agent loop on the bundled model with the Qwen3.6 chat temp
 The bundled model is not trained for tools or JSON: what it emits here is forced by the grammar,
 which is the point (the parsers meet real model output shaped only by the constraint)."""
 import json
-import os
 
 import jsonschema
 import openai
 import pytest
 
-from qfserver import ROOT, Server
-from schemas import schemas
+from qfserver import NO_THINK, QWEN36_TEMPLATE as TEMPLATE, Server
+from schemas import TOOLS, schemas
 
-TEMPLATE = os.path.join(ROOT, "tests", "data", "templates", "templates", "Qwen-Qwen3.6-35B-A3B.jinja")
-NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"]}}},
-    {"type": "function", "function": {"name": "add", "description": "Adds two integers.", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["a", "b"]}}},
-]
 ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
 
 

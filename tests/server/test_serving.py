@@ -14,19 +14,10 @@ import openai
 import pytest
 import requests
 
-from qfserver import ROOT, Server
+from qfserver import NO_THINK, QWEN36_TEMPLATE as TEMPLATE, Server
+from schemas import TOOLS
 
-TEMPLATE = os.path.join(ROOT, "tests", "data", "templates", "templates", "Qwen-Qwen3.6-35B-A3B.jinja")
-NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 GREEDY = {"temperature": 0}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"]}}},
-    {"type": "function", "function": {"name": "add", "description": "Adds two integers.", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["a", "b"]}}},
-]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -104,15 +95,14 @@ def test_reasoning_never_ends_without_a_budget(oa):
 
 
 @pytest.mark.parametrize("extra", [{"thinking_budget": 12}, {"max_thinking_tokens": 12}, {}])
-def test_reasoning_budget_lets_a_forced_call_through(oa, extra):
+def test_reasoning_budget_lets_a_forced_call_through(oa, server, extra):
     """A budget (given, or half of max_tokens by default when a grammar waits) ends the reasoning."""
     r = oa.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0, extra_body=extra)
     msg = r.choices[0].message
     assert_calls(msg.tool_calls)
     reasoning = msg.model_extra.get("reasoning_content") or ""
     if extra:
-        ids = requests.post(oa.base_url.scheme + "://" + oa.base_url.host + ":" + str(oa.base_url.port) + "/tokenize",
-                            json={"prompt": reasoning}).json()["tokens"]
+        ids = post(server, "/tokenize", {"prompt": reasoning}).json()["tokens"]
         assert len(ids) <= 13, reasoning
 
 
@@ -195,10 +185,10 @@ def test_logit_bias_forces_a_token(oa, server):
     assert r.choices[0].message.content == detok(server, [5] * 3)
 
 
-def test_logit_bias_bans_the_greedy_token(oa):
+def test_logit_bias_bans_the_greedy_token(oa, server):
     base = oa.completions.create(model="m", prompt="def f():", max_tokens=1, temperature=0, logprobs=1)
     first = base.choices[0].logprobs.tokens[0]
-    tid = requests.post(str(oa.base_url).replace("/v1/", "/tokenize"), json={"prompt": first}).json()["tokens"]
+    tid = post(server, "/tokenize", {"prompt": first}).json()["tokens"]
     r = oa.completions.create(model="m", prompt="def f():", max_tokens=1, temperature=0, logit_bias={str(tid[0]): -100})
     assert r.choices[0].text != first
 
