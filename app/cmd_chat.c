@@ -92,10 +92,15 @@ static void prepare_prompt(chat_ctx *c, qf_state *st, const int32_t *ids, int n,
 /* The prompt but its last token, then a snapshot there (the next turn's prompt begins with it). */
 static int prefill_and_keep(chat_ctx *c, qf_state *st, const int32_t *ids, int n, int skip, int room) {
     qf_prefix_evict(c->prefix, qf_state_pages_needed(st, n - st->pos + room));
-    if (n - 1 > skip) {
-        int rc = qf_forward_seq(c->e->model, &c->e->be, c->e->ws, st, ids + skip, n - 1 - skip, QF_LOGITS_NONE, NULL);
+    /* a snapshot where the last turn begins too: the next prompt renders this turn again
+     * differently (without its reasoning block) and shares only what lies before it */
+    int marks[2] = {qf_tok_turn_start(c->e->tok, ids, n), n - 1};
+    for (int i = 0; i < 2; i++) {
+        if (marks[i] <= skip) continue;
+        int rc = qf_forward_seq(c->e->model, &c->e->be, c->e->ws, st, ids + skip, marks[i] - skip, QF_LOGITS_NONE, NULL);
         if (rc != QF_OK) return rc;
         qf_prefix_save(c->prefix, st, ids);
+        skip = marks[i];
     }
     return QF_OK;
 }

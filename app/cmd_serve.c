@@ -11,6 +11,7 @@ static void serve_usage(void) {
     fprintf(stderr,
             "usage: qflash serve -m DIR [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--model-name NAME]\n"
             "                    [--served-model-name NAME,...] [--metrics-auth] [--chat-template FILE]\n"
+            "                    [--default-chat-template-kwargs JSON]\n"
             "                    [--max-batch 16] [--ctx 4096] [--kv-pages N | --kv-mem MIB] [--page-tokens 16]\n"
             "                    [--prefill-chunk 256] [--prefix-cache-mem MIB] [--max-queue 256] [--max-body MIB] [--shutdown-timeout S]\n"
             "                    [--max-conns 512] [--header-timeout 60] [--body-timeout 120] [--idle-timeout 75]\n"
@@ -20,6 +21,8 @@ static void serve_usage(void) {
             "--dp: N replicas of the model in this process behind the one endpoint (GPU i each with --device cuda, else the\n"
             "      threads shared out); a request goes to the one with the fewest running and waiting.\n"
             "--chat-template: a Jinja file used instead of the model's own template.\n"
+            "--default-chat-template-kwargs: a JSON object of template variables for every request, e.g.\n"
+            "      '{\"enable_thinking\": false}' (a request's chat_template_kwargs win).\n"
             "--served-model-name: the names a request's 'model' may give (the first is the id /v1/models lists; default: the\n"
             "      id alone, --model-name or the directory's name); any other name is answered 404 model_not_found.\n"
             "--metrics-auth: /metrics asks for the API key too (by default it is public, as vLLM's is).\n"
@@ -56,6 +59,7 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
         else if (cli_is(&a, NULL, "--served-model-name")) o->served_names = cli_value(&a);
         else if (cli_is(&a, NULL, "--metrics-auth")) o->metrics_auth = 1;
         else if (cli_is(&a, NULL, "--chat-template")) o->chat_template = cli_value(&a);
+        else if (cli_is(&a, NULL, "--default-chat-template-kwargs")) o->template_kwargs = cli_value(&a);
         else if (cli_is(&a, NULL, "--max-batch")) o->sched.max_batch = cli_int(&a, 1, 1024);
         else if (cli_is(&a, NULL, "--draft")) o->engine.draft = cli_int(&a, 0, 8);
         else if (cli_is(&a, NULL, "--dp")) o->dp = cli_int(&a, 1, QF_SRV_MAX_DP);

@@ -33,7 +33,7 @@ static void test_chat_template(const qf_tokenizer *t) {
     CHECK(qf_chat_render(&ct, m, n, 1, 0, &out) == QF_OK, "%s", qf_last_error());
     CHECK(!strcmp(out, json_string_value(json_object_get(cr, "no_thinking"))), "no-thinking variant:\n%s", out);
     free(out);
-    CHECK(!ct.think_prompt, "the bundled template's generation prompt does not open <think>");
+    CHECK(ct.think_prompt, "the bundled template (Qwen3.6's) opens <think> in its generation prompt");
     CHECK(!strcmp(qf_tok_bos_text(t), "") && !strcmp(qf_tok_eos_text(t), "<|endoftext|>"), "bos/eos texts: [%s] [%s]", qf_tok_bos_text(t), qf_tok_eos_text(t));
     qf_chat_tmpl te = {0};
     qf_chat_msg one = {"user", "x", NULL};

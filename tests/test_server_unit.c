@@ -61,6 +61,16 @@ static void test_tool_calls(void) {
              "<tool_call>\n<function=get_weather>\n<parameter=loc",
              tools, got, sizeof got, content, sizeof content);
     CHECK(strstr(got, "Rome") && !strstr(got, "call_t_1") && !content[0], "a cut last call is dropped, the complete one kept: %s / [%s]", got, content);
+    calls_of("<tool_call>\n<function=get_weather>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n</function>\n</tool_call>\n<",
+             tools, got, sizeof got, content, sizeof content);
+    CHECK(strstr(got, "call_t_1") && !content[0], "cut while opening a third call: the two complete ones kept: %s / [%s]", got, content);
+    calls_of("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"days\": 3}}\n</tool", tools, got, sizeof got, content, sizeof content);
+    CHECK(strstr(got, "\\\"days\\\":3") && !content[0], "a call cut inside its closing tag is complete: %s / [%s]", got, content);
+    json_t *reft = json_loads("[{\"function\":{\"name\":\"f\",\"parameters\":{\"$ref\":\"#/$defs/p\",\"$defs\":{\"n\":{\"type\":\"integer\"},"
+                              "\"p\":{\"type\":\"object\",\"properties\":{\"k\":{\"$ref\":\"#/$defs/n\"}}}}}}}]", 0, NULL);
+    calls_of("<tool_call>\n<function=f>\n<parameter=k>\n7\n</parameter>\n</function>\n</tool_call>", reft, got, sizeof got, content, sizeof content);
+    CHECK(strstr(got, "{\\\"k\\\":7}"), "a parameter's type through $refs: %s", got);
+    json_decref(reft);
     const char *bad[] = {"<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n", "<tool_call>\n{\"name\": 5}\n</tool_call>",
                          "<tool_call>\n<function=f>\n</function>\n</tool_call>\nand then some text", "no calls at all"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {

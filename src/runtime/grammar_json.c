@@ -1145,10 +1145,10 @@ static int compile_into(jc *c, json_t *node, int r, const char *path) {
     return c->failed ? -1 : 0;
 }
 
-/* A {"$ref"} with only annotations beside it: the rule of its target itself, so alternatives that
+/* A {"$ref"} with only annotations (or definitions) beside it: the rule of its target itself, so alternatives that
  * name one definition in different words are one rule (and deduplicated). */
 static json_t *plain_ref(jc *c, json_t *node, const char *path) {
-    static const char *const notes[] = {"$ref", "description", "title", "examples", "default", "$comment", "deprecated", "readOnly", "writeOnly"};
+    static const char *const notes[] = {"$ref", "description", "title", "examples", "default", "$comment", "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "$schema", "$id"};
     json_t *ref = json_object_get(node, "$ref");
     if (!json_is_string(ref)) return NULL;
     const char *key;
@@ -1161,21 +1161,27 @@ static json_t *plain_ref(jc *c, json_t *node, const char *path) {
     return resolve_ref(c, json_string_value(ref), path);
 }
 
-static int compile(jc *c, json_t *node, const char *path) {
-    int r = memo_find(c, node);
-    if (r >= 0) return r;
-    json_t *chain[64]; /* a chain of plain refs stands for its end; one that comes back (or runs on) is refused */
+/* The end of a chain of plain refs, which stands for the chain; one that comes back (or runs on)
+ * is refused (NULL). */
+static json_t *chain_end(jc *c, json_t *node, const char *path) {
+    json_t *chain[64];
     for (int hops = 0; json_is_object(node); hops++) {
         json_t *to = plain_ref(c, node, path);
         if (!to) break;
         chain[hops] = node;
         int cycle = hops == 63;
         for (int k = 0; k <= hops && !cycle; k++) cycle = chain[k] == to;
-        if (cycle) return jfail(c, path, "'$ref' '%s' is a cycle of references that never reaches a schema", json_string_value(json_object_get(node, "$ref")));
+        if (cycle) return jfail(c, path, "'$ref' '%s' is a cycle of references that never reaches a schema", json_string_value(json_object_get(node, "$ref"))), NULL;
         node = to;
-        if ((r = memo_find(c, node)) >= 0) return r;
     }
-    if (c->failed) return -1;
+    return c->failed ? NULL : node;
+}
+
+static int compile(jc *c, json_t *node, const char *path) {
+    int r = memo_find(c, node);
+    if (r >= 0) return r;
+    if (!(node = chain_end(c, node, path))) return -1;
+    if ((r = memo_find(c, node)) >= 0) return r;
     r = newrule(c);
     if (r < 0) return -1;
     memo_add(c, node, r);
@@ -1251,6 +1257,7 @@ static int xml_text(jc *c) {
  * type is given and is not "string"; else raw text (an enum's or const's values as written, a
  * pattern's text unquoted). */
 static int xml_value(jc *c, json_t *sch, const char *path) {
+    if (!(sch = chain_end(c, sch, path))) return -1;
     json_t *t = json_is_object(sch) ? json_object_get(sch, "type") : NULL;
     if (json_is_string(t) && strcmp(json_string_value(t), "string")) return compile(c, sch, path);
     json_t *en = json_is_object(sch) ? json_object_get(sch, "enum") : NULL, *cn = json_is_object(sch) ? json_object_get(sch, "const") : NULL;
@@ -1273,6 +1280,7 @@ static int xml_value(jc *c, json_t *sch, const char *path) {
 }
 
 static int xml_params(jc *c, json_t *params, const char *path) {
+    if (params && !(params = chain_end(c, params, path))) return -1;
     json_t *props = json_is_object(params) ? json_object_get(params, "properties") : NULL, *req = json_is_object(params) ? json_object_get(params, "required") : NULL;
     qf_gseq q = {0};
     int next = newrule(c);
@@ -1333,6 +1341,16 @@ static int one_call(jc *c, json_t *fn, int form, const char *path) {
     int r = rule_of(c, &q);
     qf_gseq_free(&q);
     return c->failed ? -1 : r;
+}
+
+const char *qf_tool_param_type(json_t *params, const char *key) {
+    jc c;
+    memset(&c, 0, sizeof c); /* no builder: only references are followed */
+    c.root = params;
+    json_t *ps = chain_end(&c, params, "");
+    json_t *sch = chain_end(&c, json_object_get(json_object_get(ps, "properties"), key), "");
+    json_t *t = json_object_get(sch, "type");
+    return json_is_string(t) && strcmp(json_string_value(t), "string") ? json_string_value(t) : NULL;
 }
 
 int qf_tool_calls_max(int n_tools) {

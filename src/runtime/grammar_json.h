@@ -41,5 +41,8 @@ int qf_tool_calls_max(int n_tools);
  * or opens inside it); JSON:
  * <tool_call>\n{"name": "NAME", "arguments": {...}}\n</tool_call>. */
 int qf_grammar_tools(qf_grammar **out, json_t *tools, const char *name, int form, int parallel);
+/* The JSON type an XML call's parameter `key` carries (through plain $refs), as the grammar
+ * above writes it; NULL: raw text (a string, or no type given). */
+const char *qf_tool_param_type(json_t *params, const char *key);
 
 #endif

@@ -1,8 +1,9 @@
 /* Prefix reuse across requests for a hybrid model. The attention layers' KV pages can be shared
  * (they are append-only), but the DeltaNet layers carry one recurrent state that every token
  * rewrites, so a prefix is reusable only where a copy of that state was kept. Snapshots are taken
- * at fixed token intervals while a prompt is prefilled, at its end, and at the end of every
- * finished request;
+ * at fixed token intervals while a prompt is prefilled, where a chat prompt's last turn begins
+ * (the next turn re-renders that turn and shares only what precedes it), at the prompt's end,
+ * and at the end of every finished request;
  * each holds the prefix's tokens, a copy of the DeltaNet states and references to its KV pages.
  * A new sequence starts from the longest snapshot whose tokens begin its own (at least one token
  * is left to run, for the logits). The least recently used snapshots go when the byte budget is

@@ -34,6 +34,7 @@ struct qf_req {
     qf_gmatch *gm;
     int32_t grammar_after;
     int min_tokens, n_stop_ids, n_bias, think_on, think_budget; /* think_on: in a reasoning block with a budget */
+    int snap_at;
     int32_t *stop_ids, *bias_ids, think_end;
     float *bias;
     /* n > 1: a first choice keeps a copy of its state before the prompt's last token (fork_snap)
@@ -177,6 +178,7 @@ static qf_req *req_new(qf_sched *s, const qf_req_params *p, int fork, qf_req *af
         if (r->stop_len[i] > r->max_stop) r->max_stop = r->stop_len[i];
     }
     r->min_tokens = p->min_tokens;
+    r->snap_at = p->snap_at > 0 && p->snap_at < p->n_prompt ? p->snap_at : 0;
     r->think_on = p->think_budget_on, r->think_budget = p->think_budget, r->think_end = p->think_end;
     r->n_stop_ids = p->n_stop_ids, r->n_bias = p->n_bias;
     r->stop_ids = p->n_stop_ids ? malloc((size_t)p->n_stop_ids * sizeof *r->stop_ids) : NULL;
@@ -635,6 +637,7 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out, int *pages_out) 
                 int take = left < s->o.prefill_chunk ? left : s->o.prefill_chunk;
                 if (s->prefix && r->n_fed < r->n_prompt) { /* chunks end on snapshot boundaries */
                     int to_mark = s->o.prefix_interval - r->n_fed % s->o.prefix_interval;
+                    if (r->n_fed < r->snap_at && r->snap_at - r->n_fed < to_mark) to_mark = r->snap_at - r->n_fed;
                     take = take < to_mark ? take : to_mark;
                 }
                 if (r->fork && r->fork_state == FORK_NONE && r->n_fed < r->n_prompt - 1 && take > r->n_prompt - 1 - r->n_fed) take = r->n_prompt - 1 - r->n_fed;
@@ -946,7 +949,7 @@ static int run_step(qf_sched *s) {
         /* snapshots on the interval's marks and at the prompt's end (a partial last page may be
          * shared while this sequence writes on past it: an adopter copies it and reads only what
          * lies before the snapshot's end) */
-        if (s->prefix && r->n_fed <= r->n_prompt && (r->n_fed % s->o.prefix_interval == 0 || r->n_fed == r->n_prompt))
+        if (s->prefix && r->n_fed <= r->n_prompt && (r->n_fed % s->o.prefix_interval == 0 || r->n_fed == r->n_prompt || r->n_fed == r->snap_at))
             qf_prefix_save(s->prefix, sl->st, r->toks);
         if (sl->st->n_pages > sl->pages_before)
             LOG(s, "seq %llu: %d KV pages allocated (%d held, %d free)\n", (unsigned long long)r->seq_no, sl->st->n_pages - sl->pages_before,

@@ -65,6 +65,8 @@ typedef struct qf_req_params {
     int think_budget_on;   /* the reply starts in a reasoning block that ends (think_end forced) */
     int think_budget;      /* after this many generated tokens when not ended before */
     int32_t think_end;
+    int snap_at;           /* a prefix snapshot also after this many prompt tokens (where the generation
+                              prompt begins, which the next turn's prompt shares); 0: none */
     void (*notify)(void *ud); /* called from the scheduler thread when output is ready */
     void *notify_ud;
 } qf_req_params;

@@ -258,10 +258,10 @@ static int template_messages(api_out *ao, json_t *b, json_t **out) {
 }
 
 /* The template's variables: messages, tools, add_generation_prompt, and the caller's template
- * kwargs as given (a variable the client did not send stays undefined, as transformers and vLLM
- * leave it). reasoning_effort is passed on, and turns enable_thinking off at none or minimal
+ * kwargs as given over the server's defaults (a variable neither sent stays undefined, as
+ * transformers and vLLM leave it). reasoning_effort is passed on, and turns enable_thinking off at none or minimal
  * unless the kwargs set it. *cont: the final message is left open (continue_final_message). */
-static int template_vars(api_out *ao, json_t *b, json_t **vars, int *cont) {
+static int template_vars(const srv *s, api_out *ao, json_t *b, json_t **vars, int *cont) {
     json_t *msgs = NULL, *tools = json_object_get(b, "tools"), *kw = json_object_get(b, "chat_template_kwargs");
     *vars = NULL;
     if (tools && !json_is_null(tools) && !json_is_array(tools)) return api_bad(ao, "'tools' must be a list");
@@ -277,7 +277,8 @@ static int template_vars(api_out *ao, json_t *b, json_t **vars, int *cont) {
     json_t *effort = json_object_get(b, "reasoning_effort");
     if (effort && !json_is_null(effort) && !json_is_string(effort)) return api_bad(ao, "'reasoning_effort' must be a string");
     if (template_messages(ao, b, &msgs)) return json_decref(msgs), -1;
-    json_t *v = json_is_object(kw) ? json_deep_copy(kw) : json_object();
+    json_t *v = s->template_kwargs ? json_deep_copy(s->template_kwargs) : json_object();
+    if (json_is_object(kw)) json_object_update(v, kw);
     json_object_set_new(v, "messages", msgs);
     json_object_set(v, "tools", json_is_array(tools) && json_array_size(tools) ? tools : json_null());
     json_object_set_new(v, "add_generation_prompt", json_boolean(gen_prompt && !*cont));
@@ -387,13 +388,14 @@ int api_parse_chat(srv *s, api_out *ao, json_t *b, gen_req *g) {
     if (!s->has_tmpl) return api_bad(ao, "this model has no chat template; use /v1/completions");
     json_t *vars = NULL;
     char *text = NULL;
-    int cont = 0, rc = template_vars(ao, b, &vars, &cont);
+    int cont = 0, rc = template_vars(s, ao, b, &vars, &cont);
     if (rc == 0 && qf_chat_render_vars(&s->tmpl, vars, &text) != QF_OK) rc = api_bad(ao, "cannot render the chat: %s", qf_last_error());
     if (rc == 0 && cont) rc = cut_at_final(ao, vars, text);
     if (rc == 0) {
         size_t tl = strlen(text);
         g->think_prompt = tl >= 8 && memcmp(text + tl - 8, "<think>\n", 8) == 0;
         rc = encode(s, ao, text, g, !g->tokenize_only);
+        if (rc == 0) g->p.snap_at = qf_tok_turn_start(s->e->tok, g->p.prompt, g->p.n_prompt);
     }
     json_t *tools = json_object_get(vars, "tools"), *choice = json_object_get(b, "tool_choice");
     if (rc == 0 && json_is_array(tools) && !(json_is_string(choice) && !strcmp(json_string_value(choice), "none"))) g->tools = json_incref(tools);

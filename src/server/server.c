@@ -317,12 +317,22 @@ static void stop(srv *s) {
     front_free(s);                            /* closes the clients' connections */
     if (s->http) evhttp_free(s->http);        /* closes connections; close callbacks free calls */
     qf_chat_tmpl_free(&s->tmpl);
+    json_decref(s->template_kwargs);
     for (int i = 1; i < s->n_dp; i++) qf_engine_close(s->ex[i]);
     qf_engine_close(s->e);
     struct event *evs[] = {s->wake, s->loaded, s->drain_timer, s->sigint, s->sigterm, s->accept_pause};
     for (size_t i = 0; i < sizeof evs / sizeof *evs; i++)
         if (evs[i]) event_free(evs[i]);
     if (s->base) event_base_free(s->base);
+}
+
+static int parse_template_kwargs(srv *s) {
+    if (!s->o->template_kwargs) return QF_OK;
+    json_error_t err;
+    s->template_kwargs = json_loads(s->o->template_kwargs, 0, &err);
+    if (!s->template_kwargs) return qf_fail(QF_EINVAL, "--default-chat-template-kwargs: %s at character %d", err.text, err.position);
+    if (!json_is_object(s->template_kwargs)) return qf_fail(QF_EINVAL, "--default-chat-template-kwargs must be a JSON object");
+    return QF_OK;
 }
 
 int qf_server_run(const qf_server_opts *o) {
@@ -338,7 +348,8 @@ int qf_server_run(const qf_server_opts *o) {
         snprintf(s.model_name, sizeof s.model_name, "%s", slash && slash[1] ? slash + 1 : o->model_dir);
     }
     signal(SIGPIPE, SIG_IGN);
-    int rc = start(&s);
+    int rc = parse_template_kwargs(&s);
+    if (rc == QF_OK) rc = start(&s);
     pthread_t loader;
     int loading = 0;
     if (rc == QF_OK) {

@@ -20,6 +20,8 @@ typedef struct qf_server_opts {
     int metrics_auth;         /* /metrics needs the API key (default: public) */
     const char *api_key;      /* NULL: no auth */
     const char *chat_template; /* a Jinja file used instead of the model's template (NULL: the model's) */
+    const char *template_kwargs; /* a JSON object of template variables every request starts from (the
+                                    request's chat_template_kwargs win); NULL: none */
     size_t max_body;          /* bytes */
     int max_conns;            /* open connections; beyond them the longest-idle one closes, or 503 */
     double header_timeout;    /* seconds from a request's first byte to the end of its head */

@@ -77,6 +77,7 @@ struct srv {
     int n_dp;
     qf_chat_tmpl tmpl;
     int has_tmpl;
+    json_t *template_kwargs;   /* --default-chat-template-kwargs, parsed (NULL: none) */
     int tool_form;             /* QF_TOOLS_XML when the template teaches <function=...>, else QF_TOOLS_JSON */
     char model_name[256];
     int port; /* the bound port (o->port may be 0: any free port) */

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "runtime/grammar_json.h"
+
 /* s[0..n) found in text[0..len) from `from`, or NULL */
 static const char *find(const char *text, size_t len, size_t from, const char *s) {
     size_t k = strlen(s);
@@ -23,8 +25,7 @@ static const char *param_type(json_t *tools, const char *name, const char *key) 
         json_t *fn = json_object_get(t, "function");
         if (!fn) fn = t;
         if (!json_is_string(json_object_get(fn, "name")) || strcmp(json_string_value(json_object_get(fn, "name")), name)) continue;
-        json_t *ty = json_object_get(json_object_get(json_object_get(json_object_get(fn, "parameters"), "properties"), key), "type");
-        return json_is_string(ty) ? json_string_value(ty) : NULL;
+        return qf_tool_param_type(json_object_get(fn, "parameters"), key);
     }
     return NULL;
 }
@@ -96,6 +97,9 @@ static json_t *one_call(const char *b, size_t n, json_t *tools, const char *id) 
     return call;
 }
 
+/* The reply was cut while it opened one more call: a start of "<tool_call>" and nothing else. */
+static int is_cut_open(const char *t, size_t n) { return n < strlen(TC_OPEN) && !memcmp(t, TC_OPEN, n); }
+
 void tc_parse(const char *text, size_t n, json_t *tools, const char *id_base, json_t **calls, size_t *content_len) {
     *calls = NULL, *content_len = n;
     const char *first = find(text, n, 0, TC_OPEN);
@@ -107,6 +111,11 @@ void tc_parse(const char *text, size_t n, json_t *tools, const char *id_base, js
         if (!open) break;
         const char *body = open + strlen(TC_OPEN), *close = find(text, n, (size_t)(body - text), "</tool_call>");
         size_t bl = close ? (size_t)(close - body) : n - (size_t)(body - text); /* the last may be cut at the stop */
+        for (size_t k = sizeof "</tool_call>" - 2; !close && k > 0; k--) /* ... even inside its closing tag */
+            if (bl >= k && !memcmp(body + bl - k, "</tool_call>", k)) {
+                bl -= k;
+                break;
+            }
         char id[96];
         snprintf(id, sizeof id, "call_%s_%zu", id_base, json_array_size(out));
         json_t *call = one_call(body, bl, tools, id);
@@ -115,7 +124,8 @@ void tc_parse(const char *text, size_t n, json_t *tools, const char *id_base, js
         json_array_append_new(out, call);
         at = close ? (size_t)(close - text) + 12 : n;
         while (at < n && is_ws(text[at])) at++;
-        if (at < n && !find(text, n, at, TC_OPEN)) return json_decref(out); /* text after the calls: not a tool-call answer */
+        if (at < n && !find(text, n, at, TC_OPEN) && !is_cut_open(text + at, n - at))
+            return json_decref(out); /* text after the calls: not a tool-call answer */
     }
     if (!json_array_size(out)) return json_decref(out); /* only a cut call: the text stays content */
     size_t c = (size_t)(first - text);

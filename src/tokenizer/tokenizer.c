@@ -588,6 +588,13 @@ int qf_tok_lookup(const qf_tokenizer *t, const char *token) { return qf_strmap_g
 
 int qf_tok_is_special(const qf_tokenizer *t, int32_t id) { return id >= 0 && id < t->n_vocab && t->special[id]; }
 
+int qf_tok_turn_start(const qf_tokenizer *t, const int32_t *ids, int n) {
+    int32_t im_start = qf_tok_lookup(t, "<|im_start|>");
+    int k = n - 1;
+    while (im_start >= 0 && k > 0 && ids[k] != im_start) k--;
+    return im_start >= 0 && k > 0 ? k : 0;
+}
+
 const char *qf_tok_chat_template(const qf_tokenizer *t) { return t->chat_template; }
 const char *qf_tok_bos_text(const qf_tokenizer *t) { return t->bos; }
 const char *qf_tok_eos_text(const qf_tokenizer *t) { return t->eos; }

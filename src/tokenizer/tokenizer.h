@@ -31,6 +31,10 @@ int qf_tok_vocab_size(const qf_tokenizer *t); /* highest id + 1 */
 size_t qf_tok_max_piece_len(const qf_tokenizer *t); /* longest qf_tok_piece, in bytes */
 int qf_tok_lookup(const qf_tokenizer *t, const char *token); /* id of an exact token, or -1 */
 int qf_tok_is_special(const qf_tokenizer *t, int32_t id);
+/* Where a chat prompt's last turn begins: the last <|im_start|> past position 0 (0: none). A
+ * conversation's next prompt shares everything before it, while the turn itself is rendered
+ * again differently (the template drops its reasoning block). */
+int qf_tok_turn_start(const qf_tokenizer *t, const int32_t *ids, int n);
 /* The chat template text, or NULL when the checkpoint has none. */
 const char *qf_tok_chat_template(const qf_tokenizer *t);
 /* tokenizer_config.json's bos_token / eos_token text, as templates get them ("" when absent). */

@@ -8,7 +8,7 @@ import signal
 import openai
 import pytest
 
-from qfserver import MODEL, Server, run_cli, wait_for
+from qfserver import MODEL, NO_THINK, Server, run_cli, wait_for
 
 PROMPTS = ["def fib(n):", "import numpy as np\n", "class Stack:\n", "# sort a list\n", "for i in range(10):",
            "def read_file(path):", "import os\nimport sys\n", "x = [", "def main():\n    ", "while True:",
@@ -114,7 +114,7 @@ def test_enable_thinking_false(client, server):
 
 def test_logprobs(client):
     r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x = ["}], max_tokens=6, temperature=0,
-                                       logprobs=True, top_logprobs=3)
+                                       logprobs=True, top_logprobs=3, extra_body=NO_THINK)
     lp = r.choices[0].logprobs.content
     assert len(lp) == r.usage.completion_tokens or len(lp) == r.usage.completion_tokens - 1  # a final eos has no entry
     for e in lp:

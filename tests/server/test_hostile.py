@@ -61,12 +61,16 @@ CASES = [
 ]
 
 
-# Roles and tools are the chat template's to take or refuse (the bundled model's renders any role
-# and ignores tools; Qwen3.6's raises on a role it does not know): these render and run.
+# Roles and tools are the chat template's to take or refuse: the bundled model's (Qwen3.6's own)
+# renders tools, and raises on a role it does not know or a chat without a user query, which is a
+# 400 carrying the template's own message.
 ACCEPTED = [
-    {"messages": [{"role": "wizard", "content": "x"}], "max_tokens": 2},
-    {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}], "max_tokens": 2},
     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "x", "tool_call_id": "1"}], "max_tokens": 2},
+]
+TEMPLATE_REFUSED = [
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "x"}], "max_tokens": 2}, "Unexpected message role."),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}], "max_tokens": 2}, "No user query found in messages."),
 ]
 
 
@@ -134,6 +138,13 @@ def test_template_decides(server, body):
     reply = post_bytes(server.port, CHAT, json.dumps(body).encode())
     assert status_of(reply) == 200, reply[:300]
     assert json.loads(reply.partition(b"\r\n\r\n")[2])["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("body,message", TEMPLATE_REFUSED, ids=[str(i) for i in range(len(TEMPLATE_REFUSED))])
+def test_template_refuses(server, body, message):
+    reply = post_bytes(server.port, CHAT, json.dumps(body).encode())
+    assert status_of(reply) == 400, reply[:300]
+    assert message in json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["message"]
 
 
 HTTP_CASES = [

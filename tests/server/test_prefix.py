@@ -9,7 +9,7 @@ import http.client
 import openai
 import pytest
 
-from qfserver import Server, wait_for
+from qfserver import NO_THINK, Server, wait_for
 
 SYSTEM = ("You are a careful Python programmer. You answer with short, correct code, you name things clearly, you write "
           "docstrings, you prefer the standard library, and you never use global state. ") * 3
@@ -31,32 +31,66 @@ def cold():
         yield s
 
 
-def ask(c, msgs, n=12):
-    r = c.chat.completions.create(model="m", messages=msgs, max_tokens=n, temperature=0, logprobs=True, top_logprobs=5)
+def ask(c, msgs, n=12, think=True):
+    r = c.chat.completions.create(model="m", messages=msgs, max_tokens=n, temperature=0, logprobs=True, top_logprobs=5,
+                                  extra_body={"chat_template_kwargs": {"enable_thinking": think}})
     lp = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in r.choices[0].logprobs.content]
     return r, lp
 
 
-def test_ten_turns(warm, cold):
+def n_tokens(s, msgs, think, gen=True):
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+    body = {"messages": msgs, "add_generation_prompt": gen, "chat_template_kwargs": {"enable_thinking": think}}
+    conn.request("POST", "/tokenize", json.dumps(body), {"Content-Type": "application/json"})
+    return json.loads(conn.getresponse().read())["count"]
+
+
+@pytest.mark.parametrize("think", [False, True], ids=["no_think", "think"])
+def test_ten_turns(warm, cold, think):
+    """The bundled model's template is Qwen3.6's: a prompt ends in the generation prompt (with an
+    empty or open reasoning block) that the next turn renders differently, so a turn reuses
+    everything before its generation prompt (a snapshot where the last turn begins) and prefills
+    only the reply, the new user turn and the generation prompt."""
     cw, cc = client(warm), client(cold)
     msgs = [{"role": "system", "content": SYSTEM}]
     prev = None
     for turn in range(10):
         msgs.append({"role": "user", "content": "Write helper number %d; it adds %d to its argument." % (turn, turn)})
-        rw, lw = ask(cw, msgs)
-        rc, lc = ask(cc, msgs)
+        rw, lw = ask(cw, msgs, think=think)
+        rc, lc = ask(cc, msgs, think=think)
         assert rw.choices[0].message.content == rc.choices[0].message.content
         assert lw == lc, "turn %d: logprobs differ from a cold prefill" % turn
         cached = rw.usage.prompt_tokens_details.cached_tokens
         assert rc.usage.prompt_tokens_details.cached_tokens == 0
+        gen_prompt = n_tokens(warm, msgs, think) - n_tokens(warm, msgs, think, gen=False)
+        # <|im_start|> ass ist ant \n <think> \n (+ \n\n </think> \n\n for thinking off: 9)
+        assert gen_prompt == (9 if not think else 7)
         if prev:
-            # everything the last turn held is reused: only its reply's tail and the new turn are prefilled
-            assert cached >= prev.usage.prompt_tokens, (turn, cached, prev.usage.prompt_tokens)
-            assert rw.usage.prompt_tokens - cached <= prev.usage.completion_tokens + 40
+            # new: the reply as the template now renders it, the user turn, the generation prompt
+            new_turn = rw.usage.prompt_tokens - prev.usage.prompt_tokens
+            assert rw.usage.prompt_tokens - cached <= new_turn + gen_prompt, (turn, cached, rw.usage.prompt_tokens, new_turn)
         prev = rw
-        msgs.append({"role": "assistant", "content": rw.choices[0].message.content})
+        msgs.append({"role": "assistant", "content": rw.choices[0].message.content or ""})
     m = warm.metrics()
     assert m["qflash:prefix_cache_hits_total"] >= 9 and m["qflash:prefix_cache_tokens_total"] > 0
+
+
+def test_chat_ten_turns():
+    """qflash chat, thinking on and off: each turn prefills only the reply, the new user turn and
+    the generation prompt (the "(N new)" of its status line)."""
+    import re
+    import subprocess
+    from qfserver import BIN, MODEL
+    for flags, gen_prompt in (([], 7), (["--no-think"], 9)):  # as test_ten_turns counts them
+        lines = "".join("Write helper number %d; it adds %d to its argument.\n" % (t, t) for t in range(10)) + "/exit\n"
+        p = subprocess.run([BIN, "chat", "-m", MODEL, "-n", "12", "--temp", "0", "-t", "2", *flags], input=lines,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-500:]
+        turns = [(int(a), int(b)) for a, b in re.findall(r"\[(\d+) prompt tokens \((\d+) new\)", p.stderr)]
+        assert len(turns) == 10, p.stderr[-800:]
+        assert turns[0][1] == turns[0][0]
+        for (n0, _), (n1, new) in zip(turns, turns[1:]):
+            assert new <= (n1 - n0) + gen_prompt, (flags, turns)
 
 
 def test_shared_system_prompt(warm, cold):
@@ -107,10 +141,10 @@ def test_n_choices():
     with Server("--max-batch", "8", "--ctx", "1024", "--prefix-cache-mem", "0") as s:
         c = client(s)
         msgs = [{"role": "user", "content": "def fib(n):"}]
-        whole = c.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0.9, seed=5, n=3)
+        whole = c.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0.9, seed=5, n=3, extra_body=NO_THINK)
         assert [ch.index for ch in whole.choices] == [0, 1, 2]
         assert len({ch.message.content for ch in whole.choices}) > 1
-        chunks = list(c.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0.9, seed=5, n=3, stream=True,
+        chunks = list(c.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0.9, seed=5, n=3, stream=True, extra_body=NO_THINK,
                                                 stream_options={"include_usage": True}))
         text = {}
         for ch in chunks:
@@ -120,7 +154,7 @@ def test_n_choices():
         assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
         assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
         assert sorted(x.index for ch in chunks for x in ch.choices if x.finish_reason) == [0, 1, 2]  # every choice ends once
-        greedy = c.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0, n=2)
+        greedy = c.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0, n=2, extra_body=NO_THINK)
         assert greedy.choices[0].message.content == greedy.choices[1].message.content
         cp = c.completions.create(model="m", prompt="import os\n", max_tokens=8, temperature=0.7, n=2, seed=1)
         assert [x.index for x in cp.choices] == [0, 1] and cp.usage.completion_tokens <= 16

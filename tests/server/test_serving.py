@@ -350,12 +350,25 @@ def test_schemas_that_cannot_be_honoured_are_refused(server, schema, words):
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
-def test_tool_with_a_root_cycle_refused():
-    """The JSON tool-call form (the bundled ChatML template) compiles the parameters' schema whole."""
-    with Server() as s:
-        r = post(s, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "tool_choice": "required",
+@pytest.mark.parametrize("template", [None, "Qwen-Qwen2.5-7B-Instruct.jinja"], ids=["xml_form", "json_form"])
+def test_tool_with_a_root_cycle_refused(template):
+    """Both tool-call forms (Qwen3.6's XML one, the bundled template's; Qwen2.5's JSON one) follow
+    the parameters' references before the reply starts: a cycle is a 400, a parameter typed
+    through $refs gets its type's JSON."""
+    args = ["--chat-template", os.path.join(os.path.dirname(TEMPLATE), template)] if template else []
+    with Server(*args) as s:
+        r = post(s, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "tool_choice": "required", **NO_THINK,
                                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}]})
         assert r.status_code == 400 and "cycle of references" in r.json()["error"]["message"], r.text
+        params = {"$ref": "#/$defs/p", "$defs": {"p": {"type": "object", "properties": {"k": {"$ref": "#/$defs/n"}}, "required": ["k"]},
+                                                 "n": {"type": "integer", "minimum": 3, "maximum": 9}}}
+        r = post(s, "/v1/chat/completions", {"messages": ASK, "max_tokens": 40, "tool_choice": "required", **NO_THINK,
+                                             "parallel_tool_calls": False,
+                                             "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]})
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+        assert r.status_code == 200 and len(calls) == 1, r.text
+        k = json.loads(calls[0]["function"]["arguments"])["k"]
+        assert isinstance(k, int) and 3 <= k <= 9, r.text
 
 
 @pytest.mark.parametrize("pattern,ok", [("^[\\x41-\\x43]{3}$", "ABC"), ("^\\x41[\\x62]$", "Ab"), ("^[^\\sa-z]{2}$", None), ("^[\\S]{2}$", None)])

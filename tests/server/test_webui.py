@@ -35,7 +35,8 @@ def browser():
 
 
 def api_reply(url, text):
-    body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 64, "temperature": 0}).encode()
+    body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 64, "temperature": 0,
+                       "chat_template_kwargs": {"enable_thinking": False}}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["message"]["content"]
 
@@ -50,6 +51,7 @@ def test_type_and_see_streamed_reply(browser):
             const f = window.fetch;
             window.fetch = (u, o) => { if (o && o.body) { const b = JSON.parse(o.body); b.temperature = 0; b.max_tokens = 64;
                                                           o.body = JSON.stringify(b); } return f(u, o); };""")
+        browser.find_element(By.ID, "think").click()  # the answer itself, not reasoning
         box = browser.find_element(By.ID, "input")
         box.send_keys("write fib in python")
         browser.find_element(By.ID, "send").click()
@@ -72,6 +74,7 @@ def test_stop_button_cancels(browser):
             const f = window.fetch;
             window.fetch = (u, o) => { if (o && o.body) { const b = JSON.parse(o.body); b.max_tokens = 8000; b.ignore_eos = true;
                                                           o.body = JSON.stringify(b); } return f(u, o); };""")
+        browser.find_element(By.ID, "think").click()
         browser.find_element(By.ID, "input").send_keys("class Stack:")
         browser.find_element(By.ID, "send").click()
         WebDriverWait(browser, 60, poll_frequency=0.05).until(
