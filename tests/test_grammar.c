@@ -67,6 +67,23 @@ static void test_schemas(void) {
     expect("{\"type\":\"array\"}", (const char *[]){"[1,\n    2]", "[ ]", NULL}, (const char *[]){"[1,\n\n 2]", "[1,                                  2]", NULL});
 }
 
+/* Loops over a body that may be empty, and ambiguous nesting: the same language as the regex, and
+ * a long text still matched (parses that meet again share one stack). */
+static void test_nested_quantifiers(void) {
+    char long_a[420] = "\"";
+    memset(long_a + 1, 'a', 400);
+    strcpy(long_a + 401, "c\"");
+    const char *longs[] = {long_a, NULL};
+    expect("{\"type\":\"string\",\"pattern\":\"^(a*)*$\"}", (const char *[]){"\"\"", "\"aaa\"", NULL}, (const char *[]){"\"b\"", NULL});
+    expect("{\"type\":\"string\",\"pattern\":\"^((a|b)*)*c$\"}", (const char *[]){"\"c\"", "\"abbac\"", NULL}, (const char *[]){"\"ab\"", "\"cc\"", NULL});
+    expect("{\"type\":\"string\",\"pattern\":\"^(a+)+c$\"}", longs, (const char *[]){"\"c\"", "\"aab\"", NULL});
+    expect("{\"type\":\"string\",\"pattern\":\"^((a|b)+)*c$\"}", longs, (const char *[]){"\"abca\"", NULL});
+    expect("{\"type\":\"string\",\"pattern\":\"^((a?b?)*c?)+d$\"}", (const char *[]){"\"d\"", "\"abcabd\"", "\"ccbd\"", NULL}, (const char *[]){"\"dd\"", "\"e\"", NULL});
+    expect("{\"type\":\"string\",\"pattern\":\"^(a?){3,}b$\"}", (const char *[]){"\"b\"", "\"aaaaab\"", NULL}, (const char *[]){"\"ba\"", NULL});
+    expect("{\"type\":\"string\",\"pattern\":\"^(()*)*x$\"}", (const char *[]){"\"x\"", NULL}, (const char *[]){"\"\"", "\"xx\"", NULL});
+    expect("{\"type\":\"string\",\"pattern\":\"^(a|aa)+b$\"}", (const char *[]){"\"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaab\"", NULL}, (const char *[]){"\"ab b\"", NULL});
+}
+
 static void test_integer_ranges(void) {
     static const long long ranges[][2] = {{-13, 27}, {0, 9}, {5, 105}, {-250, -7}, {99, 1000}, {7, 7}};
     for (size_t k = 0; k < sizeof ranges / sizeof ranges[0]; k++) {
@@ -210,6 +227,7 @@ int main(int argc, char **argv) {
     int32_t eos[2] = {4000, 4002};
     if (qf_vocab_index_create(&vix, tok, vocab, eos, 2) != QF_OK) return 1;
     test_schemas();
+    test_nested_quantifiers();
     test_integer_ranges();
     test_refused();
     test_masks();

@@ -116,6 +116,132 @@ void qf_gseq_free(qf_gseq *q) {
     *q = (qf_gseq){0};
 }
 
+/* ---- the nonempty part of a sequence, for loops whose body may be empty ---- */
+
+typedef struct ne_ctx {
+    qf_gbuild *b;
+    unsigned char *nul; /* rule may derive the empty string */
+    int *first, *next;  /* alternatives of each rule (of those there when the call began) */
+    int *map;           /* rule -> its nonempty rule, or -1 */
+    int n_rules, depth;
+} ne_ctx;
+
+static int elem_nullable(const ne_ctx *x, int32_t e) { return e < 0 && -e - 1 < x->n_rules && x->nul[-e - 1]; }
+
+static void ne_nullable(ne_ctx *x) {
+    for (int changed = 1; changed;) {
+        changed = 0;
+        for (int a = 0; a < x->b->n_alts; a++) {
+            const balt *al = &x->b->alts[a];
+            if (x->nul[al->rule]) continue;
+            int all = 1;
+            for (int i = 0; i < al->n && all; i++) all = elem_nullable(x, x->b->elems[al->e0 + i]);
+            if (all) x->nul[al->rule] = 1, changed = 1;
+        }
+    }
+}
+
+static int ne_rule(ne_ctx *x, int r);
+
+/* Adds to rule to the nonempty strings of elements e[0..n): for each i with e[0..i) all empty,
+ * e[i]'s nonempty part followed by e[i+1..n) as they are. */
+static int ne_seq(ne_ctx *x, int to, const int32_t *e, int n) {
+    qf_gseq q = {0};
+    int rc = 0;
+    for (int i = 0; i < n && rc == 0; i++) {
+        int32_t head = e[i];
+        if (head < 0) {
+            int sub = ne_rule(x, -head - 1);
+            if (sub < -1) rc = -1;
+            head = sub >= 0 ? -(sub + 1) : 0;
+            if (sub == -1) goto next; /* derives only the empty string */
+        }
+        qf_gseq_clear(&q);
+        seq_push(&q, head);
+        for (int k = i + 1; k < n; k++) seq_push(&q, e[k]);
+        if (!(q.n == 1 && q.e[0] == -(to + 1))) qf_gb_alt(x->b, to, &q);
+    next:
+        if (!elem_nullable(x, e[i])) break;
+    }
+    qf_gseq_free(&q);
+    return rc || x->b->oom ? -1 : 0;
+}
+
+/* The rule of r's nonempty strings; -1 when r derives only the empty string, -2 on failure. */
+static int ne_rule(ne_ctx *x, int r) {
+    if (x->map[r] != -1) return x->map[r] == -3 ? -1 : x->map[r];
+    if (++x->depth > 256) return -2;
+    int R = qf_gb_rule(x->b);
+    if (R < 0) return -2;
+    x->map[r] = R;
+    int before = x->b->n_alts;
+    for (int a = x->first[r]; a >= 0; a = x->next[a]) {
+        balt al = x->b->alts[a];
+        int32_t *copy = malloc((size_t)(al.n ? al.n : 1) * sizeof *copy); /* the builder's elements move as it grows */
+        if (!copy) return -2;
+        memcpy(copy, x->b->elems + al.e0, (size_t)al.n * sizeof *copy);
+        int rc = ne_seq(x, R, copy, al.n);
+        free(copy);
+        if (rc < 0) return -2;
+    }
+    x->depth--;
+    int any = 0;
+    for (int a = before; a < x->b->n_alts && !any; a++) any = x->b->alts[a].rule == R;
+    if (!any) { /* nothing but the empty string; a reference made meanwhile (recursion) matches nothing */
+        x->map[r] = -3;
+        qf_gseq q = {0};
+        qf_cset none = {{0}};
+        qf_gseq_set(x->b, &q, &none);
+        qf_gb_alt(x->b, R, &q);
+        qf_gseq_free(&q);
+    }
+    return any ? R : -1;
+}
+
+int qf_gb_nonempty(qf_gbuild *b, const qf_gseq *frag) {
+    ne_ctx x = {b, NULL, NULL, NULL, NULL, b->n_rules, 0};
+    int n_alts = b->n_alts, out = -2;
+    x.nul = calloc((size_t)x.n_rules + 1, 1);
+    x.first = malloc(((size_t)x.n_rules + 1) * sizeof *x.first);
+    x.next = malloc(((size_t)n_alts + 1) * sizeof *x.next);
+    x.map = malloc(((size_t)x.n_rules + 1) * sizeof *x.map);
+    if (x.nul && x.first && x.next && x.map && !b->oom) {
+        for (int r = 0; r < x.n_rules; r++) x.first[r] = -1, x.map[r] = -1;
+        for (int a = n_alts - 1; a >= 0; a--) x.next[a] = x.first[b->alts[a].rule], x.first[b->alts[a].rule] = a;
+        ne_nullable(&x);
+        int R = qf_gb_rule(b);
+        int32_t *copy = malloc((size_t)(frag->n ? frag->n : 1) * sizeof *copy);
+        if (R >= 0 && copy) {
+            memcpy(copy, frag->e, (size_t)frag->n * sizeof *copy);
+            out = ne_seq(&x, R, copy, frag->n) < 0 ? -2 : R;
+        }
+        free(copy);
+        int any = 0;
+        for (int a = n_alts; out >= 0 && a < b->n_alts && !any; a++) any = b->alts[a].rule == R;
+        if (out >= 0 && !any) { /* R stays a valid rule that matches nothing */
+            qf_gseq q = {0};
+            qf_cset none = {{0}};
+            qf_gseq_set(b, &q, &none);
+            qf_gb_alt(b, R, &q);
+            qf_gseq_free(&q);
+            out = -1;
+        }
+    }
+    free(x.nul), free(x.first), free(x.next), free(x.map);
+    if (out == -2) b->oom = 1;
+    return out;
+}
+
+int qf_gb_seq_nullable(const qf_gbuild *b, const qf_gseq *frag) {
+    ne_ctx x = {(qf_gbuild *)b, calloc((size_t)b->n_rules + 1, 1), NULL, NULL, NULL, b->n_rules, 0};
+    if (!x.nul) return 0;
+    ne_nullable(&x);
+    int all = 1;
+    for (int i = 0; i < frag->n && all; i++) all = elem_nullable(&x, frag->e[i]);
+    free(x.nul);
+    return all;
+}
+
 void qf_gb_special(qf_gbuild *b, const char *text) {
     for (int i = 0; i < b->n_specials; i++)
         if (!strcmp(b->specials[i], text)) return;
@@ -420,6 +546,7 @@ struct qf_gmatch {
     int32_t *remap, *chain; /* compaction */
     gnode *arena2;
     int n2;
+    int32_t *hc;           /* HC_SIZE recent nodes by hash (push_node) */
 };
 
 static int same_node(const gnode *a, const gnode *b) { return a->alt == b->alt && a->pos == b->pos && a->parent == b->parent; }
@@ -430,12 +557,28 @@ static int popcount(const qf_cset *s) {
     return n;
 }
 
+/* Nodes are shared where their contents are equal (a small cache of recent ones by hash), so that
+ * parses that meet again (a+)+ have one stack, not one per way they got there; a slot whose node
+ * was dropped or moved is simply not equal any more. */
+#define HC_SIZE (1 << 15)
+#define HC_WAYS 4
+
 static int32_t push_node(qf_gmatch *m, int32_t alt, int32_t pos, int32_t parent) {
+    gnode want = {alt, pos, parent};
+    uint32_t h = ((uint32_t)alt * 2654435761u ^ (uint32_t)pos * 40503u ^ (uint32_t)parent * 2246822519u) & (HC_SIZE - 1), free_slot = h;
+    for (uint32_t k = 0; k < HC_WAYS; k++) {
+        uint32_t slot = (h + k) & (HC_SIZE - 1);
+        int32_t i = m->hc[slot];
+        int live = i >= 0 && i < m->n_arena;
+        if (live && same_node(&m->arena[i], &want)) return i;
+        if (!live && free_slot == h) free_slot = slot;
+    }
     if (m->n_arena >= m->cap_arena) {
         m->err = 1;
         return -1;
     }
-    m->arena[m->n_arena] = (gnode){alt, pos, parent};
+    m->arena[m->n_arena] = want;
+    m->hc[free_slot] = m->n_arena;
     return m->n_arena++;
 }
 
@@ -519,6 +662,7 @@ void qf_gmatch_free(qf_gmatch *m) {
     free(m->depth);
     free(m->depth_mark);
     free(m->special_id);
+    free(m->hc);
     free(m);
 }
 
@@ -545,7 +689,9 @@ int qf_gmatch_create(qf_gmatch **out, const qf_grammar *g, qf_vocab_index *v, co
     m->depth = malloc(((size_t)v->max_len + 2) * sizeof(gset));
     m->depth_mark = malloc(((size_t)v->max_len + 2) * sizeof(int));
     m->special_id = malloc(((size_t)g->n_specials + 1) * sizeof(int32_t));
-    if (!m->arena || !m->arena2 || !m->remap || !m->chain || !m->allowed || !m->depth || !m->depth_mark || !m->special_id) {
+    m->hc = malloc(HC_SIZE * sizeof(int32_t));
+    if (m->hc) memset(m->hc, 0xff, HC_SIZE * sizeof(int32_t));
+    if (!m->arena || !m->arena2 || !m->remap || !m->chain || !m->allowed || !m->depth || !m->depth_mark || !m->special_id || !m->hc) {
         qf_gmatch_free(m);
         return qf_fail(QF_ENOMEM, "out of memory for a grammar matcher");
     }

@@ -4,8 +4,10 @@
  * A grammar is rules of alternatives of element sequences; an element is a byte set or a rule.
  * Repetition is right recursion (a rule calling itself last is a loop: it takes no stack). The
  * matcher keeps every live parse as a stack of continuations in an arena (stacks share their
- * tails), so an ambiguous point (an optional member, anyOf) costs one more stack, not a copy.
- * Left recursion and empty loops are refused when the matcher expands them.
+ * tails, and equal stacks are one), so an ambiguous point (an optional member, anyOf) costs one
+ * more stack, not a copy, and parses that meet again ((a+)+) merge. Left recursion is refused
+ * when the matcher expands it; a loop over a body that may be empty is built over the body's
+ * nonempty part (qf_gb_nonempty).
  *
  * Masks: the vocabulary is sorted by bytes once (qf_vocab_index); a token's bytes are matched
  * from the stacks its longest common prefix with the previous token left, and a rejected prefix
@@ -52,6 +54,12 @@ void qf_gseq_ref(qf_gseq *q, int rule);
 void qf_gseq_append(qf_gseq *q, const qf_gseq *more);
 void qf_gseq_clear(qf_gseq *q);
 void qf_gseq_free(qf_gseq *q);
+/* Whether frag may match the empty string (over the rules built so far). */
+int qf_gb_seq_nullable(const qf_gbuild *b, const qf_gseq *frag);
+/* A new rule matching frag's nonempty strings, so that a loop over a body that may be empty
+ * ((a*)*, (a?)+) repeats only what makes progress (the same language, no empty loop); -1 when
+ * frag matches only the empty string, -2 (and the builder marked out of memory) on failure. */
+int qf_gb_nonempty(qf_gbuild *b, const qf_gseq *frag);
 /* A special (added) token the grammar may emit as one token where its text is allowed. */
 void qf_gb_special(qf_gbuild *b, const char *text);
 /* The grammar whose start is root; the builder is left empty. QF_ENOMEM or QF_EINVAL (a rule

@@ -23,7 +23,7 @@ typedef struct jc {
     json_t *root;
     memo *memo;
     int n_memo, cap_memo;
-    int ws, any, str, content, cchar, anychar, anyloop, esc, xtext, digit_opt[NUM_DIGITS + 1], failed, unrolled;
+    int ws, any, str, content, cchar, anychar, anyloop, esc, xtext, digit_opt[NUM_DIGITS + 1], failed, unrolled, empty_loops;
     char err[512];
 } jc;
 
@@ -345,12 +345,21 @@ typedef struct rx {
 static int rx_alt(rx *x);
 
 /* L ::= frag L | empty (a byte loop when frag is one byte set). */
-static int loop_of(jc *c, const qf_gseq *frag) {
-    int L = newrule(c);
+/* L ::= frag L | empty; a body that may be empty loops over its nonempty part ((a*)* is a*). */
+static int loop_of(jc *c, const qf_gseq *frag, const char *path) {
+    int L = newrule(c), body = -3;
+    if (L >= 0 && qf_gb_seq_nullable(c->b, frag)) {
+        if (++c->empty_loops > 64) return jfail(c, path, "pattern: more than 64 repetitions of something that may be empty");
+        body = qf_gb_nonempty(c->b, frag);
+    }
+    if (L < 0 || body == -2) return jfail(c, path, "out of memory");
     qf_gseq t = {0};
-    qf_gseq_append(&t, frag);
-    qf_gseq_ref(&t, L);
-    add_alt(c, L, &t);
+    if (body >= 0) qf_gseq_ref(&t, body);
+    else if (body == -3) qf_gseq_append(&t, frag);
+    if (body != -1) {
+        qf_gseq_ref(&t, L);
+        add_alt(c, L, &t);
+    }
     qf_gb_alt(c->b, L, &t);
     qf_gseq_free(&t);
     return L;
@@ -361,7 +370,7 @@ static int anychar_loop(jc *c) {
     if (c->anyloop >= 0) return c->anyloop;
     qf_gseq q = {0};
     qf_gseq_ref(&q, anychar_rule(c));
-    c->anyloop = loop_of(c, &q);
+    c->anyloop = loop_of(c, &q, "");
     qf_gseq_free(&q);
     return c->anyloop;
 }
@@ -561,7 +570,7 @@ static int repeat(jc *c, qf_gseq *q, const qf_gseq *frag, int lo, int hi, const 
         qf_gseq_append(q, frag);
     qf_gseq t = {0};
     if (hi < 0) {
-        qf_gseq_ref(q, loop_of(c, frag));
+        qf_gseq_ref(q, loop_of(c, frag, path));
     } else {
         int next = -1;
         for (int i = lo; i < hi; i++) { /* O ::= frag O' | empty */

@@ -1,6 +1,6 @@
 """Agent serving through the official `openai` package: structured output (json_object,
 json_schema over 60 schemas validated by `jsonschema`), tool choice (auto, required, named, none),
-parallel calls and an agent loop on the bundled model with the Qwen3.6 chat template.
+parallel calls and an agent loop on the bundled model as shipped (its template is Qwen3.6's own).
 
 The bundled model is not trained for tools or JSON: what it emits here is forced by the grammar,
 which is the point (the parsers meet real model output shaped only by the constraint)."""
@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from qfserver import NO_THINK, QWEN36_TEMPLATE as TEMPLATE, Server
+from qfserver import NO_THINK, Server
 from schemas import TOOLS, schemas
 
 ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
@@ -18,7 +18,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 
 
 @pytest.fixture(scope="module")
 def server():
-    with Server("--max-batch", "8", "--ctx", "2048", "--chat-template", TEMPLATE) as s:
+    with Server("--max-batch", "8", "--ctx", "2048") as s:
         yield s
 
 
@@ -84,9 +84,9 @@ def test_unsupported_schema_is_400(client, schema, named):
     assert named in str(e.value)
 
 
-def one_call(client, choice, **kw):
+def one_call(client, choice, think=False, **kw):
     r = client.chat.completions.create(model="m", messages=ASK, max_tokens=200, temperature=0, tools=TOOLS, tool_choice=choice,
-                                       parallel_tool_calls=False, extra_body=NO_THINK, **kw)
+                                       parallel_tool_calls=False, extra_body={} if think else NO_THINK, **kw)
     return r
 
 
@@ -151,10 +151,16 @@ def test_parallel_tool_calls(client):
         check_call(c, "add")
 
 
-def test_agent_loop(client, server):
-    """tool call -> tool result -> final answer, the history rendered by the real template."""
-    call = one_call(client, {"type": "function", "function": {"name": "get_weather"}}).choices[0].message
-    assert call.tool_calls
+@pytest.mark.parametrize("think", [False, True], ids=["no_think", "think"])
+def test_agent_loop(client, server, think):
+    """tool call -> tool result -> final answer with the OpenAI SDK, the history rendered by the
+    model's own template; with thinking on (the template's default) the forced call comes after
+    the reasoning, which the default budget (half of max_tokens) ends in time."""
+    r = one_call(client, "required", think=think)
+    call = r.choices[0].message
+    assert call.tool_calls and r.choices[0].finish_reason == "tool_calls", r
+    assert bool(call.reasoning_content) == think
+    check_call(call.tool_calls[0])
     history = ASK + [
         {"role": "assistant", "content": call.content or "", "tool_calls": [tc.model_dump() for tc in call.tool_calls]},
         {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "{\"temperature\": 21, \"sky\": \"clear\"}"},
@@ -171,7 +177,9 @@ def test_agent_loop(client, server):
     prompt = json.loads(conn.getresponse().read())["prompt"]
     args = json.loads(call.tool_calls[0].function.arguments)
     assert "<tool_response>\n{\"temperature\": 21, \"sky\": \"clear\"}\n</tool_response>" in prompt
-    assert "<function=get_weather>\n<parameter=city>\n%s\n</parameter>" % args["city"] in prompt
+    fn = call.tool_calls[0].function
+    shown = "".join("<parameter=%s>\n%s\n</parameter>\n" % (k, v if isinstance(v, str) else json.dumps(v)) for k, v in args.items())
+    assert "<function=%s>\n%s</function>" % (fn.name, shown) in prompt, prompt
     assert final.usage.prompt_tokens == len(ids)
 
 

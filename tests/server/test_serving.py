@@ -337,6 +337,27 @@ def test_doubling_ref_chain_is_fast(server, note):
                                                                or isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), int))), r.text
 
 
+@pytest.mark.parametrize("pattern", ["^((a|b)*)*c$", "^(a*)*$", "^(a+)+c$", "^((a?b?)*c?)+d$", "^(a|aa)+b$"])
+def test_nested_quantifiers_fast_and_valid(server, pattern):
+    """Loops over what may be empty, and nestings with many parses of one text: once a 500 ("the
+    parse outgrew its limits"); now the regex's own language, answered at once beside others."""
+    import concurrent.futures
+    import re
+    import time
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "string", "pattern": pattern}}}
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        t0 = time.time()
+        attack = ex.submit(post, server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 48, "temperature": 0, "response_format": fmt, **NO_THINK})
+        plain = ex.submit(post, server, "/v1/completions", {"prompt": "def f():", "max_tokens": 16, "temperature": 0})
+        r = attack.result()
+        t_attack = time.time() - t0
+        assert plain.result().status_code == 200
+    assert r.status_code == 200 and t_attack < 1.0, (t_attack, r.text)
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert re.fullmatch(pattern.strip("^$"), json.loads(choice["message"]["content"])), choice
+
+
 @pytest.mark.parametrize("schema,words", [
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "cycle of references"),
     ({"$ref": "#"}, "cycle of references"),
