@@ -119,6 +119,8 @@ static void test_semantics(void) {
     expect("{% set ns = namespace(n=0) %}{% for i in range(5) if i is odd %}{% set ns.n = ns.n + i %}{% endfor %}{{ ns.n }}", "4", NULL);
     expect("  {%- if true %}\n  a\n  {%- endif %}\n{% if false %}x{% else %}b{% endif %}\n", "  ab", NULL);
     expect("{{ undefined_thing }}|{{ undefined_thing is defined }}|{{ none is none }}", "|False|True", NULL);
+    /* the globals transformers gives are defined, as a template may ask before calling one */
+    expect("{{ strftime_now is defined }}|{{ raise_exception is undefined }}|{{ namespace is defined }}", "True|False|True", NULL);
     expect("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", NULL, "nest deeper");
     expect("{% for i in range(3000000) %}{% endfor %}", NULL, "range of");
     expect("{{ 'x' * 100000000 }}", NULL, "MiB");

@@ -249,6 +249,8 @@ static int template_messages(api_out *ao, json_t *b, json_t **out) {
         json_object_foreach_safe(m, tmp, key, v) if (json_is_null(v)) json_object_del(m, key);
         json_t *r = json_object_get(m, "reasoning");
         if (r && !json_object_get(m, "reasoning_content")) json_object_set(m, "reasoning_content", r);
+        json_t *rc = json_object_get(m, "reasoning_content"); /* also as thinking, as transformers 5 passes it (gpt-oss reads that) */
+        if (json_is_string(rc) && !json_object_get(m, "thinking")) json_object_set(m, "thinking", rc);
         if (check_content(ao, m, i, "content") || check_content(ao, m, i, "reasoning_content") ||
             normalise_tool_calls(ao, m, i))
             return -1;
