@@ -179,7 +179,7 @@ static int ne_rule(ne_ctx *x, int r) {
         balt al = x->b->alts[a];
         int32_t *copy = malloc((size_t)(al.n ? al.n : 1) * sizeof *copy); /* the builder's elements move as it grows */
         if (!copy) return -2;
-        memcpy(copy, x->b->elems + al.e0, (size_t)al.n * sizeof *copy);
+        if (al.n) memcpy(copy, x->b->elems + al.e0, (size_t)al.n * sizeof *copy);
         int rc = ne_seq(x, R, copy, al.n);
         free(copy);
         if (rc < 0) return -2;
