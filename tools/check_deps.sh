@@ -1,6 +1,6 @@
 #!/bin/sh
-# Includes point one way: base <- format <- {tokenizer, backend} <- {model, experts} <- runtime
-# <- server <- app. Lists every #include "dir/..." in src/ and app/ (C, headers, CUDA) that a
+# Includes point one way: base <- format <- {tokenizer, backend} <- {model, experts, grammar}
+# <- runtime <- server <- app (grammar: on base and tokenizer alone). Lists every #include "dir/..." in src/ and app/ (C, headers, CUDA) that a
 # folder may not use; a backend's own folder (backend/cuda/...) is reached from src/backend alone,
 # everything above it opens backends through backend/backend.h. Exit 1 if any.
 cd "$(dirname "$0")/.." || exit 2
@@ -12,9 +12,10 @@ allowed() {
     backend) echo "base backend" ;;
     experts) echo "base format backend experts" ;;
     model) echo "base format backend experts model" ;;
-    runtime) echo "base format tokenizer backend experts model runtime" ;;
-    server) echo "base format tokenizer backend experts model runtime server" ;;
-    app) echo "base format tokenizer backend experts model runtime server" ;;
+    grammar) echo "base format tokenizer grammar" ;;
+    runtime) echo "base format tokenizer backend experts model grammar runtime" ;;
+    server) echo "base format tokenizer backend experts model grammar runtime server" ;;
+    app) echo "base format tokenizer backend experts model grammar runtime server" ;;
     esac
 }
 bad=0

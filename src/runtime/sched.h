@@ -17,7 +17,7 @@
 #include <stdio.h>
 
 #include "runtime/engine.h"
-#include "runtime/grammar.h"
+#include "grammar/grammar.h"
 #include "runtime/sampler.h"
 
 #define QF_MAX_STOP 16

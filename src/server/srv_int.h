@@ -11,7 +11,7 @@
 #include <stdatomic.h>
 
 #include "server/server.h"
-#include "runtime/grammar_json.h"
+#include "grammar/json.h"
 #include "server/think.h"
 #include "tokenizer/chat.h"
 

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "runtime/grammar_json.h"
+#include "grammar/json.h"
 
 /* s[0..n) found in text[0..len) from `from`, or NULL */
 static const char *find(const char *text, size_t len, size_t from, const char *s) {

@@ -15,8 +15,8 @@
  * every token made only of those bytes is allowed at once from a cached set, and only the other
  * tokens are matched. Nothing is allocated per token: the arena, stacks and lists are sized at
  * creation, and an arena that fills is compacted to what the live stacks use. */
-#ifndef QF_RUNTIME_GRAMMAR_H
-#define QF_RUNTIME_GRAMMAR_H
+#ifndef QF_GRAMMAR_GRAMMAR_H
+#define QF_GRAMMAR_GRAMMAR_H
 
 #include <stddef.h>
 #include <stdint.h>

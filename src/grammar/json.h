@@ -15,12 +15,12 @@
  * deprecated, readOnly, writeOnly) are ignored; any other keyword is refused, naming it and
  * where it is (a JSON pointer). Numbers have at most 15 integer and 15 fraction digits; white
  * space between tokens is at most a newline and 24 spaces, so a reply cannot run on in blanks. */
-#ifndef QF_RUNTIME_GRAMMAR_JSON_H
-#define QF_RUNTIME_GRAMMAR_JSON_H
+#ifndef QF_GRAMMAR_JSON_H
+#define QF_GRAMMAR_JSON_H
 
 #include <jansson.h>
 
-#include "runtime/grammar.h"
+#include "grammar/grammar.h"
 
 /* schema NULL: any JSON object (response_format json_object). QF_EINVAL names what is refused. */
 int qf_grammar_json(qf_grammar **out, json_t *schema);
