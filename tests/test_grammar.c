@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "base/err.h"
-#include "runtime/grammar_json.h"
+#include "grammar/json.h"
 #include "test_util.h"
 
 static qf_tokenizer *tok;

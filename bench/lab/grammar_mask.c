@@ -11,7 +11,7 @@
 #include <time.h>
 
 #include "base/err.h"
-#include "runtime/grammar_json.h"
+#include "grammar/json.h"
 
 static int b64(int c) {
     if (c >= 'A' && c <= 'Z') return c - 'A';
