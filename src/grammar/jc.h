@@ -26,7 +26,6 @@ typedef struct jc {
     char err[512];
 } jc;
 
-
 int gj_jfail(jc *c, const char *path, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 int gj_newrule(jc *c);
 void gj_add_alt(jc *c, int r, qf_gseq *q);
@@ -53,7 +52,7 @@ int gj_any_value(jc *c);
 int gj_is_required(json_t *req, const char *key);
 json_t *gj_chain_end(jc *c, json_t *node, const char *path);
 int gj_compile(jc *c, json_t *node, const char *path);
-void gj_jc_init(jc *c, json_t *root);
-int gj_jc_finish(jc *c, int root, qf_grammar **out);
+void gj_init(jc *c, json_t *root);
+int gj_finish(jc *c, int root, qf_grammar **out);
 
 #endif

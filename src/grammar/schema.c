@@ -544,7 +544,7 @@ int gj_compile(jc *c, json_t *node, const char *path) {
     return compile_into(c, node, r, path) < 0 ? -1 : r;
 }
 
-void gj_jc_init(jc *c, json_t *root) {
+void gj_init(jc *c, json_t *root) {
     memset(c, 0, sizeof *c);
     c->root = root;
     c->ws = c->any = c->str = c->content = c->cchar = c->anychar = c->anyloop = c->esc = c->xtext = -1;
@@ -554,7 +554,7 @@ void gj_jc_init(jc *c, json_t *root) {
 }
 
 /* The grammar of start rule root, or the compiler's message. */
-int gj_jc_finish(jc *c, int root, qf_grammar **out) {
+int gj_finish(jc *c, int root, qf_grammar **out) {
     int rc;
     if (c->failed || root < 0) rc = qf_fail(QF_EINVAL, "%s", c->err[0] ? c->err : "the schema cannot be compiled");
     else rc = qf_gb_finish(c->b, root, out);
@@ -566,7 +566,7 @@ int gj_jc_finish(jc *c, int root, qf_grammar **out) {
 int qf_grammar_json(qf_grammar **out, json_t *schema) {
     *out = NULL;
     jc c;
-    gj_jc_init(&c, schema);
+    gj_init(&c, schema);
     int root = -1;
     if (!c.failed) {
         if (schema) root = gj_compile(&c, schema, "");
@@ -583,5 +583,5 @@ int qf_grammar_json(qf_grammar **out, json_t *schema) {
         root = gj_rule_of(&c, &q);
         qf_gseq_free(&q);
     }
-    return gj_jc_finish(&c, root, out);
+    return gj_finish(&c, root, out);
 }

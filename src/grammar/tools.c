@@ -139,7 +139,7 @@ int qf_tool_calls_max(int n_tools) {
 int qf_grammar_tools(qf_grammar **out, json_t *tools, const char *name, int form, int parallel) {
     *out = NULL;
     jc c;
-    gj_jc_init(&c, NULL);
+    gj_init(&c, NULL);
     qf_gbuild *b = c.b;
     int call = c.failed ? -1 : gj_newrule(&c), found = 0;
     size_t i;
@@ -178,5 +178,5 @@ int qf_grammar_tools(qf_grammar **out, json_t *tools, const char *name, int form
         qf_gb_special(b, "</tool_call>");
     }
     qf_gseq_free(&q);
-    return gj_jc_finish(&c, root, out);
+    return gj_finish(&c, root, out);
 }
