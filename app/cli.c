@@ -88,15 +88,6 @@ void cli_progress(void *ud, int done, int total) {
     if (done == total) fputc('\n', stderr);
 }
 
-const char *cli_device = "cpu";
-qf_cuda_opts cli_cuda;
-size_t cli_expert_cache, cli_gpu_mem;
-int cli_sparsity_given;
-int cli_draft;
-float cli_sparsity_level;
-const char *cli_expert_policy;
-int cli_reserve_seqs, cli_reserve_tokens;
-
 /* "22G", "512M", "64K", or a plain number of GiB ("0.5"); 0 when it is none of these. */
 static size_t parse_size(const char *s) {
     char *end;
@@ -106,43 +97,45 @@ static size_t parse_size(const char *s) {
     return end != s && v > 0 && unit > 0 && v * unit < 1e18 ? (size_t)(v * unit) : 0;
 }
 
-int cli_backend_init(void) {
-    qf_cuda_opts_default(&cli_cuda);
-    if (qf_cuda_opts_from_env(&cli_cuda) == QF_OK) return 0;
+int cli_engine_init(qf_engine_opts *eo, qf_cuda_opts *cuda) {
+    memset(eo, 0, sizeof *eo);
+    eo->device = "cpu";
+    eo->cuda = cuda;
+    qf_cuda_opts_default(cuda);
+    if (qf_cuda_opts_from_env(cuda) == QF_OK) return 0;
     fprintf(stderr, "error: %s\n", qf_last_error());
     return 2;
 }
 
-int cli_device_flag(cli_args *a, const char **device) {
+static void size_flag(cli_args *a, size_t *out, const char *examples) {
+    const char *flag = a->argv[a->i], *v = cli_value(a);
+    if (v && !(*out = parse_size(v))) fprintf(stderr, "error: %s takes a size like %s or 0.5 (GiB), not '%s'\n", flag, examples, v), a->bad = 1;
+}
+
+
+int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_cuda_opts *cuda) {
     if (cli_is(a, NULL, "--device")) {
-        *device = cli_value(a);
+        eo->device = cli_value(a);
     } else if (cli_is(a, NULL, "--precision")) {
         const char *v = cli_value(a);
         int p = v ? qf_cuda_precision_parse(v) : -1;
         if (v && p < 0) fprintf(stderr, "error: --precision takes bf16x2 (the default), fp32 or bf16, not '%s'\n", v), a->bad = 1;
-        else if (v) cli_cuda.precision = p;
+        else if (v) cuda->precision = p;
     } else if (cli_is(a, NULL, "--expert-cache")) {
-        const char *v = cli_value(a);
-        if (v && !(cli_expert_cache = parse_size(v))) fprintf(stderr, "error: --expert-cache takes a size like 512M, 22G or 0.5 (GiB), not '%s'\n", v), a->bad = 1;
+        size_flag(a, &eo->expert_cache, "512M, 22G");
     } else if (cli_is(a, NULL, "--gpu-mem")) {
-        const char *v = cli_value(a);
-        if (v && !(cli_gpu_mem = parse_size(v))) fprintf(stderr, "error: --gpu-mem takes a size like 22G, 12G or 0.5 (GiB), not '%s'\n", v), a->bad = 1;
+        size_flag(a, &eo->gpu_mem, "22G, 12G");
     } else if (cli_is(a, NULL, "--sparsity-level")) {
-        cli_sparsity_level = (float)cli_num(a, 0, 1);
-        cli_sparsity_given = 1;
+        eo->sparsity_level = (float)cli_num(a, 0, 1);
+        eo->sparsity_given = 1;
     } else if (cli_is(a, NULL, "--expert-policy")) {
         const char *v = cli_value(a);
         int p = v ? qf_policy_parse(v) : -1;
         if (v && (p < 0 || p == QF_POLICY_MIN)) fprintf(stderr, "error: --expert-policy takes lru, dlfu or dlfu-admit, not '%s'\n", v), a->bad = 1;
-        else cli_expert_policy = v;
+        else eo->expert_policy = v;
     } else if (cli_is(a, NULL, "--cuda-opt")) {
         const char *v = cli_value(a);
-        if (v && strcmp(v, "help") == 0) {
-            printf("CUDA backend options (--cuda-opt name=value, repeatable):\n");
-            qf_cuda_opts_print(stdout, NULL);
-            exit(0);
-        }
-        if (v && qf_cuda_opts_set(&cli_cuda, v) != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error()), a->bad = 1;
+        if (v && qf_cuda_opts_set(cuda, v) != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error()), a->bad = 1;
     } else {
         return 0;
     }
@@ -159,18 +152,18 @@ void cli_print_expert_cache(const qf_engine *e) {
         fprintf(stderr, "sparsity: levels %.2f..%.2f by layer (experts under level / top-%d of the weight dropped, at least %d kept)\n", lo, hi, c->n_experts_used,
                 qf_sparsity_min_k(c->n_experts_used));
     }
-    if (e->plan.active) qf_flash_print(stderr, &e->plan);
+    if (e->plan.active) qf_plan_print(stderr, &e->plan);
     else if (s && s->stats.slots)
         fprintf(stderr, "expert cache: %d of %d experts a layer (%.1f%% resident) and a scratch slot, %.1f MiB of RAM; the rest read from the checkpoint as needed\n",
                 s->stats.slots, c->n_experts, 100.0 * s->stats.slots / c->n_experts, (double)s->stats.pool_bytes / 1048576.0);
 }
 
-int cli_open_on_text(const char *dir, const char *file, int threads, qf_engine **e, int32_t **ids, int *n) {
+int cli_open_on_text(const char *dir, const char *file, int threads, const qf_engine_opts *eo, qf_engine **e, int32_t **ids, int *n) {
     char *text = NULL;
     *e = NULL, *ids = NULL, *n = 0;
     int rc = qf_read_file(file, &text, NULL);
     if (rc != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
-    if (rc == QF_OK) rc = cli_open_engine(e, dir, threads);
+    if (rc == QF_OK) rc = cli_open_engine(e, dir, threads, eo);
     if (rc == QF_OK && !(*e)->tok) rc = qf_fail(QF_EINVAL, "%s has no tokenizer", dir), fprintf(stderr, "error: %s\n", qf_last_error());
     else if (rc == QF_OK && (rc = qf_tok_encode((*e)->tok, text, strlen(text), ids, n)) != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error());
     free(text);
@@ -188,10 +181,9 @@ static void path_hint(const char *dir) {
     }
 }
 
-int cli_open_engine(qf_engine **e, const char *dir, int threads) {
-    qf_engine_opts o = {.n_threads = threads, .progress = cli_progress, .device = cli_device, .cuda = &cli_cuda, .expert_cache = cli_expert_cache,
-                        .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy, .reserve_seqs = cli_reserve_seqs, .reserve_tokens = cli_reserve_tokens,
-                        .sparsity_given = cli_sparsity_given, .sparsity_level = cli_sparsity_level, .draft = cli_draft};
+int cli_open_engine(qf_engine **e, const char *dir, int threads, const qf_engine_opts *eo) {
+    qf_engine_opts o = *eo;
+    o.n_threads = threads, o.progress = cli_progress;
     int rc = qf_engine_open(e, dir, &o);
     if (rc != QF_OK) {
         fprintf(stderr, "\nerror: %s\n", qf_last_error());
@@ -201,7 +193,7 @@ int cli_open_engine(qf_engine **e, const char *dir, int threads) {
     fprintf(stderr, "loaded %s in %.2f s: %s, %d layers, vocab %d, ops %s, %d threads\n", dir, (*e)->load_seconds,
             (*e)->model->cfg.model_type, (*e)->model->cfg.n_layers, (*e)->model->cfg.vocab, (*e)->be.ops->name,
             qf_pool_size((*e)->pool));
-    if ((*e)->on_gpu) qf_cuda_opts_print(stderr, &cli_cuda);
+    if ((*e)->on_gpu && o.cuda) qf_cuda_opts_print(stderr, o.cuda);
     cli_print_expert_cache(*e);
     return QF_OK;
 }

@@ -29,29 +29,27 @@ int cli_prepare_sampling(const qf_engine *e, const qf_sampling *user, int seed_s
 #define CLI_SAMPLING_UNSET {-1, -1, -1, -1, -1, -9, -9, 0}
 
 void cli_progress(void *ud, int done, int total);
-/* --device cpu|cuda[:N], --precision and --cuda-opt, shared by the commands that run the model:
- * returns 1 when argv[i] was one of them (--cuda-opt help prints the options and exits). */
-extern const char *cli_device;
-extern qf_cuda_opts cli_cuda;
-extern size_t cli_expert_cache; /* --expert-cache (bytes; 0: none) */
-extern size_t cli_gpu_mem;      /* --gpu-mem (bytes; 0: none) */
-extern int cli_sparsity_given;  /* --sparsity-level given */
-extern int cli_draft;           /* --draft (run): MTP drafts a step, 0: none */
-extern float cli_sparsity_level;
-extern const char *cli_expert_policy; /* --expert-policy (NULL: the default) */
-extern int cli_reserve_seqs, cli_reserve_tokens; /* what the command allocates on the device after load (the budget plan) */
+/* The device flags (--device, --precision, --cuda-opt, --gpu-mem, --expert-cache, --expert-policy,
+ * --sparsity-level) into a command's engine options and CUDA options: 1 when argv[i] was one of
+ * them (`--cuda-opt help` is answered before a command runs: cli_help). */
+int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_cuda_opts *cuda);
+/* Engine options with their defaults (device cpu) pointing at cuda, which gets the CUDA options'
+ * defaults and QFLASH_CUDA_OPTS (diagnosis): 2 when that is malformed (printed). */
+int cli_engine_init(qf_engine_opts *eo, qf_cuda_opts *cuda);
 void cli_print_expert_cache(const qf_engine *e);
-int cli_device_flag(cli_args *a, const char **device);
 /* --only experts|trunk|kv (bench, fidelity): the QF_SPARSE_* bit of the one sparsity level to keep
  * on; sets bad and prints for anything else. */
 int cli_sparse_only(cli_args *a);
 /* A comma list of sparsity levels, each 0..1, into out (at most cap): how many, or -1 when malformed. */
 int cli_parse_levels(const char *s, float *out, int cap);
-/* The CUDA options' defaults and QFLASH_CUDA_OPTS (diagnosis); 2 when that is malformed. */
-int cli_backend_init(void);
 /* The engine on dir and file's text as its tokens (errors printed; the caller closes and frees). */
-int cli_open_on_text(const char *dir, const char *file, int threads, qf_engine **e, int32_t **ids, int *n);
-int cli_open_engine(qf_engine **e, const char *dir, int threads);
+int cli_open_on_text(const char *dir, const char *file, int threads, const qf_engine_opts *eo, qf_engine **e, int32_t **ids, int *n);
+/* The engine on dir with eo (threads and the progress bar added); errors printed. */
+int cli_open_engine(qf_engine **e, const char *dir, int threads, const qf_engine_opts *eo);
+/* A command's help (flags and defaults; the device and sampling flags where it takes them). */
+void cli_help(FILE *f, const char *cmd);
+/* Whether argv (after the command) asks for help: -h or --help anywhere. */
+int cli_wants_help(int argc, char **argv);
 
 int cmd_run(int argc, char **argv);
 int cmd_chat(int argc, char **argv);
@@ -65,5 +63,7 @@ int cmd_synth_export(int argc, char **argv);
 int cmd_fidelity(int argc, char **argv);
 int cmd_calibrate(int argc, char **argv);
 int cmd_quantize(int argc, char **argv);
+void cmd_serve_help(FILE *f);
+void cmd_bench_help(FILE *f);
 
 #endif

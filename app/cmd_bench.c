@@ -19,7 +19,7 @@
 
 typedef struct bench_opts {
     const char *model, *synthetic, *config, *json, *plot;
-    int layers, prompt_len, gen_len, runs, threads, help;
+    int layers, prompt_len, gen_len, runs, threads;
     int experts; /* --experts: a synthetic model's expert format (0: bf16) */
     int trunk;   /* --trunk: its trunk's (0: bf16; QF_Q_I8B32) */
     int draft;   /* --draft: speculative decoding with the MTP head measured beside plain decoding (a synthetic model gets a head) */
@@ -30,6 +30,8 @@ typedef struct bench_opts {
     int only; /* --only experts|trunk|kv: that level alone acts (QF_SPARSE_* bit; 0: all) */
     int warmup; /* --warmup N: runs dropped before the measured ones (default 1) */
     double bw;
+    qf_engine_opts eo; /* the device flags */
+    qf_cuda_opts cuda;
 } bench_opts;
 
 /* ---- memory trace: a thread samples RSS every 100 ms, and each phase starts with a sample (a
@@ -358,10 +360,6 @@ static int parse_list(const char *s, int *out, int cap) {
 static int parse_bench(int argc, char **argv, bench_opts *o) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
-        if (cli_is(&a, "-h", "--help")) {
-            o->help = 1;
-            break;
-        }
         if (cli_is(&a, "-m", "--model")) o->model = cli_value(&a);
         else if (cli_is(&a, NULL, "--synthetic")) o->synthetic = cli_value(&a);
         else if (cli_is(&a, NULL, "--config")) o->config = cli_value(&a);
@@ -381,7 +379,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         else if (cli_is(&a, NULL, "--prefill-chunk")) o->prefill_chunk = cli_int(&a, 1, 1 << 16);
         else if (cli_is(&a, NULL, "--runs")) o->runs = cli_int(&a, 1, 64);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &cli_device)) continue;
+        else if (cli_device_flag(&a, &o->eo, &o->cuda)) continue;
         else if (cli_is(&a, NULL, "--bw")) o->bw = cli_num(&a, 0.001, 1e6);
         else if (cli_is(&a, NULL, "--json")) o->json = cli_value(&a);
         else if (cli_is(&a, NULL, "--plot")) o->plot = cli_value(&a);
@@ -404,15 +402,19 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
             a.bad = 1;
         }
     }
-    if (!a.bad && (o->help || !o->model == !(o->synthetic || o->config))) {
-        fprintf(stderr, "usage: qflash bench (-m DIR | --synthetic %s [--layers N] [--experts bf16|int8|int4] [--trunk bf16|int8] | --config FILE [--layers N])\n"
-                        "       [--prompt-len 128] [--gen-len 64] [--concurrency 1,16] [--runs 3] [--prefill-chunk 512] [--bw GB/s]\n"
-                        "       [--levels 0,0.3,0.6 (sparsity levels, one after another on the loaded model)] [--only experts|trunk|kv] [--warmup 1]\n"
-                        "       [-t THREADS] [--json FILE] [--plot FILE.svg] [--device cpu|cuda[:N]] [--draft N (MTP speculative decoding beside plain)]\n",
-                qf_synth_presets());
-        a.bad = !o->help;
+    if (!a.bad && !o->model == !(o->synthetic || o->config)) {
+        fprintf(stderr, "usage: qflash bench (-m DIR | --synthetic PRESET | --config FILE) [flags]   (qflash bench --help lists them)\n");
+        a.bad = 1;
     }
-    return a.bad ? 2 : o->help ? 1 : 0;
+    return a.bad ? 2 : 0;
+}
+
+void cmd_bench_help(FILE *f) {
+    fprintf(f, "usage: qflash bench (-m DIR | --synthetic %s [--layers N] [--experts bf16|int8|int4] [--trunk bf16|int8] | --config FILE [--layers N])\n"
+               "       [--prompt-len 128] [--gen-len 64] [--concurrency 1,16] [--runs 3] [--prefill-chunk 512] [--bw GB/s]\n"
+               "       [--levels 0,0.3,0.6 (sparsity levels, one after another on the loaded model)] [--only experts|trunk|kv] [--warmup 1]\n"
+               "       [-t THREADS] [--json FILE] [--plot FILE.svg] [--draft N (MTP speculative decoding beside plain)] [device flags]\n",
+            qf_synth_presets());
 }
 
 static void cpu_name(char *out, size_t cap) {
@@ -434,11 +436,10 @@ static int open_model(const bench_opts *o, qf_engine **e, double *load_s) {
     int max_c = 1;
     for (int i = 0; i < o->n_conc; i++) max_c = o->conc[i] > max_c ? o->conc[i] : max_c;
     qf_synth_opts so = {o->synthetic, o->config, o->layers, 0, o->experts, o->draft > 0, o->trunk};
-    qf_engine_opts eo = {.n_threads = o->threads, .max_batch = max_c > o->prefill_chunk ? max_c : o->prefill_chunk, .synth = o->model ? NULL : &so, .device = cli_device,
-                         .cuda = &cli_cuda, .expert_cache = cli_expert_cache, .gpu_mem = cli_gpu_mem, .expert_policy = cli_expert_policy,
-                         .reserve_seqs = max_c, .reserve_tokens = max_c * (o->prompt_len + o->gen_len + 1), .max_prompt = o->prompt_len,
-                         .sparsity_given = cli_sparsity_given, .sparsity_level = cli_sparsity_level, .draft = o->draft};
-    for (int i = 0; i < o->n_levels && !cli_sparsity_given; i++) /* loaded at a level above 0: the budget plan holds its transposed weights */
+    qf_engine_opts eo = o->eo;
+    eo.n_threads = o->threads, eo.max_batch = max_c > o->prefill_chunk ? max_c : o->prefill_chunk, eo.synth = o->model ? NULL : &so;
+    eo.reserve_seqs = max_c, eo.reserve_tokens = max_c * (o->prompt_len + o->gen_len + 1), eo.max_prompt = o->prompt_len, eo.draft = o->draft;
+    for (int i = 0; i < o->n_levels && !o->eo.sparsity_given; i++) /* loaded at a level above 0: the budget plan holds its transposed weights */
         if (o->levels[i] > 0.0f) eo.sparsity_given = 1, eo.sparsity_level = o->levels[i];
     double t0 = qf_now();
     int rc = qf_engine_open(e, o->model, &eo);
@@ -556,8 +557,7 @@ static int calibrate_on_prompts(qf_engine *e) {
 
 int cmd_bench(int argc, char **argv) {
     bench_opts o = {.prompt_len = 128, .gen_len = 64, .runs = 3, .prefill_chunk = 512, .conc = {1, 16}, .n_conc = 2, .warmup = 1};
-    int prc = parse_bench(argc, argv, &o);
-    if (prc) return prc == 1 ? 0 : 2; /* 1: --help */
+    if (cli_engine_init(&o.eo, &o.cuda) || parse_bench(argc, argv, &o)) return 2;
     enum { TRACE_CAP = 1 << 16 };
     tracer tr = {.t0 = qf_now(), .mem = malloc(TRACE_CAP * sizeof(bench_mem)), .cap = TRACE_CAP};
     pthread_mutex_init(&tr.mu, NULL);
@@ -574,7 +574,7 @@ int cmd_bench(int argc, char **argv) {
         trace_phase(&tr, "bandwidth probe");
         r.bw_measured = o.bw <= 0;
         if (e->on_gpu && o.bw <= 0) fprintf(stderr, "bench: the bandwidth probe measures host memory; give --bw for the GPU's roofline\n");
-        if (e->on_gpu) qf_cuda_opts_print(stderr, &cli_cuda);
+        if (e->on_gpu) qf_cuda_opts_print(stderr, &o.cuda);
         r.bw_gbs = o.bw > 0 ? o.bw : probe_bw(e->pool, &r.copy_gbs);
         r.cfgs = calloc((size_t)o.n_conc * (size_t)(o.n_levels ? o.n_levels : 1), sizeof *r.cfgs);
         if (!r.cfgs) rc = QF_ENOMEM;

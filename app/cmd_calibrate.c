@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "calib.h"
+#include "format/config.h"
 
 static int write_thresholds(const char *dir, const float *thr, int layers) {
     char path[4096];
@@ -17,6 +18,7 @@ static int write_thresholds(const char *dir, const float *thr, int layers) {
     FILE *probe = fopen(path, "r");
     json_t *root = probe ? json_loadf(probe, 0, &err) : json_object();
     if (probe) fclose(probe);
+    if (!root) return qf_fail_json(path, &err);
     if (!json_is_object(root)) return json_decref(root), qf_fail(QF_EFORMAT, "%s: not a JSON object", path);
     json_t *all = json_array();
     for (int L = 0; L < layers; L++) {
@@ -53,7 +55,10 @@ int cmd_calibrate(int argc, char **argv) {
     int n = 0, rc = 1;
     qf_engine *e = NULL;
     float *thr = NULL;
-    if (cli_open_on_text(model, file, threads, &e, &ids, &n) != QF_OK) goto out;
+    qf_engine_opts eo;
+    qf_cuda_opts cuda;
+    if (cli_engine_init(&eo, &cuda)) return 2;
+    if (cli_open_on_text(model, file, threads, &eo, &e, &ids, &n) != QF_OK) goto out;
     int layers = e->model->cfg.n_layers;
     if (n > tokens) n = tokens;
     thr = malloc((size_t)layers * QF_ACT_GROUPS * QF_TRUNK_GRID * sizeof(float));

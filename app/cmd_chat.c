@@ -108,6 +108,8 @@ static int prefill_and_keep(chat_ctx *c, qf_state *st, const int32_t *ids, int n
 typedef struct chat_opts {
     const char *model, *system;
     int think, threads, ctx, n_predict, seed_set;
+    qf_engine_opts eo;
+    qf_cuda_opts cuda;
 } chat_opts;
 
 static int parse_chat(int argc, char **argv, chat_opts *o, qf_sampling *user) {
@@ -117,7 +119,7 @@ static int parse_chat(int argc, char **argv, chat_opts *o, qf_sampling *user) {
         else if (cli_is(&a, NULL, "--no-think")) o->think = 0;
         else if (cli_is(&a, NULL, "--system")) o->system = cli_value(&a);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &cli_device)) continue;
+        else if (cli_device_flag(&a, &o->eo, &o->cuda)) continue;
         else if (cli_is(&a, "-c", "--ctx")) o->ctx = cli_int(&a, 64, 1 << 24);
         else if (cli_is(&a, "-n", "--n-predict")) o->n_predict = cli_int(&a, 1, 1 << 24);
         else if (!cli_sampling_flag(&a, user, &o->seed_set)) {
@@ -126,7 +128,7 @@ static int parse_chat(int argc, char **argv, chat_opts *o, qf_sampling *user) {
         }
     }
     if (!a.bad && !o->model) {
-        fprintf(stderr, "usage: qflash chat -m DIR [--no-think] [--system TEXT] [sampling flags]\n");
+        fprintf(stderr, "usage: qflash chat -m DIR [flags]   (qflash chat --help lists them)\n");
         a.bad = 1;
     }
     return a.bad ? 2 : 0;
@@ -234,10 +236,11 @@ int cmd_chat(int argc, char **argv) {
     chat_opts o = {0};
     o.think = 1;
     o.n_predict = 1024;
+    if (cli_engine_init(&o.eo, &o.cuda)) return 2;
     qf_sampling user = CLI_SAMPLING_UNSET, s;
     if (parse_chat(argc, argv, &o, &user)) return 2;
     qf_engine *e;
-    if (cli_open_engine(&e, o.model, o.threads) != QF_OK) return 1;
+    if (cli_open_engine(&e, o.model, o.threads, &o.eo) != QF_OK) return 1;
     qf_chat_tmpl ct = {0};
     int rc = 1;
     int parsed = e->tok && qf_chat_tmpl_parse(&ct, qf_tok_chat_template(e->tok)) == QF_OK;

@@ -22,6 +22,8 @@ typedef struct fid_opts {
     int only; /* --only experts|trunk|kv: that level alone acts (QF_SPARSE_* bit; 0: all) */
     const char *compare[MAX_LEVELS]; /* --compare: model directories against -m's, at level 0 */
     int n_compare;
+    qf_engine_opts eo;
+    qf_cuda_opts cuda;
 } fid_opts;
 
 typedef struct fid_row {
@@ -171,13 +173,11 @@ static int parse_fidelity(int argc, char **argv, fid_opts *o) {
         else if (cli_is(&a, NULL, "--prompt-len")) o->prompt_len = cli_int(&a, 1, 1 << 16);
         else if (cli_is(&a, NULL, "--max-gen")) o->max_gen = cli_int(&a, 1, 1 << 20);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &cli_device)) continue;
+        else if (cli_device_flag(&a, &o->eo, &o->cuda)) continue;
         else fprintf(stderr, "error: unknown option '%s' for fidelity\n", argv[a.i]), a.bad = 1;
     }
     if (a.bad || !o->model || !o->file) {
-        fprintf(stderr, "usage: qflash fidelity -m DIR -f TEXT [--sparsity-level 0,0.3,0.45,0.6,0.7] [--window 512] [--windows K]\n"
-                        "                       [--prompts 16] [--prompt-len 32] [--max-gen 256] [--only experts|trunk|kv]\n"
-                        "                       [--compare DIR]...  (another copy of the model, e.g. quantised, against -m's)\n");
+        fprintf(stderr, "usage: qflash fidelity -m DIR -f TEXT [flags]   (qflash fidelity --help lists them)\n");
         return 2;
     }
     return 0;
@@ -185,6 +185,7 @@ static int parse_fidelity(int argc, char **argv, fid_opts *o) {
 
 int cmd_fidelity(int argc, char **argv) {
     fid_opts o = {.levels = {0, 0.3f, 0.45f, 0.6f, 0.7f}, .n_levels = 5, .window = 512, .prompts = 16, .prompt_len = 32, .max_gen = 256};
+    if (cli_engine_init(&o.eo, &o.cuda)) return 2;
     int prc = parse_fidelity(argc, argv, &o);
     if (prc) return prc;
     int32_t *ids = NULL;
@@ -192,7 +193,7 @@ int cmd_fidelity(int argc, char **argv) {
     qf_engine *e = NULL;
     fid_row rows[MAX_LEVELS];
     memset(rows, 0, sizeof rows);
-    if (cli_open_on_text(o.model, o.file, o.threads, &e, &ids, &n) != QF_OK) goto out;
+    if (cli_open_on_text(o.model, o.file, o.threads, &o.eo, &e, &ids, &n) != QF_OK) goto out;
     if (o.only) qf_model_sparse_off(e->model, (QF_SPARSE_EXPERTS | QF_SPARSE_TRUNK | QF_SPARSE_KV) & ~o.only);
     if (!o.windows || o.windows > n / o.window) o.windows = n / o.window;
     if (o.prompts > o.windows) o.prompts = o.windows;
@@ -209,7 +210,7 @@ int cmd_fidelity(int argc, char **argv) {
         double t0 = qf_now();
         float level = o.n_compare ? 0.0f : o.levels[i];
         qf_engine *ea = e;
-        if (i && o.n_compare && cli_open_engine(&ea, o.compare[i - 1], o.threads) != QF_OK) {
+        if (i && o.n_compare && cli_open_engine(&ea, o.compare[i - 1], o.threads, &o.eo) != QF_OK) {
             rc = QF_EIO;
             break;
         }

@@ -32,6 +32,9 @@ static int window_nll(qf_engine *e, qf_state *st, const int32_t *tok, int n, flo
 int cmd_perplexity(int argc, char **argv) {
     const char *model = NULL, *file = NULL;
     int window = 512, windows = 0, threads = 0;
+    qf_engine_opts eo;
+    qf_cuda_opts cuda;
+    if (cli_engine_init(&eo, &cuda)) return 2;
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
         if (cli_is(&a, "-m", "--model")) model = cli_value(&a);
@@ -39,20 +42,20 @@ int cmd_perplexity(int argc, char **argv) {
         else if (cli_is(&a, NULL, "--window")) window = cli_int(&a, 2, 1 << 20);
         else if (cli_is(&a, NULL, "--windows")) windows = cli_int(&a, 1, 1 << 20);
         else if (cli_is(&a, "-t", "--threads")) threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &cli_device)) continue;
+        else if (cli_device_flag(&a, &eo, &cuda)) continue;
         else {
             fprintf(stderr, "error: unknown option '%s' for perplexity\n", argv[a.i]);
             a.bad = 1;
         }
     }
     if (a.bad || !model || !file) {
-        fprintf(stderr, "usage: qflash perplexity -m DIR -f FILE [--window 512] [--windows K]\n");
+        fprintf(stderr, "usage: qflash perplexity -m DIR -f FILE [flags]   (qflash perplexity --help lists them)\n");
         return 2;
     }
     int32_t *ids = NULL;
     int n = 0, rc = 1;
     qf_engine *e = NULL;
-    if (cli_open_on_text(model, file, threads, &e, &ids, &n) != QF_OK) goto out;
+    if (cli_open_on_text(model, file, threads, &eo, &e, &ids, &n) != QF_OK) goto out;
     int avail = n / window;
     if (!windows || windows > avail) windows = avail;
     if (windows < 1) {

@@ -88,7 +88,10 @@ int cmd_route_record(int argc, char **argv) {
     char *text = NULL;
     size_t len = 0;
     int32_t *toks = NULL;
-    int n = 0, rc = cli_open_engine(&e, dir, threads);
+    qf_engine_opts eo;
+    qf_cuda_opts cuda;
+    if (cli_engine_init(&eo, &cuda)) return 2;
+    int n = 0, rc = cli_open_engine(&e, dir, threads, &eo);
     if (rc != QF_OK) return 1;
     const qf_config *c = &e->model->cfg;
     if (c->arch != QF_ARCH_QWEN35_MOE || !e->tok) rc = qf_fail(QF_EINVAL, "%s: a MoE model with a tokenizer is needed", dir);

@@ -11,6 +11,8 @@ typedef struct run_opts {
     const char *model, *prompt, *prompt_file;
     int n_predict, threads, ctx, seed_set;
     qf_sampling s;
+    qf_engine_opts eo;
+    qf_cuda_opts cuda;
 } run_opts;
 
 static int write_token(void *ud, int32_t tok, const char *text, size_t len) {
@@ -29,9 +31,9 @@ static int parse_run(int argc, char **argv, run_opts *o, qf_sampling *user, int 
         else if (cli_is(&a, "-f", "--file")) o->prompt_file = cli_value(&a);
         else if (cli_is(&a, "-n", "--n-predict")) o->n_predict = cli_int(&a, 0, 1 << 24);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &cli_device)) continue;
+        else if (cli_device_flag(&a, &o->eo, &o->cuda)) continue;
         else if (cli_is(&a, "-c", "--ctx")) o->ctx = cli_int(&a, 16, 1 << 24);
-        else if (cli_is(&a, NULL, "--draft")) cli_draft = cli_int(&a, 0, 8);
+        else if (cli_is(&a, NULL, "--draft")) o->eo.draft = cli_int(&a, 0, 8);
         else if (cli_sampling_flag(&a, user, &o->seed_set)) *set_mask = 1;
         else {
             fprintf(stderr, "error: unknown option '%s' for run\n", argv[a.i]);
@@ -39,7 +41,7 @@ static int parse_run(int argc, char **argv, run_opts *o, qf_sampling *user, int 
         }
     }
     if (!a.bad && (!o->model || (!o->prompt && !o->prompt_file))) {
-        fprintf(stderr, "usage: qflash run -m DIR -p TEXT [-n N] [--temp T] [--top-p P] [--top-k K] [--seed S] [-t THREADS]\n");
+        fprintf(stderr, "usage: qflash run -m DIR (-p TEXT | -f FILE) [flags]   (qflash run --help lists them)\n");
         a.bad = 1;
     }
     return a.bad ? 2 : 0;
@@ -104,6 +106,7 @@ static int run_generation(qf_engine *e, const run_opts *o, const char *text) {
 int cmd_run(int argc, char **argv) {
     run_opts o = {0};
     o.n_predict = 128;
+    if (cli_engine_init(&o.eo, &o.cuda)) return 2;
     qf_sampling user = CLI_SAMPLING_UNSET;
     int any = 0;
     if (parse_run(argc, argv, &o, &user, &any)) return 2;
@@ -114,7 +117,7 @@ int cmd_run(int argc, char **argv) {
     }
     qf_engine *e;
     int rc = 1;
-    if (cli_open_engine(&e, o.model, o.threads) == QF_OK) {
+    if (cli_open_engine(&e, o.model, o.threads, &o.eo) == QF_OK) {
         if (!e->tok) fprintf(stderr, "error: %s has no tokenizer.json\n", o.model);
         else if (cli_prepare_sampling(e, &user, o.seed_set, &o.s) == 0) rc = run_generation(e, &o, file_text ? file_text : o.prompt);
         qf_engine_close(e);

@@ -7,17 +7,15 @@
 #include "cli.h"
 #include "server/server.h"
 
-static void serve_usage(void) {
-    fprintf(stderr,
+void cmd_serve_help(FILE *f) {
+    fprintf(f,
             "usage: qflash serve -m DIR [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--model-name NAME]\n"
             "                    [--served-model-name NAME,...] [--metrics-auth] [--chat-template FILE]\n"
             "                    [--default-chat-template-kwargs JSON]\n"
             "                    [--max-batch 16] [--ctx 4096] [--kv-pages N | --kv-mem MIB] [--page-tokens 16]\n"
             "                    [--prefill-chunk 256] [--prefix-cache-mem MIB] [--max-queue 256] [--max-body MIB] [--shutdown-timeout S]\n"
             "                    [--max-conns 512] [--header-timeout 60] [--body-timeout 120] [--idle-timeout 75]\n"
-            "                    [-t THREADS] [--device cpu|cuda[:N]] [--precision bf16x2|fp32|bf16] [--cuda-opt NAME=V]\n"
-            "                    [--gpu-mem SIZE] [--expert-cache SIZE] [--expert-policy lru|dlfu|dlfu-admit]\n"
-            "                    [--synthetic PRESET] [--dp N] [--draft N] [--verbose]\n"
+            "                    [-t THREADS] [--synthetic PRESET] [--dp N] [--draft N] [--verbose] [device flags]\n"
             "--dp: N replicas of the model in this process behind the one endpoint (GPU i each with --device cuda, else the\n"
             "      threads shared out); a request goes to the one with the fewest running and waiting.\n"
             "--chat-template: a Jinja file used instead of the model's own template.\n"
@@ -39,13 +37,9 @@ static const char *env_or(const char *name, const char *dflt) {
     return v && *v ? v : dflt;
 }
 
-static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib, double *body_mib, double *prefix_mib) {
+static int parse_serve(int argc, char **argv, qf_server_opts *o, qf_cuda_opts *cuda, double *kv_mib, double *body_mib, double *prefix_mib) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
-        if (cli_is(&a, "-h", "--help")) {
-            serve_usage();
-            return 1;
-        }
         if (cli_is(&a, "-m", "--model")) o->model_dir = cli_value(&a);
         else if (cli_is(&a, NULL, "--synthetic")) {
             static qf_synth_opts so;
@@ -77,7 +71,7 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
         else if (cli_is(&a, NULL, "--idle-timeout")) o->idle_timeout = cli_num(&a, 0.1, 86400);
         else if (cli_is(&a, NULL, "--shutdown-timeout")) o->shutdown_timeout = cli_num(&a, 0, 86400);
         else if (cli_is(&a, "-t", "--threads")) o->engine.n_threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &o->engine.device)) continue;
+        else if (cli_device_flag(&a, &o->engine, cuda)) continue;
         else if (cli_is(&a, "-v", "--verbose")) o->verbose = o->sched.verbose = 1;
         else {
             fprintf(stderr, "error: unknown option '%s' for serve\n", argv[a.i]);
@@ -85,7 +79,7 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
         }
     }
     if (!a.bad && !o->model_dir) {
-        serve_usage();
+        fprintf(stderr, "usage: qflash serve -m DIR [flags]   (qflash serve --help lists them)\n");
         a.bad = 1;
     }
     return a.bad ? 2 : 0;
@@ -93,7 +87,9 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, double *kv_mib,
 
 int cmd_serve(int argc, char **argv) {
     qf_server_opts o;
+    qf_cuda_opts cuda;
     memset(&o, 0, sizeof o);
+    if (cli_engine_init(&o.engine, &cuda)) return 2;
     o.host = env_or("QFLASH_HOST", "127.0.0.1");
     o.port = atoi(env_or("QFLASH_PORT", "8080"));
     o.api_key = env_or("QFLASH_API_KEY", NULL);
@@ -103,8 +99,7 @@ int cmd_serve(int argc, char **argv) {
     o.header_timeout = 60, o.body_timeout = 120, o.idle_timeout = 75; /* nginx's, and a body deadline */
     o.sched = (qf_sched_opts){.max_batch = 16, .ctx = 4096, .page_tokens = 16, .prefill_chunk = 256, .max_queue = 256, .log = stderr};
     double kv_mib = 0, body_mib = 8, prefix_mib = -1;
-    int prc = parse_serve(argc, argv, &o, &kv_mib, &body_mib, &prefix_mib);
-    if (prc) return prc == 1 ? 0 : 2; /* 1: --help */
+    if (parse_serve(argc, argv, &o, &cuda, &kv_mib, &body_mib, &prefix_mib)) return 2;
     o.max_body = (size_t)(body_mib * 1048576.0);
     o.engine.max_batch = o.sched.max_batch + o.sched.prefill_chunk; /* rows of one step */
     o.engine.progress = NULL;
@@ -112,14 +107,10 @@ int cmd_serve(int argc, char **argv) {
     int on_gpu = o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0;
     if (prefix_mib < 0) prefix_mib = on_gpu ? 0 : 1024; /* on a GPU the snapshots take device memory the plan does not hold */
     o.sched.prefix_cache_bytes = (size_t)(prefix_mib * 1048576.0);
-    o.engine.cuda = &cli_cuda;
-    o.engine.expert_cache = cli_expert_cache;
-    o.engine.gpu_mem = cli_gpu_mem, o.engine.expert_policy = cli_expert_policy;
-    o.engine.sparsity_given = cli_sparsity_given, o.engine.sparsity_level = cli_sparsity_level;
     o.engine.reserve_seqs = o.sched.max_batch;
     o.engine.reserve_tokens = o.sched.kv_pages > 0 ? o.sched.kv_pages * o.sched.page_tokens : o.sched.ctx * o.sched.max_batch;
     o.engine.reserve_kv_bytes = (size_t)(kv_mib * 1048576.0);
-    if (o.verbose && o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0) qf_cuda_opts_print(stderr, &cli_cuda);
+    if (o.verbose && o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0) qf_cuda_opts_print(stderr, &cuda);
     int rc = qf_server_run(&o);
     if (rc != QF_OK) {
         fprintf(stderr, "error: %s\n", qf_last_error());

@@ -14,6 +14,7 @@
 #include "base/err.h"
 #include "backend/backend.h"
 #include "experts/cache_policy.h"
+#include "experts/plan.h"
 #include "runtime/sched.h"
 #include "test_util.h"
 
@@ -790,8 +791,55 @@ static void test_cache_policies(void) {
     free(ids);
 }
 
+/* The budget plan on the synthetic Qwen3.6-35B-A3B's measured parts (docs/performance.md's table:
+ * context 595, trunk 4764, workspace and scratch 1234, states and KV 71 MiB; 6 MiB a bf16 expert,
+ * 40 layers, 256 experts, top-8): the slots a layer and the staging of each budget, and the 9G
+ * refusal naming the least budget. */
+static void test_plan_table(void) {
+    const size_t M = (size_t)1 << 20;
+    struct {
+        const char *budget;
+        size_t bytes;
+        int slots, stage;
+        const char *refusal;
+    } rows[] = {
+        {"22G", (size_t)22 << 30, 53, 1, NULL},
+        {"12G", (size_t)12 << 30, 23, 0, NULL},
+        {"10.4G", (size_t)(10.4 * 1073741824.0), 16, 0, NULL},
+        {"9G", (size_t)9 << 30, 10, 0,
+         "the GPU budget leaves 2488 MiB for the expert buffer: 10 slots a layer, at least 16 (2 x top-8) are needed: 3840 MiB of buffer, "
+         "a budget of at least 10.32 GiB"},
+        {"80G", (size_t)80 << 30, 256, 1, NULL},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        qf_plan_in in = {.budget = rows[i].bytes, .device_total = (size_t)140 << 30, .device_free = (size_t)130 << 30, .host_ram = 0,
+                         .context = 595 * M, .trunk = 4764 * M, .workspace = 1234 * M, .reserve = 71 * M, .slot_bytes = 6 * M,
+                         .n_layers = 40, .n_experts = 256, .top_k = 8, .policy = QF_POLICY_DLFU_AD};
+        qf_plan p;
+        int rc = qf_plan_make(&in, &p);
+        if (rows[i].refusal) {
+            CHECK(rc == QF_EINVAL && strstr(qf_last_error(), rows[i].refusal), "%s: %s", rows[i].budget, rc == QF_OK ? "planned" : qf_last_error());
+            continue;
+        }
+        CHECK(rc == QF_OK, "%s: %s", rows[i].budget, qf_last_error());
+        CHECK(p.slots == rows[i].slots && (p.stage == 2 * 6 * 256 * M) == rows[i].stage, "%s: %d slots, staging %zu MiB; want %d, %s", rows[i].budget,
+              p.slots, p.stage / M, rows[i].slots, rows[i].stage ? "2 x 1536" : "none");
+        CHECK(p.buffer <= in.budget - (595 + 4764 + 1234 + 71) * M - QF_PLAN_MARGIN, "%s: the buffer %zu MiB is over what the budget leaves", rows[i].budget, p.buffer / M);
+    }
+    qf_plan_in big = {.budget = (size_t)200 << 30, .device_total = (size_t)140 << 30, .slot_bytes = 6 * M, .n_layers = 40, .n_experts = 256, .top_k = 8};
+    qf_plan p;
+    CHECK(qf_plan_make(&big, &p) == QF_EINVAL && strstr(qf_last_error(), "more than the device's 140.0 GiB"), "a budget over the device: %s", qf_last_error());
+    qf_plan_in host = {.budget = (size_t)22 << 30, .device_total = (size_t)140 << 30, .host_ram = 32.0 * 1073741824.0, .slot_bytes = 6 * M,
+                       .n_layers = 40, .n_experts = 256, .top_k = 8};
+    CHECK(qf_plan_make(&host, &p) == QF_EINVAL && strstr(qf_last_error(), "60.0 GiB of host memory"), "experts over the host's RAM: %s", qf_last_error());
+    qf_plan_in tight = {.cache_bytes = 4000 * M, .device_total = (size_t)24 << 30, .device_free = 3000 * M, .slot_bytes = 6 * M, .n_layers = 40,
+                        .n_experts = 256, .top_k = 8};
+    CHECK(qf_plan_make(&tight, &p) == QF_EINVAL && strstr(qf_last_error(), "the device has 3000 MiB free"), "a buffer over the free memory: %s", qf_last_error());
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
+    test_plan_table();
     test_cache_access();
     test_cache_policies();
     test_expert_cache("tests/data/qwen35moe-tiny");

@@ -299,7 +299,12 @@ static void case_config_values(void) {
     write_subset(d, "model.safetensors", keep_all, NULL);
     snprintf(path, sizeof path, "%s/generation_config.json", d);
     write_text(path, "{\"temperature\": 0.7,");
-    expect_failure(d, "generation_config.json");
+    expect_failure(d, "generation_config.json: string or '}' expected near end of file (line 1, column 20)");
+    d = make_dir("no_config");
+    write_subset(d, "model.safetensors", keep_all, NULL);
+    snprintf(path, sizeof path, "%s/config.json", d);
+    unlink(path);
+    expect_failure(d, "no_config/config.json: cannot be read (No such file or directory)");
 }
 
 /* A fresh directory tmp_root/name with links to n files of the model directory from (a repository path). */

@@ -393,13 +393,30 @@ static void test_cli_calibrate(const qf_tokenizer *t) {
 /* route-record on the bundled model's held-out text, then route-replay of the trace: hit rates in
  * range, Belady's optimum at or above every policy, and with a slot for every expert no policy
  * differs (only first uses miss). */
-/* The front end's manners: --version, a command's --help (exit 0), verify -m DIR as the other commands take it. */
+/* The front end's manners: --version, every command's own --help on stdout (exit 0; a CPU build's without CUDA flags),
+ * verify -m DIR as the other commands take it. */
 static void test_cli_manners(void) {
     char cmd[4096], out[8192];
     snprintf(cmd, sizeof cmd, "'%s' --version 2>&1", qflash_bin);
     CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && !strncmp(out, "qflash ", 7), "--version: [%s]", out);
-    snprintf(cmd, sizeof cmd, "'%s' run --help 2>&1", qflash_bin);
-    CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && strstr(out, "usage: qflash"), "run --help: [%s]", out);
+    const char *cmds[] = {"run", "chat", "serve", "bench", "verify", "perplexity", "fidelity", "route-replay", "route-record", "calibrate", "synth-export", "quantize"};
+    for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) { /* each command's own help, on stdout */
+        char want[64];
+        snprintf(cmd, sizeof cmd, "'%s' %s --help 2>/dev/null", qflash_bin, cmds[i]);
+        snprintf(want, sizeof want, "usage: qflash %s ", cmds[i]);
+        CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && !strncmp(out, want, strlen(want)), "%s --help: [%.300s]", cmds[i], out);
+    }
+    snprintf(cmd, sizeof cmd, "'%s' run --help 2>/dev/null", qflash_bin);
+    CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && strstr(out, "--repeat-penalty R (1 = off)") && strstr(out, "--n-predict N      tokens to generate (default 128)"),
+          "run --help lacks its flags' defaults: [%s]", out);
+    int cuda_lines = strstr(out, "--cuda-opt") || strstr(out, "--precision") || strstr(out, "--gpu-mem");
+    CHECK(cuda_lines == qf_backend_has_cuda(), "run --help: CUDA flags %s in a build %s CUDA", cuda_lines ? "listed" : "missing", qf_backend_has_cuda() ? "with" : "without");
+    snprintf(cmd, sizeof cmd, "'%s' --help 2>/dev/null", qflash_bin);
+    CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && strstr(out, "  quantize ") && !strstr(out, "graphs"), "--help: [%s]", out);
+    snprintf(cmd, sizeof cmd, "'%s' serve --cuda-opt help 2>/dev/null", qflash_bin);
+    CHECK(qt_run_capture(cmd, out, sizeof out) == 0 && strstr(out, "graphs ") && strstr(out, "default"), "--cuda-opt help: [%.300s]", out);
+    snprintf(cmd, sizeof cmd, "'%s' 2>&1 >/dev/null", qflash_bin);
+    CHECK(qt_run_capture(cmd, out, sizeof out) == 2 && strstr(out, "usage: qflash"), "no command: the help on stderr, status 2: [%s]", out);
     snprintf(cmd, sizeof cmd, "'%s' run -m Qwen/Qwen3.6-35B-A3B -p hi 2>&1", qflash_bin);
     CHECK(qt_run_capture(cmd, out, sizeof out) != 0 && strstr(out, "hub id") && strstr(out, "huggingface-cli download Qwen/Qwen3.6-35B-A3B"), "hub id: [%s]", out);
     snprintf(cmd, sizeof cmd, "'%s' run -m '%s/config.json' -p hi 2>&1", qflash_bin, model_dir);

@@ -22,6 +22,8 @@
 #   bash tools/gpu-check.sh batch     the bundled model served on the GPU with CUDA graphs and without,
 #                                     64 greedy completions 12 at a time (tools/serve_batch_check.py):
 #                                     the texts must be the same; and the bench's 1-64 streams' ids
+#   bash tools/gpu-check.sh bias      the bundled model served on the GPU: logit_bias, stop_token_ids and
+#                                     min_tokens (tools/serve_bias_check.py, the checks test_serving.py asks)
 #   bash tools/gpu-check.sh spec      --draft 1..3 on the GPU: the bundled model with its trained head
 #                                     (tools/make_mtp_dir.py) and the synthetic 35B-A3B with a head of the
 #                                     release's shapes: step cost, drafts accepted, ids as plain or not
@@ -91,6 +93,13 @@ batch)
         echo "== bench graphs=$g"
         timeout 120 gpu/qflash bench -m $M --device cuda --prompt-len 64 --gen-len 64 --concurrency 1,8,16,64 --runs 1 --cuda-opt graphs=$g 2>&1 | grep -E "decoded ids|rror"
     done
+    ;;
+bias)
+    gpu/qflash serve -m models/qwen36moe-code-14m --device cuda --port 18092 >"$OUT/bias-serve.log" 2>&1 &
+    pid=$!
+    for i in $(seq 60); do curl -sf localhost:18092/health >/dev/null && break; sleep 1; done
+    timeout 120 python3 tools/serve_bias_check.py http://127.0.0.1:18092
+    kill $pid; wait $pid 2>/dev/null
     ;;
 tests)
     timeout 500 gpu/test_cuda . >"$OUT/test_cuda.log" 2>&1; echo "test_cuda rc=$?"  # parts alone: QFLASH_TEST_QUICK=1..8 (test_cuda.c)

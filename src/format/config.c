@@ -8,6 +8,14 @@
 
 #include "base/err.h"
 
+int qf_fail_json(const char *label, const json_error_t *e) {
+    if (e->line < 1) { /* never parsed: jansson's text is "unable to open PATH: REASON" or a read error */
+        const char *why = strrchr(e->text, ':');
+        return qf_fail(QF_EIO, "%s: cannot be read (%s)", label, why && why[1] ? why + 2 : e->text);
+    }
+    return qf_fail(QF_EFORMAT, "%s: %s (line %d, column %d)", label, e->text, e->line, e->column);
+}
+
 typedef struct reader {
     const char *path;
     json_t *obj;
@@ -142,7 +150,7 @@ static int load_optional(const char *path, json_t **out) {
     if (access(path, F_OK) != 0) return QF_OK;
     json_error_t jerr;
     json_t *j = json_load_file(path, 0, &jerr);
-    if (!j) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", path, jerr.text, jerr.line);
+    if (!j) return qf_fail_json(path, &jerr);
     if (!json_is_object(j)) {
         json_decref(j);
         return qf_fail(QF_EFORMAT, "%s: not a JSON object", path);
@@ -230,7 +238,7 @@ int qf_config_load(qf_config *c, const char *dir) {
     snprintf(path, sizeof path, "%s/config.json", dir);
     json_error_t jerr;
     json_t *root = json_load_file(path, 0, &jerr);
-    if (!root) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", path, jerr.text, jerr.line);
+    if (!root) return qf_fail_json(path, &jerr);
     int rc = from_root(c, root, path);
     json_decref(root);
     if (rc == QF_OK) rc = read_generation_config(c, dir);
@@ -350,7 +358,7 @@ float qf_flash_config_level(const qf_flash_config *c, int layer, float dflt) {
 int qf_config_parse(qf_config *c, const char *text, size_t len, const char *label) {
     json_error_t jerr;
     json_t *root = json_loadb(text, len, 0, &jerr);
-    if (!root) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", label, jerr.text, jerr.line);
+    if (!root) return qf_fail_json(label, &jerr);
     int rc = from_root(c, root, label);
     json_decref(root);
     return rc;

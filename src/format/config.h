@@ -64,6 +64,11 @@ float qf_flash_config_level(const qf_flash_config *c, int layer, float dflt);
 /* The same from config.json text (no generation_config); label names it in errors. */
 int qf_config_parse(qf_config *cfg, const char *text, size_t len, const char *label);
 
+/* A JSON file (or text) jansson could not load, as one error naming it: where it could not be
+ * opened or read, why; where it does not parse, the line and column. */
+struct json_error_t;
+int qf_fail_json(const char *label, const struct json_error_t *e);
+
 /* Derived sizes. */
 static inline int qf_cfg_conv_dim(const qf_config *c) {
     return 2 * c->lin_k_heads * c->lin_k_dim + c->lin_v_heads * c->lin_v_dim;

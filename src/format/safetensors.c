@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "base/dtype.h"
+#include "format/config.h"
 
 typedef struct range {
     uint64_t begin, end;
@@ -198,7 +199,7 @@ static int note(qf_diag *diag, int *first_rc, int rc) {
 static int open_index(qf_st_set *set, const char *dir, const char *index_path, qf_diag *diag) {
     json_error_t jerr;
     json_t *root = json_load_file(index_path, JSON_REJECT_DUPLICATES, &jerr);
-    if (!root) return qf_fail(QF_EFORMAT, "%s: not valid JSON: %s (line %d)", index_path, jerr.text, jerr.line);
+    if (!root) return qf_fail_json(index_path, &jerr);
     json_t *wm = json_object_get(root, "weight_map");
     int first_rc = QF_OK;
     if (!json_is_object(wm)) {

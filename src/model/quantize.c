@@ -369,7 +369,7 @@ static int write_config(const char *in, const char *out, const qf_quantize_opts 
     snprintf(path, sizeof path, "%s/config.json", in);
     json_error_t err;
     json_t *root = json_load_file(path, JSON_PRESERVE_ORDER, &err);
-    if (!root) return qf_fail(QF_EFORMAT, "%s: %s", path, err.text);
+    if (!root) return qf_fail_json(path, &err);
     json_t *tc = json_object_get(root, "text_config");
     if (json_is_object(tc)) json_object_del(tc, "quantization_config");
     json_object_set_new(root, "quantization_config", json_pack("{s:s,s:s,s:s,s:i,s:[i,i]}", "quant_method", "qflash", "experts", fmt_name(o->experts),

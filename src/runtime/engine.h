@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "backend/backend.h"
+#include "experts/plan.h"
 #include "model/model.h"
 #include "runtime/sampler.h"
 #include "tokenizer/tokenizer.h"
@@ -31,18 +32,6 @@ typedef struct qf_engine_opts {
     void *progress_ud;
 } qf_engine_opts;
 
-/* Where the device memory goes when the routed experts stream (runtime/flash.c), bytes. */
-typedef struct qf_flash_plan {
-    int active;                                 /* an expert cache on the device */
-    size_t budget, device_total, context, trunk, workspace, reserve, margin, buffer;
-    size_t stage;                               /* of the buffer: two layers' experts for prompt chunks (0: none) */
-    size_t sparse;                              /* sparsity's transposed weights, made after the plan */
-    size_t host_experts;                        /* host memory the experts take (pinned) */
-    size_t slot_bytes;
-    int slots, n_experts, n_layers, policy;
-    size_t used_after_warmup;                   /* the device's memory in use once warmed up */
-} qf_flash_plan;
-
 typedef struct qf_engine {
     qf_model *model;
     qf_tokenizer *tok; /* NULL when the directory has no tokenizer.json */
@@ -54,7 +43,7 @@ typedef struct qf_engine {
     char *text;        /* one token's text: 3 x longest piece + 8 (every byte may become U+FFFD) */
     size_t text_cap;
     double load_seconds;
-    qf_flash_plan plan;
+    qf_plan plan; /* the device memory plan when the routed experts stream (experts/plan.h) */
     char notice[256]; /* what the caller should tell the user about the load (empty: nothing) */
     struct qf_spec *spec; /* speculative decoding with the MTP head (runtime/spec.c); NULL: off */
 } qf_engine;

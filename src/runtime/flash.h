@@ -18,7 +18,6 @@ int qf_flash_cpu(qf_engine *e, size_t bytes);
 int qf_flash_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk, size_t sparse_bytes);
 /* Whether some layer's level will be above 0 (the flag, else the file's schedule). */
 int qf_flash_sparse_wanted(const qf_flash_config *fc, const qf_engine_opts *o, int n_layers);
-void qf_flash_print(FILE *f, const qf_flash_plan *p);
 /* The model's sparsity levels (the flag for every layer, else the file's schedule) and trunk
  * thresholds (the file's; dir names it in errors). */
 int qf_flash_sparsity(qf_engine *e, const qf_flash_config *fc, const char *dir, const qf_engine_opts *o);

@@ -72,7 +72,7 @@ static void *load_main(void *arg) {
         s->tool_form = strstr(tmpl, "<function=") ? QF_TOOLS_XML : QF_TOOLS_JSON;
     }
     free(own);
-    if (rc == QF_OK) qf_flash_print(stderr, &s->e->plan);
+    if (rc == QF_OK) qf_plan_print(stderr, &s->e->plan);
     if (rc == QF_OK) rc = qf_sched_create(&s->sched, s->e, &o->sched);
     if (rc == QF_OK) rc = open_replicas(s);
     if (rc != QF_OK) {

@@ -13,6 +13,7 @@
 #include "base/hashmap.h"
 #include "base/mapfile.h"
 #include "base/utf8.h"
+#include "format/config.h"
 
 /* The GPT-2 pre-tokenizer, used when tokenizer.json asks ByteLevel to split by itself. */
 static const char k_gpt2_pattern[] =
@@ -305,7 +306,7 @@ int qf_tok_load(qf_tokenizer **out, const char *dir) {
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     json_error_t jerr;
     json_t *root = json_load_file(path, 0, &jerr);
-    if (!root) return qf_fail(QF_EFORMAT, "%s: %s (line %d)", path, jerr.text, jerr.line);
+    if (!root) return qf_fail_json(path, &jerr);
     qf_tokenizer *t = calloc(1, sizeof *t);
     int rc = t ? QF_OK : qf_fail(QF_ENOMEM, "out of memory");
     json_t *model = json_object_get(root, "model");
