@@ -14,12 +14,13 @@ CUDA="-DQFLASH_CUDA=OFF"
 if [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null; then CUDA="-DQFLASH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90"; fi
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release $CUDA >/dev/null
 cmake --build build -j "$JOBS"
-ctest --test-dir build --output-on-failure
+ctest --test-dir build --output-on-failure -j "$JOBS"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DQFLASH_SANITIZE=ON -DQFLASH_CUDA=OFF >/dev/null
 cmake --build build-asan -j "$JOBS"
-# (kernel_emu builds its own programs: once, in the release run, is enough)
+# (kernel_emu builds its own programs: once, in the release run, is enough; the suites run side by side,
+# one a core: none asserts a time)
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --test-dir build-asan --output-on-failure -LE emu
+    ctest --test-dir build-asan --output-on-failure -LE emu -j "$JOBS"
 # ThreadSanitizer over the server (its event loop, preparation workers and scheduler thread): a
 # report ends the server (halt_on_error), which fails the suite.
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQFLASH_TSAN=ON -DQFLASH_CUDA=OFF >/dev/null

@@ -36,7 +36,7 @@ static inline size_t qf_mat_scale_off(const qf_mat *w) { return (qf_mat_bytes(w)
 /* A self-contained copy: the rows, then the scales (if any) at qf_mat_scale_off. */
 static inline size_t qf_mat_packed_bytes(const qf_mat *w) { return qf_mat_scale_bytes(w) ? qf_mat_scale_off(w) + qf_mat_scale_bytes(w) : qf_mat_bytes(w); }
 
-/* Gated DeltaNet core for one sequence of T tokens (model-spec §5.4-5.6). q/k/v point into the
+/* Gated DeltaNet core for one sequence of T tokens (docs/model-spec.md §5.4-5.6). q/k/v point into the
  * conv output rows (row stride `stride` floats): q = [nk][dk], k = [nk][dk], v = [nv][dv].
  * v-head h reads k-head h / (nv / nk). beta and g are [T][nv] (beta already sigmoid, g <= 0).
  * S is the recurrent state [nv][dk][dv], updated in place. out is [T][nv][dv]. */
@@ -166,7 +166,7 @@ typedef struct qf_pre {
 } qf_pre;
 
 /* in_proj product of a Gated DeltaNet layer whose rows are [qkv conv channels | z | b | a]
- * (model-spec §5), followed by what each row needs: conv_silu with the row's conv state for the
+ * (docs/model-spec.md §5), followed by what each row needs: conv_silu with the row's conv state for the
  * channels, gdn_gates for b and a. So y[t] = [conv out | z | beta | g]. */
 typedef struct qf_gdn_epi {
     int conv_dim, z_dim, nv, conv_k;

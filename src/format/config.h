@@ -31,7 +31,7 @@ typedef struct qf_config {
     int eos_ids[QF_MAX_EOS], n_eos;
     float gen_temperature, gen_top_p;
     int gen_top_k;
-    int mtp_layers; /* mtp_num_hidden_layers: the MTP head's decoder layers (model-spec §8; 0: none) */
+    int mtp_layers; /* mtp_num_hidden_layers: the MTP head's decoder layers (docs/model-spec.md §8; 0: none) */
     char quant_method[16]; /* quantization_config.quant_method: "fp8", "qflash" or "" (none) */
 } qf_config;
 

@@ -1,4 +1,4 @@
-/* The batched forward pass (model-spec.md §4-§7): every projection runs once over the rows of
+/* The batched forward pass (docs/model-spec.md §4-§7): every projection runs once over the rows of
  * all sequences in the batch; convolution, the delta rule, RoPE and attention run per sequence
  * on its own state. All compute goes through the backend ops table. */
 #include "model/forward_int.h"

@@ -72,7 +72,7 @@ typedef struct qf_model {
     int kv_min_ctx;                /* the KV level acts from this context on (0: QF_KV_MIN_CTX) */
     float (*trunk_thr)[QF_ACT_GROUPS][QF_TRUNK_GRID]; /* [n_layers]: |x| thresholds for trunk sparsity 0.1..0.9 (NULL: none) */
     int n_owned, cap_owned;
-    /* The MTP head (model-spec §8), when config.json names one and the mtp.* tensors are there:
+    /* The MTP head (docs/model-spec.md §8), when config.json names one and the mtp.* tensors are there:
      * u = mtp_fc . [rmsnorm(embed(x)) * mtp_norm_e | rmsnorm(h) * mtp_norm_h] runs through `mtp`, a
      * one-layer view of this model (its full-attention layer and MoE, final norm mtp.norm; embed,
      * lm_head and RoPE the main model's: it owns nothing but its struct and expert store). NULL: none. */

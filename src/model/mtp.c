@@ -1,4 +1,4 @@
-/* Running the MTP head (model-spec §8.2): the pair (x[t+1], h[t]) at the head's position t becomes
+/* Running the MTP head (docs/model-spec.md §8.2): the pair (x[t+1], h[t]) at the head's position t becomes
  * u = fc([rmsnorm(embed(x[t+1])) * norm_e | rmsnorm(h[t]) * norm_h]), which runs through the
  * head's decoder layer (m->mtp, a one-layer view of the model) with its own KV cache; the view's
  * final norm (mtp.norm) gives the head's output, and lm_head its logits for x[t+2]. */

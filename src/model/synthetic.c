@@ -15,7 +15,7 @@
 #include "model/quantize.h"
 #include "model/model_int.h"
 
-/* Qwen3.6-35B-A3B's text_config (shared/docs/model-spec.md §1.1). */
+/* Qwen3.6-35B-A3B's text_config (docs/model-spec.md §1.1). */
 static const char QWEN36_35B_A3B[] =
     "{\"model_type\": \"qwen3_5_moe\", \"tie_word_embeddings\": false, \"text_config\": {"
     "\"model_type\": \"qwen3_5_moe_text\", \"hidden_size\": 2048, \"num_hidden_layers\": 40,"

@@ -321,7 +321,7 @@ static void bind_layer(binder *b, qf_layer_w *w, int L, int kind) {
     bind_mlp(b, w, L);
 }
 
-/* The MTP head (model-spec §8): mtp.fc, its three norms (zero-centred) and one full-attention
+/* The MTP head (docs/model-spec.md §8): mtp.fc, its three norms (zero-centred) and one full-attention
  * decoder layer with its MoE, bound through the same checks under the prefix "mtp."; the layer and
  * a one-layer expert store go into m->mtp, a view of m that shares its embeddings, lm_head and RoPE. */
 static int bind_mtp(qf_model *m, const qf_load_opts *opts, qf_make_tensor_fn make) {

@@ -1,4 +1,4 @@
-/* Speculative decoding with the model's MTP head (model-spec §8.3), greedy.
+/* Speculative decoding with the model's MTP head (docs/model-spec.md §8.3), greedy.
  *
  * A step: the token x the model picked is emitted; the head drafts d1..dN from the pair (x, h) (h:
  * the model's hidden state where x was picked) and then from its own outputs; the model runs

@@ -1,5 +1,5 @@
 /* The gated delta rule over a prompt in chunks of C tokens (the "WY" form of Gated DeltaNet): the
- * same results as the token-by-token rule (ops_ref.c, model-spec §5.6) up to rounding, but every
+ * same results as the token-by-token rule (ops_ref.c, docs/model-spec.md §5.6) up to rounding, but every
  * step but one triangular solve is a product of whole matrices, which is what lets a GPU run a
  * prompt's recurrence on its tensor cores instead of one dependent chain per token. Plain loops:
  * this is the reference that a chunked device kernel is checked against, step by step.

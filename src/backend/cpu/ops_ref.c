@@ -1,4 +1,4 @@
-/* The reference CPU ops: plain loops in the order of model-spec.md, single-threaded, never
+/* The reference CPU ops: plain loops in the order of docs/model-spec.md, single-threaded, never
  * optimised. Every other backend is tested against these. */
 #include <math.h>
 #include <string.h>
@@ -108,7 +108,7 @@ void qf_ref_l2norm(const float *x, int n, float scale, float *y) {
     for (int i = 0; i < n; i++) y[i] = x[i] * inv;
 }
 
-/* The token-by-token gated delta rule of model-spec §5.6. */
+/* The token-by-token gated delta rule of docs/model-spec.md §5.6. */
 static void ref_gdn(qf_backend *be, const qf_gdn_args *a) {
     (void)be;
     float qn[512], kn[512], u[512];
