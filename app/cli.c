@@ -2,7 +2,6 @@
 
 #include "base/mapfile.h"
 #include "experts/cache_policy.h"
-#include "runtime/flash.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -97,14 +96,10 @@ static size_t parse_size(const char *s) {
     return end != s && v > 0 && unit > 0 && v * unit < 1e18 ? (size_t)(v * unit) : 0;
 }
 
-int cli_engine_init(qf_engine_opts *eo, qf_cuda_opts *cuda) {
+void cli_engine_init(qf_engine_opts *eo, const qf_backend_opts *bo) {
     memset(eo, 0, sizeof *eo);
     eo->device = "cpu";
-    eo->cuda = cuda;
-    qf_cuda_opts_default(cuda);
-    if (qf_cuda_opts_from_env(cuda) == QF_OK) return 0;
-    fprintf(stderr, "error: %s\n", qf_last_error());
-    return 2;
+    eo->backend = bo;
 }
 
 static void size_flag(cli_args *a, size_t *out, const char *examples) {
@@ -113,14 +108,12 @@ static void size_flag(cli_args *a, size_t *out, const char *examples) {
 }
 
 
-int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_cuda_opts *cuda) {
+int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_backend_opts *bo) {
     if (cli_is(a, NULL, "--device")) {
         eo->device = cli_value(a);
     } else if (cli_is(a, NULL, "--precision")) {
         const char *v = cli_value(a);
-        int p = v ? qf_cuda_precision_parse(v) : -1;
-        if (v && p < 0) fprintf(stderr, "error: --precision takes bf16x2 (the default), fp32 or bf16, not '%s'\n", v), a->bad = 1;
-        else if (v) cuda->precision = p;
+        if (v && qf_backend_opts_precision(bo, v) != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error()), a->bad = 1;
     } else if (cli_is(a, NULL, "--expert-cache")) {
         size_flag(a, &eo->expert_cache, "512M, 22G");
     } else if (cli_is(a, NULL, "--gpu-mem")) {
@@ -135,7 +128,7 @@ int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_cuda_opts *cuda) {
         else eo->expert_policy = v;
     } else if (cli_is(a, NULL, "--cuda-opt")) {
         const char *v = cli_value(a);
-        if (v && qf_cuda_opts_set(cuda, v) != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error()), a->bad = 1;
+        if (v && qf_backend_opts_set(bo, v) != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error()), a->bad = 1;
     } else {
         return 0;
     }
@@ -193,7 +186,7 @@ int cli_open_engine(qf_engine **e, const char *dir, int threads, const qf_engine
     fprintf(stderr, "loaded %s in %.2f s: %s, %d layers, vocab %d, ops %s, %d threads\n", dir, (*e)->load_seconds,
             (*e)->model->cfg.model_type, (*e)->model->cfg.n_layers, (*e)->model->cfg.vocab, (*e)->be.ops->name,
             qf_pool_size((*e)->pool));
-    if ((*e)->on_gpu && o.cuda) qf_cuda_opts_print(stderr, o.cuda);
+    if ((*e)->on_gpu && o.backend) qf_backend_opts_print(stderr, o.backend);
     cli_print_expert_cache(*e);
     return QF_OK;
 }

@@ -30,12 +30,11 @@ int cli_prepare_sampling(const qf_engine *e, const qf_sampling *user, int seed_s
 
 void cli_progress(void *ud, int done, int total);
 /* The device flags (--device, --precision, --cuda-opt, --gpu-mem, --expert-cache, --expert-policy,
- * --sparsity-level) into a command's engine options and CUDA options: 1 when argv[i] was one of
+ * --sparsity-level) into a command's engine options and the backend options: 1 when argv[i] was one of
  * them (`--cuda-opt help` is answered before a command runs: cli_help). */
-int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_cuda_opts *cuda);
-/* Engine options with their defaults (device cpu) pointing at cuda, which gets the CUDA options'
- * defaults and QFLASH_CUDA_OPTS (diagnosis): 2 when that is malformed (printed). */
-int cli_engine_init(qf_engine_opts *eo, qf_cuda_opts *cuda);
+int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_backend_opts *bo);
+/* Engine options with their defaults (device cpu) and the process's backend options (main's). */
+void cli_engine_init(qf_engine_opts *eo, const qf_backend_opts *bo);
 void cli_print_expert_cache(const qf_engine *e);
 /* --only experts|trunk|kv (bench, fidelity): the QF_SPARSE_* bit of the one sparsity level to keep
  * on; sets bad and prints for anything else. */
@@ -51,18 +50,18 @@ void cli_help(FILE *f, const char *cmd);
 /* Whether argv (after the command) asks for help: -h or --help anywhere. */
 int cli_wants_help(int argc, char **argv);
 
-int cmd_run(int argc, char **argv);
-int cmd_chat(int argc, char **argv);
-int cmd_verify(int argc, char **argv);
-int cmd_perplexity(int argc, char **argv);
-int cmd_serve(int argc, char **argv);
-int cmd_bench(int argc, char **argv);
-int cmd_route_replay(int argc, char **argv);
-int cmd_route_record(int argc, char **argv);
-int cmd_synth_export(int argc, char **argv);
-int cmd_fidelity(int argc, char **argv);
-int cmd_calibrate(int argc, char **argv);
-int cmd_quantize(int argc, char **argv);
+int cmd_run(int argc, char **argv, qf_backend_opts *bo);
+int cmd_chat(int argc, char **argv, qf_backend_opts *bo);
+int cmd_verify(int argc, char **argv, qf_backend_opts *bo);
+int cmd_perplexity(int argc, char **argv, qf_backend_opts *bo);
+int cmd_serve(int argc, char **argv, qf_backend_opts *bo);
+int cmd_bench(int argc, char **argv, qf_backend_opts *bo);
+int cmd_route_replay(int argc, char **argv, qf_backend_opts *bo);
+int cmd_route_record(int argc, char **argv, qf_backend_opts *bo);
+int cmd_synth_export(int argc, char **argv, qf_backend_opts *bo);
+int cmd_fidelity(int argc, char **argv, qf_backend_opts *bo);
+int cmd_calibrate(int argc, char **argv, qf_backend_opts *bo);
+int cmd_quantize(int argc, char **argv, qf_backend_opts *bo);
 void cmd_serve_help(FILE *f);
 void cmd_bench_help(FILE *f);
 

@@ -31,7 +31,6 @@ typedef struct bench_opts {
     int warmup; /* --warmup N: runs dropped before the measured ones (default 1) */
     double bw;
     qf_engine_opts eo; /* the device flags */
-    qf_cuda_opts cuda;
 } bench_opts;
 
 /* ---- memory trace: a thread samples RSS every 100 ms, and each phase starts with a sample (a
@@ -357,7 +356,7 @@ static int parse_list(const char *s, int *out, int cap) {
     return n;
 }
 
-static int parse_bench(int argc, char **argv, bench_opts *o) {
+static int parse_bench(int argc, char **argv, bench_opts *o, qf_backend_opts *bo) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
         if (cli_is(&a, "-m", "--model")) o->model = cli_value(&a);
@@ -379,7 +378,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o) {
         else if (cli_is(&a, NULL, "--prefill-chunk")) o->prefill_chunk = cli_int(&a, 1, 1 << 16);
         else if (cli_is(&a, NULL, "--runs")) o->runs = cli_int(&a, 1, 64);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &o->eo, &o->cuda)) continue;
+        else if (cli_device_flag(&a, &o->eo, bo)) continue;
         else if (cli_is(&a, NULL, "--bw")) o->bw = cli_num(&a, 0.001, 1e6);
         else if (cli_is(&a, NULL, "--json")) o->json = cli_value(&a);
         else if (cli_is(&a, NULL, "--plot")) o->plot = cli_value(&a);
@@ -555,9 +554,10 @@ static int calibrate_on_prompts(qf_engine *e) {
     return rc;
 }
 
-int cmd_bench(int argc, char **argv) {
+int cmd_bench(int argc, char **argv, qf_backend_opts *bo) {
     bench_opts o = {.prompt_len = 128, .gen_len = 64, .runs = 3, .prefill_chunk = 512, .conc = {1, 16}, .n_conc = 2, .warmup = 1};
-    if (cli_engine_init(&o.eo, &o.cuda) || parse_bench(argc, argv, &o)) return 2;
+    cli_engine_init(&o.eo, bo);
+    if (parse_bench(argc, argv, &o, bo)) return 2;
     enum { TRACE_CAP = 1 << 16 };
     tracer tr = {.t0 = qf_now(), .mem = malloc(TRACE_CAP * sizeof(bench_mem)), .cap = TRACE_CAP};
     pthread_mutex_init(&tr.mu, NULL);
@@ -574,7 +574,7 @@ int cmd_bench(int argc, char **argv) {
         trace_phase(&tr, "bandwidth probe");
         r.bw_measured = o.bw <= 0;
         if (e->on_gpu && o.bw <= 0) fprintf(stderr, "bench: the bandwidth probe measures host memory; give --bw for the GPU's roofline\n");
-        if (e->on_gpu) qf_cuda_opts_print(stderr, &o.cuda);
+        if (e->on_gpu) qf_backend_opts_print(stderr, bo);
         r.bw_gbs = o.bw > 0 ? o.bw : probe_bw(e->pool, &r.copy_gbs);
         r.cfgs = calloc((size_t)o.n_conc * (size_t)(o.n_levels ? o.n_levels : 1), sizeof *r.cfgs);
         if (!r.cfgs) rc = QF_ENOMEM;

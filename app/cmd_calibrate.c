@@ -36,7 +36,7 @@ static int write_thresholds(const char *dir, const float *thr, int layers) {
     return rc;
 }
 
-int cmd_calibrate(int argc, char **argv) {
+int cmd_calibrate(int argc, char **argv, qf_backend_opts *bo) {
     const char *model = NULL, *file = NULL;
     int tokens = 16384, threads = 0;
     cli_args a = {argc, 1, argv, 0};
@@ -56,8 +56,7 @@ int cmd_calibrate(int argc, char **argv) {
     qf_engine *e = NULL;
     float *thr = NULL;
     qf_engine_opts eo;
-    qf_cuda_opts cuda;
-    if (cli_engine_init(&eo, &cuda)) return 2;
+    cli_engine_init(&eo, bo);
     if (cli_open_on_text(model, file, threads, &eo, &e, &ids, &n) != QF_OK) goto out;
     int layers = e->model->cfg.n_layers;
     if (n > tokens) n = tokens;

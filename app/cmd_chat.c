@@ -109,17 +109,16 @@ typedef struct chat_opts {
     const char *model, *system;
     int think, threads, ctx, n_predict, seed_set;
     qf_engine_opts eo;
-    qf_cuda_opts cuda;
 } chat_opts;
 
-static int parse_chat(int argc, char **argv, chat_opts *o, qf_sampling *user) {
+static int parse_chat(int argc, char **argv, chat_opts *o, qf_sampling *user, qf_backend_opts *bo) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
         if (cli_is(&a, "-m", "--model")) o->model = cli_value(&a);
         else if (cli_is(&a, NULL, "--no-think")) o->think = 0;
         else if (cli_is(&a, NULL, "--system")) o->system = cli_value(&a);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &o->eo, &o->cuda)) continue;
+        else if (cli_device_flag(&a, &o->eo, bo)) continue;
         else if (cli_is(&a, "-c", "--ctx")) o->ctx = cli_int(&a, 64, 1 << 24);
         else if (cli_is(&a, "-n", "--n-predict")) o->n_predict = cli_int(&a, 1, 1 << 24);
         else if (!cli_sampling_flag(&a, user, &o->seed_set)) {
@@ -232,13 +231,13 @@ static void chat_loop(chat_ctx *c, const chat_opts *o, const qf_chat_tmpl *ct, q
     history_free(&h);
 }
 
-int cmd_chat(int argc, char **argv) {
+int cmd_chat(int argc, char **argv, qf_backend_opts *bo) {
     chat_opts o = {0};
     o.think = 1;
     o.n_predict = 1024;
-    if (cli_engine_init(&o.eo, &o.cuda)) return 2;
+    cli_engine_init(&o.eo, bo);
     qf_sampling user = CLI_SAMPLING_UNSET, s;
-    if (parse_chat(argc, argv, &o, &user)) return 2;
+    if (parse_chat(argc, argv, &o, &user, bo)) return 2;
     qf_engine *e;
     if (cli_open_engine(&e, o.model, o.threads, &o.eo) != QF_OK) return 1;
     qf_chat_tmpl ct = {0};

@@ -23,7 +23,6 @@ typedef struct fid_opts {
     const char *compare[MAX_LEVELS]; /* --compare: model directories against -m's, at level 0 */
     int n_compare;
     qf_engine_opts eo;
-    qf_cuda_opts cuda;
 } fid_opts;
 
 typedef struct fid_row {
@@ -154,7 +153,7 @@ static void print_table(const fid_opts *o, fid_row *rows) {
            o->windows, o->window, o->prompts, o->prompt_len, o->max_gen, o->levels[0]);
 }
 
-static int parse_fidelity(int argc, char **argv, fid_opts *o) {
+static int parse_fidelity(int argc, char **argv, fid_opts *o, qf_backend_opts *bo) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
         if (cli_is(&a, "-m", "--model")) o->model = cli_value(&a);
@@ -173,7 +172,7 @@ static int parse_fidelity(int argc, char **argv, fid_opts *o) {
         else if (cli_is(&a, NULL, "--prompt-len")) o->prompt_len = cli_int(&a, 1, 1 << 16);
         else if (cli_is(&a, NULL, "--max-gen")) o->max_gen = cli_int(&a, 1, 1 << 20);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &o->eo, &o->cuda)) continue;
+        else if (cli_device_flag(&a, &o->eo, bo)) continue;
         else fprintf(stderr, "error: unknown option '%s' for fidelity\n", argv[a.i]), a.bad = 1;
     }
     if (a.bad || !o->model || !o->file) {
@@ -183,10 +182,10 @@ static int parse_fidelity(int argc, char **argv, fid_opts *o) {
     return 0;
 }
 
-int cmd_fidelity(int argc, char **argv) {
+int cmd_fidelity(int argc, char **argv, qf_backend_opts *bo) {
     fid_opts o = {.levels = {0, 0.3f, 0.45f, 0.6f, 0.7f}, .n_levels = 5, .window = 512, .prompts = 16, .prompt_len = 32, .max_gen = 256};
-    if (cli_engine_init(&o.eo, &o.cuda)) return 2;
-    int prc = parse_fidelity(argc, argv, &o);
+    cli_engine_init(&o.eo, bo);
+    int prc = parse_fidelity(argc, argv, &o, bo);
     if (prc) return prc;
     int32_t *ids = NULL;
     int n = 0, rc = 1;

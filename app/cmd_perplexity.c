@@ -29,12 +29,11 @@ static int window_nll(qf_engine *e, qf_state *st, const int32_t *tok, int n, flo
     return QF_OK;
 }
 
-int cmd_perplexity(int argc, char **argv) {
+int cmd_perplexity(int argc, char **argv, qf_backend_opts *bo) {
     const char *model = NULL, *file = NULL;
     int window = 512, windows = 0, threads = 0;
     qf_engine_opts eo;
-    qf_cuda_opts cuda;
-    if (cli_engine_init(&eo, &cuda)) return 2;
+    cli_engine_init(&eo, bo);
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
         if (cli_is(&a, "-m", "--model")) model = cli_value(&a);
@@ -42,7 +41,7 @@ int cmd_perplexity(int argc, char **argv) {
         else if (cli_is(&a, NULL, "--window")) window = cli_int(&a, 2, 1 << 20);
         else if (cli_is(&a, NULL, "--windows")) windows = cli_int(&a, 1, 1 << 20);
         else if (cli_is(&a, "-t", "--threads")) threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &eo, &cuda)) continue;
+        else if (cli_device_flag(&a, &eo, bo)) continue;
         else {
             fprintf(stderr, "error: unknown option '%s' for perplexity\n", argv[a.i]);
             a.bad = 1;

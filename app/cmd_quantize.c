@@ -28,7 +28,8 @@ static void progress(void *ud, uint64_t done, uint64_t total) {
     else if (pct % 10 == 0) fprintf(stderr, "%s\n", line);
 }
 
-int cmd_quantize(int argc, char **argv) {
+int cmd_quantize(int argc, char **argv, qf_backend_opts *bo) {
+    (void)bo; /* runs no model */
     const char *in = NULL, *out = NULL, *ex = "int4", *tr = NULL;
     int threads = 0;
     double shard_gb = 4.0;

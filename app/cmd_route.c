@@ -108,7 +108,8 @@ static int parse_list(const char *s, int *out, int cap) {
     return n;
 }
 
-int cmd_route_replay(int argc, char **argv) {
+int cmd_route_replay(int argc, char **argv, qf_backend_opts *bo) {
+    (void)bo; /* runs no model */
     const char *path = NULL;
     int slots[32], n_slots = 0;
     int half_life = 64;

@@ -65,7 +65,7 @@ static int write_trace(const char *path, const rec *r, const char *source) {
     return ok ? QF_OK : qf_fail(QF_EIO, "cannot write %s", path);
 }
 
-int cmd_route_record(int argc, char **argv) {
+int cmd_route_record(int argc, char **argv, qf_backend_opts *bo) {
     const char *dir = NULL, *text_path = NULL, *out = NULL;
     int max_tokens = 16384, threads = 0;
     cli_args a = {argc, 1, argv, 0};
@@ -89,8 +89,7 @@ int cmd_route_record(int argc, char **argv) {
     size_t len = 0;
     int32_t *toks = NULL;
     qf_engine_opts eo;
-    qf_cuda_opts cuda;
-    if (cli_engine_init(&eo, &cuda)) return 2;
+    cli_engine_init(&eo, bo);
     int n = 0, rc = cli_open_engine(&e, dir, threads, &eo);
     if (rc != QF_OK) return 1;
     const qf_config *c = &e->model->cfg;

@@ -12,7 +12,6 @@ typedef struct run_opts {
     int n_predict, threads, ctx, seed_set;
     qf_sampling s;
     qf_engine_opts eo;
-    qf_cuda_opts cuda;
 } run_opts;
 
 static int write_token(void *ud, int32_t tok, const char *text, size_t len) {
@@ -23,7 +22,7 @@ static int write_token(void *ud, int32_t tok, const char *text, size_t len) {
     return 0;
 }
 
-static int parse_run(int argc, char **argv, run_opts *o, qf_sampling *user, int *set_mask) {
+static int parse_run(int argc, char **argv, run_opts *o, qf_sampling *user, int *set_mask, qf_backend_opts *bo) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
         if (cli_is(&a, "-m", "--model")) o->model = cli_value(&a);
@@ -31,7 +30,7 @@ static int parse_run(int argc, char **argv, run_opts *o, qf_sampling *user, int 
         else if (cli_is(&a, "-f", "--file")) o->prompt_file = cli_value(&a);
         else if (cli_is(&a, "-n", "--n-predict")) o->n_predict = cli_int(&a, 0, 1 << 24);
         else if (cli_is(&a, "-t", "--threads")) o->threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &o->eo, &o->cuda)) continue;
+        else if (cli_device_flag(&a, &o->eo, bo)) continue;
         else if (cli_is(&a, "-c", "--ctx")) o->ctx = cli_int(&a, 16, 1 << 24);
         else if (cli_is(&a, NULL, "--draft")) o->eo.draft = cli_int(&a, 0, 8);
         else if (cli_sampling_flag(&a, user, &o->seed_set)) *set_mask = 1;
@@ -103,13 +102,13 @@ static int run_generation(qf_engine *e, const run_opts *o, const char *text) {
     return rc == QF_OK ? 0 : 1;
 }
 
-int cmd_run(int argc, char **argv) {
+int cmd_run(int argc, char **argv, qf_backend_opts *bo) {
     run_opts o = {0};
     o.n_predict = 128;
-    if (cli_engine_init(&o.eo, &o.cuda)) return 2;
+    cli_engine_init(&o.eo, bo);
     qf_sampling user = CLI_SAMPLING_UNSET;
     int any = 0;
-    if (parse_run(argc, argv, &o, &user, &any)) return 2;
+    if (parse_run(argc, argv, &o, &user, &any, bo)) return 2;
     char *file_text = NULL;
     if (o.prompt_file && qf_read_file(o.prompt_file, &file_text, NULL) != QF_OK) {
         fprintf(stderr, "error: %s\n", qf_last_error());

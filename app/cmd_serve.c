@@ -37,7 +37,7 @@ static const char *env_or(const char *name, const char *dflt) {
     return v && *v ? v : dflt;
 }
 
-static int parse_serve(int argc, char **argv, qf_server_opts *o, qf_cuda_opts *cuda, double *kv_mib, double *body_mib, double *prefix_mib) {
+static int parse_serve(int argc, char **argv, qf_server_opts *o, qf_backend_opts *bo, double *kv_mib, double *body_mib, double *prefix_mib) {
     cli_args a = {argc, 1, argv, 0};
     for (; a.i < argc && !a.bad; a.i++) {
         if (cli_is(&a, "-m", "--model")) o->model_dir = cli_value(&a);
@@ -71,7 +71,7 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, qf_cuda_opts *c
         else if (cli_is(&a, NULL, "--idle-timeout")) o->idle_timeout = cli_num(&a, 0.1, 86400);
         else if (cli_is(&a, NULL, "--shutdown-timeout")) o->shutdown_timeout = cli_num(&a, 0, 86400);
         else if (cli_is(&a, "-t", "--threads")) o->engine.n_threads = cli_int(&a, 1, 1024);
-        else if (cli_device_flag(&a, &o->engine, cuda)) continue;
+        else if (cli_device_flag(&a, &o->engine, bo)) continue;
         else if (cli_is(&a, "-v", "--verbose")) o->verbose = o->sched.verbose = 1;
         else {
             fprintf(stderr, "error: unknown option '%s' for serve\n", argv[a.i]);
@@ -85,11 +85,10 @@ static int parse_serve(int argc, char **argv, qf_server_opts *o, qf_cuda_opts *c
     return a.bad ? 2 : 0;
 }
 
-int cmd_serve(int argc, char **argv) {
+int cmd_serve(int argc, char **argv, qf_backend_opts *bo) {
     qf_server_opts o;
-    qf_cuda_opts cuda;
     memset(&o, 0, sizeof o);
-    if (cli_engine_init(&o.engine, &cuda)) return 2;
+    cli_engine_init(&o.engine, bo);
     o.host = env_or("QFLASH_HOST", "127.0.0.1");
     o.port = atoi(env_or("QFLASH_PORT", "8080"));
     o.api_key = env_or("QFLASH_API_KEY", NULL);
@@ -99,7 +98,7 @@ int cmd_serve(int argc, char **argv) {
     o.header_timeout = 60, o.body_timeout = 120, o.idle_timeout = 75; /* nginx's, and a body deadline */
     o.sched = (qf_sched_opts){.max_batch = 16, .ctx = 4096, .page_tokens = 16, .prefill_chunk = 256, .max_queue = 256, .log = stderr};
     double kv_mib = 0, body_mib = 8, prefix_mib = -1;
-    if (parse_serve(argc, argv, &o, &cuda, &kv_mib, &body_mib, &prefix_mib)) return 2;
+    if (parse_serve(argc, argv, &o, bo, &kv_mib, &body_mib, &prefix_mib)) return 2;
     o.max_body = (size_t)(body_mib * 1048576.0);
     o.engine.max_batch = o.sched.max_batch + o.sched.prefill_chunk; /* rows of one step */
     o.engine.progress = NULL;
@@ -110,7 +109,7 @@ int cmd_serve(int argc, char **argv) {
     o.engine.reserve_seqs = o.sched.max_batch;
     o.engine.reserve_tokens = o.sched.kv_pages > 0 ? o.sched.kv_pages * o.sched.page_tokens : o.sched.ctx * o.sched.max_batch;
     o.engine.reserve_kv_bytes = (size_t)(kv_mib * 1048576.0);
-    if (o.verbose && o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0) qf_cuda_opts_print(stderr, &cuda);
+    if (o.verbose && o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0) qf_backend_opts_print(stderr, bo);
     int rc = qf_server_run(&o);
     if (rc != QF_OK) {
         fprintf(stderr, "error: %s\n", qf_last_error());

@@ -44,7 +44,8 @@ static int write_tensors(const char *dir, const qf_st_set *st) {
     return ok ? QF_OK : qf_fail(QF_EIO, "cannot write %s", path);
 }
 
-int cmd_synth_export(int argc, char **argv) {
+int cmd_synth_export(int argc, char **argv, qf_backend_opts *bo) {
+    (void)bo; /* runs no model */
     const char *preset = NULL, *dir = NULL;
     int layers = 0;
     cli_args a = {argc, 1, argv, 0};

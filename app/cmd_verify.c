@@ -86,7 +86,8 @@ static void hash_files(const char *dir, const char *manifest, qf_diag *d) {
     free(hashes);
 }
 
-int cmd_verify(int argc, char **argv) {
+int cmd_verify(int argc, char **argv, qf_backend_opts *bo) {
+    (void)bo; /* runs no model */
     const char *dir = NULL, *manifest = NULL;
     int hash = 1;
     cli_args a = {argc, 1, argv, 0};

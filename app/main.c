@@ -10,7 +10,7 @@ static int cuda_opt_help(int argc, char **argv) {
         if (strcmp(argv[i], "--cuda-opt") || strcmp(argv[i + 1], "help")) continue;
         if (qf_backend_has_cuda()) printf("CUDA backend options (--cuda-opt name=value, repeatable), with their defaults:\n");
         else printf("this build has no CUDA backend; the options a CUDA build takes (--cuda-opt name=value, repeatable):\n");
-        qf_cuda_opts_print(stdout, NULL);
+        qf_backend_opts_print(stdout, NULL);
         return 1;
     }
     return 0;
@@ -35,18 +35,23 @@ int main(int argc, char **argv) {
         cli_help(stdout, cmd);
         return 0;
     }
-    if (!strcmp(cmd, "run")) return cmd_run(argc - 1, argv + 1);
-    if (!strcmp(cmd, "chat")) return cmd_chat(argc - 1, argv + 1);
-    if (!strcmp(cmd, "verify")) return cmd_verify(argc - 1, argv + 1);
-    if (!strcmp(cmd, "perplexity")) return cmd_perplexity(argc - 1, argv + 1);
-    if (!strcmp(cmd, "serve")) return cmd_serve(argc - 1, argv + 1);
-    if (!strcmp(cmd, "bench")) return cmd_bench(argc - 1, argv + 1);
-    if (!strcmp(cmd, "route-replay")) return cmd_route_replay(argc - 1, argv + 1);
-    if (!strcmp(cmd, "route-record")) return cmd_route_record(argc - 1, argv + 1);
-    if (!strcmp(cmd, "synth-export")) return cmd_synth_export(argc - 1, argv + 1);
-    if (!strcmp(cmd, "fidelity")) return cmd_fidelity(argc - 1, argv + 1);
-    if (!strcmp(cmd, "calibrate")) return cmd_calibrate(argc - 1, argv + 1);
-    if (!strcmp(cmd, "quantize")) return cmd_quantize(argc - 1, argv + 1);
+    static const struct {
+        const char *name;
+        int (*run)(int argc, char **argv, qf_backend_opts *bo);
+    } cmds[] = {{"run", cmd_run},           {"chat", cmd_chat},           {"verify", cmd_verify},     {"perplexity", cmd_perplexity},
+                {"serve", cmd_serve},       {"bench", cmd_bench},         {"route-replay", cmd_route_replay}, {"route-record", cmd_route_record},
+                {"synth-export", cmd_synth_export}, {"fidelity", cmd_fidelity}, {"calibrate", cmd_calibrate}, {"quantize", cmd_quantize}};
+    for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
+        if (strcmp(cmd, cmds[i].name)) continue;
+        qf_backend_opts *bo; /* the backends' options: this process's, owned here */
+        if (qf_backend_opts_create(&bo) != QF_OK) {
+            fprintf(stderr, "error: %s\n", qf_last_error());
+            return 2;
+        }
+        int rc = cmds[i].run(argc - 1, argv + 1, bo);
+        qf_backend_opts_free(bo);
+        return rc;
+    }
     fprintf(stderr, "error: unknown command '%s'\n", cmd);
     cli_help(stderr, NULL);
     return 2;

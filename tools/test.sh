@@ -3,6 +3,7 @@
 set -e
 cd "$(dirname "$0")/.."
 tools/check_deps.sh
+python3 tools/include_cycles.py
 JOBS=$(nproc 2>/dev/null || echo 2)
 # The release build compiles the CUDA backend too where a CUDA toolkit is installed, for sm_90
 # only (once is enough to catch what does not compile; its GPU test is skipped without a GPU);

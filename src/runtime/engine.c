@@ -9,12 +9,11 @@
 #include "backend/backend.h"
 #include "base/utf8.h"
 #include "runtime/engine_int.h"
-#include "runtime/flash.h"
 
 /* The backend named by opts->device; on a device the weights are copied there (generated ones
  * dropped from host memory once there), except the routed experts when they are to stream. */
 static int use_device(qf_engine *e, const qf_engine_opts *opts, int stream, size_t *free_start, size_t *free_trunk) {
-    int rc = qf_backend_open(&e->be, opts->device, e->pool, opts->cuda);
+    int rc = qf_backend_open(&e->be, opts->device, e->pool, opts->backend);
     if (rc != QF_OK) return rc;
     e->on_gpu = qf_backend_is_device(&e->be);
     if (!e->on_gpu) return QF_OK;
@@ -39,14 +38,14 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         rc = qf_fail(QF_EFORMAT, "%s: the tokenizer has %d tokens, more than the model's vocab_size %d", tj, qf_tok_vocab_size(e->tok), e->model->cfg.vocab);
     size_t cache = 0, free_start = 0, free_trunk = 0;
     qf_flash_config *fc = malloc(sizeof *fc); /* large: its thresholds' table */
-    if (rc == QF_OK) rc = fc ? qf_flash_config_read(dir, fc) : qf_fail(QF_ENOMEM, "out of memory");
-    if (rc == QF_OK) cache = qf_flash_wanted(fc, opts);
+    if (rc == QF_OK) rc = fc ? qf_load_flash_config(dir, fc) : qf_fail(QF_ENOMEM, "out of memory");
+    if (rc == QF_OK) cache = qf_load_cache_bytes(fc, opts);
     int stream = rc == QF_OK && (cache || opts->gpu_mem) && e->model->experts;
     if (rc == QF_OK) {
         e->pool = qf_pool_create(opts->n_threads > 0 ? opts->n_threads : qf_cpu_count());
         rc = use_device(e, opts, stream, &free_start, &free_trunk);
         if (rc == QF_OK && !e->on_gpu && opts->gpu_mem) rc = qf_fail(QF_EINVAL, "--gpu-mem is a device budget: it needs --device cuda");
-        if (rc == QF_OK && !e->on_gpu) rc = qf_flash_cpu(e, cache);
+        if (rc == QF_OK && !e->on_gpu) rc = qf_load_experts_cpu(e, cache);
     }
     if (rc == QF_OK) {
         e->ws = qf_workspace_create(e->model, opts->max_batch > 0 ? opts->max_batch : 512);
@@ -55,9 +54,9 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         e->text = malloc(e->text_cap);
         if (!e->pool || !e->ws || !e->logits || !e->text) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
     }
-    size_t sparse = rc == QF_OK && qf_flash_sparse_wanted(fc, opts, e->model->cfg.n_layers) ? qf_model_sparsity_bytes(e->model) : 0;
-    if (rc == QF_OK && e->on_gpu && stream) rc = qf_flash_gpu(e, opts, cache, free_start, free_trunk, sparse);
-    if (rc == QF_OK) rc = qf_flash_sparsity(e, fc, dir, opts);
+    size_t sparse = rc == QF_OK && qf_load_sparse_wanted(fc, opts, e->model->cfg.n_layers) ? qf_model_sparsity_bytes(e->model) : 0;
+    if (rc == QF_OK && e->on_gpu && stream) rc = qf_load_experts_gpu(e, opts, cache, free_start, free_trunk, sparse);
+    if (rc == QF_OK) rc = qf_load_sparsity(e, fc, dir, opts);
     if (rc == QF_OK && opts->draft > 0) rc = qf_spec_open(e, opts->draft);
     /* on a GPU the drafts read half the bytes of lm_head (an int8 copy; output unchanged) */
     if (rc == QF_OK && opts->draft > 0 && e->on_gpu) rc = qf_mtp_lm_head_int8(e->model);
@@ -70,6 +69,10 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
     *out = e;
     return QF_OK;
 }
+
+const qf_config *qf_engine_config(const qf_engine *e) { return &e->model->cfg; }
+int qf_engine_sparsity_ready(const qf_engine *e) { return qf_model_sparsity_ready(e->model); }
+const qf_expert_stats *qf_engine_expert_stats(const qf_engine *e) { return e->model->experts ? &e->model->experts->stats : NULL; }
 
 void qf_engine_close(qf_engine *e) {
     if (!e) return;

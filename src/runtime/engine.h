@@ -18,7 +18,7 @@ typedef struct qf_engine_opts {
     qf_diag *diag;
     const qf_synth_opts *synth; /* make a synthetic model instead of loading dir (no tokenizer) */
     const char *device;         /* "cpu" (default) or "cuda" / "cuda:N" */
-    const qf_cuda_opts *cuda;   /* the CUDA backend's options (NULL: defaults) */
+    const qf_backend_opts *backend; /* the backends' tuning options (NULL: defaults) */
     size_t expert_cache;        /* bytes of the routed experts' cache; 0: config_flash.json's, else all resident */
     size_t gpu_mem;             /* the device budget (--gpu-mem): the expert cache gets what the rest leaves */
     const char *expert_policy;  /* lru, dlfu or dlfu-admit (NULL: dlfu-admit) */
@@ -50,6 +50,12 @@ typedef struct qf_engine {
 
 int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts);
 void qf_engine_close(qf_engine *e);
+/* What the layers above ask of a loaded engine (the server keeps out of the model). */
+const qf_config *qf_engine_config(const qf_engine *e);
+/* Whether a request may set its own sparsity level (the model's sparse paths are ready). */
+int qf_engine_sparsity_ready(const qf_engine *e);
+/* The expert store's counters (NULL: every expert resident, no store). */
+const qf_expert_stats *qf_engine_expert_stats(const qf_engine *e);
 
 typedef struct qf_gen_stats {
     int prompt_tokens, gen_tokens;

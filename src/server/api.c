@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "server/srv_int.h"
+#include "server/server_int.h"
 
 int api_bad(api_out *ao, const char *fmt, ...) {
     va_list ap;
@@ -73,7 +73,7 @@ static int parse_stop(api_out *ao, json_t *b, qf_req_params *p) {
 static int parse_stop_ids(srv *s, api_out *ao, json_t *b, gen_req *g) {
     json_t *v = json_object_get(b, "stop_token_ids");
     if (!v || json_is_null(v)) return 0;
-    int V = s->e->model->cfg.vocab;
+    int V = qf_engine_config(s->e)->vocab;
     if (!json_is_array(v) || json_array_size(v) > 256) return api_bad(ao, "'stop_token_ids' must be a list of at most 256 token ids");
     g->stop_ids = malloc((json_array_size(v) + 1) * sizeof *g->stop_ids);
     if (!g->stop_ids) return api_bad(ao, "out of memory");
@@ -91,7 +91,7 @@ static int parse_stop_ids(srv *s, api_out *ao, json_t *b, gen_req *g) {
 static int parse_logit_bias(srv *s, api_out *ao, json_t *b, gen_req *g) {
     json_t *v = json_object_get(b, "logit_bias");
     if (!v || json_is_null(v)) return 0;
-    int V = s->e->model->cfg.vocab;
+    int V = qf_engine_config(s->e)->vocab;
     if (!json_is_object(v)) return api_bad(ao, "'logit_bias' must be an object mapping token ids to biases");
     size_t n = json_object_size(v), i = 0;
     g->bias_ids = malloc((n + 1) * sizeof *g->bias_ids), g->bias = malloc((n + 1) * sizeof *g->bias);
@@ -137,7 +137,7 @@ static int refuse_unserved(api_out *ao, json_t *b) {
 
 /* Sampling and limits shared by every generating endpoint; defaults from generation_config.json. */
 static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
-    const qf_config *c = &s->e->model->cfg;
+    const qf_config *c = qf_engine_config(s->e);
     json_t *model = json_object_get(b, "model"); /* absent: the one model */
     if (model && !json_is_null(model) && !json_is_string(model)) return api_bad(ao, "'model' must be a string");
     if (json_is_string(model) && !srv_model_known(s, json_string_value(model))) {
@@ -171,7 +171,7 @@ static int parse_common(srv *s, api_out *ao, json_t *b, gen_req *g) {
     json_t *sl = json_object_get(b, "sparsity_level"); /* qflash's extension: this request's level, every layer */
     if (sl && !json_is_null(sl)) {
         if (opt_num(ao, b, "sparsity_level", 0, 1, &g->p.sparsity)) return -1;
-        if (g->p.sparsity > 0 && !qf_model_sparsity_ready(s->e->model))
+        if (g->p.sparsity > 0 && !qf_engine_sparsity_ready(s->e))
             return api_bad(ao, "'sparsity_level' above 0 on this GPU needs the server started with a level above 0 (--sparsity-level or config_flash.json)");
         g->p.sparsity_set = 1;
     }
@@ -427,7 +427,7 @@ static int parse_prompt(srv *s, api_out *ao, json_t *b, gen_req *g) {
     if (n > (size_t)s->o->sched.ctx) return api_bad(ao, "the prompt has %zu tokens; the context is %d tokens", n, s->o->sched.ctx);
     g->prompt = malloc(n * sizeof *g->prompt);
     if (!g->prompt) return api_bad(ao, "out of memory");
-    int V = s->e->model->cfg.vocab;
+    int V = qf_engine_config(s->e)->vocab;
     for (size_t i = 0; i < n; i++) {
         json_t *t = json_array_get(p, i);
         if (!json_is_integer(t) || json_integer_value(t) < 0 || json_integer_value(t) >= V)

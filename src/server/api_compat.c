@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/srv_int.h"
+#include "server/server_int.h"
 
 /* Copies the fields whose names are the same in both bodies. */
 static void copy_fields(json_t *from, json_t *to, const char *const *keys) {

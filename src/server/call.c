@@ -8,7 +8,7 @@
 #include <time.h>
 
 #include "base/utf8.h"
-#include "server/srv_int.h"
+#include "server/server_int.h"
 #include "server/toolcall.h"
 
 static const char *finish_name(int f) { return f == QF_FINISH_LENGTH ? "length" : f == QF_FINISH_CANCELLED ? "abort" : "stop"; }

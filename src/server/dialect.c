@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/srv_int.h"
+#include "server/server_int.h"
 
 static void send_event(call *c, const char *name, json_t *data) {
     json_object_set_new(data, "type", json_string(name));

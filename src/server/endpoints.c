@@ -5,7 +5,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "server/srv_int.h"
+#include "server/server_int.h"
 
 extern const char qf_webui_html[];
 extern const size_t qf_webui_html_len;

@@ -33,7 +33,7 @@
 #include <unistd.h>
 
 #include "base/timer.h"
-#include "server/srv_int.h"
+#include "server/server_int.h"
 
 #define HEAD_MAX (64 * 1024)
 #define OVER_CAP_SECONDS 2.0

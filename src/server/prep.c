@@ -13,7 +13,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "server/srv_int.h"
+#include "server/server_int.h"
 
 typedef struct job {
     struct evhttp_request *req;

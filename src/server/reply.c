@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "base/utf8.h"
-#include "server/srv_int.h"
+#include "server/server_int.h"
 
 void srv_count(srv *s, int code) {
     int i = code < 300 ? 0 : code == 401 ? 2 : code == 404 ? 3 : code == 405 || code == 413 ? 4 : code < 500 ? 1 : 5;

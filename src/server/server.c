@@ -18,8 +18,7 @@
 #include "base/timer.h"
 #include "base/utf8.h"
 #include "base/pool.h"
-#include "runtime/flash.h"
-#include "server/srv_int.h"
+#include "server/server_int.h"
 
 /* ---- loading ---- */
 
@@ -92,9 +91,9 @@ static void on_loaded(evutil_socket_t fd, short what, void *arg) {
         return;
     }
     atomic_store(&s->ready, 1);
-    const qf_expert_stats *es = s->e->model->experts ? &s->e->model->experts->stats : NULL;
+    const qf_expert_stats *es = qf_engine_expert_stats(s->e);
     if (es && es->slots)
-        fprintf(stderr, "qflash serve: expert cache: %d of %d experts a layer and a scratch slot, %.1f MiB\n", es->slots, s->e->model->cfg.n_experts,
+        fprintf(stderr, "qflash serve: expert cache: %d of %d experts a layer and a scratch slot, %.1f MiB\n", es->slots, qf_engine_config(s->e)->n_experts,
                 (double)es->pool_bytes / 1048576.0);
     fprintf(stderr, "qflash serve: model loaded in %.2f s; listening on http://%s:%d\n", s->e->load_seconds, s->o->host, s->port);
     if (s->o->ready) s->o->ready(s->o->ready_ud, s->port);

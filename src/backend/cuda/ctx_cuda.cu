@@ -1,5 +1,6 @@
 // The CUDA backend's host side: the context (init, options, free), device memory, and the
 // bracket of a step (recorded, replayed or eager, and the failure it reports).
+#include "backend/cuda/ops_cuda.h"
 #include "backend/cuda/cuda_int.cuh"
 #include "base/timer.h"
 

@@ -16,8 +16,8 @@
 #include <utility>
 
 extern "C" {
-#include "backend/cuda/ops_cuda.h"
 #include "backend/cuda/cuda_opts.h"
+#include "backend/ops.h"
 #include "base/dtype.h"
 #include "base/err.h"
 #include "base/timer.h"

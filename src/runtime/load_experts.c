@@ -2,7 +2,7 @@
  * (store_stream.c); on a GPU a fixed pool of expert slots in device memory in front of the experts
  * pinned in host memory (store_devcache.c), sized from the device budget part by part, and warmed
  * up so that every buffer a step needs exists before the first request. */
-#include "runtime/flash.h"
+#include "runtime/engine_int.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,27 +13,27 @@
 
 #define GIB 1073741824.0
 
-int qf_flash_config_read(const char *dir, qf_flash_config *fc) {
+int qf_load_flash_config(const char *dir, qf_flash_config *fc) {
     if (dir) return qf_flash_config_load(dir, fc); /* read even when flags win: a malformed file fails the load */
     memset(fc, 0, sizeof *fc);
     fc->sparsity_level = -1;
     return QF_OK;
 }
 
-size_t qf_flash_wanted(const qf_flash_config *fc, const qf_engine_opts *o) {
+size_t qf_load_cache_bytes(const qf_flash_config *fc, const qf_engine_opts *o) {
     return o->expert_cache ? o->expert_cache : o->gpu_mem ? 0 : fc->buffer_bytes;
 }
 
 /* Layer L's sparsity level: the flag, else the file's schedule. */
 static float level_of(const qf_flash_config *fc, const qf_engine_opts *o, int L) { return o->sparsity_given ? o->sparsity_level : qf_flash_config_level(fc, L, 0.0f); }
 
-int qf_flash_sparse_wanted(const qf_flash_config *fc, const qf_engine_opts *o, int n_layers) {
+int qf_load_sparse_wanted(const qf_flash_config *fc, const qf_engine_opts *o, int n_layers) {
     for (int L = 0; L < n_layers; L++)
         if (level_of(fc, o, L) > 0.0f) return 1;
     return 0;
 }
 
-int qf_flash_sparsity(qf_engine *e, const qf_flash_config *fc, const char *dir, const qf_engine_opts *o) {
+int qf_load_sparsity(qf_engine *e, const qf_flash_config *fc, const char *dir, const qf_engine_opts *o) {
     float levels[QF_MAX_LAYERS];
     int from_file = 0, rc;
     for (int L = 0; L < e->model->cfg.n_layers; L++) {
@@ -53,7 +53,7 @@ int qf_flash_sparsity(qf_engine *e, const qf_flash_config *fc, const char *dir, 
 
 static double host_ram(void) { return (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE); }
 
-int qf_flash_cpu(qf_engine *e, size_t bytes) {
+int qf_load_experts_cpu(qf_engine *e, size_t bytes) {
     if (!bytes || !e->model->experts) return QF_OK;
     double ram = host_ram();
     if (ram > 0 && (double)bytes > ram)
@@ -98,7 +98,7 @@ static int policy_of(const char *name) {
 
 /* The experts pinned at home and the model warmed up without slots, the memory everything else
  * takes is measured, and the expert buffer gets what the budget leaves. */
-int qf_flash_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk, size_t sparse_bytes) {
+int qf_load_experts_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk, size_t sparse_bytes) {
     qf_model *m = e->model;
     const qf_config *c = &m->cfg;
     int policy = policy_of(o->expert_policy);
