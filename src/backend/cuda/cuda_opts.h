@@ -8,6 +8,10 @@
 
 #include <stdio.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Numerics of the many-row products (prompt chunks): activations as two bf16 parts on the tensor
  * cores (the default; logits within ~1.5e-3 of the references), fp32 activations and no tensor
  * cores (within ~1.3e-4, as the CPU), or one bf16 part (faster prompts, logits off by up to ~1). */
@@ -32,5 +36,9 @@ int qf_cuda_precision_parse(const char *name);
 const char *qf_cuda_precision_name(int precision);
 /* Every option with its default and doc (help), or with its value in o (o != NULL). */
 void qf_cuda_opts_print(FILE *f, const qf_cuda_opts *o);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif
