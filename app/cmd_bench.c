@@ -16,6 +16,7 @@
 #include "calib.h"
 #include "base/quant.h"
 #include "cli.h"
+#include "runtime/sched.h"
 
 typedef struct bench_opts {
     const char *model, *synthetic, *config, *json, *plot;
@@ -487,11 +488,9 @@ typedef struct ids_digest {
     uint64_t h;
 } ids_digest;
 
-static int digest_token(void *ud, int32_t tok, const char *text, size_t len) {
-    (void)text, (void)len;
+static void digest_id(void *ud, const qf_token_lp *t) {
     ids_digest *d = ud;
-    if (tok >= 0) d->h = qf_fnv1a(d->h, &tok, sizeof tok);
-    return 0;
+    d->h = qf_fnv1a(d->h, &t->id, sizeof t->id);
 }
 
 /* The share of drafted tokens accepted on the real Qwen3.6-35B-A3B with 3 drafts, as llama.cpp
@@ -499,47 +498,69 @@ static int digest_token(void *ud, int32_t tok, const char *text, size_t len) {
  * measured and the speed at this acceptance implied. */
 #define REAL_ACCEPT 0.866
 
-static int bench_draft(qf_engine *e, const bench_opts *o) {
-    int P = o->prompt_len, G = o->gen_len, rc = QF_OK;
-    int32_t *prompt = malloc((size_t)P * sizeof *prompt);
-    qf_sampling sp = qf_sampling_default();
-    qf_sampler *smp = qf_sampler_create(e->model->cfg.vocab, &sp);
-    if (!prompt || !smp) rc = qf_fail(QF_ENOMEM, "out of memory");
-    if (rc == QF_OK) make_prompt(e, 0, P, prompt);
-    printf("\nspeculative decoding, concurrency 1, greedy (prompt %d, %d tokens, %d runs):\n", P, G, o->runs);
-    uint64_t plain = 0;
-    double plain_step = 0;
-    for (int d = 0; rc == QF_OK && d <= o->draft; d++) {
-        double best = 0, step = 0;
-        qf_gen_stats gs = {0};
+typedef struct draft_run {
+    double tok_s, step;  /* the best run's decode rate and a step's cost */
+    uint64_t ids;        /* the digest of its ids */
+    qf_sched_stats ss;   /* the scheduler's counters over the runs */
+    int gen;             /* tokens a run */
+} draft_run;
+
+/* runs greedy generations of the prompt at d drafts a step through a scheduler of one sequence;
+ * a draft step's cost is the run's time less its reruns at a plain step's, over its steps */
+static int draft_runs(qf_engine *e, const bench_opts *o, const int32_t *prompt, int d, double plain_step, draft_run *out) {
+    int P = o->prompt_len, G = o->gen_len;
+    qf_engine_set_draft(e, d);
+    qf_sched_opts so = {.max_batch = 1, .ctx = P + G + 8, .prefill_chunk = qf_workspace_rows(e->ws) - 1, .max_queue = 1, .log = stderr};
+    qf_sched *s;
+    int rc = qf_sched_create(&s, e, &so);
+    memset(out, 0, sizeof *out);
+    for (int r = 0; rc == QF_OK && r < o->runs; r++) {
+        qf_sched_stats before, after;
+        qf_sched_get_stats(s, &before);
         ids_digest dg = {QF_FNV_BASIS};
-        for (int r = 0; rc == QF_OK && r < o->runs; r++) {
-            qf_state *st = qf_state_create(e->model, P + G + 8);
-            qf_spec_set_draft(e, d);
-            qf_sampler_reset(smp);
-            dg.h = QF_FNV_BASIS;
-            qf_gen_request req = {prompt, P, G, smp, digest_token, &dg};
-            rc = st ? qf_engine_generate(e, st, &req, &gs) : qf_fail(QF_ENOMEM, "out of memory");
-            double ts = gs.gen_seconds > 0 ? gs.gen_tokens / gs.gen_seconds : 0;
-            if (ts > best) /* a draft step's cost: the run's time less its reruns at a plain step's, over its steps */
-                best = ts, step = d && gs.steps ? (gs.gen_seconds - gs.reruns * plain_step) / gs.steps : gs.gen_seconds / (gs.gen_tokens ? gs.gen_tokens : 1);
-            qf_state_free(st);
-        }
-        if (d == 0) plain = dg.h, plain_step = step;
-        printf("  --draft %d: %8.1f tok/s (best of %d), %.3f ms a step", d, best, o->runs, 1e3 * step);
-        if (d) printf(", %d of %d drafts accepted (%.1f%%), %.2f tokens a step, ids %s; at %.1f%% of drafts accepted (llama.cpp's on the real model): %.0f tok/s",
-                      gs.accepted, gs.drafted, 100.0 * gs.accepted / (gs.drafted ? gs.drafted : 1), gs.steps ? (double)gs.gen_tokens / gs.steps : 0.0,
-                      dg.h == plain ? "as plain" : "DIFFER from plain", 100.0 * REAL_ACCEPT, step > 0 ? (1.0 + d * REAL_ACCEPT) / step : 0.0);
-        printf("\n");
+        qf_req_params p = {.prompt = prompt, .n_prompt = P, .max_tokens = G, .sampling = qf_sampling_default(), .logprobs = -1, .want_ids = 1, .grammar_after = -1};
+        qf_req_sink sink = {NULL, digest_id, &dg};
+        qf_req_status st;
+        double t0 = qf_now();
+        rc = qf_sched_run(s, &p, &sink, NULL, &st);
+        double gen_s = qf_now() - t0 - st.ttft, ts = gen_s > 0 ? st.gen_tokens / gen_s : 0;
+        qf_sched_get_stats(s, &after);
+        uint64_t steps = after.steps - before.steps, reruns = after.spec_reruns - before.spec_reruns;
+        if (rc == QF_OK && ts > out->tok_s)
+            out->tok_s = ts, out->ids = dg.h, out->gen = st.gen_tokens,
+            out->step = d && steps ? (gen_s - (double)reruns * plain_step) / (double)steps : gen_s / (st.gen_tokens ? st.gen_tokens : 1);
+        out->ss = after;
     }
-    qf_spec_set_draft(e, o->draft);
-    free(prompt);
-    qf_sampler_free(smp);
+    qf_sched_destroy(s);
     return rc;
 }
 
-/* The trunk's thresholds of a synthetic model calibrated on 1,024 tokens of bench prompts, and
- * said so. */
+static int bench_draft(qf_engine *e, const bench_opts *o) {
+    int P = o->prompt_len, rc = QF_OK;
+    int32_t *prompt = malloc((size_t)P * sizeof *prompt);
+    if (!prompt) rc = qf_fail(QF_ENOMEM, "out of memory");
+    if (rc == QF_OK) make_prompt(e, 0, P, prompt);
+    printf("\nspeculative decoding, concurrency 1, greedy (prompt %d, %d tokens, %d runs):\n", P, o->gen_len, o->runs);
+    draft_run plain = {0};
+    for (int d = 0; rc == QF_OK && d <= o->draft; d++) {
+        draft_run x;
+        rc = draft_runs(e, o, prompt, d, plain.step, &x);
+        if (rc != QF_OK) break;
+        if (d == 0) plain = x;
+        printf("  --draft %d: %8.1f tok/s (best of %d), %.3f ms a step", d, x.tok_s, o->runs, 1e3 * x.step);
+        if (d) {
+            uint64_t drafted = x.ss.spec_drafted, accepted = x.ss.spec_accepted;
+            printf(", %llu of %llu drafts accepted (%.1f%%), ids %s; at %.1f%% of drafts accepted (llama.cpp's on the real model): %.0f tok/s",
+                   (unsigned long long)accepted, (unsigned long long)drafted, 100.0 * (double)accepted / (double)(drafted ? drafted : 1),
+                   x.ids == plain.ids ? "as plain" : "DIFFER from plain", 100.0 * REAL_ACCEPT, x.step > 0 ? (1.0 + d * REAL_ACCEPT) / x.step : 0.0);
+        }
+        printf("\n");
+    }
+    qf_engine_set_draft(e, o->draft);
+    free(prompt);
+    return rc;
+}
+
 static int calibrate_on_prompts(qf_engine *e) {
     int n = 1024, layers = e->model->cfg.n_layers;
     int32_t *ids = malloc((size_t)n * sizeof *ids);

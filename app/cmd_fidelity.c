@@ -12,6 +12,7 @@
 #include "base/numeric.h"
 #include "base/timer.h"
 #include "cli.h"
+#include "runtime/sched.h"
 
 #define MAX_LEVELS 16
 
@@ -85,44 +86,31 @@ static int run_windows(qf_engine *e, qf_engine *ea, const fid_opts *o, const int
     return rc;
 }
 
-typedef struct stop_ctx {
-    int newlines, tokens;
-} stop_ctx;
+/* A stop: a blank line (two newlines with at most a few spaces or a tab between) in the generated text. */
+static const char *const BLANK_LINES[] = {"\n\n", "\n \n", "\n  \n", "\n   \n", "\n    \n", "\n     \n", "\n      \n", "\n       \n",
+                                         "\n        \n", "\n         \n", "\n          \n", "\n           \n", "\n            \n", "\n\t\n", "\n\r\n"};
 
-/* A stop: a blank line (two newlines with only spaces between) in the generated text. */
-static int on_token(void *ud, int32_t tok, const char *text, size_t len) {
-    stop_ctx *c = ud;
-    (void)tok;
-    c->tokens++;
-    for (size_t i = 0; i < len; i++) {
-        if (text[i] == '\n') c->newlines++;
-        else if (text[i] != ' ' && text[i] != '\t' && text[i] != '\r') c->newlines = 0;
-        if (c->newlines >= 2) return 1;
-    }
-    return 0;
-}
-
-/* Greedy generations from the first prompt_len tokens of the first windows: tokens until a stop
- * (summed), and decode tok/s over them. */
+/* Greedy generations from the first prompt_len tokens of the first windows, each a request through
+ * a scheduler of one sequence: tokens until a stop (summed), and decode tok/s over them. */
 static int run_generations(qf_engine *e, const fid_opts *o, const int32_t *ids, float level, fid_row *r) {
-    qf_sampling sp = qf_sampling_default();
-    qf_sampler *smp = qf_sampler_create(e->model->cfg.vocab, &sp);
-    qf_state *st = qf_state_create(e->model, o->prompt_len + o->max_gen + 2);
-    int rc = smp && st ? set_level(e, level) : qf_fail(QF_ENOMEM, "out of memory for a generation");
+    qf_sched_opts so = {.max_batch = 1, .ctx = o->prompt_len + o->max_gen + 2, .prefill_chunk = qf_workspace_rows(e->ws) - 1, .max_queue = 1, .log = stderr};
+    qf_sched *s = NULL;
+    int rc = set_level(e, level);
+    if (rc == QF_OK) rc = qf_sched_create(&s, e, &so);
+    qf_req_params p = {.n_prompt = o->prompt_len, .max_tokens = o->max_gen, .sampling = qf_sampling_default(), .logprobs = -1, .grammar_after = -1};
+    p.n_stop = (int)(sizeof BLANK_LINES / sizeof BLANK_LINES[0]);
+    for (int i = 0; i < p.n_stop; i++) p.stop[i] = BLANK_LINES[i];
     double gen_s = 0, gen_n = 0;
-    for (int p = 0; p < o->prompts && rc == QF_OK; p++) {
-        qf_state_reset(st);
-        qf_sampler_reset(smp);
-        stop_ctx c = {0, 0};
-        qf_gen_request req = {ids + (size_t)p * o->window, o->prompt_len, o->max_gen, smp, on_token, &c};
-        qf_gen_stats gs;
-        rc = qf_engine_generate(e, st, &req, &gs);
-        r->stop_tokens += gs.gen_tokens;
-        gen_s += gs.gen_seconds, gen_n += gs.gen_tokens;
+    for (int k = 0; k < o->prompts && rc == QF_OK; k++) {
+        p.prompt = ids + (size_t)k * o->window;
+        qf_req_status st;
+        double t0 = qf_now();
+        rc = qf_sched_run(s, &p, NULL, NULL, &st);
+        r->stop_tokens += st.gen_tokens;
+        gen_s += qf_now() - t0 - st.ttft, gen_n += st.gen_tokens;
     }
     r->tok_s = gen_s > 0 ? gen_n / gen_s : 0;
-    qf_state_free(st);
-    qf_sampler_free(smp);
+    qf_sched_destroy(s);
     return rc;
 }
 

@@ -5,7 +5,11 @@
 #include <string.h>
 
 #include "base/mapfile.h"
+#include "base/timer.h"
 #include "cli.h"
+#include "runtime/sched.h"
+
+enum { RUN_CHUNK = 512 }; /* prompt tokens a step: the engine's default workspace */
 
 typedef struct run_opts {
     const char *model, *prompt, *prompt_file;
@@ -14,12 +18,10 @@ typedef struct run_opts {
     qf_engine_opts eo;
 } run_opts;
 
-static int write_token(void *ud, int32_t tok, const char *text, size_t len) {
+static void write_text(void *ud, const char *text, size_t len) {
     (void)ud;
-    (void)tok;
     fwrite(text, 1, len, stdout);
     fflush(stdout);
-    return 0;
 }
 
 static int parse_run(int argc, char **argv, run_opts *o, qf_sampling *user, int *set_mask, qf_backend_opts *bo) {
@@ -72,32 +74,36 @@ int cli_prepare_sampling(const qf_engine *e, const qf_sampling *user, int seed_s
     return 0;
 }
 
-static void print_stats(const qf_gen_stats *st) {
-    fprintf(stderr, "\nprompt: %d tokens in %.1f ms (%.1f tok/s) | generation: %d tokens in %.1f ms (%.1f tok/s)\n",
-            st->prompt_tokens, st->prompt_seconds * 1e3, st->prompt_tokens / (st->prompt_seconds > 0 ? st->prompt_seconds : 1e-9),
-            st->gen_tokens, st->gen_seconds * 1e3, st->gen_tokens / (st->gen_seconds > 0 ? st->gen_seconds : 1e-9));
-    if (st->steps)
-        fprintf(stderr, "speculative: %d steps, %d of %d MTP drafts accepted (%.1f%%), %.2f tokens a step\n", st->steps, st->accepted, st->drafted,
-                100.0 * st->accepted / (st->drafted ? st->drafted : 1), (double)st->gen_tokens / st->steps);
+static void print_stats(const qf_req_status *st, double seconds, const qf_sched_stats *ss) {
+    double gen = seconds - st->ttft;
+    fprintf(stderr, "\nprompt: %d tokens in %.1f ms (%.1f tok/s) | generation: %d tokens in %.1f ms (%.1f tok/s)\n", st->prompt_tokens, st->ttft * 1e3,
+            st->prompt_tokens / (st->ttft > 0 ? st->ttft : 1e-9), st->gen_tokens, gen * 1e3, st->gen_tokens / (gen > 0 ? gen : 1e-9));
+    if (ss->spec_steps)
+        fprintf(stderr, "speculative: %llu steps, %llu of %llu MTP drafts accepted (%.1f%%)\n", (unsigned long long)ss->spec_steps,
+                (unsigned long long)ss->spec_accepted, (unsigned long long)ss->spec_drafted,
+                100.0 * (double)ss->spec_accepted / (double)(ss->spec_drafted ? ss->spec_drafted : 1));
 }
 
+/* The prompt through the scheduler as one request (the loop serve runs): a sequence of the prompt
+ * and the tokens wanted, prompt chunks of the workspace's rows. */
 static int run_generation(qf_engine *e, const run_opts *o, const char *text) {
     int32_t *ids = NULL;
     int n = 0, rc = qf_tok_encode(e->tok, text, strlen(text), &ids, &n);
     if (rc == QF_OK && n == 0) rc = qf_fail(QF_EINVAL, "the prompt is empty");
-    int ctx = o->ctx ? o->ctx : n + o->n_predict + 1;
-    qf_state *st = rc == QF_OK ? qf_state_create(e->model, ctx) : NULL;
-    qf_sampler *smp = rc == QF_OK ? qf_sampler_create(e->model->cfg.vocab, &o->s) : NULL;
-    if (rc == QF_OK && (!st || !smp)) rc = qf_fail(QF_ENOMEM, "out of memory (context of %d tokens)", ctx);
-    qf_gen_stats stats;
+    qf_sched_opts so = {.max_batch = 1, .ctx = o->ctx ? o->ctx : n + o->n_predict + 1, .prefill_chunk = RUN_CHUNK, .max_queue = 1, .log = stderr};
+    qf_sched *s = NULL;
+    if (rc == QF_OK) rc = qf_sched_create(&s, e, &so);
+    qf_req_params p = {.prompt = ids, .n_prompt = n, .max_tokens = o->n_predict, .sampling = o->s, .logprobs = -1, .grammar_after = -1};
+    qf_req_sink sink = {write_text, NULL, NULL};
+    qf_req_status st;
+    double t0 = qf_now();
+    if (rc == QF_OK) rc = qf_sched_run(s, &p, &sink, NULL, &st);
     if (rc == QF_OK) {
-        qf_gen_request req = {ids, n, o->n_predict, smp, write_token, NULL};
-        rc = qf_engine_generate(e, st, &req, &stats);
-    }
-    if (rc == QF_OK) print_stats(&stats);
-    else fprintf(stderr, "error: %s\n", qf_last_error());
-    qf_sampler_free(smp);
-    qf_state_free(st);
+        qf_sched_stats ss;
+        qf_sched_get_stats(s, &ss);
+        print_stats(&st, qf_now() - t0, &ss);
+    } else fprintf(stderr, "\nerror: %s\n", qf_last_error());
+    qf_sched_destroy(s);
     free(ids);
     return rc == QF_OK ? 0 : 1;
 }
@@ -106,6 +112,8 @@ int cmd_run(int argc, char **argv, qf_backend_opts *bo) {
     run_opts o = {0};
     o.n_predict = 128;
     cli_engine_init(&o.eo, bo);
+    o.eo.max_batch = 1 + RUN_CHUNK; /* a step's rows: the decode row and a prompt chunk */
+    o.eo.reserve_seqs = 1;
     qf_sampling user = CLI_SAMPLING_UNSET;
     int any = 0;
     if (parse_run(argc, argv, &o, &user, &any, bo)) return 2;

@@ -13,6 +13,7 @@
 #include "base/mapfile.h"
 #include "model/model.h"
 #include "runtime/engine.h"
+#include "runtime/sched.h"
 #include "test_util.h"
 #include "tokenizer/tokenizer.h"
 
@@ -162,19 +163,16 @@ static void test_acceptance(const qf_model *m, qf_backend *be, int with_spec) {
 
 typedef struct ids_out {
     int32_t ids[256];
-    int n, stop_at;
+    int n;
 } ids_out;
 
-static int on_tok(void *ud, int32_t tok, const char *text, size_t len) {
+static void on_id(void *ud, const qf_token_lp *t) {
     ids_out *o = ud;
-    (void)text, (void)len;
-    if (tok >= 0 && o->n < 256) o->ids[o->n++] = tok;
-    return o->stop_at && o->n == o->stop_at;
+    if (o->n < 256) o->ids[o->n++] = t->id;
 }
 
-/* Greedy generation with 1, 2 and 3 drafts a step against none: the same ids, the same state
- * (DeltaNet block bit for bit, position) after a plain end, a stop among accepted drafts, and the
- * context's end. */
+/* Greedy generation through the scheduler with 1, 2 and 3 drafts a step against none: the same
+ * ids after a plain end, a stop among accepted drafts (a token budget), and the context's end. */
 static void test_speculative(const int32_t *ids) {
     qf_engine *e[4] = {0};
     for (int d = 0; d < 4; d++) {
@@ -182,31 +180,28 @@ static void test_speculative(const int32_t *ids) {
         CHECK(qf_engine_open(&e[d], dir, &o) == QF_OK, "engine with --draft %d: %s", d, qf_last_error());
         if (!e[d]) return;
     }
-    struct { int prompt, max, ctx, stop; } c[] = {{32, 80, 512, 0}, {20, 80, 512, 17}, {48, 200, 48 + 30, 0}, {7, 40, 512, 1}};
-    int steps = 0;
+    struct { int prompt, max, ctx; } c[] = {{32, 80, 512}, {20, 17, 512}, {48, 200, 48 + 30}, {7, 1, 512}};
+    uint64_t steps = 0;
     for (int k = 0; k < 4; k++)
         for (int w = 0; w < 3; w++) {
             ids_out out[4];
-            qf_state *st[4];
             for (int d = 0; d < 4; d++) {
-                qf_sampling sp = qf_sampling_default();
-                qf_sampler *smp = qf_sampler_create(e[d]->model->cfg.vocab, &sp);
-                st[d] = qf_state_create(e[d]->model, c[k].ctx);
+                qf_sched_opts so = {.max_batch = 1, .ctx = c[k].ctx, .prefill_chunk = 32, .max_queue = 1};
+                qf_sched *s = NULL;
                 memset(&out[d], 0, sizeof out[d]);
-                out[d].stop_at = c[k].stop;
-                qf_gen_request req = {ids + 97 * w + 13 * k, c[k].prompt, c[k].max, smp, on_tok, &out[d]};
-                qf_gen_stats gs;
-                CHECK(qf_engine_generate(e[d], st[d], &req, &gs) == QF_OK, "generate: %s", qf_last_error());
-                steps += gs.steps;
-                qf_sampler_free(smp);
+                qf_req_params p = {.prompt = ids + 97 * w + 13 * k, .n_prompt = c[k].prompt, .max_tokens = c[k].max, .sampling = qf_sampling_default(),
+                                   .logprobs = -1, .want_ids = 1, .grammar_after = -1};
+                qf_req_sink sink = {NULL, on_id, &out[d]};
+                qf_req_status st;
+                CHECK(qf_sched_create(&s, e[d], &so) == QF_OK && qf_sched_run(s, &p, &sink, NULL, &st) == QF_OK, "generate: %s", qf_last_error());
+                qf_sched_stats ss;
+                if (s) qf_sched_get_stats(s, &ss), steps += ss.spec_steps;
+                qf_sched_destroy(s);
             }
             for (int d = 1; d < 4; d++) {
                 int same = out[d].n == out[0].n && !memcmp(out[d].ids, out[0].ids, (size_t)out[0].n * sizeof(int32_t));
                 CHECK(same, "case %d window %d, --draft %d: %d ids against %d without drafts, or others", k, w, d, out[d].n, out[0].n);
-                CHECK(st[d]->pos == st[0]->pos && !memcmp(st[d]->block, st[0]->block, st[0]->block_floats * sizeof(float)),
-                      "case %d window %d, --draft %d: the state differs (pos %d against %d)", k, w, d, st[d]->pos, st[0]->pos);
             }
-            for (int d = 0; d < 4; d++) qf_state_free(st[d]);
         }
     CHECK(steps > 0, "no speculative step ran");
     for (int d = 0; d < 4; d++) qf_engine_close(e[d]);

@@ -7,7 +7,6 @@
 
 #include "base/timer.h"
 #include "backend/backend.h"
-#include "base/utf8.h"
 #include "runtime/engine_int.h"
 
 /* The backend named by opts->device; on a device the weights are copied there (generated ones
@@ -22,6 +21,18 @@ static int use_device(qf_engine *e, const qf_engine_opts *opts, int stream, size
     rc = qf_model_to_device(e->model, &e->be, stream ? QF_TO_DEVICE_EXPERTS_HOME : opts->synth ? QF_TO_DEVICE_DROP_HOST : 0);
     if (stream && e->be.ops->mem_info) e->be.ops->mem_info(&e->be, free_trunk, &total);
     return rc;
+}
+
+/* --draft: the model has an MTP head that runs where the model does (on a GPU, with the experts
+ * resident there), and a forward holds a token and its drafts. */
+static int check_drafts(qf_engine *e, int draft) {
+    const qf_model *m = e->model;
+    if (draft > QF_MAX_DRAFT) return qf_fail(QF_EINVAL, "--draft %d: at most %d", draft, QF_MAX_DRAFT);
+    if (!m->mtp) return qf_fail(QF_EINVAL, "--draft needs a model with an MTP head (mtp_num_hidden_layers and mtp.* tensors)");
+    if (m->dev && !m->mtp->dev) return qf_fail(QF_EUNSUPPORTED, "--draft on a GPU needs the experts resident there (not streamed: no --gpu-mem or --expert-cache)");
+    if (qf_workspace_rows(e->ws) < draft + 1) return qf_fail(QF_EINVAL, "--draft %d needs forwards of at least %d rows", draft, draft + 1);
+    e->draft = e->max_draft = draft;
+    return QF_OK;
 }
 
 int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts) {
@@ -57,7 +68,7 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
     size_t sparse = rc == QF_OK && qf_load_sparse_wanted(fc, opts, e->model->cfg.n_layers) ? qf_model_sparsity_bytes(e->model) : 0;
     if (rc == QF_OK && e->on_gpu && stream) rc = qf_load_experts_gpu(e, opts, cache, free_start, free_trunk, sparse);
     if (rc == QF_OK) rc = qf_load_sparsity(e, fc, dir, opts);
-    if (rc == QF_OK && opts->draft > 0) rc = qf_spec_open(e, opts->draft);
+    if (rc == QF_OK && opts->draft > 0) rc = check_drafts(e, opts->draft);
     /* on a GPU the drafts read half the bytes of lm_head (an int8 copy; output unchanged) */
     if (rc == QF_OK && opts->draft > 0 && e->on_gpu) rc = qf_mtp_lm_head_int8(e->model);
     free(fc);
@@ -71,12 +82,13 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
 }
 
 const qf_config *qf_engine_config(const qf_engine *e) { return &e->model->cfg; }
+void qf_engine_set_draft(qf_engine *e, int draft) { e->draft = draft < 0 ? 0 : draft > e->max_draft ? e->max_draft : draft; }
+int qf_engine_drafts(const qf_engine *e) { return e->draft; }
 int qf_engine_sparsity_ready(const qf_engine *e) { return qf_model_sparsity_ready(e->model); }
 const qf_expert_stats *qf_engine_expert_stats(const qf_engine *e) { return e->model->experts ? &e->model->experts->stats : NULL; }
 
 void qf_engine_close(qf_engine *e) {
     if (!e) return;
-    qf_spec_close(e);
     free(e->logits);
     free(e->text);
     qf_workspace_free(e->ws);
@@ -94,78 +106,4 @@ int qf_engine_is_eos(const qf_engine *e, int32_t tok) {
     for (int i = 0; i < c->n_eos; i++)
         if (c->eos_ids[i] == tok) return 1;
     return 0;
-}
-
-/* Text of one token through the stream decoder; special tokens pass verbatim. */
-static size_t token_text(qf_engine *e, qf_utf8_stream *us, int32_t tok) {
-    size_t len = 0;
-    const char *p = e->tok ? qf_tok_piece(e->tok, tok, &len) : NULL;
-    return p ? qf_utf8_stream_push(us, p, len, e->text, e->text_cap) : 0;
-}
-
-int qf_engine_emit(qf_emitter *em, const qf_state *st, int pos, int32_t tok) {
-    em->stats->gen_tokens++;
-    if (qf_engine_is_eos(em->e, tok)) {
-        em->stats->stopped_by_eos = 1;
-        return 2;
-    }
-    qf_sampler_accept(em->req->sampler, tok, 1);
-    size_t len = token_text(em->e, &em->us, tok);
-    int stop = em->req->on_token && em->req->on_token(em->req->ud, tok, em->e->text, len);
-    em->n++;
-    return stop || em->n == em->req->max_tokens || pos + 1 >= st->max_ctx ? 1 : 0;
-}
-
-void qf_engine_emit_end(qf_emitter *em) {
-    size_t tail = qf_utf8_stream_flush(&em->us, em->e->text, em->e->text_cap);
-    if (tail && em->req->on_token) em->req->on_token(em->req->ud, -1, em->e->text, tail);
-}
-
-double qf_engine_prompt_done(const qf_gen_request *req, qf_gen_stats *stats, double t0) {
-    for (int i = 0; i < req->n_prompt; i++) qf_sampler_accept(req->sampler, req->prompt[i], 0);
-    double t1 = qf_now();
-    stats->prompt_tokens = req->n_prompt;
-    stats->prompt_seconds = t1 - t0;
-    return t1;
-}
-
-int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats) {
-    memset(stats, 0, sizeof *stats);
-    if (req->n_prompt < 1) return qf_fail(QF_EINVAL, "empty prompt");
-    if (st->pos + req->n_prompt + 1 > st->max_ctx)
-        return qf_fail(QF_EINVAL, "prompt of %d tokens (+%d cached) does not fit the context of %d", req->n_prompt, st->pos, st->max_ctx);
-    if (qf_spec_takes(e, st, req)) return qf_spec_generate(e, st, req, stats);
-    double t0 = qf_now();
-    int rc = qf_forward_seq(e->model, &e->be, e->ws, st, req->prompt, req->n_prompt, QF_LOGITS_LAST, e->logits);
-    if (rc != QF_OK) return rc;
-    double t1 = qf_engine_prompt_done(req, stats, t0);
-    qf_emitter em = {.e = e, .req = req, .stats = stats};
-    /* later picks are made where the logits are: greedy without penalties (QF_LOGITS_TOP1), or a
-     * draw where the backend draws (QF_LOGITS_DRAW; -1: it left the logits to the host) */
-    int greedy = qf_sampler_is_greedy(req->sampler), picked = 0;
-    int draws = !greedy && e->be.ops->dec && e->be.ops->dec->draw && qf_sampler_can_draw(req->sampler);
-    int32_t pick = 0;
-    qf_draw d = {0};
-    while (em.n < req->max_tokens) {
-        int32_t tok = picked && pick >= 0 ? pick : picked ? qf_sampler_sample_u(req->sampler, e->logits, d.u) : qf_sampler_sample(req->sampler, e->logits);
-        int how = qf_engine_emit(&em, st, st->pos, tok);
-        if (how == 2) break;
-        if (how == 1) {
-            /* the last token is fed too, so the state holds everything generated */
-            rc = qf_forward_seq(e->model, &e->be, e->ws, st, &tok, 1, QF_LOGITS_NONE, NULL);
-            break;
-        }
-        if (greedy || draws) {
-            if (draws) qf_sampler_draw_desc(req->sampler, &d);
-            qf_seq_step step = {st, &tok, 1, draws ? QF_LOGITS_DRAW : QF_LOGITS_TOP1, e->logits, &pick, 0, 0, NULL, NULL, &d};
-            rc = qf_forward(e->model, &e->be, e->ws, &step, 1);
-            picked = 1;
-        } else {
-            rc = qf_forward_seq(e->model, &e->be, e->ws, st, &tok, 1, QF_LOGITS_LAST, e->logits);
-        }
-        if (rc != QF_OK) break;
-    }
-    qf_engine_emit_end(&em);
-    stats->gen_seconds = qf_now() - t1;
-    return rc;
 }

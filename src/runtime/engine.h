@@ -1,7 +1,10 @@
-/* The engine: a loaded model with its tokenizer, CPU backend, thread pool and workspace, and a
- * generation loop (prefill, then sample token by token) that streams whole UTF-8 characters. */
+/* The engine: a loaded model with its tokenizer, backend, thread pool and workspace. Generation
+ * runs through the scheduler (runtime/sched.h), which owns sampling, speculative decoding and
+ * prefix snapshots for every front end. */
 #ifndef QF_RUNTIME_ENGINE_H
 #define QF_RUNTIME_ENGINE_H
+
+#define QF_MAX_DRAFT 8 /* MTP drafts a step */
 
 #include <stddef.h>
 #include <stdint.h>
@@ -45,7 +48,7 @@ typedef struct qf_engine {
     double load_seconds;
     qf_plan plan; /* the device memory plan when the routed experts stream (experts/plan.h) */
     char notice[256]; /* what the caller should tell the user about the load (empty: nothing) */
-    struct qf_spec *spec; /* speculative decoding with the MTP head (runtime/spec.c); NULL: off */
+    int draft, max_draft; /* MTP drafts a step (0: off) and the most opts.draft allows */
 } qf_engine;
 
 int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts);
@@ -57,44 +60,11 @@ int qf_engine_sparsity_ready(const qf_engine *e);
 /* The expert store's counters (NULL: every expert resident, no store). */
 const qf_expert_stats *qf_engine_expert_stats(const qf_engine *e);
 
-typedef struct qf_gen_stats {
-    int prompt_tokens, gen_tokens;
-    double prompt_seconds, gen_seconds;
-    int stopped_by_eos;
-    int steps, drafted, accepted; /* speculative decoding: verify steps, draft tokens, those accepted */
-    int reruns;                   /* verify steps whose standing rows ran again (a draft refused, or a stop among them) */
-} qf_gen_stats;
-
-/* Called for each generated token with its text (whole characters only; may be empty). Special
- * tokens that end generation are not passed. Return non-zero to stop. */
-typedef int (*qf_token_fn)(void *ud, int32_t tok, const char *text, size_t len);
-
-typedef struct qf_gen_request {
-    const int32_t *prompt; /* fed after what st already holds */
-    int n_prompt;
-    int max_tokens;
-    qf_sampler *sampler;   /* caller-owned; reset by the caller */
-    qf_token_fn on_token;
-    void *ud;
-} qf_gen_request;
-
-/* Prefills the prompt into st and generates until an eos id, max_tokens or the callback stops.
- * Generated tokens (except a final eos) are fed to st, so a chat can continue from it. */
-int qf_engine_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats);
-
 int qf_engine_is_eos(const qf_engine *e, int32_t tok);
 
-/* Speculative decoding (runtime/spec.c): `draft` MTP drafts a step, verified in one forward of the
- * model; greedy requests on the CPU from an empty state take it, and give exactly the tokens they
- * would without it. */
-int qf_spec_open(qf_engine *e, int draft);
-void qf_spec_close(qf_engine *e);
-/* 1: the request runs speculatively (qf_spec_generate); 0: the plain loop. */
-int qf_spec_takes(const qf_engine *e, const qf_state *st, const qf_gen_request *req);
-int qf_spec_generate(qf_engine *e, qf_state *st, const qf_gen_request *req, qf_gen_stats *stats);
-/* Drafts a step from now on (0: plain generation), at most the count the engine was opened with. */
-void qf_spec_set_draft(qf_engine *e, int draft);
-/* Drafts a step (0: speculative decoding is off). */
-int qf_spec_drafts(const qf_engine *e);
+/* Speculative decoding's drafts a step from now on (0: off), at most the count the engine was
+ * opened with (opts.draft); the scheduler's greedy sequences draft with the MTP head (spec.c). */
+void qf_engine_set_draft(qf_engine *e, int draft);
+int qf_engine_drafts(const qf_engine *e);
 
 #endif

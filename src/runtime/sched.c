@@ -107,7 +107,8 @@ static int emit_token(qf_sched *s, qf_req *r, float *logits, const int32_t *top1
     if (r->n_gen == 1) r->status.ttft = now - r->t_submit;
     if (eos) r->status.stop_token = tok;
     r->status.gen_tokens = r->n_gen;
-    if (r->logprobs >= 0 && !eos) sc_chan_token(r, &lp);
+    if (r->logprobs < 0 && r->want_ids) lp = (qf_token_lp){.id = tok};
+    if ((r->logprobs >= 0 || r->want_ids) && !eos) sc_chan_token(r, &lp);
     int stopped = sc_push_text(r, s->text, len, done);
     pthread_mutex_unlock(&r->mu);
     if (stopped || eos) return QF_FINISH_STOP;
@@ -175,10 +176,11 @@ static void log_skips(qf_sched *s, uint64_t step_no, qf_expert_store *es, const 
             (unsigned long long)(sp1.kv_skipped - sp0->kv_skipped), (unsigned long long)(sp1.kv_pages - sp0->kv_pages));
 }
 
-static void count_step(qf_sched *s, uint64_t *step_no, int drafting, int drafted, int accepted) {
+static void count_step(qf_sched *s, uint64_t *step_no, int drafting, int drafted, int accepted, int rerun) {
     pthread_mutex_lock(&s->mu);
     *step_no = ++s->stats.steps;
     s->stats.spec_steps += (uint64_t)drafting, s->stats.spec_drafted += (uint64_t)drafted, s->stats.spec_accepted += (uint64_t)accepted;
+    s->stats.spec_reruns += (uint64_t)rerun;
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -186,7 +188,7 @@ static void count_step(qf_sched *s, uint64_t *step_no, int drafting, int drafted
  * the context, the head's context, its channel, the step's rows left and the pages free. */
 static int drafts_now(qf_sched *s, const slot *sl, int rows_left, int pages_left) {
     const qf_req *r = sl->req;
-    int n = qf_spec_drafts(s->e), left = r->max_tokens - r->n_gen - 1, ctx = s->o.ctx - r->n_toks - 1, head = qf_spec_seq_room(sl->sp) - 1;
+    int n = qf_engine_drafts(s->e), left = r->max_tokens - r->n_gen - 1, ctx = s->o.ctx - r->n_toks - 1, head = qf_spec_seq_room(sl->sp) - 1;
     n = n < left ? n : left;
     n = n < ctx ? n : ctx;
     n = n < head ? n : head;
@@ -222,7 +224,7 @@ static int plan_drafts(qf_sched *s, int n, int pages, int *rows, int *drafting) 
 /* After the forward: each drafting sequence's drafts equal to the model's picks accepted; where one
  * was refused the state goes back to its copy and the rows that stand run again, every such
  * sequence in one more forward. Returns the drafts accepted (and rc through *rc). */
-static int settle_drafts(qf_sched *s, int n, int *rc) {
+static int settle_drafts(qf_sched *s, int n, int *rc, int *rerun) {
     int m = 0, accepted = 0;
     for (int j = 0; j < n; j++) {
         slot *sl = &s->slots[s->step_slot[j]];
@@ -235,6 +237,7 @@ static int settle_drafts(qf_sched *s, int n, int *rc) {
                                      sl->req->sparsity, NULL, qf_spec_seq_hidden(sl->sp), NULL};
     }
     if (m) *rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->redo, m);
+    *rerun = m > 0;
     return accepted;
 }
 
@@ -255,7 +258,7 @@ static void emit_drafted(qf_sched *s, slot *sl) {
             return;
         }
     }
-    if (r->notify) r->notify(r->notify_ud);
+    sc_notify(r);
 }
 
 /* The rows of a step that finish a prompt or decode and sample plainly (no logprobs, whose copy
@@ -292,7 +295,7 @@ static void draw_rows(qf_sched *s, int n, int *pre) {
 static int run_step(qf_sched *s) {
     int n_decode, rows, pages, n = plan_step(s, &n_decode, &rows, &pages);
     if (n == 0) return 0;
-    int drafting = 0, drafted = qf_spec_drafts(s->e) ? plan_drafts(s, n, pages, &rows, &drafting) : 0, accepted = 0;
+    int drafting = 0, drafted = qf_engine_drafts(s->e) ? plan_drafts(s, n, pages, &rows, &drafting) : 0, accepted = 0;
     qf_expert_store *es = s->e->model->experts;
     qf_expert_stats es0 = es && s->o.verbose ? qf_es_stats(es) : (qf_expert_stats){0};
     for (int j = 0; j < n; j++) s->slots[s->step_slot[j]].pages_before = s->steps[j].st->n_pages;
@@ -305,9 +308,10 @@ static int run_step(qf_sched *s) {
     double t0 = qf_now();
     qf_sparsity_counts sp0 = qf_workspace_sparsity(s->e->ws);
     int rc = qf_forward(s->e->model, &s->e->be, s->e->ws, s->steps, n);
-    if (rc == QF_OK && drafted) accepted = settle_drafts(s, n, &rc);
+    int rerun = 0;
+    if (rc == QF_OK && drafted) accepted = settle_drafts(s, n, &rc, &rerun);
     uint64_t step_no;
-    count_step(s, &step_no, drafting, drafted, accepted);
+    count_step(s, &step_no, drafting, drafted, accepted, rerun);
     LOG(s, "step %llu: %d decode + %d prefill sequences, %d rows (%d drafts, %d accepted) in %.2f ms, KV pages %d/%d in use\n", (unsigned long long)step_no,
         n_decode, n - n_decode, rows, drafted, accepted, 1e3 * (qf_now() - t0), qf_kv_pool_pages(s->kv) - qf_kv_pool_free_pages(s->kv), qf_kv_pool_pages(s->kv));
     if (s->o.verbose) log_skips(s, step_no, es, &es0, &sp0, t0);
@@ -342,7 +346,7 @@ static int run_step(qf_sched *s) {
         int why = QF_FINISH_NONE;
         if (r->n_fed == r->n_toks) why = emit_token(s, r, sl->logits, s->steps[j].logits_mode == QF_LOGITS_TOP1 || s->pre[j] ? &sl->top1 : NULL);
         if (why != QF_FINISH_NONE) sc_finish(s, r, why, why == QF_FINISH_ERROR ? qf_last_error() : NULL);
-        else if (r->n_fed + 1 == r->n_toks && r->notify) r->notify(r->notify_ud);
+        else if (r->n_fed + 1 == r->n_toks) sc_notify(r);
     }
     return 1;
 }
@@ -424,7 +428,7 @@ int qf_sched_create(qf_sched **out, qf_engine *e, const qf_sched_opts *o) {
         s->slots[i].st = qf_state_create_paged(e->model, s->kv, o->ctx);
         s->slots[i].logits = malloc((size_t)V * sizeof(float));
         ok = s->slots[i].st && s->slots[i].logits;
-        int nd = qf_spec_drafts(e);
+        int nd = qf_engine_drafts(e);
         if (ok && nd > 0) ok = (s->slots[i].sp = qf_spec_seq_create(e, nd, s->rows, o->ctx + nd + 2)) != NULL;
     }
     if (!ok) {

@@ -13,6 +13,7 @@
 #ifndef QF_RUNTIME_SCHED_H
 #define QF_RUNTIME_SCHED_H
 
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -51,6 +52,7 @@ typedef struct qf_req_params {
     const char *stop[QF_MAX_STOP];
     int n_stop;
     int logprobs;          /* top alternatives per token, -1 = no logprobs */
+    int want_ids;          /* without logprobs: each generated id to the sink's token (logprob 0, no alternatives; drafting stays on) */
     int ignore_eos;
     int sparsity_set;      /* this request's sparsity level instead of the model's */
     float sparsity;
@@ -109,12 +111,20 @@ typedef struct qf_token_lp {
 
 typedef struct qf_req_sink {
     void (*text)(void *ud, const char *s, size_t n);
-    void (*token)(void *ud, const qf_token_lp *t); /* only when logprobs were asked for */
+    void (*token)(void *ud, const qf_token_lp *t); /* only when logprobs or want_ids were asked for */
     void *ud;
 } qf_req_sink;
 
 /* Hands everything produced since the last poll to sink, in order, and fills st. */
 void qf_req_poll(qf_req *r, const qf_req_sink *sink, qf_req_status *st);
+/* Waits until the request has output it had not when *seen was taken (or it finished), at most
+ * timeout seconds; *seen is updated. For a reader on its own thread instead of notify. */
+void qf_req_wait(qf_req *r, uint64_t *seen, double timeout);
+/* One request run to its end on the calling thread: submitted, its output handed to sink as it
+ * comes, st its final status; a nonzero *cancel (a signal handler's flag; may be NULL) cancels it.
+ * The command-line front ends' way through the scheduler. QF_EIO with the message of a request
+ * that failed while running; submit's errors as they are. */
+int qf_sched_run(qf_sched *s, const qf_req_params *p, const qf_req_sink *sink, const volatile sig_atomic_t *cancel, qf_req_status *st);
 
 typedef struct qf_sched_stats {
     uint64_t requests, finished, cancelled, preempted, prompt_tokens, gen_tokens, steps;
@@ -127,6 +137,7 @@ typedef struct qf_sched_stats {
     int prefix_snapshots;
     size_t prefix_bytes, prefix_budget;
     uint64_t spec_steps, spec_drafted, spec_accepted; /* serve --draft: steps with drafts, the drafts, those accepted */
+    uint64_t spec_reruns;  /* steps whose refused drafts made their standing rows run again (one more forward) */
     /* finished requests (stop, length, error): histograms of their phases and sizes (vLLM's) */
     uint64_t e2e_hist[16], queue_hist[16], prefill_hist[16], decode_hist[16], ptok_hist[16], gtok_hist[16], req_n;
     double e2e_sum, queue_sum, prefill_sum, decode_sum, ptok_sum, gtok_sum;

@@ -24,7 +24,7 @@ struct qf_req {
     atomic_int cancel;
     /* set at submit, then the scheduler thread's alone */
     int32_t *toks;
-    int n_prompt, n_toks, cap_toks, n_fed, n_gen, max_tokens, logprobs, ignore_eos, primed, slot, sparsity_set;
+    int n_prompt, n_toks, cap_toks, n_fed, n_gen, max_tokens, logprobs, want_ids, ignore_eos, primed, slot, sparsity_set;
     float sparsity;
     char stop[QF_MAX_STOP][QF_MAX_STOP_LEN + 1];
     size_t stop_len[QF_MAX_STOP], max_stop;
@@ -48,6 +48,8 @@ struct qf_req {
     double t_submit, t_last, t_admit, t_first; /* t_admit: first given a slot; t_first: its first token */
     void (*notify)(void *ud);
     void *notify_ud;
+    pthread_cond_t cv; /* signalled with notify, for a reader that waits (qf_req_wait); under mu */
+    uint64_t signals;
     qf_req *next;
     uint64_t seq_no;
     /* shared with the reader, under mu */
@@ -114,6 +116,8 @@ void sc_hist_add(uint64_t *h, const double *bounds, double v);
 void sc_fork_mark(qf_sched *s, qf_req *r, const qf_state *st);
 int sc_slots_running(const qf_sched *s);
 void sc_finish(qf_sched *s, qf_req *r, int why, const char *err);
+/* Output is ready: the waiting reader woken, the owner's notify called. */
+void sc_notify(qf_req *r);
 void sc_admit(qf_sched *s);
 void sc_preempt_newest(qf_sched *s);
 size_t sc_chan_room(qf_req *r);

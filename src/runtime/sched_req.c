@@ -26,6 +26,7 @@ static void req_free(qf_req *r) {
     free(r->bias);
     free(r->hold);
     free(r->chan);
+    pthread_cond_destroy(&r->cv);
     pthread_mutex_destroy(&r->mu);
     free(r);
 }
@@ -67,6 +68,7 @@ static qf_req *req_new(qf_sched *s, const qf_req_params *p, int fork, qf_req *af
     qf_req *r = calloc(1, sizeof *r);
     if (!r) return NULL;
     pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
     r->refs = 2; /* the caller's and the scheduler's */
     int room = s->o.ctx - p->n_prompt;
     r->max_tokens = p->max_tokens > 0 && p->max_tokens < room ? p->max_tokens : room;
@@ -102,6 +104,7 @@ static qf_req *req_new(qf_sched *s, const qf_req_params *p, int fork, qf_req *af
     memcpy(r->toks, p->prompt, (size_t)p->n_prompt * sizeof *r->toks);
     r->n_prompt = r->n_toks = p->n_prompt;
     r->logprobs = p->logprobs;
+    r->want_ids = p->want_ids;
     r->ignore_eos = p->ignore_eos;
     r->sparsity_set = p->sparsity_set, r->sparsity = p->sparsity;
     r->grammar = p->grammar, r->grammar_after = p->grammar_after;
@@ -161,6 +164,42 @@ int qf_sched_submit_n(qf_sched *s, const qf_req_params *p, int n, qf_req **out) 
 int qf_sched_submit(qf_sched *s, const qf_req_params *p, qf_req **out) { return qf_sched_submit_n(s, p, 1, out); }
 
 void qf_req_cancel(qf_req *r) { atomic_store(&r->cancel, 1); }
+
+void sc_notify(qf_req *r) {
+    pthread_mutex_lock(&r->mu);
+    r->signals++;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    if (r->notify) r->notify(r->notify_ud);
+}
+
+void qf_req_wait(qf_req *r, uint64_t *seen, double timeout) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long ns = ts.tv_nsec + (long)(timeout * 1e9);
+    ts.tv_sec += ns / 1000000000L, ts.tv_nsec = ns % 1000000000L;
+    pthread_mutex_lock(&r->mu);
+    while (r->signals == *seen && r->status.finish == QF_FINISH_NONE)
+        if (pthread_cond_timedwait(&r->cv, &r->mu, &ts) != 0) break;
+    *seen = r->signals;
+    pthread_mutex_unlock(&r->mu);
+}
+
+int qf_sched_run(qf_sched *s, const qf_req_params *p, const qf_req_sink *sink, const volatile sig_atomic_t *cancel, qf_req_status *st) {
+    qf_req *r;
+    memset(st, 0, sizeof *st);
+    int rc = qf_sched_submit(s, p, &r);
+    if (rc != QF_OK) return rc;
+    uint64_t seen = 0;
+    for (int asked = 0;;) {
+        qf_req_wait(r, &seen, 0.05); /* a timeout, so that a signal handler's cancel is seen */
+        if (cancel && *cancel && !asked) qf_req_cancel(r), qf_sched_kick(s), asked = 1;
+        qf_req_poll(r, sink, st);
+        if (st->finish != QF_FINISH_NONE) break;
+    }
+    qf_req_release(r);
+    return st->finish == QF_FINISH_ERROR ? qf_fail(QF_EIO, "%s", st->error) : QF_OK;
+}
 
 void qf_req_poll(qf_req *r, const qf_req_sink *sink, qf_req_status *st) {
     pthread_mutex_lock(&r->mu);

@@ -90,7 +90,7 @@ void sc_finish(qf_sched *s, qf_req *r, int why, const char *err) {
     r->status.gen_tokens = r->n_gen;
     if (err) snprintf(r->status.error, sizeof r->status.error, "%s", err);
     pthread_mutex_unlock(&r->mu);
-    if (r->notify) r->notify(r->notify_ud);
+    sc_notify(r);
     qf_req_release(r);
 }
 

@@ -1,5 +1,5 @@
-/* A sequence's speculative decoding with the model's MTP head (runtime/spec.c), for the engine's
- * own loop and the scheduler's sequences: the head's state and the buffers of its drafts and of
+/* A sequence's speculative decoding with the model's MTP head (runtime/spec.c), for the
+ * scheduler's sequences: the head's state and the buffers of its drafts and of
  * the model's verify forwards. Greedy only: a step's drafts are accepted while they equal the
  * model's picks, so the output is the plain loop's. */
 #ifndef QF_RUNTIME_SPEC_H
@@ -9,7 +9,7 @@
 
 #include "runtime/engine.h"
 
-#define QF_SPEC_MAX_DRAFT 8
+#define QF_SPEC_MAX_DRAFT QF_MAX_DRAFT
 
 typedef struct qf_spec_seq qf_spec_seq;
 
