@@ -1,7 +1,6 @@
 #include "cli.h"
 
 #include "base/mapfile.h"
-#include "experts/cache_policy.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -122,10 +121,7 @@ int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_backend_opts *bo) {
         eo->sparsity_level = (float)cli_num(a, 0, 1);
         eo->sparsity_given = 1;
     } else if (cli_is(a, NULL, "--expert-policy")) {
-        const char *v = cli_value(a);
-        int p = v ? qf_policy_parse(v) : -1;
-        if (v && (p < 0 || p == QF_POLICY_MIN)) fprintf(stderr, "error: --expert-policy takes lru, dlfu or dlfu-admit, not '%s'\n", v), a->bad = 1;
-        else eo->expert_policy = v;
+        eo->expert_policy = cli_value(a); /* parsed by the engine */
     } else if (cli_is(a, NULL, "--cuda-opt")) {
         const char *v = cli_value(a);
         if (v && qf_backend_opts_set(bo, v) != QF_OK) fprintf(stderr, "error: %s\n", qf_last_error()), a->bad = 1;

@@ -8,6 +8,7 @@
 
 #include "base/mapfile.h"
 #include "cli.h"
+#include "backend/rules.h"
 
 #define GUESSES 16
 

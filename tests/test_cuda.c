@@ -13,6 +13,7 @@
 #include "base/timer.h"
 #include "experts/store.h"
 #include "test_util.h"
+#include "backend/rules.h"
 
 static qf_backend gpu, ref = {&qf_cpu_ops_ref, NULL, NULL};
 static qf_cuda_opts g_opts; /* the options the backend under test was made with */

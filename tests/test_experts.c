@@ -17,6 +17,7 @@
 #include "experts/plan.h"
 #include "runtime/sched.h"
 #include "test_util.h"
+#include "backend/rules.h"
 
 #define MODEL "tests/data/qwen35moe-tiny"
 #define STEPS 12

@@ -10,6 +10,7 @@
 #include "base/quant.h"
 #include "backend/ops.h"
 #include "test_util.h"
+#include "backend/rules.h"
 
 static qf_mat make_mat(int dtype, int64_t rows, int64_t cols, void **store) {
     size_t n = (size_t)(rows * cols);

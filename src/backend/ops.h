@@ -13,6 +13,7 @@
 #include "base/dtype.h"
 #include "base/pool.h"
 #include "base/quant.h"
+#include "backend/xcache.h"
 
 /* A 2-D weight [rows][cols] used as y = x . W^T (PyTorch [out, in]). */
 typedef struct qf_mat {
@@ -87,40 +88,6 @@ typedef struct qf_expert {
     qf_mat gate, up; /* [ffn][hidden] */
     qf_mat down;     /* [hidden][ffn] */
 } qf_expert;
-
-/* Expert cache policies (experts/cache_policy.c holds their reference; a device runs the first three). */
-enum {
-    QF_POLICY_LRU,     /* least recently used leaves */
-    QF_POLICY_DLFU,    /* lowest decayed use count leaves (counts kept for every expert, halved every half_life ticks) */
-    QF_POLICY_DLFU_AD, /* the same, and a newcomer is admitted only if its count beats the victim's */
-    QF_POLICY_MIN,     /* Belady's optimum: the expert used furthest in the future leaves (replay only: needs next_use) */
-    QF_N_POLICIES
-};
-#define QF_COUNT_ONE 65536u /* a use, in the integer decayed counts */
-
-/* A layer's routed-expert cache in device memory (experts/store_devcache.c): n_slots slots in front
- * of experts that stay in host memory the device reads directly. Before a MoE op reads the table,
- * the device resolves the rows' chosen experts by the policy of experts/cache_policy.h
- * (qf_slot_cache_access, LRU or decayed frequency with admission, the same integer state): hits
- * stay; admitted misses are copied into the slots of their victims; a declined miss is read where
- * it lives. tab entries always point at valid bytes (a slot or home), so every choice is exact.
- * state: qf_xcache_state_bytes(E, S) bytes of backend memory, zeroed once. */
-typedef struct qf_xcache {
-    int n_experts, n_slots, policy, half_life;
-    size_t slot_bytes, off[3], bytes[3]; /* gate, up, down inside a slot */
-    const void *const *home;             /* [3][E] each expert's matrices in host memory, as the device reads them */
-    const void **tab;                    /* [3][E] what the MoE kernels read: a slot's or the home address */
-    char *slots;                         /* n_slots x slot_bytes */
-    void *state;
-    unsigned long long *counters;        /* [QF_XC_COUNTERS] backend memory, zeroed once */
-} qf_xcache;
-
-/* The state's layout, in 32-bit words: now, used, n_fill, pad, then slot1_of[E] (slot + 1, 0:
- * none), expert1_in[S] (expert + 1), last[S], count[E], count_at[E], fill_e[S], fill_s[S]. The
- * counters count distinct experts a step: hits, misses (admitted or declined), declined. */
-enum { QF_XC_HITS, QF_XC_MISSES, QF_XC_DECLINED, QF_XC_COUNTERS };
-#define QF_XC_HEAD_WORDS 4
-static inline size_t qf_xcache_state_bytes(int E, int S) { return ((size_t)QF_XC_HEAD_WORDS + 3 * (size_t)E + 4 * (size_t)S) * 4; }
 
 /* The routed experts of one MoE layer for N rows, routing included: softmax over the router
  * logits, top-k, renormalised weights, and out[r] = sum_k w_k * down_k(silu(gate_k x) * up_k x).
@@ -386,27 +353,6 @@ void qf_be_zero(qf_backend *be, void *p, size_t bytes);
 void qf_be_copy(qf_backend *be, void *dst, const void *src, size_t bytes);
 /* Waits for the backend's queued ops; QF_OK, or the failure of one of them. */
 int qf_be_sync(qf_backend *be);
-
-/* The reference routing of one row of E router logits: softmax over all E, the top K (ties to the
- * lower index), their weights renormalised to sum 1 (fp32). ti, tw: K entries, best first. Every
- * backend's routing is checked against it. */
-void qf_ref_route(const float *logits, int E, int K, int *ti, float *tw);
-/* Sparsity's expert rule on one row of qf_ref_route's weights (tw, best first): the first
- * max(min_k, #{w >= tau}) are kept and renormalised to sum 1; returns how many. */
-int qf_ref_route_drop(float *tw, int K, float tau, int min_k);
-
-/* Sparsity's KV-page rule (Quest): a page's keys summarised per channel by their min and max
- * (kmin, kmax: [hd] each, over its first n keys of hd floats, rows stride apart) ... */
-void qf_ref_page_summary(const float *keys, int n, int stride, int hd, float *kmin, float *kmax);
-/* ... bound q's score on every key of the page from above: sum over channels of the larger of
- * q_c kmin_c and q_c kmax_c; for a token's nh query heads (head h at q + h * q_hstride, reading kv
- * head h / (nh / nkv); kmin, kmax: [nkv][hd]) the page's score is the largest of its heads'
- * bounds. A token attends to at most budget of n_pages pages: the first and the last (the newest
- * keys) always, then those of the highest scores (ties to the lower page); out gets them in
- * ascending order, the count is returned. */
-float qf_ref_page_bound(const float *q, const float *kmin, const float *kmax, int hd);
-float qf_ref_page_score(const float *q, int nh, int q_hstride, int nkv, const float *kmin, const float *kmax, int hd);
-int qf_ref_page_select(const float *score, int n_pages, int budget, int32_t *out);
 
 /* The gated delta rule (the gdn op) in chunks of C tokens, the WY form (backend/cpu/gdn_chunked.c):
  * the reference a chunked device kernel follows. scratch: qf_gdn_chunked_floats(dk, dv, C) floats. */

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "base/numeric.h"
+#include "backend/rules.h"
 
 /* ---- sparsity (model.h): levels per row, the trunk's masks on the host path ---- */
 

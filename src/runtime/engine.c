@@ -7,6 +7,7 @@
 
 #include "base/timer.h"
 #include "backend/backend.h"
+#include "experts/cache_policy.h"
 #include "runtime/engine_int.h"
 
 /* The backend named by opts->device; on a device the weights are copied there (generated ones
@@ -35,11 +36,22 @@ static int check_drafts(qf_engine *e, int draft) {
     return QF_OK;
 }
 
+/* --expert-policy, parsed here alone (a replay-only policy is no device's). */
+static int policy_of(const char *name, int *out) {
+    int p = name ? qf_policy_parse(name) : QF_POLICY_DLFU_AD;
+    if (p < 0 || p == QF_POLICY_MIN) return qf_fail(QF_EINVAL, "--expert-policy takes lru, dlfu or dlfu-admit, not '%s'", name);
+    *out = p;
+    return QF_OK;
+}
+
 int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts) {
     *out = NULL;
     double t0 = qf_now();
+    int policy, rc0 = policy_of(opts->expert_policy, &policy);
+    if (rc0 != QF_OK) return rc0;
     qf_engine *e = calloc(1, sizeof *e);
     if (!e) return qf_fail(QF_ENOMEM, "out of memory");
+    e->expert_policy = policy;
     qf_load_opts lo = {opts->diag, opts->progress, opts->progress_ud};
     int rc = opts->synth ? qf_model_synthetic(&e->model, opts->synth, &lo) : qf_model_load(&e->model, dir, &lo);
     char tj[4096];

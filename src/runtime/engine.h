@@ -49,6 +49,7 @@ typedef struct qf_engine {
     qf_plan plan; /* the device memory plan when the routed experts stream (experts/plan.h) */
     char notice[256]; /* what the caller should tell the user about the load (empty: nothing) */
     int draft, max_draft; /* MTP drafts a step (0: off) and the most opts.draft allows */
+    int expert_policy;    /* the expert buffer's policy (QF_POLICY_*) */
 } qf_engine;
 
 int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts);

@@ -9,7 +9,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "experts/cache_policy.h"
 
 #define GIB 1073741824.0
 
@@ -90,19 +89,12 @@ static int warm_up(qf_engine *e, int prompt) {
     return rc;
 }
 
-static int policy_of(const char *name) {
-    if (!name) return QF_POLICY_DLFU_AD;
-    int p = qf_policy_parse(name);
-    return p == QF_POLICY_MIN ? -1 : p;
-}
-
 /* The experts pinned at home and the model warmed up without slots, the memory everything else
  * takes is measured, and the expert buffer gets what the budget leaves. */
 int qf_load_experts_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk, size_t sparse_bytes) {
     qf_model *m = e->model;
     const qf_config *c = &m->cfg;
-    int policy = policy_of(o->expert_policy);
-    if (policy < 0) return qf_fail(QF_EINVAL, "unknown expert cache policy '%s' (lru, dlfu, dlfu-admit)", o->expert_policy);
+    int policy = e->expert_policy;
     qf_expert x0;
     int rc = m->experts->ops->acquire(m->experts, 0, 0, &x0);
     if (rc != QF_OK) return rc;

@@ -10,6 +10,7 @@
 #include "backend/ops.h"
 #include "base/err.h"
 #include "base/numeric.h"
+#include "backend/rules.h"
 
 typedef struct compose {
     qf_ops ops; /* the base table with .dec set */
