@@ -10,7 +10,7 @@
 
 #include <math.h>
 
-#include "backend/cpu/cpu_int.h"
+#include "backend/rules.h"
 #include "base/mapfile.h"
 #include "base/quant.h"
 #include "format/sha256.h"
@@ -392,7 +392,7 @@ static void fp8_close_to_bf16(const char *qdir, const char *bdir, int n) {
         int bad = 0;
         for (int64_t r = 0; r < mq[i]->rows; r++)
             for (int64_t c = 0; c < mq[i]->cols; c++) {
-                float w = qf_ref_weight(mb[i], r, c), v = qf_ref_weight(mq[i], r, c);
+                float w = qf_mat_weight(mb[i], r, c), v = qf_mat_weight(mq[i], r, c);
                 float sc = mq[i]->scales[(r / 128) * ((mq[i]->cols + 127) / 128) + c / 128];
                 bad += !(fabsf(v - w) <= fabsf(w) / 16.0f + sc * 0x1p-10f);
             }
@@ -463,7 +463,7 @@ static void int_rows_exact(const char *src, const char *qdir, int fmt, int trunk
                 unsigned char *want = malloc(rb);
                 bad += mq[i]->dtype != fmt;
                 for (int64_t r = 0; r < mb[i]->rows && mq[i]->dtype == fmt; r++) {
-                    for (int64_t c = 0; c < mb[i]->cols; c++) row[c] = qf_ref_weight(mb[i], r, c);
+                    for (int64_t c = 0; c < mb[i]->cols; c++) row[c] = qf_mat_weight(mb[i], r, c);
                     qf_q_quantize_row(fmt, row, mb[i]->cols, want);
                     bad += memcmp(want, (const unsigned char *)mq[i]->data + r * rb, rb) != 0;
                 }

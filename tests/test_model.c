@@ -7,6 +7,7 @@
 
 #include "backend/cuda/ops_cuda.h"
 #include "model/model.h"
+#include "model/ref_forward.h"
 #include "runtime/sampler.h"
 #include "test_util.h"
 
@@ -139,6 +140,51 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
     qf_model_free(m);
     if (g_gpu) qf_cuda_backend_free(&be);
     if (compose) qf_cpu_dec_compose_free(&be);
+}
+
+/* The readable reference forward (model/ref_forward.c) against the Hugging Face references (the
+ * stored rows of each prompt, all of its first `tokens`), and the fast forward against it on the
+ * same tokens, every row: the yardstick and what it measures agree. */
+static void check_ref_forward(const char *dir, const char *logits_name, int n_prompts, int tokens) {
+    qf_model *m;
+    CHECK(qf_model_load(&m, qt_path(dir), NULL) == QF_OK, "load %s: %s", dir, qf_last_error());
+    char refpath[4096];
+    snprintf(refpath, sizeof refpath, "%s/reference.safetensors", qt_path(dir));
+    qf_st_set ref;
+    CHECK(qf_st_open(&ref, refpath) == QF_OK, "%s", qf_last_error());
+    qf_pool *pool = qf_pool_create(qf_cpu_count());
+    qf_backend be = {qf_cpu_ops_best(), pool, NULL};
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    int V = m->cfg.vocab;
+    double vs_hf = 0, vs_fast = 0;
+    for (int p = 0; p < n_prompts; p++) {
+        char name[64];
+        int64_t n_in, n_ref, ref_rows;
+        snprintf(name, sizeof name, "p%d.input_ids", p);
+        const int32_t *ids = qt_ref_i32(&ref, name, &n_in);
+        snprintf(name, sizeof name, "p%d.%s", p, logits_name);
+        const float *want = qt_ref_f32(&ref, name, &n_ref, &ref_rows);
+        int T = tokens > 0 && tokens < n_in ? tokens : (int)n_in;
+        float *slow = malloc((size_t)T * V * sizeof(float)), *fast = malloc((size_t)T * V * sizeof(float));
+        qf_state *st = qf_state_create(m, T + 1);
+        CHECK(qf_model_ref_forward(m, ids, T, slow) == QF_OK, "%s p%d: %s", dir, p, qf_last_error());
+        CHECK(qf_forward_seq(m, &be, ws, st, ids, T, QF_LOGITS_ALL, fast) == QF_OK, "%s", qf_last_error());
+        double d = qt_max_abs_diff(fast, slow, (int64_t)T * V);
+        vs_fast = d > vs_fast ? d : vs_fast;
+        CHECK(d < TOL_LOGITS, "%s p%d: the fast forward is %.3g from the reference forward", dir, p, d);
+        if (T == n_in) { /* the whole prompt: its stored rows are HF's */
+            double h = qt_max_abs_diff(slow + (T - ref_rows) * V, want, n_ref);
+            vs_hf = h > vs_hf ? h : vs_hf;
+            CHECK(h < TOL_LOGITS, "%s p%d: the reference forward is %.3g from HF's logits", dir, p, h);
+        }
+        qf_state_free(st);
+        free(slow), free(fast);
+    }
+    fprintf(stderr, "%s: the reference forward within %.3g of HF's logits, the fast forward within %.3g of it\n", dir, vs_hf, vs_fast);
+    qf_workspace_free(ws);
+    qf_pool_destroy(pool);
+    qf_st_close(&ref);
+    qf_model_free(m);
 }
 
 /* Two sequences in one batched forward (one prefilling, one decoding), their KV pages interleaved
@@ -405,6 +451,9 @@ int main(int argc, char **argv) {
         run_model("tests/data/qwen35-tiny", "logits", 4, tables[i], 1, 0);
     }
     run_model("models/qwen36moe-code-14m", "logits_tail", 5, qf_cpu_ops_best(), 0, 0);
+    check_ref_forward("tests/data/qwen35moe-tiny", "logits", 4, 0);
+    check_ref_forward("tests/data/qwen35-tiny", "logits", 4, 0);
+    check_ref_forward("models/qwen36moe-code-14m", "logits_tail", 2, 24);
     /* the decode path (one token per step through the fused ops) against the same references */
     run_model("tests/data/qwen35moe-tiny", "logits", 4, &qf_cpu_ops_ref, 0, 1);
     run_model("models/qwen36moe-code-14m", "logits_tail", 5, qf_cpu_ops_best(), 0, 1);

@@ -3,6 +3,19 @@
 #include <math.h>
 #include <stddef.h>
 
+#include "base/numeric.h"
+#include "base/quant.h"
+
+float qf_mat_weight(const qf_mat *w, int64_t r, int64_t c) {
+    int64_t i = r * w->cols + c;
+    if (qf_is_quant(w->dtype)) return qf_q_weight(w->dtype, w->data, w->scales, w->cols, r, c);
+    switch (w->dtype) {
+    case QF_DT_BF16: return qf_bf16_to_f32(((const uint16_t *)w->data)[i]);
+    case QF_DT_F16: return qf_f16_to_f32(((const uint16_t *)w->data)[i]);
+    default: return ((const float *)w->data)[i];
+    }
+}
+
 void qf_ref_route(const float *l, int E, int K, int *ti, float *tw) {
     float mx = l[0], sum = 0.0f, top_sum = 0.0f;
     for (int e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;

@@ -1,10 +1,15 @@
-/* The rules every backend and the model follow alike, each a plain reference: the MoE routing and
- * sparsity's expert and KV-page rules. A backend's own kernels are tested against these; the
+/* The rules every backend and the model follow alike, each a plain reference: reading a weight,
+ * the MoE routing and sparsity's expert and KV-page rules. A backend's own kernels are tested against these; the
  * model applies them where it runs the host side of a step. */
 #ifndef QF_BACKEND_RULES_H
 #define QF_BACKEND_RULES_H
 
 #include <stdint.h>
+
+#include "backend/ops.h"
+
+/* Element (r, c) of a weight in host memory, whatever its format: how every reference reads weights. */
+float qf_mat_weight(const qf_mat *w, int64_t r, int64_t c);
 
 /* The reference routing of one row of E router logits: softmax over all E, the top K (ties to the
  * lower index), their weights renormalised to sum 1 (fp32). ti, tw: K entries, best first. Every

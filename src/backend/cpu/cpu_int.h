@@ -4,8 +4,8 @@
 #define QF_BACKEND_CPU_INT_H
 
 #include "backend/ops.h"
+#include "backend/rules.h"
 
-float qf_ref_weight(const qf_mat *w, int64_t r, int64_t c);
 void qf_ref_embed(qf_backend *be, const qf_mat *emb, const int32_t *ids, int n, float *y);
 void qf_ref_rmsnorm(qf_backend *be, const float *x, int x_stride, const float *w, int n_rows, int dim,
                     float eps, float *y, int y_stride);

@@ -9,22 +9,12 @@
 #include "base/quant.h"
 #include "backend/rules.h"
 
-float qf_ref_weight(const qf_mat *w, int64_t r, int64_t c) {
-    int64_t i = r * w->cols + c;
-    if (qf_is_quant(w->dtype)) return qf_q_weight(w->dtype, w->data, w->scales, w->cols, r, c);
-    switch (w->dtype) {
-    case QF_DT_BF16: return qf_bf16_to_f32(((const uint16_t *)w->data)[i]);
-    case QF_DT_F16: return qf_f16_to_f32(((const uint16_t *)w->data)[i]);
-    default: return ((const float *)w->data)[i];
-    }
-}
-
 static void ref_matmul(qf_backend *be, const qf_mat *w, const float *x, int n, float *y) {
     (void)be;
     for (int t = 0; t < n; t++)
         for (int64_t o = 0; o < w->rows; o++) {
             float acc = 0.0f;
-            for (int64_t i = 0; i < w->cols; i++) acc += x[t * w->cols + i] * qf_ref_weight(w, o, i);
+            for (int64_t i = 0; i < w->cols; i++) acc += x[t * w->cols + i] * qf_mat_weight(w, o, i);
             y[t * w->rows + o] = acc;
         }
 }
@@ -37,7 +27,7 @@ static void ref_matmul_cols(qf_backend *be, const qf_mat *wt, const float *x, in
         for (int64_t o = 0; o < wt->cols; o++) {
             float acc = 0.0f;
             for (int64_t i = 0; i < wt->rows; i++)
-                if (x[t * wt->rows + i] != 0.0f) acc += x[t * wt->rows + i] * qf_ref_weight(wt, i, o);
+                if (x[t * wt->rows + i] != 0.0f) acc += x[t * wt->rows + i] * qf_mat_weight(wt, i, o);
             y[t * wt->cols + o] = acc;
         }
 }
@@ -45,7 +35,7 @@ static void ref_matmul_cols(qf_backend *be, const qf_mat *wt, const float *x, in
 void qf_ref_embed(qf_backend *be, const qf_mat *emb, const int32_t *ids, int n, float *y) {
     (void)be;
     for (int t = 0; t < n; t++)
-        for (int64_t i = 0; i < emb->cols; i++) y[t * emb->cols + i] = qf_ref_weight(emb, ids[t], i);
+        for (int64_t i = 0; i < emb->cols; i++) y[t * emb->cols + i] = qf_mat_weight(emb, ids[t], i);
 }
 
 void qf_ref_rmsnorm(qf_backend *be, const float *x, int x_stride, const float *w, int n_rows, int dim,
