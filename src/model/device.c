@@ -218,6 +218,11 @@ int qf_model_to_device(qf_model *m, qf_backend *be, int flags) {
     return mv.rc;
 }
 
+void qf_model_use_experts(qf_model *m, qf_expert_store *s) {
+    m->experts = s;
+    qf_model_dec_check(m);
+}
+
 int qf_model_dec_check(qf_model *m) {
     m->dec_ok = m->dev && dec_fits(m);
     return m->dec_ok;

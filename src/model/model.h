@@ -100,6 +100,10 @@ enum { QF_TO_DEVICE_DROP_HOST = 1, QF_TO_DEVICE_EXPERTS_HOME = 2 };
 int qf_model_to_device(qf_model *m, qf_backend *be, int flags);
 /* Whether the device's fused decode ops fit the model with its expert store as it is now. */
 int qf_model_dec_check(qf_model *m);
+/* Hands the model a store built on its own (experts/: a RAM pool or device slots in front of the
+ * store it has, which the new one now owns), before the model runs again; the decode ops' fit is
+ * checked again. */
+void qf_model_use_experts(qf_model *m, qf_expert_store *s);
 
 /* Activation-aware sparsity: a level per layer from 0 (exact, the default) to 1, applied to the
  * steps that generate (one token per sequence); prompts run dense, where the bytes a step reads

@@ -60,7 +60,7 @@ int qf_load_experts_cpu(qf_engine *e, size_t bytes) {
     const qf_config *c = &e->model->cfg;
     qf_expert_store *s;
     int rc = qf_es_stream_create(&s, e->model->experts, &e->model->st, c->n_layers, c->n_experts, c->n_experts_used, bytes);
-    if (rc == QF_OK) e->model->experts = s;
+    if (rc == QF_OK) qf_model_use_experts(e->model, s);
     return rc;
 }
 
@@ -105,8 +105,7 @@ int qf_load_experts_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_byte
                      .n_layers = c->n_layers, .n_experts = c->n_experts, .top_k = c->n_experts_used, .policy = policy};
     qf_expert_store *s;
     if ((rc = qf_es_devcache_create(&s, m->experts, &e->be, c->n_layers, c->n_experts, c->n_experts_used)) != QF_OK) return rc;
-    m->experts = s;
-    qf_model_dec_check(m);
+    qf_model_use_experts(m, s);
     if ((rc = qf_workspace_reserve_prompt(e->ws, o->max_prompt > 0 ? o->max_prompt : 8192)) != QF_OK) return rc;
     if ((rc = warm_up(e, 1)) != QF_OK) return rc;
     e->be.ops->mem_info(&e->be, &free_now, &total);
