@@ -945,8 +945,15 @@ static void dec_rows_checks(void) {
     set_opt("dec_tc=5");
 }
 
-/* A backend made again with one more option set (the checks after it run on that backend). */
+/* A backend made again with one more option set (the checks after it run on that backend). A lab
+ * option (a variant that lost, or a winner turned off) is set only in a lab build
+ * (-DQFLASH_LAB=ON): elsewhere its checks are skipped, the variant not being in the binary. */
+static int lab_skipped;
 static int restart_with(const char *assignment) {
+    if (qf_cuda_opt_is_lab(assignment) && !QF_CUDA_LAB_BUILD) {
+        if (!lab_skipped++) fprintf(stderr, "lab options' checks skipped (%s, ...): build with -DQFLASH_LAB=ON to run them\n", assignment);
+        return 0;
+    }
     qf_cuda_backend_free(&gpu);
     int ok = qf_cuda_opts_set(&g_opts, assignment) == QF_OK && qf_cuda_backend_init(&gpu, 0, &g_opts) == QF_OK;
     CHECK(ok, "the CUDA backend did not start again with %s: %s", assignment, qf_last_error());
@@ -955,7 +962,10 @@ static int restart_with(const char *assignment) {
 }
 
 /* One option back to its default (the backend is made again by the next restart_with). */
-static void set_opt(const char *assignment) { CHECK(qf_cuda_opts_set(&g_opts, assignment) == QF_OK, "%s", qf_last_error()); }
+static void set_opt(const char *assignment) {
+    if (qf_cuda_opt_is_lab(assignment) && !QF_CUDA_LAB_BUILD) return;
+    CHECK(qf_cuda_opts_set(&g_opts, assignment) == QF_OK, "%s", qf_last_error());
+}
 
 /* One-row products fed by bulk copies (option bulk=15: every kind, sm_90): every one-row shape of a step
  * (in_proj with its epilogue, out_proj, o_proj, ffn_in, lm_head), a shape that is no whole row

@@ -39,7 +39,8 @@
 #   bash tools/gpu-check.sh draw      the token draw on the device: test_cuda's draws against the host sampler
 #                                     (QUICK=10) and test_model's DRAW steps on the GPU
 #   bash tools/gpu-check.sh chain     test_model's chain checks (verifies against one token a step), with the
-#                                     tensor-core threshold raised and each one-row kernel off in turn
+#                                     tensor-core threshold raised and each one-row kernel off in turn (the
+#                                     kernels off are lab options: binaries of a -DQFLASH_LAB=ON build)
 #   bash tools/gpu-check.sh spec-profile  one draft on the synthetic model with every kernel timed: a verify's cost
 #   bash tools/gpu-check.sh prefill-profile  an 8K prompt in 2048-token chunks with every kernel timed
 #                                     (option profile=1): where the prefill's time goes

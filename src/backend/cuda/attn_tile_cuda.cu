@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(AT_THREADS, 1) k_attn_tile(qf_attn_args a, at_
 
 int qfc::attn_tiled(ctx *c, const qf_attn_args *a, float *part, int part_splits) {
     int G = a->nkv > 0 ? a->nh / a->nkv : 0, hd = a->hd;
-    if (!c->att_tile || a->T < 8 || G < 1 || G > AT_ROWS || a->nh % a->nkv || hd % 4 || hd > 256 || a->q_stride % 4 || a->q_hstride % 4 ||
+    if (!QF_LAB(c, att_tile) || a->T < 8 || G < 1 || G > AT_ROWS || a->nh % a->nkv || hd % 4 || hd > 256 || a->q_stride % 4 || a->q_hstride % 4 ||
         ((uintptr_t)a->q & 15) || ((uintptr_t)a->kv.base & 15) || a->kv.page_stride % 4 || a->kv.k_off % 4 || a->kv.v_off % 4)
         return 0;
     size_t smem = at_smem_floats(hd) * sizeof(float);
@@ -312,7 +312,7 @@ int qfc::attn_tiled(ctx *c, const qf_attn_args *a, float *part, int part_splits)
     int want = max(1, min(part_splits, (2 * c->sms + tiles - 1) / tiles));
     g.ks = ((max_keys + want - 1) / want + AT_KEYS - 1) / AT_KEYS * AT_KEYS;
     g.splits = (max_keys + g.ks - 1) / g.ks;
-    if (c->att_tc && hd % 16 == 0 && c->cc_major >= 8) LAUNCH_S(c, k_attn_tile<true>, dim3(tiles, g.splits), AT_THREADS, smem, *a, g, part);
+    if (QF_LAB(c, att_tc) && hd % 16 == 0 && c->cc_major >= 8) LAUNCH_S(c, k_attn_tile<true>, dim3(tiles, g.splits), AT_THREADS, smem, *a, g, part);
     else LAUNCH_S(c, k_attn_tile<false>, dim3(tiles, g.splits), AT_THREADS, smem, *a, g, part);
     LAUNCH(c, k_attn_combine, a->T * a->nh, 128, g.splits, hd, (const float *)part, a->out, (const float *)NULL, 0, a->nh);
     return 1;

@@ -24,6 +24,14 @@ extern "C" {
 }
 
 
+/* A lab option's value (cuda_opts.c): the context's in a lab build, else its default as a constant,
+ * so that the branches to the variants it selects fold away and those kernels are not built. */
+#if QF_CUDA_LAB_BUILD
+#define QF_LAB(c, name) ((c)->name)
+#else
+#define QF_LAB(c, name) QF_LAB_DEF_##name
+#endif
+
 namespace qfc {
 
 struct expert_tab {

@@ -17,6 +17,34 @@ extern "C" {
  * cores (within ~1.3e-4, as the CPU), or one bf16 part (faster prompts, logits off by up to ~1). */
 enum { QF_PREC_BF16X2 = 0, QF_PREC_FP32, QF_PREC_BF16 };
 
+/* The lab options' defaults (cuda_opts.c): the winners, constants of the kernels' code outside a
+ * lab build (-DQFLASH_LAB=ON defines QF_CUDA_LAB), where the options may select the variants. */
+#ifdef QF_CUDA_LAB
+#define QF_CUDA_LAB_BUILD 1
+#else
+#define QF_CUDA_LAB_BUILD 0
+#endif
+#define QF_LAB_DEF_pdl 1
+#define QF_LAB_DEF_early 1
+#define QF_LAB_DEF_pw1 1
+#define QF_LAB_DEF_gdn_lpc 4
+#define QF_LAB_DEF_gdn_gn 1
+#define QF_LAB_DEF_moe1 1
+#define QF_LAB_DEF_moe_pf 1
+#define QF_LAB_DEF_route 3
+#define QF_LAB_DEF_att1 1
+#define QF_LAB_DEF_att_gate 1
+#define QF_LAB_DEF_comb 1
+#define QF_LAB_DEF_mg 1
+#define QF_LAB_DEF_mg_cp 1
+#define QF_LAB_DEF_mg_p64 1
+#define QF_LAB_DEF_att_tile 1
+#define QF_LAB_DEF_att_tc 1
+#define QF_LAB_DEF_gdn_chunk 1
+#define QF_LAB_DEF_gdn_seq 0
+#define QF_LAB_DEF_gdn_plpc 4
+#define QF_LAB_DEF_gdn_cp 1
+
 typedef struct qf_cuda_opts {
     int precision;
     int graphs, pdl, early, pw1, bulk, bulk_blocks;
@@ -29,6 +57,8 @@ typedef struct qf_cuda_opts {
 void qf_cuda_opts_default(qf_cuda_opts *o);
 /* "name=value": QF_EINVAL naming the option or the value when either is wrong. */
 int qf_cuda_opts_set(qf_cuda_opts *o, const char *assignment);
+/* Whether "name=value" names a lab option (set only in a lab build). */
+int qf_cuda_opt_is_lab(const char *assignment);
 /* Applies QFLASH_CUDA_OPTS (comma-separated assignments) when set. */
 int qf_cuda_opts_from_env(qf_cuda_opts *o);
 /* The precision names: "bf16x2", "fp32", "bf16"; -1 for anything else. */

@@ -122,8 +122,11 @@ static void attention_dec(ctx *c, const qf_attn_dec *a, int gate) {
     if (chunk < 32) chunk = 32, splits = (max_keys + 31) / 32;
     float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * 64 * (a->hd + 2) * sizeof(float));
     if (!part) return;
-    if (c->att1 && c->att_cnt && rows <= ATT_MAX_HEADS) {
-        void (*k)(qf_attn_dec, int, int, float *, unsigned *, int) = c->comb ? k_attn_dec<4, true> : k_attn_dec<4, true, false>;
+    if (QF_LAB(c, att1) && c->att_cnt && rows <= ATT_MAX_HEADS) {
+        void (*k)(qf_attn_dec, int, int, float *, unsigned *, int) = k_attn_dec<4, true>;
+#if QF_CUDA_LAB_BUILD
+        if (!QF_LAB(c, comb)) k = k_attn_dec<4, true, false>; /* the plain combine */
+#endif
         launch(c, "k_attn_dec", 1, k, dim3(rows, splits), dim3(DATT_WARPS * 32), 0u, *a, chunk, splits, part, c->att_cnt, gate);
         return;
     }
@@ -136,7 +139,7 @@ void dec_attention(qf_backend *be, const qf_attn_dec *a) { attention_dec(C(be), 
 // attention with the output gate applied (option att_gate); 0: not taken.
 int dec_attn_gate(qf_backend *be, const qf_attn_dec *a) {
     ctx *c = C(be);
-    if (!c->att_gate) return 0;
+    if (!QF_LAB(c, att_gate)) return 0;
     attention_dec(c, a, 1);
     return 1;
 }

@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(512) k_gdn_head(qf_gdn_dec a, dpre gg) {
 
 // Lanes per value column of the DeltaNet step (option gdn_lpc): more lanes, more warps and
 // shorter chains per warp; key dims up to 64 take 2.
-static int gdn_lanes(const ctx *c, int dk) { return dk <= 64 ? 2 : c->gdn_lpc == 2 || c->gdn_lpc == 8 ? c->gdn_lpc : 4; }
+static int gdn_lanes(const ctx *c, int dk) { return dk <= 64 ? 2 : QF_LAB(c, gdn_lpc) == 2 || QF_LAB(c, gdn_lpc) == 8 ? QF_LAB(c, gdn_lpc) : 4; }
 
 void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
     ctx *c = C(be);
@@ -124,7 +124,10 @@ void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
     if (a->dk > 128) {
         return dev_fail(c, "linear-attention key dim %d > 128 is not supported", a->dk);
     }
-    void (*k)(qf_gdn_dec) = a->dk <= 32 ? k_gdn_dec<32, 2> : a->dk <= 64 ? k_gdn_dec<64, 2> : lpc == 2 ? k_gdn_dec<128, 2> : lpc == 4 ? k_gdn_dec<128, 4> : k_gdn_dec<128, 8>;
+    void (*k)(qf_gdn_dec) = a->dk <= 32 ? k_gdn_dec<32, 2> : a->dk <= 64 ? k_gdn_dec<64, 2> : k_gdn_dec<128, 4>;
+#if QF_CUDA_LAB_BUILD
+    if (a->dk > 64 && lpc != 4) k = lpc == 2 ? k_gdn_dec<128, 2> : k_gdn_dec<128, 8>; /* other lanes a column */
+#endif
     if (!a->chain) return launch(c, "k_gdn_dec", 1, k, g, dim3(32), 0u, *a);
     for (int t = 0; t < a->n; t++) { // a chain: its rows one launch each, in order
         qf_gdn_dec r = *a;
@@ -137,7 +140,7 @@ void dec_gdn(qf_backend *be, const qf_gdn_dec *a) {
 // built for: key dims 128 at 4 lanes per column, value heads of 128).
 int dec_gdn_gn(qf_backend *be, const qf_gdn_dec *a, const qf_pre *gn) {
     ctx *c = C(be);
-    if (!c->gdn_gn || a->dk != 128 || a->dv != 128 || gdn_lanes(c, a->dk) != 4 || !gn || gn->kind != QF_PRE_GATED_NORM || gn->head != a->dv)
+    if (!QF_LAB(c, gdn_gn) || a->dk != 128 || a->dv != 128 || gdn_lanes(c, a->dk) != 4 || !gn || gn->kind != QF_PRE_GATED_NORM || gn->head != a->dv)
         return 0;
     if (a->chain) launch(c, "k_gdn_head", 1, k_gdn_head<128, 4, true>, dim3(a->nv, 1, 1), dim3(a->dv / 8 * 32), 0u, *a, dpre_of(gn));
     else launch(c, "k_gdn_head", 1, k_gdn_head<128, 4>, dim3(a->nv, 1, a->n), dim3(a->dv / 8 * 32), 0u, *a, dpre_of(gn));

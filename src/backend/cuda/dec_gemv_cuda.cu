@@ -245,7 +245,7 @@ static void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, cons
     int threads = 256, sms = c->sms > 0 ? c->sms : 1;
     // one row, few weight rows (out_proj, o_proj, the router): a warp per row, a whole row of up to
     // 512 units in flight per warp, so the SMs hold twice the warps (option pw1=0: off)
-    int one = NT == 1 && c->pw1 && qk_units(F, (int)w->cols) <= 32 * 16 && (w->rows + 8 * PW - 1) / (8 * PW) < 2 * sms;
+    int one = NT == 1 && QF_LAB(c, pw1) && qk_units(F, (int)w->cols) <= 32 * 16 && (w->rows + 8 * PW - 1) / (8 * PW) < 2 * sms;
     void (*k)(const uint8_t *, int, int, const float *, int, dpre, depi, int, float *, int) = k_gemv_pre<NT, PW, F>;
     if constexpr (NT == 1)
         if (one) k = k_gemv_pre<1, 1, F>;
@@ -254,7 +254,7 @@ static void gemv_pre_launch(ctx *c, const qf_mat *w, const float *x, int n, cons
     int64_t need = (w->rows + per_block - 1) / per_block, cap = (int64_t)sms * resident(c, (const void *)k, threads, smem);
     int64_t rounds = (need + cap - 1) / cap, grid = (need + rounds - 1) / rounds; // equal rounds for every block
     launch(c, "k_gemv_pre", 1, k, dim3((unsigned)grid), dim3(threads), (unsigned)smem, (const uint8_t *)w->data, (int)w->rows, (int)w->cols, x, n, p, e,
-           acc, y, c->early);
+           acc, y, QF_LAB(c, early));
 }
 
 // nt rows (1..16) of one pass: the kernel built for that count

@@ -541,10 +541,10 @@ static int moe_one(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf) {
     int H = a->hidden, I = a->ffn, S = a->sh_ffn;
     typedef one_fn fn;
     int mc = I > S ? I : S;
-    int f = c->route == 3 && (a->n_experts > 256 || a->top_k > 8) ? 2 : c->route; // route_sort's shapes, else route_pairs
-    int tb = c->moe_pf && H <= 2048 && mc <= 512;
+    int f = QF_LAB(c, route) == 3 && (a->n_experts > 256 || a->top_k > 8) ? 2 : QF_LAB(c, route); // route_sort's shapes, else route_pairs
+    int tb = QF_LAB(c, moe_pf) && H <= 2048 && mc <= 512;
     int F = qk_of(a->experts[0].gate.dtype);
-    if (F != QK_BF16) tb = c->moe_pf; /* moe_one_q's shapes */
+    if (F != QK_BF16) tb = QF_LAB(c, moe_pf); /* moe_one_q's shapes */
     fn k = F == QK_I8                 ? moe_one_q<QK_I8>(H, I, S, f)
            : F == QK_I4              ? moe_one_q<QK_I4>(H, I, S, f)
            : F == QK_F8              ? moe_one_q<QK_F8>(H, I, S, f)
@@ -593,7 +593,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     for (int t = 0; t < n && t < QF_DEC_ROWS; t++) drop.tau[t] = a->drop_tau[t];
     drop.min_k = a->min_k;
     if (a->cache) xcache_resolve(c, a->cache, NULL, 0, a->rl, a->rl_stride, n, K, drop);
-    if (n == 1 && c->moe1 && c->moe_cnt && (F == QK_BF16 || c->moe_pf) && moe_one(c, tab, a, hbuf)) return;
+    if (n == 1 && QF_LAB(c, moe1) && c->moe_cnt && (F == QK_BF16 || QF_LAB(c, moe_pf)) && moe_one(c, tab, a, hbuf)) return;
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
     // lanes hold 8 (l + 32 u) columns: HL loads per lane for a gate/up row, PL for a down part
@@ -611,7 +611,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     int gy = gu_res / (K * n), dx = dn_res / n;
     gy = gy < 1 ? 1 : gy > (I + 7) / 8 ? (I + 7) / 8 : gy;
     dx = dx < 1 ? 1 : dx > (H + 7) / 8 ? (H + 7) / 8 : dx;
-    int pdl = a->cache ? 0 : 1, early = a->cache ? 0 : c->early; // an expert cache's table is read only after its fill
+    int pdl = a->cache ? 0 : 1, early = a->cache ? 0 : QF_LAB(c, early); // an expert cache's table is read only after its fill
     launch(c, "k_moe_gu", pdl, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, early, c->sp_ctr);
     launch(c, "k_moe_down", 1, dn, dim3(dx, n), dim3(256), (unsigned)sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, (const float *)hbuf,
            (const int *)topi, (const float *)topw, early);

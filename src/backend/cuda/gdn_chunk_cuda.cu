@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(GC_THREADS) k_gdnc_walk(qf_gdn_args a, int c0,
 int qfc::gdn_chunked(ctx *c, const qf_gdn_args *a) {
     int dk = a->dk, dv = a->dv;
     // cp.async and float4 stores: every q, k, v and output row must start on 16 bytes
-    if (!c->gdn_chunk || a->T < c->gdn_chunk_min || dk > 128 || dk % 4 || dv % GC_COLS || dv > 128 || a->stride % 4 || ((uintptr_t)a->out & 15) ||
+    if (!QF_LAB(c, gdn_chunk) || a->T < c->gdn_chunk_min || dk > 128 || dk % 4 || dv % GC_COLS || dv > 128 || a->stride % 4 || ((uintptr_t)a->out & 15) ||
         ((uintptr_t)a->q & 15) || ((uintptr_t)a->k & 15) || ((uintptr_t)a->v & 15))
         return 0;
     size_t p_smem = gc_prep_floats(dk, dv) * sizeof(float), w_smem = gc_walk_floats(dk) * sizeof(float);

@@ -377,7 +377,7 @@ static void mc_attrs(ctx *c) {
 
 int qfc::tc_splits(ctx *c, const qf_mat *w, int n) {
     int R = (int)w->rows, K = (int)w->cols;
-    if (!c->mg_cp || c->fp32 || K % MC_KC || (uintptr_t)w->data % 16 || n < 1) return 0;
+    if (!QF_LAB(c, mg_cp) || c->fp32 || K % MC_KC || (uintptr_t)w->data % 16 || n < 1) return 0;
     // int8 rows (a quantised trunk) are decoded into the stages whole: one split (a split's column
     // offset would have to reach the units, not the pointer)
     if (w->dtype == QF_Q_I8B32) return qk_unit_ok(QK_I8, K) ? 1 : 0;
@@ -406,13 +406,13 @@ void qfc::tc_dense(ctx *c, const qf_mat *w, const __nv_bfloat16 *xh, const __nv_
 
 int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw, float *y) {
     int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts, NK = N * K;
-    if (!c->mg || c->fp32 || N < c->mg_min_rows || H % 16 || I % 16 || E > 4096) return 0;
+    if (!QF_LAB(c, mg) || c->fp32 || N < c->mg_min_rows || H % 16 || I % 16 || E > 4096) return 0;
     int dt = a->experts[0].gate.dtype, F = qk_of(dt);
     for (int e = 0; e < E; e++)
         if (a->experts[e].gate.dtype != dt || a->experts[e].up.dtype != dt || a->experts[e].down.dtype != dt) return 0;
     // fp8 experts keep the GEMV path until their grouped form (mc_dequant<QK_F8>) is instantiated and
     // checked on a device (int8 and int4 are)
-    if (dt != QF_DT_BF16 && (F == QK_BF16 || F == QK_F8 || !c->mg_cp || !qk_unit_ok(F, H) || !qk_unit_ok(F, I) || H % MC_KC || I % MC_KC)) return 0;
+    if (dt != QF_DT_BF16 && (F == QK_BF16 || F == QK_F8 || !QF_LAB(c, mg_cp) || !qk_unit_ok(F, H) || !qk_unit_ok(F, I) || H % MC_KC || I % MC_KC)) return 0;
     int two = !c->bf16_single;
     // x's and h's parts padded by a pass of slots: a pass's last tile reads whole 16-slot columns
     size_t ints = align256((size_t)(E + 1 + 2 * NK) * sizeof(int)), xb = align256((size_t)(NK + 64) * H * 2), hb = align256((size_t)(NK + 64) * I * 2);
@@ -423,12 +423,12 @@ int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *
     __nv_bfloat16 *hh = (__nv_bfloat16 *)(s + ints + 2 * xb), *hl = two ? (__nv_bfloat16 *)(s + ints + 2 * xb + hb) : NULL;
     LAUNCH_S(c, k_mg_group, 1, 1024, 2 * E * sizeof(int), topi, NK, K, E, gstart, slot_row, slot_of);
     LAUNCH(c, k_mg_gather, blocks((int64_t)NK * H, 256), 256, a->x, slot_row, NK, H, xh, xl);
-    if (c->mg_cp) mc_attrs(c);
+    if (QF_LAB(c, mg_cp)) mc_attrs(c);
     if (F == QK_I8) mc_launch<2, QK_I8>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y); // quantised: passes of 32 slots
     else if (F == QK_I4) mc_launch<2, QK_I4>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
-    else if (c->mg_cp && H % MC_KC == 0 && I % MC_KC == 0) {
+    else if (QF_LAB(c, mg_cp) && H % MC_KC == 0 && I % MC_KC == 0) {
         // passes of 64 slots once the experts average more than 24 (option mg_p64=0: 32 always)
-        if (c->mg_p64 && NK > 24 * E) mc_launch<4>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
+        if (QF_LAB(c, mg_p64) && NK > 24 * E) mc_launch<4>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
         else mc_launch<2>(c, tab, E, H, I, gstart, xh, xl, hh, hl, y);
     } else {
         LAUNCH(c, k_mg_gate_up, dim3((I + MG_FEAT - 1) / MG_FEAT, E), MG_THREADS, (const void *const *)tab, E, gstart, xh, xl, H, I, hh, hl);

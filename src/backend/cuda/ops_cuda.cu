@@ -238,6 +238,7 @@ void cu_conv_silu(qf_backend *be, const float *x, int xs, int T, int Cn, int K, 
     LAUNCH(c, k_conv_state, blocks(Cn, 128), 128, x, xs, T, Cn, K, state);
 }
 
+#if QF_CUDA_LAB_BUILD
 // Gated delta rule: a block per v-head, a thread per value column j holding S[:, j].
 template <int DK>
 __global__ void k_gdn(qf_gdn_args a) {
@@ -277,6 +278,7 @@ __global__ void k_gdn(qf_gdn_args a) {
     for (int i = 0; i < DK; i++)
         if (i < dk && j < dv) S[(int64_t)i * dv + j] = s[i];
 }
+#endif
 
 #define GDN_TC 8 // tokens whose inputs a warp of k_gdn_cols loads in one round
 
@@ -382,19 +384,21 @@ __global__ void __launch_bounds__(32) k_gdn_cols(qf_gdn_args a) {
 
 template <bool CP, int DK>
 void gdn_cols_launch(ctx *c, const qf_gdn_args *a) {
-    int lpc = c->gdn_plpc, cpw = 32 / lpc;
+    int lpc = QF_LAB(c, gdn_plpc), cpw = 32 / lpc;
     dim3 g(a->nv, (a->dv + cpw - 1) / cpw);
-    if (lpc == 1) LAUNCH(c, (k_gdn_cols<CP, DK, 1>), g, 32, *a);
-    else if (lpc == 2) LAUNCH(c, (k_gdn_cols<CP, DK, 2>), g, 32, *a);
-    else if (lpc == 8) LAUNCH(c, (k_gdn_cols<CP, DK, 8>), g, 32, *a);
-    else LAUNCH(c, (k_gdn_cols<CP, DK, 4>), g, 32, *a);
+#if QF_CUDA_LAB_BUILD
+    if (lpc == 1) return LAUNCH(c, (k_gdn_cols<CP, DK, 1>), g, 32, *a);
+    if (lpc == 2) return LAUNCH(c, (k_gdn_cols<CP, DK, 2>), g, 32, *a);
+    if (lpc == 8) return LAUNCH(c, (k_gdn_cols<CP, DK, 8>), g, 32, *a);
+#endif
+    LAUNCH(c, (k_gdn_cols<CP, DK, 4>), g, 32, *a);
 }
 
 template <int DK>
 void gdn_cols_pick(ctx *c, const qf_gdn_args *a) {
     // cp.async copies 16 aligned bytes: every q, k and v row and each warp's v columns must start on 16
-    int cpw = 32 / c->gdn_plpc;
-    bool cp = c->gdn_cp && a->stride % 4 == 0 && a->dk % 4 == 0 && a->dv % cpw == 0 && cpw % 4 == 0 && !((uintptr_t)a->q & 15) &&
+    int cpw = 32 / QF_LAB(c, gdn_plpc);
+    bool cp = QF_LAB(c, gdn_cp) && a->stride % 4 == 0 && a->dk % 4 == 0 && a->dv % cpw == 0 && cpw % 4 == 0 && !((uintptr_t)a->q & 15) &&
               !((uintptr_t)a->k & 15) && !((uintptr_t)a->v & 15);
     if (cp) gdn_cols_launch<true, DK>(c, a);
     else gdn_cols_launch<false, DK>(c, a);
@@ -406,13 +410,15 @@ void cu_gdn(qf_backend *be, const qf_gdn_args *a) {
         return dev_fail(c, "linear-attention key dim %d > 128 is not supported", a->dk);
     }
     if (gdn_chunked(c, a)) return;
-    if (c->gdn_seq) { // k_gdn: a block per head (option gdn_seq=1, the kernel before k_gdn_cols)
+#if QF_CUDA_LAB_BUILD
+    if (QF_LAB(c, gdn_seq)) { // k_gdn: a block per head (option gdn_seq=1, the kernel before k_gdn_cols)
         int threads = ((a->dv + 31) / 32) * 32;
         if (a->dk <= 32) LAUNCH(c, k_gdn<32>, a->nv, threads, *a);
         else if (a->dk <= 64) LAUNCH(c, k_gdn<64>, a->nv, threads, *a);
         else LAUNCH(c, k_gdn<128>, a->nv, threads, *a);
         return;
     }
+#endif
     if (a->dk <= 32) gdn_cols_pick<32>(c, a);
     else if (a->dk <= 64) gdn_cols_pick<64>(c, a);
     else gdn_cols_pick<128>(c, a);
