@@ -12,6 +12,7 @@
 #include "backend/ops.h"
 #include "base/mapfile.h"
 #include "model/model.h"
+#include "model/ref_forward.h"
 #include "runtime/engine.h"
 #include "runtime/sched.h"
 #include "test_util.h"
@@ -92,6 +93,14 @@ static void test_reference(const qf_model *m, qf_backend *be) {
         CHECK(err < 1e-4, "p%d (%d tokens): MTP logits of the last %lld pairs off the float64 reference by %.3g", p, T, (long long)rows, err);
         CHECK(same, "p%d: a greedy MTP draft differs from the reference's", p);
         fprintf(stderr, "  p%d: %d tokens, MTP logits of the last %lld pairs within %.2e of the reference\n", p, T, (long long)rows, err);
+        if (p < 2) { /* the readable reference forward's head: the float64 reference's logits, and the fast head's */
+            float *slow = malloc((size_t)(T - 1) * V * sizeof *slow);
+            CHECK(qf_model_ref_mtp(m, ids, T, slow) == QF_OK, "p%d reference MTP: %s", p, qf_last_error());
+            double e_ref = qt_rel_err(slow + (size_t)(T - 1 - rows) * V, want, (size_t)nw), e_fast = qt_rel_err(lg, slow, (size_t)(T - 1) * V);
+            CHECK(e_ref < 1e-4 && e_fast < 1e-4, "p%d: the reference forward's MTP logits are %.3g from the float64 reference, the fast head %.3g from them", p, e_ref, e_fast);
+            fprintf(stderr, "  p%d: the reference forward's MTP logits within %.2e of the float64 reference, the fast head within %.2e of them\n", p, e_ref, e_fast);
+            free(slow);
+        }
         free(ids), free(h), free(lg);
     }
     qf_workspace_free(ws);

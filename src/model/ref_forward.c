@@ -1,5 +1,5 @@
-/* The model's forward pass written to be read: one sequence, every token from position 0, each
- * formula of docs/model-spec.md in the order it states it, plain loops, fp32 values with double
+/* The model's forward pass written to be read: one sequence, every token from position 0, the MTP
+ * head too, each formula of docs/model-spec.md in the order it states it, plain loops, fp32 values with double
  * sums, no backend, no workspace, no batching, nothing fused. It is the yardstick the fast
  * forward (forward.c, every backend) is tested against (tests/test_model.c), and the place to
  * look up what a layer computes. Slow by design: a weight element is decoded each time it is read. */
@@ -206,20 +206,59 @@ static int layer(ref *R, int L, float *h, float *xs, float *t) {
     return rc;
 }
 
-int qf_model_ref_forward(const qf_model *m, const int32_t *ids, int T, float *logits) {
+/* Every layer of m over the rows h ([T][hidden], positions 0..T-1), then the final norm into out. */
+static int trunk(const qf_model *m, float *h, int T, float *out) {
     const qf_config *c = &m->cfg;
-    if (m->dev) return qf_fail(QF_EUNSUPPORTED, "the reference forward reads weights in host memory");
     int H = c->hidden, kv = c->n_kv_heads * c->head_dim;
     ref R = {m, c, T, malloc((size_t)T * kv * sizeof(float)), malloc((size_t)T * kv * sizeof(float))};
-    float *h = malloc((size_t)T * H * sizeof(float)), *xs = malloc((size_t)T * H * sizeof(float)), *t = malloc((size_t)T * H * sizeof(float));
-    int rc = R.kbuf && R.vbuf && h && xs && t ? QF_OK : qf_fail(QF_ENOMEM, "out of memory for the reference forward of %d tokens", T);
-    for (int r = 0; r < T && rc == QF_OK; r++) /* embedding lookup */
-        for (int i = 0; i < H; i++) h[(size_t)r * H + i] = qf_mat_weight(&m->embed, ids[r], i);
+    float *xs = malloc((size_t)T * H * sizeof(float)), *t = malloc((size_t)T * H * sizeof(float));
+    int rc = R.kbuf && R.vbuf && xs && t ? QF_OK : qf_fail(QF_ENOMEM, "out of memory for the reference forward of %d tokens", T);
     for (int L = 0; L < c->n_layers && rc == QF_OK; L++) rc = layer(&R, L, h, xs, t);
-    for (int r = 0; r < T && rc == QF_OK; r++) {
-        rmsnorm(h + (size_t)r * H, m->final_norm, H, c->norm_eps, xs);
-        matvec(&m->lm_head, xs, logits + (size_t)r * c->vocab);
+    for (int r = 0; r < T && rc == QF_OK; r++) rmsnorm(h + (size_t)r * H, m->final_norm, H, c->norm_eps, out + (size_t)r * H);
+    free(R.kbuf), free(R.vbuf), free(xs), free(t);
+    return rc;
+}
+
+static void embed(const qf_model *m, const int32_t *ids, int T, float *h) {
+    int H = m->cfg.hidden;
+    for (int r = 0; r < T; r++)
+        for (int i = 0; i < H; i++) h[(size_t)r * H + i] = qf_mat_weight(&m->embed, ids[r], i);
+}
+
+static void lm_head(const qf_model *m, const float *normed, int T, float *logits) {
+    for (int r = 0; r < T; r++) matvec(&m->lm_head, normed + (size_t)r * m->cfg.hidden, logits + (size_t)r * m->cfg.vocab);
+}
+
+int qf_model_ref_forward(const qf_model *m, const int32_t *ids, int T, float *logits) {
+    if (m->dev) return qf_fail(QF_EUNSUPPORTED, "the reference forward reads weights in host memory");
+    size_t n = (size_t)T * m->cfg.hidden;
+    float *h = malloc(n * sizeof(float)), *normed = malloc(n * sizeof(float));
+    int rc = h && normed ? QF_OK : qf_fail(QF_ENOMEM, "out of memory for the reference forward of %d tokens", T);
+    if (rc == QF_OK) embed(m, ids, T, h), rc = trunk(m, h, T, normed);
+    if (rc == QF_OK) lm_head(m, normed, T, logits);
+    free(h), free(normed);
+    return rc;
+}
+
+/* The MTP head (§8.2): pair t is (ids[t + 1], the model's final-normed state after ids[t]) at
+ * position t; u = fc . [norm_e(embed(ids[t + 1])) | norm_h(h_t)] runs through the head's one
+ * full-attention layer and MoE (m->mtp, a one-layer view), then its norm and the shared lm_head. */
+int qf_model_ref_mtp(const qf_model *m, const int32_t *ids, int T, float *logits) {
+    if (m->dev) return qf_fail(QF_EUNSUPPORTED, "the reference forward reads weights in host memory");
+    if (!m->mtp) return qf_fail(QF_EINVAL, "the model has no MTP head");
+    int H = m->cfg.hidden, P = T - 1;
+    float *h = malloc((size_t)T * H * sizeof(float)), *hn = malloc((size_t)T * H * sizeof(float));
+    float *pair = malloc((size_t)2 * H * sizeof(float)), *u = malloc((size_t)(P > 0 ? P : 1) * H * sizeof(float));
+    int rc = h && hn && pair && u && P > 0 ? QF_OK : qf_fail(QF_ENOMEM, "out of memory for the reference MTP head (or fewer than 2 tokens)");
+    if (rc == QF_OK) embed(m, ids, T, h), rc = trunk(m, h, T, hn);
+    for (int t = 0; t < P && rc == QF_OK; t++) {
+        embed(m, ids + t + 1, 1, h);
+        rmsnorm(h, m->mtp_norm_e, H, m->cfg.norm_eps, pair);          /* the embedding first */
+        rmsnorm(hn + (size_t)t * H, m->mtp_norm_h, H, m->cfg.norm_eps, pair + H); /* the hidden state second */
+        matvec(&m->mtp_fc, pair, u + (size_t)t * H);
     }
-    free(R.kbuf), free(R.vbuf), free(h), free(xs), free(t);
+    if (rc == QF_OK) rc = trunk(m->mtp, u, P, hn);
+    if (rc == QF_OK) lm_head(m, hn, P, logits);
+    free(h), free(hn), free(pair), free(u);
     return rc;
 }

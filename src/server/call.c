@@ -13,40 +13,6 @@
 
 static const char *finish_name(int f) { return f == QF_FINISH_LENGTH ? "length" : f == QF_FINISH_CANCELLED ? "abort" : "stop"; }
 
-/* A JSON string from bytes that may not be valid UTF-8 (a token's piece): bad bytes become U+FFFD. */
-json_t *jstr_lossy(const char *p, size_t n) {
-    if (qf_utf8_valid_prefix(p, n) == n) return json_stringn(p, n);
-    char small[256], *buf = 3 * n + 1 <= sizeof small ? small : malloc(3 * n + 1);
-    if (!buf) return json_string("");
-    size_t o = 0;
-    for (size_t i = 0; i < n;) {
-        int k = qf_utf8_seq_len((const unsigned char *)p + i, n - i);
-        if (k > 0) {
-            memcpy(buf + o, p + i, (size_t)k);
-            o += (size_t)k, i += (size_t)k;
-        } else {
-            memcpy(buf + o, "\xEF\xBF\xBD", 3);
-            o += 3, i++;
-        }
-    }
-    json_t *j = json_stringn(buf, o);
-    if (buf != small) free(buf);
-    return j;
-}
-
-void acc_add(char **buf, size_t *len, size_t *cap, const char *p, size_t n) {
-    if (*len + n + 1 > *cap) {
-        size_t nc = (*cap ? *cap * 2 : 256);
-        while (nc < *len + n + 1) nc *= 2;
-        char *nb = realloc(*buf, nc);
-        if (!nb) return; /* the reply loses text rather than the server crashing */
-        *buf = nb, *cap = nc;
-    }
-    memcpy(*buf + *len, p, n);
-    *len += n;
-    (*buf)[*len] = 0;
-}
-
 /* ---- per-poll deltas ---- */
 
 typedef struct delta {

@@ -117,6 +117,10 @@ void srv_send_error(struct evhttp_request *req, int code, const char *type, cons
 void srv_send_error_code(struct evhttp_request *req, int code, const char *type, const char *ecode, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
 void srv_count(srv *s, int code);
+/* Text as a JSON string, invalid UTF-8 replaced by U+FFFD (a reply never fails on a cut character). */
+json_t *jstr_lossy(const char *p, size_t n);
+/* Appends n bytes to a growing NUL-terminated buffer (on OOM the text is dropped, not the server). */
+void acc_add(char **buf, size_t *len, size_t *cap, const char *p, size_t n);
 /* Whether a request's model name is served (the id or one of --served-model-name). */
 int srv_model_known(const srv *s, const char *name);
 /* The replica a new request goes to: the fewest running and waiting (the first on ties). */
@@ -184,8 +188,6 @@ void dl_stream_calls(call *c, json_t *calls); /* OpenAI-form tool calls */
 void dl_stream_end(call *c, const qf_req_status *st);
 void dl_reply_whole(call *c, const qf_req_status *st, const char *content, size_t clen, json_t *calls);
 void dl_free(call *c);
-json_t *jstr_lossy(const char *p, size_t n);
-void acc_add(char **buf, size_t *len, size_t *cap, const char *p, size_t n);
 
 /* endpoints.c */
 void ep_models(srv *s, struct evhttp_request *req);
