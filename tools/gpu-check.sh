@@ -16,6 +16,7 @@
 #   bash tools/gpu-check.sh slice8    batch 1 on 8 full-size layers, new and old twice each
 #   bash tools/gpu-check.sh whole     batch 1 on the whole synthetic Qwen3.6-35B-A3B, new and old twice each
 #   bash tools/gpu-check.sh whole22   the same with --gpu-mem 22G (experts streamed), new and old twice each
+#   bash tools/gpu-check.sh ab        batch 1 all resident and at --gpu-mem 22G, new then old once each (load times too)
 #   bash tools/gpu-check.sh streams   batch 1, 8 to 64 streams, an 8K and a 32K prompt (new only)
 #   bash tools/gpu-check.sh serve-sharegpt  the server under a ShareGPT-like load at 1/16/64 in flight
 #   bash tools/gpu-check.sh sparsity ARGS  batch 1 at sparsity levels (ARGS: --levels 0,0.3,... and e.g. --gpu-mem 22G)
@@ -117,6 +118,10 @@ slice8)
 whole)
     W="--prompt-len 128 --gen-len 64 --concurrency 1 --runs 2"
     new $W --json "$OUT/c1-new.json"; old $W; new $W; old $W
+    ;;
+ab)
+    W="--prompt-len 128 --gen-len 64 --concurrency 1 --runs 1"
+    new $W; old $W; new $W --gpu-mem 22G; old $W --gpu-mem 22G
     ;;
 whole22)
     W="--prompt-len 128 --gen-len 64 --concurrency 1 --runs 1 --gpu-mem 22G"
