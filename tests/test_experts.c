@@ -424,6 +424,49 @@ static void test_layered_prompt(void) {
     free(out[0]), free(out[1]);
 }
 
+typedef struct ids_sink {
+    int32_t ids[16];
+    int n;
+} ids_sink;
+
+static void sink_id(void *ud, const qf_token_lp *t) {
+    ids_sink *o = ud;
+    if (o->n < 16) o->ids[o->n++] = t->id;
+}
+
+/* Through the scheduler: a 200-token prompt alone in its step, with a store that stages layers,
+ * runs layer by layer in one step (not 13 chunks of 16) and gives the tokens the chunks give. */
+static void test_sched_layered_prompt(void) {
+    ids_sink out[2] = {{{0}, 0}, {{0}, 0}};
+    uint64_t steps[2] = {0, 0};
+    for (int layered = 0; layered < 2; layered++) {
+        qf_engine *e = NULL;
+        qf_engine_opts eo = {.n_threads = 2, .max_batch = 72};
+        if (qf_engine_open(&e, qt_path(MODEL), &eo) != QF_OK) {
+            CHECK(0, "engine: %s", qf_last_error());
+            return;
+        }
+        fake_store *f = wrap(e->model, 0);
+        if (layered) f->base.ops = &k_fake_wide_ops;
+        CHECK(qf_workspace_reserve_prompt(e->ws, layered ? 256 : 0) == QF_OK, "%s", qf_last_error());
+        qf_sched_opts so = {.max_batch = 1, .ctx = 256, .prefill_chunk = 16, .max_queue = 1};
+        qf_sched *s = NULL;
+        int32_t prompt[200];
+        for (int i = 0; i < 200; i++) prompt[i] = (11 + 389 * i) % e->model->cfg.vocab;
+        qf_req_params p = {.prompt = prompt, .n_prompt = 200, .max_tokens = 6, .sampling = qf_sampling_default(), .logprobs = -1, .want_ids = 1,
+                           .grammar_after = -1};
+        qf_req_sink sink = {NULL, sink_id, &out[layered]};
+        qf_req_status st;
+        CHECK(qf_sched_create(&s, e, &so) == QF_OK && qf_sched_run(s, &p, &sink, NULL, &st) == QF_OK, "layered %d: %s", layered, qf_last_error());
+        qf_sched_stats ss;
+        if (s) qf_sched_get_stats(s, &ss), steps[layered] = ss.steps;
+        qf_sched_destroy(s);
+        qf_engine_close(e);
+    }
+    CHECK(out[0].n == 6 && out[1].n == 6 && !memcmp(out[0].ids, out[1].ids, sizeof out[0].ids), "the layered prompt's tokens differ from the chunked one's");
+    CHECK(steps[0] == 13 + 5 && steps[1] == 1 + 5, "steps: %llu chunked (want 18), %llu layered (want 6)", (unsigned long long)steps[0], (unsigned long long)steps[1]);
+}
+
 /* On a GPU (skipped without one): the bundled model's greedy steps, once straight and once with
  * the store failing at a recorded and at a replayed decode step. A failed step is abandoned
  * before any of it runs, so each, done again, continues exactly as the straight run. */
@@ -851,6 +894,7 @@ int main(int argc, char **argv) {
     test_moving_store(1);
     test_failing_store();
     test_layered_prompt();
+    test_sched_layered_prompt();
     test_sparsity_experts();
     test_sparsity_trunk();
     test_sparsity_kv();

@@ -489,7 +489,19 @@ static void embed_rows(fwd *f, float *x) {
     }
 }
 
+static int layered_ok(const qf_model *m, const qf_workspace *ws) {
+    return ws->px_tokens > ws->max_rows && ws->max_rows > QF_DEC_ROWS && m->experts && m->experts->ops->wide_table;
+}
+
+int qf_forward_lone_rows(const qf_model *m, const qf_workspace *ws) { return layered_ok(m, ws) ? ws->px_tokens : ws->max_rows; }
+
+static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, const int32_t *tokens, int n, float *logits_out);
+
 int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step *seqs, int n_seqs) {
+    const qf_seq_step *q0 = &seqs[0];
+    if (n_seqs == 1 && q0->n > ws->max_rows && q0->n <= ws->px_tokens && layered_ok(m, ws) && !q0->inputs && !q0->hidden &&
+        (q0->logits_mode == QF_LOGITS_NONE || q0->logits_mode == QF_LOGITS_LAST))
+        return forward_layered(m, be, ws, q0->st, q0->tokens, q0->n, q0->logits_mode == QF_LOGITS_LAST ? q0->logits : NULL);
     fwd f = {.m = m, .be = be, .ws = ws, .seqs = seqs, .n_seqs = n_seqs};
     int rc = check_batch(m, ws, seqs, n_seqs, &f.N);
     if (rc != QF_OK) return rc;
@@ -565,7 +577,7 @@ static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, 
 int qf_forward_seq(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, const int32_t *tokens, int n,
                    int logits_mode, float *logits_out) {
     if (n < 1) return qf_fail(QF_EINVAL, "no tokens to run");
-    if (n > ws->max_rows && n <= ws->px_tokens && ws->max_rows > QF_DEC_ROWS && logits_mode != QF_LOGITS_ALL && m->experts && m->experts->ops->wide_table)
+    if (n > ws->max_rows && n <= ws->px_tokens && layered_ok(m, ws) && logits_mode != QF_LOGITS_ALL)
         return forward_layered(m, be, ws, st, tokens, n, logits_mode == QF_LOGITS_LAST ? logits_out : NULL);
     for (int i = 0; i < n; i += ws->max_rows) {
         int cnt = n - i < ws->max_rows ? n - i : ws->max_rows;

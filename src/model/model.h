@@ -290,8 +290,14 @@ typedef struct qf_seq_step {
 #define QF_DEC_CHAIN 9
 
 /* Runs the tokens of every sequence through the model at once (sum of n <= workspace rows),
- * advancing each state. Fails (and changes nothing) on a bad token id or a full context. */
+ * advancing each state. Fails (and changes nothing) on a bad token id or a full context. A lone
+ * sequence of more rows (up to qf_forward_lone_rows) that wants no logits or the last row's runs
+ * layer by layer (qf_forward_seq's path for a store that stages layers). */
 int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step *seqs, int n_seqs);
+/* The most prompt tokens a step of one sequence may take: the prompt buffer's when the expert
+ * store stages whole layers (each layer's experts then cross the link once for them all), else
+ * the workspace's rows. */
+int qf_forward_lone_rows(const qf_model *m, const qf_workspace *ws);
 
 /* Prefill helper for one sequence of any length: runs in workspace-sized chunks; logits of the
  * last token (or of all tokens with QF_LOGITS_ALL) as in qf_forward. */

@@ -26,12 +26,17 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out, int *pages_out) 
                     take = take < to_mark ? take : to_mark;
                 }
                 if (r->fork && r->fork_state == FORK_NONE && r->n_fed < r->n_prompt - 1 && take > r->n_prompt - 1 - r->n_fed) take = r->n_prompt - 1 - r->n_fed;
-                if (take > s->rows - rows) take = s->rows - rows;
+                /* a prompt alone in its step, the store staging layers: its prompt layer by layer in one
+                 * step, so each layer's experts move once for the whole prompt, not once a chunk */
+                int lone = n == 0 && !decode && !sl->sp_on && !r->fork && !s->prefix && s->lone_rows > s->rows;
+                if (lone && left > s->o.prefill_chunk) take = left < s->lone_rows ? left : s->lone_rows;
+                if (take > s->rows - rows && !(lone && take > s->o.prefill_chunk)) take = s->rows - rows;
                 if (take <= 0) continue;
                 sl->batch_n = take;
                 /* a plain pick without logprobs or grammar: made where the logits are (on a GPU, only the id comes back) */
                 int plain = r->logprobs < 0 && !r->gm && !sc_shapes_logits(r);
                 int mode = take < left ? QF_LOGITS_NONE
+                           : take > s->rows ? QF_LOGITS_LAST /* the layered path: its last row's logits */
                            : plain && qf_sampler_is_greedy(r->smp) ? QF_LOGITS_TOP1
                            : plain && sc_device_draws(s, r) ? QF_LOGITS_DRAW
                                                           : QF_LOGITS_LAST;
@@ -406,6 +411,7 @@ int qf_sched_create(qf_sched **out, qf_engine *e, const qf_sched_opts *o) {
     }
     int V = e->model->cfg.vocab;
     s->rows = qf_workspace_rows(e->ws);
+    s->lone_rows = qf_forward_lone_rows(e->model, e->ws);
     s->text_cap = e->text_cap + 16;
     s->rec_max = 1 + sizeof(qf_token_lp) + 5 + QF_MAX_STOP_LEN + s->text_cap;
     s->kv = qf_kv_pool_create(e->model, pt, s->o.kv_pages);

@@ -90,6 +90,7 @@ struct qf_sched {
     char *text;
     size_t text_cap, rec_max;
     int rows;
+    int lone_rows; /* rows a step of one prefilling sequence may take (qf_forward_lone_rows) */
     uint64_t next_seq_no;
     pthread_t th;
     int th_started;
