@@ -74,8 +74,7 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         e->ws = qf_workspace_create(e->model, opts->max_batch > 0 ? opts->max_batch : 512);
         e->logits = malloc((size_t)e->model->cfg.vocab * sizeof(float));
         e->text_cap = 3 * (e->tok ? qf_tok_max_piece_len(e->tok) : 0) + 8;
-        e->text = malloc(e->text_cap);
-        if (!e->pool || !e->ws || !e->logits || !e->text) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
+        if (!e->pool || !e->ws || !e->logits) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
     }
     size_t sparse = rc == QF_OK && qf_load_sparse_wanted(fc, opts, e->model->cfg.n_layers) ? qf_model_sparsity_bytes(e->model) : 0;
     if (rc == QF_OK && e->on_gpu && stream) rc = qf_load_experts_gpu(e, opts, cache, free_start, free_trunk, sparse);
@@ -102,7 +101,6 @@ const qf_expert_stats *qf_engine_expert_stats(const qf_engine *e) { return e->mo
 void qf_engine_close(qf_engine *e) {
     if (!e) return;
     free(e->logits);
-    free(e->text);
     qf_workspace_free(e->ws);
     qf_model_free(e->model); /* device buffers go back before the device context does */
     e->model = NULL;

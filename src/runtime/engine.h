@@ -43,8 +43,7 @@ typedef struct qf_engine {
     int on_gpu;
     qf_workspace *ws;
     float *logits;     /* (vocab) */
-    char *text;        /* one token's text: 3 x longest piece + 8 (every byte may become U+FFFD) */
-    size_t text_cap;
+    size_t text_cap;   /* the most bytes one token's text takes: 3 x longest piece + 8 (every byte may become U+FFFD) */
     double load_seconds;
     qf_plan plan; /* the device memory plan when the routed experts stream (experts/plan.h) */
     char notice[256]; /* what the caller should tell the user about the load (empty: nothing) */

@@ -33,15 +33,7 @@ struct qf_spec_seq {
 /* ---- one sequence ---- */
 
 qf_spec_seq *qf_spec_seq_create(const qf_engine *e, int max_draft, int rows, int max_ctx) {
-    const qf_model *m = e->model;
-    if (!m->mtp) {
-        qf_fail(QF_EINVAL, "--draft needs a model with an MTP head (mtp_num_hidden_layers and mtp.* tensors)");
-        return NULL;
-    }
-    if (m->dev && !m->mtp->dev) {
-        qf_fail(QF_EUNSUPPORTED, "--draft on a GPU needs the experts resident there (not streamed: no --gpu-mem or --expert-cache)");
-        return NULL;
-    }
+    const qf_model *m = e->model; /* its head, where the model runs: checked when the engine opened with drafts */
     qf_spec_seq *q = calloc(1, sizeof *q);
     if (!q) {
         qf_fail(QF_ENOMEM, "out of memory");

@@ -14,7 +14,7 @@
 typedef struct qf_spec_seq qf_spec_seq;
 
 /* Up to max_draft drafts a step, forwards of up to rows rows, max_ctx positions of the head.
- * NULL (the error set): no head, or out of memory. */
+ * NULL (the error set): out of memory. The engine opened with drafts has checked the head (qf_engine_open). */
 qf_spec_seq *qf_spec_seq_create(const qf_engine *e, int max_draft, int rows, int max_ctx);
 void qf_spec_seq_free(qf_spec_seq *q);
 /* A new sequence: the head forgets its pairs. */
