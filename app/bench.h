@@ -41,6 +41,7 @@ typedef struct bench_mem {
 typedef struct bench_result {
     char cpu[128], source[512], model_type[96], ops[32], device[300];
     double peak_device_bytes; /* 0: no device */
+    int scratch_grown;        /* scratch buffers the device's ops grew past the load's reserve (0: the bound held) */
     int cores, threads, layers, experts, experts_used;
     int prefill_chunk; /* a prompt's tokens per forward call */
     double load_s, weight_bytes, bw_gbs, copy_gbs; /* bw_gbs: the roofline's (read probe, or --bw) */

@@ -13,6 +13,7 @@ void bench_print(const bench_result *r) {
     printf(", %.2f GB of weights\n", r->weight_bytes / 1e9);
     printf("machine: %s, %d cores; %d threads, ops %s", r->cpu, r->cores, r->threads, r->ops);
     if (r->peak_device_bytes > 0) printf("; device %s, peak device memory %.2f GiB", r->device, r->peak_device_bytes / 1073741824.0);
+    if (r->scratch_grown) printf("; the ops grew %d scratch buffers past the load's reserve", r->scratch_grown);
     printf("\n");
     printf("methodology: 1 warm-up run (dropped), then %d runs per setting; median, spread min..max;\n"
            "  prompts prefilled one after another, in chunks of %d tokens; TTFT = start of the run to every stream's first token;\n"

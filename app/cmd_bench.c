@@ -625,6 +625,7 @@ int cmd_bench(int argc, char **argv, qf_backend_opts *bo) {
         snprintf(r.ops, sizeof r.ops, "%s", e->be.ops->name);
         snprintf(r.device, sizeof r.device, "%s", qf_backend_device_name(&e->be));
         if (e->on_gpu) qf_be_sync(&e->be), r.peak_device_bytes = (double)qf_backend_peak_bytes(&e->be);
+        r.scratch_grown = e->on_gpu && e->be.ops->scratch_grown ? e->be.ops->scratch_grown(&e->be) : 0;
         r.mem = tr.mem, r.n_mem = tr.n, r.peak_rss_bytes = peak_rss();
         fill_roofline(e->model, &r);
         bench_print(&r);

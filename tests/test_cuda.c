@@ -228,6 +228,7 @@ typedef struct test_experts {
     void *hgu, *hd;
     char *dgu, *ddn;
     qf_expert *host, *dev;
+    const void *const *tab; /* [3][E] the device pointers, as an expert store keeps them */
 } test_experts;
 
 static int moe_fmt = QF_DT_BF16; /* the experts' format in the MoE tests */
@@ -269,7 +270,17 @@ static void test_matmul_q(int fmt, int64_t rows, int64_t cols, int n) {
     gpu.ops->free(&gpu, (void *)d.data), gpu.ops->free(&gpu, dx), gpu.ops->free(&gpu, dy);
 }
 
-static test_experts make_experts(int E, int I, int H) {
+/* The device table of x's experts: gate[E] | up[E] | down[E]. */
+static void table_experts(test_experts *x, int E) {
+    const void **h = malloc(3 * (size_t)E * sizeof *h);
+    for (int e = 0; e < E; e++) h[e] = x->dev[e].gate.data, h[E + e] = x->dev[e].up.data, h[2 * E + e] = x->dev[e].down.data;
+    void *d = gpu.ops->alloc(&gpu, 3 * (size_t)E * sizeof *h);
+    gpu.ops->upload(&gpu, d, h, 3 * (size_t)E * sizeof *h);
+    x->tab = d;
+    free(h);
+}
+
+static test_experts expert_views(int E, int I, int H) {
     test_experts x;
     if (moe_fmt != QF_DT_BF16) { /* each matrix its own host block and device copy */
         x.hgu = x.hd = NULL, x.dgu = x.ddn = NULL;
@@ -295,7 +306,14 @@ static test_experts make_experts(int E, int I, int H) {
     return x;
 }
 
+static test_experts make_experts(int E, int I, int H) {
+    test_experts x = expert_views(E, I, H);
+    table_experts(&x, E);
+    return x;
+}
+
 static void free_experts(test_experts *x, int E) {
+    gpu.ops->free(&gpu, (void *)x->tab);
     for (int e = 0; !x->hgu && e < E; e++) {
         const qf_mat *hm[3] = {&x->host[e].gate, &x->host[e].up, &x->host[e].down}, *dm[3] = {&x->dev[e].gate, &x->dev[e].up, &x->dev[e].down};
         for (int i = 0; i < 3; i++) free((void *)hm[i]->data), free((void *)hm[i]->scales), gpu.ops->free(&gpu, (void *)dm[i]->data);
@@ -333,7 +351,7 @@ static void test_moe_shape(int N, int E, int K, int H, int I, int check, int ben
         ref_experts(host, ti, w, K, x + (size_t)r * H, I, H, gb, ub, hb, yb, want + (size_t)r * H);
     }
     float *drl = up_f(rl, (size_t)N * E), *dx = up_f(x, (size_t)N * H), *dout = gpu.ops->alloc(&gpu, (size_t)N * H * 4);
-    qf_moe_args a = {dev, E, K, N, H, I, drl, dx, dout, NULL, NULL, 0, NULL};
+    qf_moe_args a = {dev, E, K, N, H, I, drl, dx, dout, ex.tab, NULL, 0, NULL};
     gpu.ops->moe(&gpu, &a);
     char s[80];
     snprintf(s, sizeof s, "%d rows, %d experts top-%d, %d/%d, %s", N, E, K, H, I, qf_dtype_name(moe_fmt));
@@ -708,7 +726,7 @@ static void test_dec_moe(int n, int E, int K, int H, int I, int S, int bench, in
     dsd.data = up(hsd, (size_t)H * S * 2);
     float *drl = up_f(rl, (size_t)n * rs), *dx = up_f(x, (size_t)n * H), *dnw = up_f(nw, H);
     int32_t *dchosen = gpu.ops->alloc(&gpu, (size_t)n * K * sizeof(int32_t)), *chosen = malloc((size_t)n * K * sizeof(int32_t));
-    qf_moe_dec a = {dev, E, K, n, H, I, S, dnw, 1e-6f, drl, rs, &dsd, dx, NULL, dchosen, NULL, {0}, (K + 1) / 2};
+    qf_moe_dec a = {dev, E, K, n, H, I, S, dnw, 1e-6f, drl, rs, &dsd, dx, ex.tab, dchosen, NULL, {0}, (K + 1) / 2};
     for (int t = 0; t < n; t++) a.drop_tau[t] = moe_drop_tau;
     gpu.ops->dec->moe(&gpu, &a);
     char s[80];

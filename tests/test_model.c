@@ -90,6 +90,22 @@ static void check_prompt(const qf_model *m, qf_backend *be, qf_workspace *ws, co
 }
 
 /* compose: forward.c's decode path through the fused decode ops written as plain-op chains */
+/* On a device: the ops' scratch reserved for the workspace's shapes (as the engine's load does), so
+ * that check_scratch can ask that no op grew it: the bound's arithmetic held for these steps. */
+static void reserve_scratch(const qf_model *m, qf_backend *be, const qf_workspace *ws) {
+    if (!be->ops->scratch_reserve) return;
+    qf_scratch_shape sh;
+    qf_model_scratch_shape(m, ws, 0, &sh);
+    CHECK(be->ops->scratch_reserve(be, &sh) == QF_OK, "%s", qf_last_error());
+}
+
+static void check_scratch(const char *dir, qf_backend *be) {
+    if (!be->ops->scratch_grown) return;
+    int grown = be->ops->scratch_grown(be);
+    CHECK(grown == 0, "%s: the ops grew %d scratch buffers past the bound reserved for the workspace's shapes", dir, grown);
+    fprintf(stderr, "%s: no scratch grown past the reserved bound\n", dir);
+}
+
 static void run_model(const char *dir, const char *logits_name, int n_prompts, const qf_ops *ops, int hidden, int compose) {
     qf_model *m;
     int rc = qf_model_load(&m, qt_path(dir), NULL);
@@ -114,6 +130,7 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
     }
     /* a small workspace on purpose: prompts longer than 64 rows run in chunks */
     qf_workspace *ws = qf_workspace_create(m, 64);
+    reserve_scratch(m, &be, ws);
     double worst = 0;
     if (hidden) {
         hidden_check hc = {&ref, 0, 0};
@@ -134,6 +151,7 @@ static void run_model(const char *dir, const char *logits_name, int n_prompts, c
     }
     fprintf(stderr, "%s [%s%s%s]: largest logits error over %d prompts: %.3g\n", dir, ops->name, g_gpu && !g_lenient ? ", fp32" : "",
             compose ? ", decode through composed fused ops" : "", n_prompts, worst);
+    check_scratch(dir, &be);
     qf_workspace_free(ws);
     qf_pool_destroy(pool);
     qf_st_close(&ref);
@@ -297,6 +315,7 @@ static void check_chain(const char *dir, int gpu) {
     qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
     CHECK(dec_backend_open(&be, m, gpu) && m->dec_ok, "%s: %s", dir, qf_last_error());
     qf_workspace *ws = qf_workspace_create(m, 64);
+    reserve_scratch(m, &be, ws);
     int V = m->cfg.vocab, H = m->cfg.hidden, D = 4, E = 2;
     int32_t p[6] = {5, 17, 300, 42, 9, 1000}, d[4] = {77, 1500, 2, 700}, one = 33;
     qf_state *st[6]; /* chained 4, chained 2, the one-token row; their twins fed one a step */
@@ -336,6 +355,7 @@ static void check_chain(const char *dir, int gpu) {
           dir, dl, de, dh, dc, dn, gpu ? "at most" : "want", tol, same_top);
     fprintf(stderr, "%s [%s]: a %d-row and a %d-row verify beside a decode row: logits, hidden states and the states after as one token a step (largest "
             "difference %.3g)\n", dir, gpu ? "cuda" : "composed", D, E, fmax(fmax(dl, dh), fmax(fmax(de, dc), dn)));
+    check_scratch(dir, &be);
     free(la), free(lb), free(ha), free(hb), free(le), free(lf), free(lc), free(ld), free(ea), free(eb);
     for (int i = 0; i < 6; i++) qf_state_free(st[i]);
     qf_workspace_free(ws);

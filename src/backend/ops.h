@@ -92,8 +92,9 @@ typedef struct qf_expert {
 /* The routed experts of one MoE layer for N rows, routing included: softmax over the router
  * logits, top-k, renormalised weights, and out[r] = sum_k w_k * down_k(silu(gate_k x) * up_k x).
  * experts: the layer's E experts (a host array; the views point at the backend's memory).
- * table (may be NULL): the same pointers in the backend's memory, [gate[E] | up[E] | down[E]], as
- * the expert store keeps them for kernels that route on the device. chosen (may be NULL): where
+ * table: the same pointers in the backend's memory, [gate[E] | up[E] | down[E]], as the expert
+ * store keeps them for kernels that route on the device (required by a device; the CPU reads
+ * experts). chosen (may be NULL): where
  * the op writes the expert ids it chose for the first chosen_rows rows ([row][top_k], backend
  * memory), for the store's statistics and eviction. */
 typedef struct qf_moe_args {
@@ -181,7 +182,7 @@ typedef struct qf_moe_dec {
     int rl_stride;
     const qf_mat *sh_down;
     float *x;
-    const void *const *table; /* as qf_moe_args' (may be NULL) */
+    const void *const *table; /* as qf_moe_args' */
     int32_t *chosen;          /* as qf_moe_args' ([n][top_k]; may be NULL) */
     const qf_xcache *cache;   /* as qf_moe_args' */
     /* sparsity's expert rule (qf_ref_route_drop) per row: tau 0 keeps every chosen expert; a
@@ -262,6 +263,18 @@ typedef struct qf_dec_ops {
 } qf_dec_ops;
 
 
+/* The largest shapes a forward asks of a backend's ops, from which a device sizes its scratch once
+ * (at load, before any step) instead of growing it as steps arrive. */
+typedef struct qf_scratch_shape {
+    int rows;                      /* rows of a many-row op (the workspace's) */
+    int tokens;                    /* ids one embedding takes (a layered prompt's at most) */
+    int hidden, expert_ffn, n_experts, top_k;
+    int n_heads, n_kv_heads, head_dim;
+    int gdn_heads, gdn_dk, gdn_dv; /* DeltaNet value heads and dims (0: none) */
+    int64_t mat_cols, mat_rows;    /* the widest input and output of the trunk's products (lm_head's too) */
+    int64_t sparse_out;            /* outputs of sparsity's transposed products (0: sparsity off) */
+} qf_scratch_shape;
+
 typedef struct qf_ops {
     const char *name;
     /* y[n][w.rows] = x[n][w.cols] . W^T */
@@ -334,6 +347,12 @@ typedef struct qf_ops {
      * wait for the copies staged into buffer buf (0 or 1) until then. Never inside a recorded step. */
     void (*stage)(qf_backend *be, int buf, int n, void *const *dst, const void *const *src, const size_t *bytes);
     void (*stage_wait)(qf_backend *be, int buf);
+    /* Optional: the scratch the ops take at most for shapes up to s: scratch_bytes is the
+     * arithmetic alone (the load's plan), scratch_reserve allocates it (then no op grows a buffer
+     * for shapes within s), scratch_grown counts the buffers an op grew since (0: the bound held). */
+    size_t (*scratch_bytes)(qf_backend *be, const qf_scratch_shape *s);
+    int (*scratch_reserve)(qf_backend *be, const qf_scratch_shape *s);
+    int (*scratch_grown)(qf_backend *be);
     /* Backend memory to backend memory, in order with the ops (NULL: host memory, memcpy). */
     void (*copy)(qf_backend *be, void *dst, const void *src, size_t bytes);
 } qf_ops;

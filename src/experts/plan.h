@@ -16,7 +16,8 @@ typedef struct qf_plan_in {
     size_t device_total;
     size_t device_free; /* free once the trunk and the workspace are there */
     double host_ram;    /* bytes of RAM (0: unknown) */
-    size_t context, trunk, workspace, reserve, sparse;
+    size_t context, trunk, reserve, sparse;
+    size_t workspace; /* the forward's workspace and the ops' scratch, by their arithmetic */
     size_t slot_bytes; /* one expert's weights in a slot */
     int n_layers, n_experts, top_k, policy;
 } qf_plan_in;

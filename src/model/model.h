@@ -233,6 +233,11 @@ void qf_workspace_free(qf_workspace *ws);
  * prompt. Allocated once, here. */
 int qf_workspace_reserve_prompt(qf_workspace *ws, int tokens);
 int qf_workspace_rows(const qf_workspace *ws);
+/* Bytes of backend memory the workspace holds (its block and the prompt buffer). */
+size_t qf_workspace_bytes(const qf_workspace *ws);
+/* The largest shapes m's forward over ws asks of the backend's ops (their scratch's bound), with
+ * sparsity's transposed products when sparse. */
+void qf_model_scratch_shape(const qf_model *m, const qf_workspace *ws, int sparse, qf_scratch_shape *out);
 /* Debug/test hook: called with the hidden state [rows][hidden] after the embedding (index 0),
  * after each layer (1..n_layers-1) and after the final norm (n_layers), as HF's hidden_states. */
 typedef void (*qf_hidden_hook)(void *ud, int index, const float *h, int rows, int hidden);

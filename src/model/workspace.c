@@ -53,7 +53,8 @@ qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
 #undef CARVE
     w->dev = m->dev;
     w->act_floats = (size_t)R * (size_t)imax(imax(H, vd), imax(c->n_heads * c->head_dim, F));
-    w->f = qf_be_alloc(m->dev, total * sizeof(float));
+    w->f_bytes = total * sizeof(float);
+    w->f = qf_be_alloc(m->dev, w->f_bytes);
     w->ints = malloc(((size_t)R * K * 2 + (size_t)E + 1 + (size_t)R) * sizeof(int));
     if (!w->f || !w->ints) {
         qf_workspace_free(w);
@@ -85,6 +86,39 @@ void qf_workspace_free(qf_workspace *w) {
 }
 
 int qf_workspace_rows(const qf_workspace *ws) { return ws->max_rows; }
+
+size_t qf_workspace_bytes(const qf_workspace *ws) { return ws->f_bytes + (size_t)ws->px_tokens * (size_t)ws->hidden * sizeof(float); }
+
+static void widest(qf_scratch_shape *s, const qf_mat *w) {
+    if (!w->data) return;
+    s->mat_cols = w->cols > s->mat_cols ? w->cols : s->mat_cols;
+    s->mat_rows = w->rows > s->mat_rows ? w->rows : s->mat_rows;
+}
+
+/* A layer's products (the fused ones and their parts alike) and sparsity's outputs: in_proj's and
+ * the mixer's out projection's rows. */
+static void layer_shape(qf_scratch_shape *s, const qf_layer_w *w, int sparse) {
+    const qf_mat *mats[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_qkv, &w->w_z, &w->w_b, &w->w_a, &w->w_out, &w->router,
+                            &w->sh_gate, &w->sh_up, &w->sh_down, &w->sh_gate_w, &w->gate, &w->up, &w->down, &w->in_proj, &w->ffn_in};
+    for (size_t i = 0; i < sizeof mats / sizeof *mats; i++) widest(s, mats[i]);
+    if (!sparse) return;
+    int64_t in = w->in_proj.data ? w->in_proj.rows : w->kind == QF_LAYER_FULL ? w->wq.rows + w->wk.rows + w->wv.rows
+                                                                                : w->w_qkv.rows + w->w_z.rows + w->w_b.rows + w->w_a.rows;
+    int64_t out = w->kind == QF_LAYER_FULL ? w->wo.rows : w->w_out.rows;
+    s->sparse_out = in > s->sparse_out ? in : s->sparse_out;
+    s->sparse_out = out > s->sparse_out ? out : s->sparse_out;
+}
+
+void qf_model_scratch_shape(const qf_model *m, const qf_workspace *ws, int sparse, qf_scratch_shape *s) {
+    const qf_config *c = &m->cfg;
+    *s = (qf_scratch_shape){.rows = ws->max_rows, .tokens = ws->px_tokens > ws->max_rows ? ws->px_tokens : ws->max_rows, .hidden = c->hidden,
+                            .expert_ffn = c->expert_ffn, .n_experts = c->n_experts, .top_k = c->n_experts_used, .n_heads = c->n_heads,
+                            .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .gdn_heads = c->lin_v_heads, .gdn_dk = c->lin_k_dim, .gdn_dv = c->lin_v_dim};
+    widest(s, &m->lm_head);
+    widest(s, &m->mtp_fc);
+    for (int L = 0; L < c->n_layers; L++) layer_shape(s, &m->layers[L], sparse);
+    if (m->mtp) layer_shape(s, &m->mtp->layers[0], 0);
+}
 
 void qf_workspace_set_hook(qf_workspace *ws, qf_hidden_hook fn, void *ud) {
     ws->hook = fn;

@@ -11,6 +11,7 @@ struct qf_workspace {
     qf_backend *dev; /* where f lives (NULL: host) */
     int max_rows, max_logit_rows, hidden;
     float *f;
+    size_t f_bytes;
     float *px;     /* (px_tokens, hidden): a long prompt's hidden states, layer by layer (may be NULL) */
     int px_tokens;
     size_t x_off, xn_off, tmp_off, big_off, conv_off, kb_off, vb_off, z_off, bb_off, aa_off, core_off;

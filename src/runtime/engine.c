@@ -77,7 +77,9 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         if (!e->pool || !e->ws || !e->logits) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
     }
     size_t sparse = rc == QF_OK && qf_load_sparse_wanted(fc, opts, e->model->cfg.n_layers) ? qf_model_sparsity_bytes(e->model) : 0;
+    size_t scratch;
     if (rc == QF_OK && e->on_gpu && stream) rc = qf_load_experts_gpu(e, opts, cache, free_start, free_trunk, sparse);
+    else if (rc == QF_OK && e->on_gpu) rc = qf_load_scratch(e, sparse > 0, &scratch);
     if (rc == QF_OK) rc = qf_load_sparsity(e, fc, dir, opts);
     if (rc == QF_OK && opts->draft > 0) rc = check_drafts(e, opts->draft);
     /* on a GPU the drafts read half the bytes of lm_head (an int8 copy; output unchanged) */

@@ -15,6 +15,9 @@ int qf_load_experts_cpu(qf_engine *e, size_t bytes);
  * before the trunk, free_trunk: after it): the plan, the expert cache, the warm-up. sparse_bytes:
  * what sparsity's transposed weights take once the levels are set after it. */
 int qf_load_experts_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk, size_t sparse_bytes);
+/* The ops' scratch for the workspace's shapes (with sparsity's products when sparse) reserved on
+ * the backend, so no step grows it; *bytes: its size by the ops' arithmetic (0 on the CPU). */
+int qf_load_scratch(qf_engine *e, int sparse, size_t *bytes);
 /* Whether some layer's level will be above 0 (the flag, else the file's schedule). */
 int qf_load_sparse_wanted(const qf_flash_config *fc, const qf_engine_opts *o, int n_layers);
 /* The model's sparsity levels (the flag for every layer, else the file's schedule) and trunk

@@ -71,26 +71,32 @@ static size_t reserve_bytes(const qf_model *m, const qf_engine_opts *o) {
     return (size_t)seqs * qf_state_bytes(m) + kv;
 }
 
-/* Runs a prompt of the workspace's rows (prompt: 1) and a few decode steps on a state of its own,
- * so the ops' scratch and the step graph exist before any request (memory stays flat after load). */
-static int warm_up(qf_engine *e, int prompt) {
-    int R = prompt ? qf_workspace_rows(e->ws) : 1;
-    qf_state *st = qf_state_create(e->model, R + 4);
-    int32_t *tok = calloc((size_t)R + 1, sizeof *tok);
-    int rc = st && tok ? QF_OK : qf_fail(QF_ENOMEM, "out of memory for the warm-up");
-    if (rc == QF_OK) rc = qf_forward_seq(e->model, &e->be, e->ws, st, tok, R, QF_LOGITS_LAST, e->logits);
+int qf_load_scratch(qf_engine *e, int sparse, size_t *bytes) {
+    qf_scratch_shape sh;
+    qf_model_scratch_shape(e->model, e->ws, sparse, &sh);
+    *bytes = e->be.ops->scratch_bytes ? e->be.ops->scratch_bytes(&e->be, &sh) : 0;
+    return e->be.ops->scratch_reserve ? e->be.ops->scratch_reserve(&e->be, &sh) : QF_OK;
+}
+
+/* A one-token prompt and a few decode steps on a state of its own, so the step graph is recorded
+ * with the cache's kernels before any request (the scratch is reserved already). */
+static int warm_up(qf_engine *e) {
+    qf_state *st = qf_state_create(e->model, 8);
+    int32_t tok[2] = {0, 0};
+    int rc = st ? QF_OK : qf_fail(QF_ENOMEM, "out of memory for the warm-up");
+    if (rc == QF_OK) rc = qf_forward_seq(e->model, &e->be, e->ws, st, tok, 1, QF_LOGITS_LAST, e->logits);
     for (int i = 0; i < 3 && rc == QF_OK; i++) { /* eager, recorded, replayed */
         qf_seq_step step = {st, tok, 1, QF_LOGITS_TOP1, NULL, tok + 1, 0, 0, NULL, NULL, NULL};
         rc = qf_forward(e->model, &e->be, e->ws, &step, 1);
     }
     if (rc == QF_OK) rc = qf_be_sync(&e->be);
     qf_state_free(st);
-    free(tok);
     return rc;
 }
 
-/* The experts pinned at home and the model warmed up without slots, the memory everything else
- * takes is measured, and the expert buffer gets what the budget leaves. */
+/* The experts pinned at home, the workspace and the ops' scratch by arithmetic and reserved, the
+ * plan made from them and the measured context and trunk; the buffer gets what the budget leaves,
+ * and one warm-up records the step graph. */
 int qf_load_experts_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk, size_t sparse_bytes) {
     qf_model *m = e->model;
     const qf_config *c = &m->cfg;
@@ -106,15 +112,16 @@ int qf_load_experts_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_byte
     qf_expert_store *s;
     if ((rc = qf_es_devcache_create(&s, m->experts, &e->be, c->n_layers, c->n_experts, c->n_experts_used)) != QF_OK) return rc;
     qf_model_use_experts(m, s);
+    size_t scratch = 0;
     if ((rc = qf_workspace_reserve_prompt(e->ws, o->max_prompt > 0 ? o->max_prompt : 8192)) != QF_OK) return rc;
-    if ((rc = warm_up(e, 1)) != QF_OK) return rc;
+    if ((rc = qf_load_scratch(e, sparse_bytes > 0, &scratch)) != QF_OK) return rc;
     e->be.ops->mem_info(&e->be, &free_now, &total);
-    in.context = total - free_start, in.trunk = free_start - free_trunk, in.workspace = free_trunk - free_now;
+    in.context = total - free_start, in.trunk = free_start - free_trunk, in.workspace = qf_workspace_bytes(e->ws) + scratch;
     in.reserve = reserve_bytes(m, o), in.sparse = sparse_bytes, in.device_free = free_now;
     qf_plan *p = &e->plan;
     if ((rc = qf_plan_make(&in, p)) != QF_OK) return rc;
     if ((rc = qf_es_devcache_set_slots(s, p->slots, policy, p->stage > 0)) != QF_OK) return rc;
-    if ((rc = warm_up(e, 0)) != QF_OK) return rc; /* the step graph again, with the cache's kernels */
+    if ((rc = warm_up(e)) != QF_OK) return rc;
     e->be.ops->mem_info(&e->be, &free_now, &total);
     p->used_after_warmup = total - free_now;
     return QF_OK;

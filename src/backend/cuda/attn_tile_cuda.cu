@@ -291,6 +291,15 @@ __global__ void __launch_bounds__(AT_THREADS, 1) k_attn_tile(qf_attn_args a, at_
 
 } // namespace
 
+// The splits attn_tiled takes at most for T queries (about two blocks an SM over the tiles), at
+// any context; 1 where it takes none.
+int qfc::attn_tile_splits(ctx *c, int T, int nh, int nkv) {
+    int G = nkv > 0 ? nh / nkv : 0;
+    if (!QF_LAB(c, att_tile) || G < 1 || G > AT_ROWS) return 1;
+    int Tt = AT_ROWS / G, tiles = (T + Tt - 1) / Tt * nkv;
+    return max(1, min(64, (2 * c->sms + tiles - 1) / tiles));
+}
+
 int qfc::attn_tiled(ctx *c, const qf_attn_args *a, float *part, int part_splits) {
     int G = a->nkv > 0 ? a->nh / a->nkv : 0, hd = a->hd;
     if (!QF_LAB(c, att_tile) || a->T < 8 || G < 1 || G > AT_ROWS || a->nh % a->nkv || hd % 4 || hd > 256 || a->q_stride % 4 || a->q_hstride % 4 ||

@@ -307,8 +307,7 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         fprintf(stderr, "qflash cuda: %ld steps recorded, %ld run eager waiting for a key to repeat\n", c->st.recorded, c->st.eager);
         cudaEventDestroy(c->st.ev[0]), cudaEventDestroy(c->st.ev[1]);
     }
-    for (int i = 0; i < c->n_tabs; i++) cudaFree((void *)c->tabs[i].dev);
-    free(c->draw_h), cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->draw), cudaFree(c->sp), cudaFree(c->ps), cudaFree(c->mg_buf), cudaFree(c->dtc), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->sp_ctr), cudaFree(c->sp_count), cudaFree(c->att_cnt);
+    free(c->draw_h), cudaFree(c->tok), cudaFree(c->xb), cudaFree(c->moe), cudaFree(c->draw), cudaFree(c->sp), cudaFree(c->ps), cudaFree(c->mg_buf), cudaFree(c->dtc), cudaFree(c->attn), cudaFree(c->gdnc), cudaFree(c->amax), cudaFree(c->moe_cnt), cudaFree(c->sp_ctr), cudaFree(c->sp_count), cudaFree(c->att_cnt), cudaFree(c->blas_ws);
     g_drop_all(c);
     cudaFreeHost(c->gs.pin_out), cudaFreeHost(c->gs.pin_tok);
     for (int i = 0; i < G_SLOTS; i++) free(c->gs.rs[i].argbuf);

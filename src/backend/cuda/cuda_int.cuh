@@ -34,14 +34,6 @@ extern "C" {
 
 namespace qfc {
 
-struct expert_tab {
-    const qf_expert *host; // the store's table for one layer
-    const void **dev;      // [3][E] device pointers: gate, up, down
-    int E;
-    const void *first, *last; // experts[0].gate and experts[E-1].down when made: a table freed and
-                              // another made at the same address is noticed
-};
-
 // Decode steps as CUDA graphs. A step with the same shape as the one before is recorded as a
 // graph (each kernel a node, in launch order) and launched whole; later steps of that shape only
 // update the nodes' arguments (positions, grid sizes) and launch it again, which removes the
@@ -146,7 +138,8 @@ struct ctx {
     size_t tok_cap, xb_cap, moe_cap, attn_cap, sp_cap, ps_cap, draw_cap;
     char *draw_h; // host staging of the draws' descriptors and penalty lists (grown, never per call)
     size_t draw_h_cap;
-    expert_tab tabs[512];
+    int reserved, grown;       // scratch reserved for the load's shapes; buffers grown past it since
+    void *blas_ws;             // cuBLAS's workspace, ours (part of the reserve)
     struct occ_rec { const void *fn; size_t smem; int blocks; } occ[64]; // resident blocks per SM, asked once
     int n_occ;
     const void *carved[128]; // kernels already set to the largest shared-memory carveout
@@ -156,7 +149,6 @@ struct ctx {
     // host time that took), means printed when the backend is freed; and the steps of a graph's
     // size recorded, or run eager as the first of a new key
     struct steptime { int on; cudaEvent_t ev[2]; double t0, gpu_ms, host_us, wall_us, set_us; long n, sets, recorded, eager; } st;
-    int n_tabs;
     cudaStream_t copy_stream;   // staged host-to-device copies beside the ops (cu_stage)
     cudaEvent_t stage_ev[3];    // [0], [1]: each staging buffer's copies done; [2]: the ops queued before a stage
     cudaEvent_t tok_ev;         // the last eager copy of token ids out of gs.pin_tok (cu_embed)
@@ -354,10 +346,12 @@ inline void g_drop_all(ctx *c) {
     }
 }
 
-// Grows a scratch buffer (only while sizes are still rising: the first steps of a run). Recorded
-// steps' nodes point at the old buffer: their graphs are dropped (idle while a step runs eager).
+// Grows a scratch buffer (where none was reserved for the shapes: the first steps of a run).
+// Recorded steps' nodes point at the old buffer: their graphs are dropped (idle while a step runs
+// eager). Once reserved (cu_scratch_reserve) a growth is counted: the bound did not hold.
 inline void *scratch(ctx *c, void **p, size_t *cap, size_t need) {
     if (need <= *cap) return *p;
+    c->grown += c->reserved;
     if (c->gs.mode != G_EAGER) c->gs.broken = 1;
     else g_drop_all(c);
     if (*p) cudaFree(*p);
@@ -551,10 +545,29 @@ __global__ void k_attn_combine(int splits, int hd, const float *part, float *out
 // How many key splits (and keys per split) for `rows` (query, head) pairs over up to max_keys keys.
 int attn_splits(int max_keys, int rows, int *chunk);
 
-// The device table of one MoE layer's expert pointers ([3][E]: gate, up, down): the expert store's
-// (given), or for callers that pass none (the ops' tests) one made on first use, made again when
-// any pointer in it changed.
-const void **expert_table(ctx *c, const void *const *given, const qf_expert *experts, int E);
+// Split partial sums' rows a prompt attention of T queries takes at most, at any context: the
+// untiled kernel's splits and the tiles' (attn_tile_splits), so its scratch does not move as the
+// context grows.
+int attn_part_splits(ctx *c, int T, int nh, int nkv);
+int attn_tile_splits(ctx *c, int T, int nh, int nkv);
+
+// Each scratch buffer's bound for shapes up to s (ops.h qf_scratch_shape), next to the op that
+// takes it; scratch_cuda.cu sums and reserves them.
+size_t attn_scratch(ctx *c, const qf_scratch_shape *s);
+size_t page_pick_scratch(const qf_scratch_shape *s);
+size_t dec_tc_scratch(ctx *c, const qf_scratch_shape *s);
+size_t moe_scratch(const qf_scratch_shape *s);
+size_t moe_grouped_scratch(ctx *c, const qf_scratch_shape *s);
+size_t sparse_scratch(ctx *c, const qf_scratch_shape *s);
+size_t gdn_chunk_scratch(ctx *c, const qf_scratch_shape *s);
+size_t matmul_scratch(const qf_scratch_shape *s);
+size_t cu_scratch_bytes(qf_backend *be, const qf_scratch_shape *s);
+int cu_scratch_reserve(qf_backend *be, const qf_scratch_shape *s);
+int cu_scratch_grown(qf_backend *be);
+
+// One MoE layer's device table of expert pointers ([3][E]: gate, up, down), the expert store's:
+// NULL (the op fails) where the caller gave none.
+inline const void **expert_table(const void *const *given) { return (const void **)given; }
 // The MoE op's experts for many rows grouped by expert, on the tensor cores (moe_group_cuda.cu),
 // given the routing (topi, topw: K per row), with the caller's y (N * K rows of H floats: each
 // slot's down product) as scratch; 0: not taken (too few rows, not bf16, a shape it is not built

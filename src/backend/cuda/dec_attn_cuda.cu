@@ -229,6 +229,8 @@ __global__ void __launch_bounds__(1024) k_page_pick(qf_attn_dec a, ps_rows r, co
         if (keep >> i & 1) r.sel[t][at++] = a.kv[t].pages[p0 + i];
 }
 
+size_t page_pick_scratch(const qf_scratch_shape *s) { return s->sparse_out ? (size_t)QF_DEC_ROWS * PS_MAX_PAGES * sizeof(float) : 0; }
+
 void dec_page_select(qf_backend *be, const qf_attn_dec *a, const int *n_pages, const int *budget, int32_t *const *sel) {
     ctx *c = C(be);
     ps_rows r = {};

@@ -327,6 +327,16 @@ __global__ void k_tc_finish(const float *__restrict__ yt, int splits, int n, int
     y[i] = acc ? y[i] + v : v;
 }
 
+// dec_matmul_tc's inputs' parts and split partial sums for a step's rows: tc_splits doubles the
+// splits while the tiles (64 rows) are fewer than 4 blocks an SM, so splits x rows stays under
+// 8 x 64 blocks an SM, or is the rows of one split.
+size_t dec_tc_scratch(ctx *c, const qf_scratch_shape *s) {
+    if (c->dec_tc > QF_DEC_ROWS) return 0;
+    int64_t n = QF_DEC_ROWS, cols = s->mat_cols < 8192 ? s->mat_cols : 8192, split_rows = 8 * 64 * (int64_t)(c->sms > 0 ? c->sms : 132);
+    split_rows = s->mat_rows > split_rows ? s->mat_rows : split_rows;
+    return 2 * align256((size_t)(n + 64) * cols * 2) + (size_t)(n * split_rows) * sizeof(float);
+}
+
 // dec_matmul on the tensor cores for n >= option dec_tc rows; 0: not taken (the GEMV kernels run).
 static int dec_matmul_tc(ctx *c, const qf_mat *w, const float *x, int n, const dpre &p, const depi &e, int acc, float *y) {
     int64_t rows = w->rows, cols = w->cols;

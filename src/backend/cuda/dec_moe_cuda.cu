@@ -579,11 +579,11 @@ static int moe_q_kernels(int F, int H, int I, int S, gu_qfn *gu, dn_qfn *dn) {
 
 void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     ctx *c = C(be);
-    const void **tab = expert_table(c, a->table, a->experts, a->n_experts);
+    const void **tab = expert_table(a->table);
     int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
     size_t head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
     char *s = (char *)scratch(c, &c->moe, &c->moe_cap, head + (size_t)n * K * I * sizeof(float));
-    if (!tab || !s) return dev_fail(c, "fused moe: out of device memory");
+    if (!tab || !s) return dev_fail(c, "fused moe: %s", !tab ? "no device expert table (the expert store keeps one)" : "out of device memory");
     int F = qk_of(a->experts[0].gate.dtype);
     if (K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || !qf_moe_dec_fits(a->experts[0].gate.dtype, H, I, a->sh_ffn) || a->sh_ffn % 8)
         return dev_fail(c, "fused moe: top-k %d > %d, %d experts > %d, or weights not in whole 16-byte units a row", K, MOE_MAX_K, E, MOE_MAX_E);

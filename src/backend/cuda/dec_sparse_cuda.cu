@@ -142,6 +142,14 @@ __global__ void __launch_bounds__(256) k_sp(const uint16_t *__restrict__ wt, int
     if (threadIdx.x == 0) count[blockIdx.x] = 0;
 }
 
+// The partial sums of S launches' slices: S is about two blocks an SM over the slices, so S x out
+// stays under (2 x SMs + slices) x SP_OUT for the widest output.
+size_t sparse_scratch(ctx *c, const qf_scratch_shape *s) {
+    if (!s->sparse_out) return 0;
+    size_t slices = (size_t)((s->sparse_out + SP_OUT - 1) / SP_OUT), sms = (size_t)(c->sms > 0 ? c->sms : 1);
+    return (2 * sms + slices) * SP_OUT * SP_NT * 4;
+}
+
 void dec_matmul_sparse(qf_backend *be, const qf_mat *wt, const float *x, int n, const qf_pre *pre, const qf_gdn_epi *epi, int acc, const float *thr,
                        float *y) {
     ctx *c = C(be);

@@ -265,6 +265,12 @@ __global__ void __launch_bounds__(GC_THREADS) k_gdnc_walk(qf_gdn_args a, int c0,
 
 } // namespace
 
+size_t qfc::gdn_chunk_scratch(ctx *c, const qf_scratch_shape *s) {
+    if (!QF_LAB(c, gdn_chunk) || !s->gdn_heads || s->rows < c->gdn_chunk_min) return 0;
+    int nch = (s->rows + GC_T - 1) / GC_T, per = min(nch, GC_GROUP);
+    return (size_t)per * s->gdn_heads * gc_offsets(s->gdn_dk, s->gdn_dv).all * sizeof(float);
+}
+
 int qfc::gdn_chunked(ctx *c, const qf_gdn_args *a) {
     int dk = a->dk, dv = a->dv;
     // cp.async and float4 stores: every q, k, v and output row must start on 16 bytes

@@ -404,6 +404,14 @@ void qfc::tc_dense(ctx *c, const qf_mat *w, const __nv_bfloat16 *xh, const __nv_
                  (__nv_bfloat16 *)NULL, (__nv_bfloat16 *)NULL, y, (const void *)w->data, n);
 }
 
+// moe_grouped's group starts, slot maps and x's and h's bf16 parts for s->rows rows (none where
+// it never runs).
+size_t qfc::moe_grouped_scratch(ctx *c, const qf_scratch_shape *s) {
+    if (!QF_LAB(c, mg) || c->fp32 || s->rows < c->mg_min_rows) return 0;
+    size_t NK = (size_t)s->rows * s->top_k, ints = align256(((size_t)s->n_experts + 1 + 2 * NK) * sizeof(int));
+    return ints + 2 * align256((NK + 64) * s->hidden * 2) + 2 * align256((NK + 64) * s->expert_ffn * 2);
+}
+
 int qfc::moe_grouped(ctx *c, const qf_moe_args *a, const void **tab, const int *topi, const float *topw, float *y) {
     int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts, NK = N * K;
     if (!QF_LAB(c, mg) || c->fp32 || N < c->mg_min_rows || H % 16 || I % 16 || E > 4096) return 0;

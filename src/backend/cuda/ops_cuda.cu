@@ -461,6 +461,32 @@ int qfc::attn_splits(int max_keys, int rows, int *chunk) {
     return splits;
 }
 
+// attn_splits' splits fall as the keys shrink below 64 a split: its most is the one at many keys.
+int qfc::attn_part_splits(ctx *c, int T, int nh, int nkv) {
+    int rows = T * nh, untiled = rows >= 264 ? 1 : min(64, max(1, 264 / rows)), tiled = attn_tile_splits(c, T, nh, nkv);
+    return max(untiled, tiled);
+}
+
+size_t qfc::attn_scratch(ctx *c, const qf_scratch_shape *s) {
+    size_t most = (size_t)QF_DEC_ROWS * s->n_heads * 64; // dec_attn's (query, head) rows, 64 splits each
+    for (int T = 1; T <= s->rows; T++) {
+        size_t r = (size_t)T * s->n_heads * attn_part_splits(c, T, s->n_heads, s->n_kv_heads);
+        most = r > most ? r : most;
+    }
+    return most * (s->head_dim + 2) * sizeof(float);
+}
+
+// The products' bf16 parts of up to s->rows rows (cu_matmul on cuBLAS), and the MoE op's routing
+// and per-slot products: a decode step's (dec_moe) or a many-row op's (cu_moe), whichever is more.
+size_t qfc::matmul_scratch(const qf_scratch_shape *s) { return (size_t)s->rows * (size_t)s->mat_cols * 4; }
+
+size_t qfc::moe_scratch(const qf_scratch_shape *s) {
+    size_t K = (size_t)s->top_k, I = (size_t)s->expert_ffn, H = (size_t)s->hidden, n = QF_DEC_ROWS, N = (size_t)s->rows;
+    size_t dec = ((n * K * 8 + 15) & ~(size_t)15) + n * K * I * sizeof(float);
+    size_t many = ((N * K * 8 + 15) & ~(size_t)15) + N * K * (I + H) * sizeof(float);
+    return dec > many ? dec : many;
+}
+
 namespace {
 
 void cu_attention(qf_backend *be, const qf_attn_args *a) {
@@ -468,10 +494,10 @@ void cu_attention(qf_backend *be, const qf_attn_args *a) {
     if (a->hd > ATT_DPL * 32) {
         return dev_fail(c, "head_dim %d > %d is not supported", a->hd, ATT_DPL * 32);
     }
-    int rows = a->T * a->nh, chunk, splits = attn_splits(a->pos0 + a->T, rows, &chunk);
-    // sized for the most splits, so a recorded graph's scratch never moves as the context grows
-    float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * (splits > 64 ? splits : 64) * (a->hd + 2) * sizeof(float));
-    if (!part || attn_tiled(c, a, part, 64)) return;
+    int rows = a->T * a->nh, chunk, splits = attn_splits(a->pos0 + a->T, rows, &chunk), most = attn_part_splits(c, a->T, a->nh, a->nkv);
+    // sized for the most splits at any context, so a recorded graph's scratch never moves as the context grows
+    float *part = (float *)scratch(c, &c->attn, &c->attn_cap, (size_t)rows * most * (a->hd + 2) * sizeof(float));
+    if (!part || attn_tiled(c, a, part, most)) return;
     LAUNCH(c, k_attn_part, dim3(rows, splits), ATT_WARPS * 32, *a, chunk, splits, part);
     LAUNCH(c, k_attn_combine, rows, 128, splits, a->hd, part, a->out, (const float *)NULL, 0, a->nh);
 }
@@ -699,39 +725,17 @@ __global__ void k_expert_sum(const float *ybuf, const float *topw, int K, int N,
 
 } // namespace
 
-const void **qfc::expert_table(ctx *c, const void *const *given, const qf_expert *experts, int E) {
-    if (given) return (const void **)given;
-    expert_tab *t = NULL;
-    for (int i = 0; i < c->n_tabs && !t; i++)
-        if (c->tabs[i].host == experts) t = &c->tabs[i];
-    if (t && t->E == E && t->first == experts[0].gate.data && t->last == experts[E - 1].down.data) return t->dev;
-    if (t && t->E != E) cudaFree((void *)t->dev), t->dev = NULL;
-    if (!t && c->n_tabs == (int)(sizeof c->tabs / sizeof *c->tabs)) return NULL;
-    if (!t) t = &c->tabs[c->n_tabs++], *t = {experts, NULL, 0, NULL, NULL};
-    const void **host = (const void **)malloc(3 * (size_t)E * sizeof(void *));
-    if (!host || (!t->dev && cudaMalloc((void **)&t->dev, 3 * (size_t)E * sizeof(void *)) != cudaSuccess)) {
-        free(host);
-        t->dev = NULL, t->E = 0;
-        return NULL;
-    }
-    for (int e = 0; e < E; e++) host[e] = experts[e].gate.data, host[E + e] = experts[e].up.data, host[2 * E + e] = experts[e].down.data;
-    cudaMemcpy((void *)t->dev, host, 3 * (size_t)E * sizeof(void *), cudaMemcpyHostToDevice);
-    free(host);
-    t->E = E, t->first = experts[0].gate.data, t->last = experts[E - 1].down.data;
-    return t->dev;
-}
-
 namespace {
 
 void cu_moe(qf_backend *be, const qf_moe_args *a) {
     ctx *c = C(be);
-    const void **tab = expert_table(c, a->table, a->experts, a->n_experts);
+    const void **tab = expert_table(a->table);
     int N = a->N, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
     size_t head = ((size_t)N * K * (sizeof(int) + sizeof(float)) + 15) & ~(size_t)15; // hbuf 16-byte aligned for dot8
     size_t need = head + (size_t)N * K * (size_t)(I + H) * sizeof(float);
     char *s = (char *)scratch(c, &c->moe, &c->moe_cap, need);
     if (!tab || !s || K > 64) {
-        return dev_fail(c, "moe: out of device memory (or top-k %d > 64)", K);
+        return dev_fail(c, "moe: %s", !tab ? "no device expert table (the expert store keeps one)" : !s ? "out of device memory" : "top-k above 64");
     }
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)N * K * sizeof(int)), *hbuf = (float *)(s + head), *ybuf = hbuf + (size_t)N * K * I;
@@ -783,6 +787,9 @@ const qf_ops qfc::k_cuda_ops = {
     cu_mem_info,
     cu_stage,
     cu_stage_wait,
+    cu_scratch_bytes,
+    cu_scratch_reserve,
+    cu_scratch_grown,
     cu_copy,
 };
 
