@@ -424,6 +424,43 @@ static void test_layered_prompt(void) {
     free(out[0]), free(out[1]);
 }
 
+/* On the host with a RAM cache of a few experts a layer: a 600-token prompt layer by layer (each
+ * layer's MoE over the whole prompt) gives the chunked prompt's logits bit for bit and reads each
+ * expert at most once a layer, where the chunks (64 rows) read a layer's experts again each. */
+static void test_layered_reads(void) {
+    float *out[2] = {NULL, NULL};
+    qf_expert_stats st[2];
+    int V = 0, L = 0, E = 0;
+    for (int layered = 0; layered < 2; layered++) {
+        qf_model *m;
+        if (qf_model_load(&m, qt_path(MODEL), NULL) != QF_OK) return;
+        V = m->cfg.vocab, L = m->cfg.n_layers, E = m->cfg.n_experts;
+        out[layered] = calloc((size_t)V, sizeof(float));
+        qf_expert_store *s;
+        CHECK(qf_es_stream_create(&s, m->experts, &m->st, L, E, m->cfg.n_experts_used, (size_t)3 << 19) == QF_OK, "%s", qf_last_error());
+        qf_model_use_experts(m, s);
+        qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
+        qf_workspace *ws = qf_workspace_create(m, 64);
+        CHECK(ws && qf_workspace_reserve_prompt(ws, layered ? 1024 : 0) == QF_OK, "%s", qf_last_error());
+        qf_state *sq = qf_state_create(m, 640);
+        int32_t prompt[600];
+        for (int i = 0; i < 600; i++) prompt[i] = (11 + 389 * i) % V;
+        CHECK(qf_forward_seq(m, &be, ws, sq, prompt, 600, QF_LOGITS_LAST, out[layered]) == QF_OK && sq->pos == 600, "layered %d: %s", layered,
+              qf_last_error());
+        st[layered] = m->experts->stats;
+        qf_state_free(sq);
+        qf_workspace_free(ws);
+        qf_model_free(m);
+    }
+    CHECK(memcmp(out[0], out[1], (size_t)V * sizeof(float)) == 0, "the host's layered prompt differs from the chunked one by up to %g",
+          qt_max_abs_diff(out[0], out[1], V));
+    CHECK(st[1].misses <= (uint64_t)L * E && st[1].misses < st[0].misses, "misses: %llu layered (at most %d), %llu chunked",
+          (unsigned long long)st[1].misses, L * E, (unsigned long long)st[0].misses);
+    fprintf(stderr, "a 600-token prompt through a 1.5 MiB expert cache: %llu misses layered, %llu chunked (%d experts in all)\n",
+            (unsigned long long)st[1].misses, (unsigned long long)st[0].misses, L * E);
+    free(out[0]), free(out[1]);
+}
+
 typedef struct ids_sink {
     int32_t ids[16];
     int n;
@@ -894,6 +931,7 @@ int main(int argc, char **argv) {
     test_moving_store(1);
     test_failing_store();
     test_layered_prompt();
+    test_layered_reads();
     test_sched_layered_prompt();
     test_sparsity_experts();
     test_sparsity_trunk();

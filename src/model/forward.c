@@ -208,13 +208,32 @@ static void swiglu_mlp(fwd *f, const qf_mat *g, const qf_mat *u, const qf_mat *d
     OPS->matmul(be, d, WS(ws, ex_h), n, out);
 }
 
+/* Rows grouped by expert, ascending rows within a group: group e is asr[counts[e] .. counts[e+1]),
+ * with its weights in asw (a dropped choice, -1, in none). */
+static void group_rows(const int *topi, const float *topw, int n, int K, int E, int *counts, int *asr, float *asw) {
+    memset(counts, 0, (size_t)(E + 1) * sizeof(int));
+    for (int i = 0; i < n * K; i++)
+        if (topi[i] >= 0) counts[topi[i] + 1]++;
+    for (int e = 0; e < E; e++) counts[e + 1] += counts[e];
+    /* counts[e] now is the end of group e-1; use it as the fill cursor of group e, then shift back */
+    for (int r = 0; r < n; r++)
+        for (int k = 0; k < K; k++) {
+            int e = topi[r * K + k];
+            if (e < 0) continue;
+            int slot = counts[e]++;
+            asr[slot] = r;
+            asw[slot] = topw[r * K + k];
+        }
+    for (int e = E; e > 0; e--) counts[e] = counts[e - 1]; /* restore group starts */
+    counts[0] = 0;
+}
+
 /* Softmax over all experts, top-k, renormalise (fp32); then rows are grouped by expert. */
 static void route(fwd *f, int L, const float *logits) {
     const qf_config *c = &f->m->cfg;
     qf_workspace *ws = f->ws;
     int E = c->n_experts, K = c->n_experts_used;
     float *topw = WS(ws, topw), *asw = WS(ws, asw);
-    memset(ws->counts, 0, (size_t)(E + 1) * sizeof(int));
     for (int r = 0; r < f->N; r++) {
         float level = fw_expert_level(f, r, L);
         qf_ref_route(logits + (size_t)r * E, E, K, ws->topi + r * K, topw + r * K);
@@ -224,22 +243,9 @@ static void route(fwd *f, int L, const float *logits) {
             ws->sparsity.experts_dropped += (uint64_t)(K - kept);
         }
         ws->sparsity.experts += (uint64_t)K;
-        for (int k = 0; k < K; k++)
-            if (ws->topi[r * K + k] >= 0) ws->counts[ws->topi[r * K + k] + 1]++;
     }
     if (ws->route_hook) ws->route_hook(ws->route_ud, L, ws->topi, f->N, K, WS(ws, x), c->hidden);
-    for (int e = 0; e < E; e++) ws->counts[e + 1] += ws->counts[e];
-    /* counts[e] now is the end of group e-1; use it as the fill cursor of group e, then shift back */
-    for (int r = 0; r < f->N; r++)
-        for (int k = 0; k < K; k++) {
-            int e = ws->topi[r * K + k];
-            if (e < 0) continue;
-            int slot = ws->counts[e]++;
-            ws->asr[slot] = r;
-            asw[slot] = topw[r * K + k];
-        }
-    for (int e = E; e > 0; e--) ws->counts[e] = ws->counts[e - 1]; /* restore group starts */
-    ws->counts[0] = 0;
+    group_rows(ws->topi, topw, f->N, K, E, ws->counts, ws->asr, asw);
 }
 
 /* fused: the one-row product of ffn_in (router logits, then the shared expert's gate, up and gate
@@ -303,6 +309,33 @@ static int moe_ep(fwd *f, int L, const float *xn, float *out) {
     return QF_OK;
 }
 
+/* The routed experts on the host for n rows of xn grouped by expert (group_rows): out = their
+ * weighted sum, each row's in ascending expert order; each expert acquired once, its rows run
+ * the workspace's rows at a time (a CPU product gives a row the same bits in any batch). */
+static int routed_experts(fwd *f, int L, const float *xn, int n, const int *counts, const int *asr, const float *asw, float *out) {
+    const qf_model *m = f->m;
+    qf_backend *be = f->be;
+    qf_workspace *ws = f->ws;
+    int H = m->cfg.hidden, R = ws->max_rows;
+    float *ex_in = WS(ws, ex_in), *ex_out = WS(ws, ex_out);
+    memset(out, 0, (size_t)n * H * sizeof(float));
+    for (int e = 0; e < m->cfg.n_experts; e++) {
+        int g0 = counts[e], cnt = counts[e + 1] - g0;
+        if (!cnt) continue;
+        qf_expert ex;
+        int rc = m->experts->ops->acquire(m->experts, L, e, &ex);
+        if (rc != QF_OK) return rc;
+        for (int j0 = 0; j0 < cnt; j0 += R) {
+            int b = cnt - j0 < R ? cnt - j0 : R;
+            for (int j = 0; j < b; j++) memcpy(ex_in + (size_t)j * H, xn + (size_t)asr[g0 + j0 + j] * H, (size_t)H * sizeof(float));
+            swiglu_mlp(f, &ex.gate, &ex.up, &ex.down, ex_in, b, ex_out, L, -1);
+            for (int j = 0; j < b; j++) OPS->axpy(be, out + (size_t)asr[g0 + j0 + j] * H, ex_out + (size_t)j * H, asw[g0 + j0 + j], H);
+        }
+        m->experts->ops->release(m->experts, L, e);
+    }
+    return QF_OK;
+}
+
 int fw_moe(fwd *f, int L, float *xn, float *out) {
     const qf_model *m = f->m;
     const qf_config *c = &m->cfg;
@@ -310,7 +343,6 @@ int fw_moe(fwd *f, int L, float *xn, float *out) {
     qf_backend *be = f->be;
     qf_workspace *ws = f->ws;
     int H = c->hidden, N = f->N;
-    float *ex_in = WS(ws, ex_in), *ex_out = WS(ws, ex_out), *asw = WS(ws, asw);
     const float *fused = N == 1 && w->ffn_in.data ? WS(ws, rl) : NULL;
     OPS->matmul(be, fused ? &w->ffn_in : &w->router, xn, N, WS(ws, rl));
     if (OPS->moe) { /* a device routes and runs the experts itself */
@@ -327,19 +359,8 @@ int fw_moe(fwd *f, int L, float *xn, float *out) {
         int rc = moe_ep(f, L, xn, out);
         return rc == QF_OK ? shared_expert(f, L, xn, fused, out) : rc;
     }
-    memset(out, 0, (size_t)N * H * sizeof(float));
-    for (int e = 0; e < c->n_experts; e++) {
-        int g0 = ws->counts[e], cnt = ws->counts[e + 1] - g0;
-        if (!cnt) continue;
-        qf_expert ex;
-        int rc = m->experts->ops->acquire(m->experts, L, e, &ex);
-        if (rc != QF_OK) return rc;
-        for (int j = 0; j < cnt; j++) memcpy(ex_in + (size_t)j * H, xn + (size_t)ws->asr[g0 + j] * H, (size_t)H * sizeof(float));
-        swiglu_mlp(f, &ex.gate, &ex.up, &ex.down, ex_in, cnt, ex_out, L, -1);
-        for (int j = 0; j < cnt; j++) OPS->axpy(be, out + (size_t)ws->asr[g0 + j] * H, ex_out + (size_t)j * H, asw[g0 + j], H);
-        m->experts->ops->release(m->experts, L, e);
-    }
-    return shared_expert(f, L, xn, fused, out);
+    int rc = routed_experts(f, L, xn, N, ws->counts, ws->asr, WS(ws, asw), out);
+    return rc == QF_OK ? shared_expert(f, L, xn, fused, out) : rc;
 }
 
 static int check_batch(const qf_model *m, const qf_workspace *ws, const qf_seq_step *seqs, int n_seqs, int *N) {
@@ -443,12 +464,12 @@ static uint64_t step_key(const qf_model *m, const qf_seq_step *seqs, int n_seqs)
 }
 
 /* One layer for the f->N rows of x (the prompt path). */
-static int prompt_layer(fwd *f, int L, float *x) {
-    const qf_model *m = f->m;
-    const qf_config *c = &m->cfg;
-    const qf_layer_w *w = &m->layers[L];
+/* Layer L's mixer on the step's rows of x (x += mixer(norm(x))), then xn = the MLP's input. */
+static void mix_layer(fwd *f, int L, float *x) {
+    const qf_config *c = &f->m->cfg;
+    const qf_layer_w *w = &f->m->layers[L];
     qf_backend *be = f->be;
-    int H = c->hidden, rc = QF_OK;
+    int H = c->hidden;
     float *xn = WS(f->ws, xn), *tmp = WS(f->ws, tmp);
     OPS->rmsnorm(be, x, H, w->attn_norm, f->N, H, c->norm_eps, xn, H);
     int masked = trunk_group(f, L, QF_ACT_MIX_IN, xn, f->N, H);
@@ -456,6 +477,16 @@ static int prompt_layer(fwd *f, int L, float *x) {
     else linear_attn(f, L, xn, masked, tmp);
     OPS->axpy(be, x, tmp, 1.0f, (int64_t)f->N * H);
     OPS->rmsnorm(be, x, H, w->ffn_norm, f->N, H, c->norm_eps, xn, H);
+}
+
+static int prompt_layer(fwd *f, int L, float *x) {
+    const qf_model *m = f->m;
+    const qf_config *c = &m->cfg;
+    const qf_layer_w *w = &m->layers[L];
+    qf_backend *be = f->be;
+    int H = c->hidden, rc = QF_OK;
+    float *xn = WS(f->ws, xn), *tmp = WS(f->ws, tmp);
+    mix_layer(f, L, x);
     if (c->arch == QF_ARCH_QWEN35_MOE) rc = fw_moe(f, L, xn, tmp);
     else swiglu_mlp(f, &w->gate, &w->up, &w->down, xn, f->N, tmp, L, -1);
     if (rc == QF_OK) OPS->axpy(be, x, tmp, 1.0f, (int64_t)f->N * H);
@@ -489,13 +520,47 @@ static void embed_rows(fwd *f, float *x) {
     }
 }
 
+/* On a device the store stages whole layers for steps wider than a decode step; on the host a
+ * layer's MoE runs over the whole prompt at once (host_layer). */
 static int layered_ok(const qf_model *m, const qf_workspace *ws) {
-    return ws->px_tokens > ws->max_rows && ws->max_rows > QF_DEC_ROWS && m->experts && m->experts->ops->wide_table;
+    if (ws->px_tokens <= ws->max_rows || !m->experts || ws->ep) return 0;
+    return m->dev ? m->experts->ops->wide_table && ws->max_rows > QF_DEC_ROWS : ws->pxn != NULL;
 }
 
 int qf_forward_lone_rows(const qf_model *m, const qf_workspace *ws) { return layered_ok(m, ws) ? ws->px_tokens : ws->max_rows; }
 
 static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, const int32_t *tokens, int n, float *logits_out);
+
+/* One layer of a layered prompt on the host: the mixer and the routing a chunk at a time (the
+ * states grow in order), then the routed experts over every row of the prompt at once, so each
+ * expert is read once a layer for the whole prompt (a RAM cache smaller than a layer reads the
+ * layer once, not once a chunk); then the shared expert and the residual a chunk at a time. The
+ * sums and their order per row are the chunked path's (prompt_layer): the same bits. */
+static int host_layer(fwd *f, int L, qf_seq_step *q, const int32_t *tokens, int n, int p0) {
+    qf_workspace *ws = f->ws;
+    qf_backend *be = f->be;
+    const qf_config *c = &f->m->cfg;
+    int H = c->hidden, K = c->n_experts_used, E = c->n_experts, R = ws->max_rows;
+    for (int i = 0; i < n; i += R) {
+        q->tokens = tokens + i, q->n = f->N = n - i < R ? n - i : R;
+        q->st->pos = p0 + i;
+        mix_layer(f, L, ws->px + (size_t)i * H);
+        memcpy(ws->pxn + (size_t)i * H, WS(ws, xn), (size_t)f->N * H * sizeof(float));
+        OPS->matmul(be, &f->m->layers[L].router, WS(ws, xn), f->N, WS(ws, rl));
+        route(f, L, WS(ws, rl));
+        memcpy(ws->ptopi + (size_t)i * K, ws->topi, (size_t)f->N * K * sizeof(int));
+        memcpy(ws->ptopw + (size_t)i * K, WS(ws, topw), (size_t)f->N * K * sizeof(float));
+    }
+    group_rows(ws->ptopi, ws->ptopw, n, K, E, ws->pcounts, ws->pasr, ws->pasw);
+    int rc = routed_experts(f, L, ws->pxn, n, ws->pcounts, ws->pasr, ws->pasw, ws->pmo);
+    for (int i = 0; i < n && rc == QF_OK; i += R) {
+        q->tokens = tokens + i, q->n = f->N = n - i < R ? n - i : R;
+        float *out = ws->pmo + (size_t)i * H;
+        rc = shared_expert(f, L, ws->pxn + (size_t)i * H, NULL, out);
+        OPS->axpy(be, ws->px + (size_t)i * H, out, 1.0f, (int64_t)f->N * H);
+    }
+    return rc;
+}
 
 int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step *seqs, int n_seqs) {
     const qf_seq_step *q0 = &seqs[0];
@@ -539,9 +604,10 @@ int qf_forward(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_seq_step 
 }
 
 /* A prompt longer than the workspace's rows, layer by layer: every chunk passes layer L before any
- * passes L + 1, with the hidden states of all of them in ws->px, so a store that stages a layer's
- * experts (wide_table) copies each layer once for the whole prompt, not once per chunk. The
- * chunks of a layer run in order, so attention and DeltaNet states grow as in qf_forward_seq. */
+ * passes L + 1, with the hidden states of all of them in ws->px, so a device store that stages a
+ * layer's experts (wide_table) copies each layer once for the whole prompt, not once per chunk, and
+ * on the host each expert is read once a layer (host_layer). The chunks of a layer run in order,
+ * so attention and DeltaNet states grow as in qf_forward_seq. */
 static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, const int32_t *tokens, int n, float *logits_out) {
     const qf_config *c = &m->cfg;
     int H = c->hidden, R = ws->max_rows, p0 = st->pos, rc = QF_OK;
@@ -554,12 +620,17 @@ static int forward_layered(const qf_model *m, qf_backend *be, qf_workspace *ws, 
     for (int i = 0; i < n; i += R) OPS->embed(be, &m->embed, tokens + i, n - i < R ? n - i : R, ws->px + (size_t)i * H);
     qf_seq_step q = {st, NULL, 0, QF_LOGITS_NONE, NULL, NULL, 0, 0, NULL, NULL, NULL};
     fwd f = {.m = m, .be = be, .ws = ws, .seqs = &q, .n_seqs = 1};
-    for (int L = 0; L < c->n_layers && rc == QF_OK; L++)
+    for (int L = 0; L < c->n_layers && rc == QF_OK; L++) {
+        if (ws->pxn) {
+            rc = host_layer(&f, L, &q, tokens, n, p0);
+            continue;
+        }
         for (int i = 0; i < n && rc == QF_OK; i += R) {
             q.tokens = tokens + i, q.n = f.N = n - i < R ? n - i : R;
             st->pos = p0 + i;
             rc = prompt_layer(&f, L, ws->px + (size_t)i * H);
         }
+    }
     st->pos = p0 + (rc == QF_OK ? n : 0);
     if (rc != QF_OK) return step_fail(be, rc);
     int last = (n - 1) / R * R; /* the last chunk's rows to where fw_logits() reads them */

@@ -228,9 +228,10 @@ typedef struct qf_workspace qf_workspace;
 qf_workspace *qf_workspace_create(const qf_model *m, int max_rows);
 void qf_workspace_free(qf_workspace *ws);
 /* A buffer for the hidden states of prompts up to `tokens` long (nothing when that is no more than
- * the workspace's rows): with it, qf_forward_seq runs a longer prompt layer by layer when the expert
- * store stages layers (wide_table), so each layer's experts cross the link once for the whole
- * prompt. Allocated once, here. */
+ * the workspace's rows): with it, qf_forward_seq runs a longer prompt layer by layer, on a device
+ * when the expert store stages layers (wide_table: each layer's experts cross the link once for
+ * the whole prompt), on the host always (each layer's MoE over the whole prompt: a RAM cache reads
+ * each expert once a layer). Allocated once, here. */
 int qf_workspace_reserve_prompt(qf_workspace *ws, int tokens);
 int qf_workspace_rows(const qf_workspace *ws);
 /* Bytes of backend memory the workspace holds (its block and the prompt buffer). */

@@ -16,7 +16,7 @@ qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
     int qd = c->n_heads * 2 * c->head_dim, kvd = c->n_kv_heads * c->head_dim;
     int F = imax(imax(c->expert_ffn, c->shared_ffn), c->dense_ffn);
     int K = c->n_experts_used > 0 ? c->n_experts_used : 1, E = c->n_experts > 0 ? c->n_experts : 1;
-    w->max_rows = R, w->hidden = H;
+    w->max_rows = R, w->hidden = H, w->top_k = K, w->n_experts = E;
     w->max_logit_rows = R < 64 ? R : 64;
     size_t total = 0;
     /* regions start on 256-byte boundaries: device kernels load activations 16 bytes at a time */
@@ -70,15 +70,22 @@ qf_workspace *qf_workspace_create(const qf_model *m, int max_rows) {
 int qf_workspace_reserve_prompt(qf_workspace *w, int tokens) {
     if (w->px) return qf_fail(QF_EINVAL, "the workspace has its prompt buffer already");
     if (tokens <= w->max_rows) return QF_OK;
-    w->px = qf_be_alloc(w->dev, (size_t)tokens * (size_t)w->hidden * sizeof(float));
+    size_t rows = (size_t)tokens * (size_t)w->hidden, picks = (size_t)tokens * (size_t)w->top_k;
+    w->px = qf_be_alloc(w->dev, rows * sizeof(float));
     if (!w->px) return qf_fail(QF_ENOMEM, "out of memory for a prompt buffer of %d tokens", tokens);
     w->px_tokens = tokens;
+    if (w->dev) return QF_OK;
+    w->pxn = malloc(rows * sizeof(float)), w->pmo = malloc(rows * sizeof(float));
+    w->ptopw = malloc(picks * sizeof(float)), w->pasw = malloc(picks * sizeof(float));
+    w->ptopi = malloc(picks * sizeof(int)), w->pasr = malloc(picks * sizeof(int)), w->pcounts = malloc(((size_t)w->n_experts + 1) * sizeof(int));
+    if (!w->pxn || !w->pmo || !w->ptopw || !w->pasw || !w->ptopi || !w->pasr || !w->pcounts) return qf_fail(QF_ENOMEM, "out of memory for a prompt buffer of %d tokens", tokens);
     return QF_OK;
 }
 
 void qf_workspace_free(qf_workspace *w) {
     if (!w) return;
     qf_be_free(w->dev, w->px);
+    free(w->pxn), free(w->pmo), free(w->ptopw), free(w->pasw), free(w->ptopi), free(w->pasr), free(w->pcounts);
     qf_be_free(w->dev, w->f);
     free(w->ints);
     free(w->act_host);

@@ -14,6 +14,11 @@ struct qf_workspace {
     size_t f_bytes;
     float *px;     /* (px_tokens, hidden): a long prompt's hidden states, layer by layer (may be NULL) */
     int px_tokens;
+    /* on the host, with px: a layer's MoE over the whole prompt at once (forward_layered), its
+     * inputs and outputs (px_tokens, hidden), choices (px_tokens, top_k) and groups by expert */
+    float *pxn, *pmo, *ptopw, *pasw;
+    int *ptopi, *pasr, *pcounts;
+    int top_k, n_experts;
     size_t x_off, xn_off, tmp_off, big_off, conv_off, kb_off, vb_off, z_off, bb_off, aa_off, core_off;
     size_t rl_off, topw_off, asw_off, ex_in_off, ex_g_off, ex_u_off, ex_h_off, ex_out_off, moe_off, shs_off;
     size_t lrows_off, lg_off, att_off;

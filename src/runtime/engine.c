@@ -76,6 +76,8 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         e->text_cap = 3 * (e->tok ? qf_tok_max_piece_len(e->tok) : 0) + 8;
         if (!e->pool || !e->ws || !e->logits) rc = qf_fail(QF_ENOMEM, "out of memory (engine buffers)");
     }
+    /* a RAM expert cache: a long prompt's MoE runs over the whole prompt a layer at a time */
+    if (rc == QF_OK && !e->on_gpu && stream) rc = qf_workspace_reserve_prompt(e->ws, opts->max_prompt > 0 ? opts->max_prompt : 8192);
     size_t sparse = rc == QF_OK && qf_load_sparse_wanted(fc, opts, e->model->cfg.n_layers) ? qf_model_sparsity_bytes(e->model) : 0;
     size_t scratch;
     if (rc == QF_OK && e->on_gpu && stream) rc = qf_load_experts_gpu(e, opts, cache, free_start, free_trunk, sparse);

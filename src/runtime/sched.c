@@ -26,10 +26,15 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out, int *pages_out) 
                     take = take < to_mark ? take : to_mark;
                 }
                 if (r->fork && r->fork_state == FORK_NONE && r->n_fed < r->n_prompt - 1 && take > r->n_prompt - 1 - r->n_fed) take = r->n_prompt - 1 - r->n_fed;
-                /* a prompt alone in its step, the store staging layers: its prompt layer by layer in one
-                 * step, so each layer's experts move once for the whole prompt, not once a chunk */
-                int lone = n == 0 && !decode && !sl->sp_on && !r->fork && !s->prefix && s->lone_rows > s->rows;
-                if (lone && left > s->o.prefill_chunk) take = left < s->lone_rows ? left : s->lone_rows;
+                /* a prompt alone in its step where the forward runs long prompts layer by layer (streamed
+                 * experts): its prompt in one step, so each layer's experts move once for the whole
+                 * prompt, not once a chunk; with prefix snapshots it stops where the last turn starts
+                 * (the snapshot the next turn reuses) and at its end, not at every interval */
+                int lone = n == 0 && !decode && !sl->sp_on && !r->fork && s->lone_rows > s->rows;
+                if (lone && left > s->o.prefill_chunk) {
+                    take = left < s->lone_rows ? left : s->lone_rows;
+                    if (s->prefix && r->n_fed < r->snap_at && r->snap_at - r->n_fed < take) take = r->snap_at - r->n_fed;
+                }
                 if (take > s->rows - rows && !(lone && take > s->o.prefill_chunk)) take = s->rows - rows;
                 if (take <= 0) continue;
                 sl->batch_n = take;
