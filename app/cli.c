@@ -120,6 +120,8 @@ int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_backend_opts *bo) {
     } else if (cli_is(a, NULL, "--sparsity-level")) {
         eo->sparsity_level = (float)cli_num(a, 0, 1);
         eo->sparsity_given = 1;
+    } else if (cli_is(a, NULL, "--expert-prefetch")) {
+        eo->expert_prefetch = (int)cli_num(a, 0, 64);
     } else if (cli_is(a, NULL, "--expert-policy")) {
         eo->expert_policy = cli_value(a); /* parsed by the engine */
     } else if (cli_is(a, NULL, "--cuda-opt")) {
@@ -145,6 +147,17 @@ void cli_print_expert_cache(const qf_engine *e) {
     else if (s && s->stats.slots)
         fprintf(stderr, "expert cache: %d of %d experts a layer (%.1f%% resident) and a scratch slot, %.1f MiB of RAM; the rest read from the checkpoint as needed\n",
                 s->stats.slots, c->n_experts, 100.0 * s->stats.slots / c->n_experts, (double)s->stats.pool_bytes / 1048576.0);
+}
+
+void cli_print_expert_stats(const qf_engine *e) {
+    const qf_expert_stats *x = qf_engine_expert_stats(e);
+    if (!x || !x->slots || e->on_gpu) return;
+    fprintf(stderr, "expert cache: %llu hits, %llu misses (%.1f%% hits), %.1f MB read", (unsigned long long)x->hits, (unsigned long long)x->misses,
+            100.0 * (double)x->hits / (double)(x->acquires ? x->acquires : 1), (double)x->bytes_loaded / 1e6);
+    if (x->prefetches)
+        fprintf(stderr, "; %llu read ahead, %llu of them used (%.1f%%), %llu waits for one", (unsigned long long)x->prefetches, (unsigned long long)x->prefetch_hits,
+                100.0 * (double)x->prefetch_hits / (double)x->prefetches, (unsigned long long)x->prefetch_waits);
+    fprintf(stderr, "\n");
 }
 
 int cli_open_on_text(const char *dir, const char *file, int threads, const qf_engine_opts *eo, qf_engine **e, int32_t **ids, int *n) {

@@ -36,6 +36,8 @@ int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_backend_opts *bo);
 /* Engine options with their defaults (device cpu) and the process's backend options (main's). */
 void cli_engine_init(qf_engine_opts *eo, const qf_backend_opts *bo);
 void cli_print_expert_cache(const qf_engine *e);
+/* The RAM expert cache's counts so far (nothing without one). */
+void cli_print_expert_stats(const qf_engine *e);
 /* --only experts|trunk|kv (bench, fidelity): the QF_SPARSE_* bit of the one sparsity level to keep
  * on; sets bad and prints for anything else. */
 int cli_sparse_only(cli_args *a);

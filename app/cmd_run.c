@@ -102,6 +102,7 @@ static int run_generation(qf_engine *e, const run_opts *o, const char *text) {
         qf_sched_stats ss;
         qf_sched_get_stats(s, &ss);
         print_stats(&st, qf_now() - t0, &ss);
+        cli_print_expert_stats(e);
     } else fprintf(stderr, "\nerror: %s\n", qf_last_error());
     qf_sched_destroy(s);
     free(ids);

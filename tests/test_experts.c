@@ -667,18 +667,40 @@ static void test_gpu_devcache(const char *dir) {
 
 /* The model at dir with its experts behind a RAM cache of budget bytes (0: resident): a prompt and
  * STEPS greedy steps, each step's logits into out; the cache's hits and misses into st. */
-static int run_cached(const char *dir, size_t budget, float *out, qf_expert_stats *st) {
+static int run_cached_pf(const char *dir, size_t budget, int prefetch, float *out, qf_expert_stats *st) {
     qf_model *m;
     int rc = qf_model_load(&m, qt_path(dir), NULL);
     CHECK(rc == QF_OK, "%s", qf_last_error());
     if (rc) return rc;
     qf_expert_store *s;
     if (budget && (rc = qf_es_stream_create(&s, m->experts, &m->st, m->cfg.n_layers, m->cfg.n_experts, m->cfg.n_experts_used, budget)) == QF_OK) m->experts = s;
+    qf_model_set_prefetch(m, prefetch);
     qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
     if (rc == QF_OK) rc = greedy_steps(m, &be, NULL, out);
     if (st) *st = m->experts->stats;
     qf_model_free(m);
     return rc;
+}
+
+static int run_cached(const char *dir, size_t budget, float *out, qf_expert_stats *st) { return run_cached_pf(dir, budget, 0, out, st); }
+
+/* The RAM cache reading each row's next-layer guesses ahead: the same logits bit for bit, reads
+ * ahead that later acquires use, and fewer reads on the acquires' path than without. */
+static void test_expert_prefetch(const char *dir, size_t budget) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
+    size_t n = (size_t)(STEPS + 1) * (size_t)m->cfg.vocab;
+    qf_model_free(m);
+    float *ref = calloc(n, sizeof(float)), *got = calloc(n, sizeof(float));
+    qf_expert_stats off, on;
+    CHECK(run_cached_pf(dir, budget, 0, ref, &off) == QF_OK && run_cached_pf(dir, budget, 4, got, &on) == QF_OK, "%s: %s", dir, qf_last_error());
+    CHECK(memcmp(ref, got, n * sizeof(float)) == 0, "%s: logits with prefetch differ by up to %g", dir, qt_max_abs_diff(ref, got, (int64_t)n));
+    CHECK(on.prefetches > 0 && on.prefetch_hits > 0 && on.prefetch_hits <= on.prefetches && on.misses < off.misses && on.acquires == off.acquires,
+          "%s: %llu read ahead, %llu used; misses %llu with, %llu without", dir, (unsigned long long)on.prefetches, (unsigned long long)on.prefetch_hits,
+          (unsigned long long)on.misses, (unsigned long long)off.misses);
+    fprintf(stderr, "%s: prefetch of 4 guesses: misses %llu -> %llu, %llu read ahead, %llu used\n", dir, (unsigned long long)off.misses,
+            (unsigned long long)on.misses, (unsigned long long)on.prefetches, (unsigned long long)on.prefetch_hits);
+    free(ref), free(got);
 }
 
 /* The RAM expert cache at its minimum and at larger sizes gives the logits of the resident experts
@@ -925,6 +947,7 @@ int main(int argc, char **argv) {
     test_cache_policies();
     test_expert_cache("tests/data/qwen35moe-tiny");
     test_expert_cache("models/qwen36moe-code-14m");
+    test_expert_prefetch("models/qwen36moe-code-14m", (size_t)3 << 19);
     test_flash_config();
     test_flash_schedule();
     test_moving_store(0);

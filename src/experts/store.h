@@ -24,6 +24,7 @@
 
 typedef struct qf_expert_stats {
     uint64_t acquires, hits, misses, bytes_loaded;
+    uint64_t prefetches, prefetch_hits, prefetch_waits; /* experts read ahead; of them used before leaving; acquires that waited for one */
     int slots;         /* a cache's slots per layer (0: every expert resident) */
     size_t pool_bytes; /* its memory */
 } qf_expert_stats;

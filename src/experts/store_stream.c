@@ -2,7 +2,13 @@
  * layer owns slots_per_layer slots plus one scratch slot; an expert that misses is read from the
  * checkpoint file (pread, not through the mapping, so its pages never enter this process) into the
  * slot the policy frees (cache_policy.c), or into the scratch slot when the policy does not admit
- * it. The process holds the pool, not the experts it has read; the pool is allocated once. */
+ * it. The process holds the pool, not the experts it has read; the pool is allocated once.
+ *
+ * prefetch() hands a reader thread the experts a step will likely use next (the next layer's
+ * router guesses): each goes into the slot the policy frees while the model computes, and an
+ * acquire of it waits only if its read is still running. The store is otherwise used by one
+ * thread (the one running the model); the lock orders it with the reader. */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,7 +23,15 @@ typedef struct stream_layer {
     qf_slot_cache cache;
     char *slots;       /* (slots + 1) x per_expert bytes; the last is the scratch slot */
     qf_expert *views;  /* [slots + 1] the views of what each slot holds */
+    uint8_t *loading;  /* [slots] prefetch reads queued or running into the slot */
+    uint8_t *fetched;  /* [slots] holds a prefetched expert not yet used */
+    uint8_t *bad;      /* [slots] its last read failed: the next acquire reads it again */
 } stream_layer;
+
+#define PF_QUEUE 256
+typedef struct pf_job {
+    int L, e, slot;
+} pf_job;
 
 typedef struct stream_store {
     qf_expert_store base;
@@ -27,19 +41,22 @@ typedef struct stream_store {
     size_t per_expert;
     stream_layer *layers;
     char *pool;
+    pthread_mutex_t mu;
+    pthread_cond_t more, done; /* jobs queued; a job finished */
+    pthread_t reader;
+    int reader_on, stop, q_head, q_n;
+    pf_job q[PF_QUEUE];
 } stream_store;
 
 /* The rows only: an FP8 expert's scales stay where the loader put them (host memory). */
 static size_t mat_bytes(const qf_mat *w) { return qf_mat_bytes(w); }
 
-/* Expert e of layer L copied into slot s. */
-static int load(stream_store *s, int L, int e, int slot) {
-    qf_expert x;
-    int rc = s->src->ops->acquire(s->src, L, e, &x);
+/* Expert e of layer L read into slot s's memory; *x its view there. No shared state touched. */
+static int read_expert(stream_store *s, int L, int e, int slot, qf_expert *x) {
+    int rc = s->src->ops->acquire(s->src, L, e, x);
     if (rc != QF_OK) return rc;
-    stream_layer *l = &s->layers[L];
-    char *at = l->slots + (size_t)slot * s->per_expert;
-    qf_mat *m[3] = {&x.gate, &x.up, &x.down};
+    char *at = s->layers[L].slots + (size_t)slot * s->per_expert;
+    qf_mat *m[3] = {&x->gate, &x->up, &x->down};
     for (int i = 0; i < 3 && rc == QF_OK; i++) {
         size_t n = mat_bytes(m[i]);
         rc = qf_st_read(s->file, m[i]->data, at, n);
@@ -47,11 +64,40 @@ static int load(stream_store *s, int L, int e, int slot) {
         at += n;
     }
     s->src->ops->release(s->src, L, e);
-    if (rc != QF_OK) return rc;
-    l->views[slot] = x;
-    s->base.stats.misses++;
-    s->base.stats.bytes_loaded += s->per_expert;
-    return QF_OK;
+    return rc;
+}
+
+/* Waits (the lock held) until no prefetch read is writing slot `slot` of l. */
+static void wait_slot(stream_store *s, stream_layer *l, int slot) {
+    while (slot < s->slots && l->loading[slot]) {
+        s->base.stats.prefetch_waits++;
+        pthread_cond_wait(&s->done, &s->mu);
+    }
+}
+
+static void *reader_main(void *arg) {
+    stream_store *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->q_n && !s->stop) pthread_cond_wait(&s->more, &s->mu);
+        if (!s->q_n) break;
+        pf_job j = s->q[s->q_head];
+        s->q_head = (s->q_head + 1) % PF_QUEUE, s->q_n--;
+        pthread_mutex_unlock(&s->mu);
+        qf_expert x;
+        int rc = read_expert(s, j.L, j.e, j.slot, &x);
+        pthread_mutex_lock(&s->mu);
+        stream_layer *l = &s->layers[j.L];
+        if (l->cache.slot_of[j.e] == j.slot) { /* not evicted by a later prefetch meanwhile */
+            l->views[j.slot] = x, l->bad[j.slot] = rc != QF_OK, l->fetched[j.slot] = rc == QF_OK;
+            s->base.stats.prefetches += rc == QF_OK;
+            s->base.stats.bytes_loaded += rc == QF_OK ? s->per_expert : 0;
+        }
+        l->loading[j.slot]--;
+        pthread_cond_broadcast(&s->done);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
 }
 
 static int stream_acquire(qf_expert_store *st, int L, int e, qf_expert *out) {
@@ -59,22 +105,48 @@ static int stream_acquire(qf_expert_store *st, int L, int e, qf_expert *out) {
     int rc = qf_es_check_expert(L, e, s->n_layers, s->n_experts);
     if (rc != QF_OK) return rc;
     stream_layer *l = &s->layers[L];
+    pthread_mutex_lock(&s->mu);
     st->stats.acquires++;
     int slot = qf_slot_cache_find(&l->cache, e);
-    if (slot >= 0) {
+    if (slot >= 0) wait_slot(s, l, slot);
+    int hit = slot >= 0 && !l->bad[slot];
+    if (hit) {
         st->stats.hits++;
+        st->stats.prefetch_hits += l->fetched[slot];
+        l->fetched[slot] = 0;
     } else {
         int evicted;
-        slot = qf_slot_cache_insert(&l->cache, e, &evicted, NULL);
+        if (slot < 0) slot = qf_slot_cache_insert(&l->cache, e, &evicted, NULL);
         if (slot < 0) slot = s->slots; /* not admitted: the scratch slot, for this use only */
-        rc = load(s, L, e, slot);
-        if (rc != QF_OK) {
-            if (slot < s->slots) l->cache.slot_of[e] = -1, l->cache.expert_in[slot] = -1;
-            return rc;
-        }
+        wait_slot(s, l, slot);         /* a victim's prefetch still writing it */
+        pthread_mutex_unlock(&s->mu);
+        qf_expert x;
+        rc = read_expert(s, L, e, slot, &x); /* no prefetch targets this layer while it runs */
+        pthread_mutex_lock(&s->mu);
+        if (slot < s->slots) l->bad[slot] = rc != QF_OK, l->fetched[slot] = 0;
+        if (rc == QF_OK) l->views[slot] = x, st->stats.misses++, st->stats.bytes_loaded += s->per_expert;
     }
-    *out = l->views[slot];
-    return QF_OK;
+    if (rc == QF_OK) *out = l->views[slot];
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+/* The experts ids[0..n) of layer L read ahead into the slots the policy frees (those held, and
+ * those the queue has no room for, skipped); never the layer a step is in. */
+static void stream_prefetch(qf_expert_store *st, int L, const int *ids, int n) {
+    stream_store *s = (stream_store *)st;
+    if (L < 0 || L >= s->n_layers || !s->reader_on) return;
+    stream_layer *l = &s->layers[L];
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < n && s->q_n < PF_QUEUE; i++) {
+        int e = ids[i];
+        if (e < 0 || e >= s->n_experts || l->cache.slot_of[e] >= 0 || !qf_slot_cache_prefetch(&l->cache, e, NULL)) continue;
+        int slot = l->cache.slot_of[e];
+        l->loading[slot]++, l->fetched[slot] = 0, l->bad[slot] = 0;
+        s->q[(s->q_head + s->q_n++) % PF_QUEUE] = (pf_job){L, e, slot};
+    }
+    pthread_cond_signal(&s->more);
+    pthread_mutex_unlock(&s->mu);
 }
 
 static void stream_release(qf_expert_store *st, int L, int e) { (void)st, (void)L, (void)e; }
@@ -91,9 +163,17 @@ static int stream_table(qf_expert_store *st, int L, qf_expert_table *out) {
 
 static void stream_destroy(qf_expert_store *st) {
     stream_store *s = (stream_store *)st;
+    if (s->reader_on) {
+        pthread_mutex_lock(&s->mu);
+        s->stop = 1;
+        pthread_cond_signal(&s->more);
+        pthread_mutex_unlock(&s->mu);
+        pthread_join(s->reader, NULL); /* after the queued reads: none writes a freed slot */
+    }
+    pthread_mutex_destroy(&s->mu), pthread_cond_destroy(&s->more), pthread_cond_destroy(&s->done);
     for (int L = 0; s->layers && L < s->n_layers; L++) {
         qf_slot_cache_free(&s->layers[L].cache);
-        free(s->layers[L].views);
+        free(s->layers[L].views), free(s->layers[L].loading), free(s->layers[L].fetched), free(s->layers[L].bad);
     }
     free(s->layers);
     free(s->pool);
@@ -104,7 +184,7 @@ static void stream_destroy(qf_expert_store *st) {
 static const qf_expert_store_ops k_stream_ops = {
     .acquire = stream_acquire,
     .release = stream_release,
-    .prefetch = NULL,
+    .prefetch = stream_prefetch,
     .destroy = stream_destroy,
     .table = stream_table,
     .step = stream_step,
@@ -131,6 +211,7 @@ int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, const qf_st
     if (!s) return qf_fail(QF_ENOMEM, "out of memory");
     s->base.ops = &k_stream_ops;
     s->file = file;
+    pthread_mutex_init(&s->mu, NULL), pthread_cond_init(&s->more, NULL), pthread_cond_init(&s->done, NULL);
     s->n_layers = n_layers, s->n_experts = n_experts, s->slots = slots, s->per_expert = per;
     s->layers = calloc((size_t)n_layers, sizeof *s->layers);
     s->pool = malloc((size_t)(slots + 1) * per * (size_t)n_layers);
@@ -139,7 +220,8 @@ int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, const qf_st
         stream_layer *l = &s->layers[L];
         l->slots = s->pool + (size_t)L * (size_t)(slots + 1) * per;
         l->views = calloc((size_t)slots + 1, sizeof *l->views);
-        rc = l->views ? qf_slot_cache_init(&l->cache, QF_POLICY_DLFU_AD, n_experts, slots, 64) : qf_fail(QF_ENOMEM, "out of memory");
+        l->loading = calloc((size_t)slots, 1), l->fetched = calloc((size_t)slots, 1), l->bad = calloc((size_t)slots, 1);
+        rc = l->views && l->loading && l->fetched && l->bad ? qf_slot_cache_init(&l->cache, QF_POLICY_DLFU_AD, n_experts, slots, 64) : qf_fail(QF_ENOMEM, "out of memory");
     }
     if (rc != QF_OK) {
         s->src = NULL; /* the caller keeps src on failure */
@@ -147,6 +229,7 @@ int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, const qf_st
         return rc;
     }
     s->src = src;
+    s->reader_on = pthread_create(&s->reader, NULL, reader_main, s) == 0; /* without it, prefetch() does nothing */
     s->base.stats.slots = slots, s->base.stats.pool_bytes = (size_t)(slots + 1) * per * (size_t)n_layers;
     *out = &s->base;
     return QF_OK;

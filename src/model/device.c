@@ -218,6 +218,8 @@ int qf_model_to_device(qf_model *m, qf_backend *be, int flags) {
     return mv.rc;
 }
 
+void qf_model_set_prefetch(qf_model *m, int n) { m->prefetch_n = n > 0 ? n : 0; }
+
 void qf_model_use_experts(qf_model *m, qf_expert_store *s) {
     m->experts = s;
     qf_model_dec_check(m);

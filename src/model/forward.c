@@ -336,6 +336,32 @@ static int routed_experts(fwd *f, int L, const float *xn, int n, const int *coun
     return QF_OK;
 }
 
+/* The next layer's router on this layer's MoE input (the residual has yet to take this layer's
+ * MoE): each row's top prefetch_n experts, which the store reads ahead while this layer's experts
+ * run. Not for steps whose guesses would fill half a layer (a prompt chunk). The logits go to the
+ * lm_head rows, unused until the step's end. */
+static void prefetch_next(fwd *f, int L, const float *xn) {
+    const qf_model *m = f->m;
+    int E = m->cfg.n_experts, n = m->prefetch_n < E ? m->prefetch_n : E, N = f->N, ids[512], k = 0;
+    if (N * n > E / 2 || N * n > 512) return;
+    qf_backend *be = f->be;
+    float *rl = WS(f->ws, lg);
+    OPS->matmul(be, &m->layers[L + 1].router, xn, N, rl);
+    for (int r = 0; r < N; r++) {
+        const float *l = rl + (size_t)r * E;
+        for (int j = 0; j < n; j++) { /* the j-th largest: ties to the lower id, as qf_ref_route */
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = k - j; i < k && !taken; i++) taken = ids[i] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            ids[k++] = best;
+        }
+    }
+    m->experts->ops->prefetch(m->experts, L + 1, ids, k);
+}
+
 int fw_moe(fwd *f, int L, float *xn, float *out) {
     const qf_model *m = f->m;
     const qf_config *c = &m->cfg;
@@ -355,6 +381,7 @@ int fw_moe(fwd *f, int L, float *xn, float *out) {
         return shared_expert(f, L, xn, fused, out);
     }
     route(f, L, WS(ws, rl));
+    if (m->prefetch_n > 0 && L + 1 < c->n_layers && m->experts->ops->prefetch) prefetch_next(f, L, xn);
     if (ws->ep) {
         int rc = moe_ep(f, L, xn, out);
         return rc == QF_OK ? shared_expert(f, L, xn, fused, out) : rc;

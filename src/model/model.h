@@ -65,6 +65,7 @@ typedef struct qf_model {
     void **dev_bufs;     /* device copies of the weights, freed with the model */
     int n_dev_bufs;
     int dec_ok;          /* the device's fused decode ops (ops.h qf_dec_ops) fit this model */
+    int prefetch_n;      /* host path: each row's next-layer router guesses the expert store reads ahead (0: none) */
     float sparsity[QF_MAX_LAYERS]; /* each layer's sparsity level (qf_model_set_sparsity); 0: exact */
     int sparse;                    /* any level above 0 */
     uint64_t sparsity_gen;         /* counts changes of levels or thresholds (a recorded step holds them) */
@@ -119,6 +120,11 @@ void qf_model_use_experts(qf_model *m, qf_expert_store *s);
  * levels: [n_layers], NULL for 0 everywhere. QF_EUNSUPPORTED on a device whose fused decode ops
  * cannot take it. */
 int qf_model_set_sparsity(qf_model *m, const float *levels);
+/* On the host path with an expert store that reads ahead (a RAM cache): each decode row's n
+ * likeliest experts of the next layer (its router on this layer's MoE input) are handed to the
+ * store while this layer's experts run; 0: none. Output unchanged (what a slot holds, not what a
+ * row computes). */
+void qf_model_set_prefetch(qf_model *m, int n);
 /* The three levels of a sparsity level, each of which may be kept off (qf_model_sparse_off). */
 enum { QF_SPARSE_EXPERTS = 1, QF_SPARSE_TRUNK = 2, QF_SPARSE_KV = 4 };
 void qf_model_sparse_off(qf_model *m, int parts);
