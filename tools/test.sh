@@ -23,9 +23,11 @@ cmake --build build-asan -j "$JOBS"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan --output-on-failure -LE emu -j "$JOBS"
 # ThreadSanitizer over the server (its event loop, preparation workers and scheduler thread): a
-# report ends the server (halt_on_error), which fails the suite.
+# report ends the server (halt_on_error), which fails the suite; and over the RAM expert cache's
+# reader thread.
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DQFLASH_TSAN=ON -DQFLASH_CUDA=OFF >/dev/null
-cmake --build build-tsan -j "$JOBS" --target qflash-cli
+cmake --build build-tsan -j "$JOBS" --target qflash-cli test_experts
+TSAN_OPTIONS="halt_on_error=1 exitcode=66" ./build-tsan/tests/test_experts .
 (cd tests/server && TSAN_OPTIONS="halt_on_error=1 exitcode=66" QFLASH_BIN=../../build-tsan/qflash PYTHONDONTWRITEBYTECODE=1 \
     python3 -m pytest -q -p no:cacheprovider test_api.py test_serving.py)
 echo "test.sh: all tests passed (release, ASan/UBSan and TSan builds)"

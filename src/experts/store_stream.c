@@ -36,6 +36,7 @@ typedef struct pf_job {
 typedef struct stream_store {
     qf_expert_store base;
     qf_expert_store *src; /* where the experts are (views into the mapped checkpoint); owned */
+    qf_expert *home;      /* [n_layers][n_experts] src's views, taken once: the reader never calls src */
     const qf_st_set *file; /* the checkpoint the views map: misses are read from it (NULL: copied) */
     int n_layers, n_experts, slots;
     size_t per_expert;
@@ -53,8 +54,8 @@ static size_t mat_bytes(const qf_mat *w) { return qf_mat_bytes(w); }
 
 /* Expert e of layer L read into slot s's memory; *x its view there. No shared state touched. */
 static int read_expert(stream_store *s, int L, int e, int slot, qf_expert *x) {
-    int rc = s->src->ops->acquire(s->src, L, e, x);
-    if (rc != QF_OK) return rc;
+    int rc = QF_OK;
+    *x = s->home[(size_t)L * s->n_experts + e];
     char *at = s->layers[L].slots + (size_t)slot * s->per_expert;
     qf_mat *m[3] = {&x->gate, &x->up, &x->down};
     for (int i = 0; i < 3 && rc == QF_OK; i++) {
@@ -63,7 +64,6 @@ static int read_expert(stream_store *s, int L, int e, int slot, qf_expert *x) {
         m[i]->data = at;
         at += n;
     }
-    s->src->ops->release(s->src, L, e);
     return rc;
 }
 
@@ -177,6 +177,7 @@ static void stream_destroy(qf_expert_store *st) {
     }
     free(s->layers);
     free(s->pool);
+    free(s->home);
     qf_es_destroy(s->src);
     free(s);
 }
@@ -222,6 +223,12 @@ int qf_es_stream_create(qf_expert_store **out, qf_expert_store *src, const qf_st
         l->views = calloc((size_t)slots + 1, sizeof *l->views);
         l->loading = calloc((size_t)slots, 1), l->fetched = calloc((size_t)slots, 1), l->bad = calloc((size_t)slots, 1);
         rc = l->views && l->loading && l->fetched && l->bad ? qf_slot_cache_init(&l->cache, QF_POLICY_DLFU_AD, n_experts, slots, 64) : qf_fail(QF_ENOMEM, "out of memory");
+    }
+    s->home = rc == QF_OK ? malloc((size_t)n_layers * n_experts * sizeof *s->home) : NULL;
+    if (rc == QF_OK && !s->home) rc = qf_fail(QF_ENOMEM, "out of memory");
+    for (int i = 0; rc == QF_OK && i < n_layers * n_experts; i++) {
+        rc = src->ops->acquire(src, i / n_experts, i % n_experts, &s->home[i]); /* views that stay valid: the checkpoint is mapped */
+        if (rc == QF_OK) src->ops->release(src, i / n_experts, i % n_experts);
     }
     if (rc != QF_OK) {
         s->src = NULL; /* the caller keeps src on failure */

@@ -184,8 +184,9 @@ def timed_get(port, path):
 
 
 def test_health_while_huge_tokenize(server):
-    """Tokenizing runs off the event loop: /health answers within 100 ms while four requests
-    tokenize 100,000 emoji each (the time they took is printed)."""
+    """Tokenizing runs off the event loop: /health answers within 100 ms (or a quarter of the
+    time the tokenizations took, where a sanitizer slows them) while four requests tokenize
+    100,000 emoji each (the time they took is printed)."""
     body = json.dumps({"prompt": "\U0001F642" * 100000}, ensure_ascii=False).encode()
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
@@ -199,7 +200,9 @@ def test_health_while_huge_tokenize(server):
     took = time.monotonic() - t0
     print("4 x /tokenize of 100,000 emoji: %.2f s; /health answered %d times, slowest %.1f ms" % (took, len(waits), 1e3 * max(waits)))
     assert all(status_of(r) == 200 and json.loads(r.partition(b"\r\n\r\n")[2])["count"] > 0 for r in replies)
-    assert max(waits) < 0.1
+    # a loop blocked by a tokenization would hold /health for one tokenization at least, a quarter
+    # of `took` or more; a sanitizer's slower tokenizing widens the bound with it
+    assert max(waits) < max(0.1, took / 4)
 
 
 def test_prompt_over_context_refused_unread(server):
