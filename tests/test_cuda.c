@@ -1143,6 +1143,8 @@ static void dec_attention_checks(void) {
     test_dec_attention(3, 16, 2, 256, 64, p3);
     test_dec_attention(2, 4, 2, 64, 16, p2);
     test_dec_attention(2, 8, 2, 32, 8, p2);
+    int p6[1] = {110};
+    test_dec_attention(1, 4, 2, 32, 8, p6); /* the tiny fixture's heads past its first pages */
 }
 
 /* The decode attention's other forms (the default: one kernel with the gate, ATT1 and ATT_GATE):

@@ -5,6 +5,7 @@
  *   (table(), composed from plain ops on the CPU), and the chosen-id arrays must be written;
  * - a failing store: once armed, acquire and table fail; the step returns the store's message,
  *   the scheduler fails that request with it, and a request after the failure is served. */
+#include <fcntl.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -703,6 +704,40 @@ static void test_expert_prefetch(const char *dir, size_t budget) {
     free(ref), free(got);
 }
 
+/* The checkpoint unreadable mid-run (its descriptor swapped for a write-only one) while the RAM
+ * cache reads ahead: the step fails with the read's error, naming the file, and nothing else
+ * breaks; once readable again a new sequence gives the reference logits bit for bit (the slots
+ * whose reads failed are read again, not used). */
+static void test_prefetch_failure(const char *dir, size_t budget) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
+    size_t n = (size_t)(STEPS + 1) * (size_t)m->cfg.vocab;
+    float *ref = calloc(n, sizeof(float)), *got = calloc(n, sizeof(float));
+    CHECK(run_cached_pf(dir, budget, 4, ref, NULL) == QF_OK, "%s", qf_last_error());
+    qf_expert_store *s;
+    CHECK(qf_es_stream_create(&s, m->experts, &m->st, m->cfg.n_layers, m->cfg.n_experts, m->cfg.n_experts_used, budget) == QF_OK, "%s", qf_last_error());
+    qf_model_use_experts(m, s);
+    qf_model_set_prefetch(m, 4);
+    qf_backend be = {qf_cpu_ops_best(), NULL, NULL};
+    qf_workspace *ws = qf_workspace_create(m, 64);
+    qf_state *st = qf_state_create(m, 64);
+    int32_t prompt[5] = {11, 400, 23, 7, 91}, tok = 5;
+    CHECK(qf_forward_seq(m, &be, ws, st, prompt, 5, QF_LOGITS_LAST, got) == QF_OK, "%s", qf_last_error());
+    int fd = m->st.files[0].map.fd, saved = dup(fd), wr = open("/dev/null", O_WRONLY), rc = QF_OK;
+    dup2(wr, fd);
+    for (int i = 0; i < 4 && rc == QF_OK; i++) rc = qf_forward_seq(m, &be, ws, st, &tok, 1, QF_LOGITS_LAST, got);
+    dup2(saved, fd);
+    close(saved), close(wr);
+    CHECK(rc == QF_EIO && strstr(qf_last_error(), "cannot read"), "%s: a step with the checkpoint unreadable: %d, '%s'", dir, rc, qf_last_error());
+    qf_state_free(st);
+    qf_workspace_free(ws);
+    memset(got, 0, n * sizeof(float));
+    CHECK(greedy_steps(m, &be, NULL, got) == QF_OK, "%s: after the failure: %s", dir, qf_last_error());
+    CHECK(memcmp(ref, got, n * sizeof(float)) == 0, "%s: logits after a failed read differ by up to %g", dir, qt_max_abs_diff(ref, got, (int64_t)n));
+    qf_model_free(m);
+    free(ref), free(got);
+}
+
 /* The RAM expert cache at its minimum and at larger sizes gives the logits of the resident experts
  * bit for bit; a budget under the minimum is refused naming it. */
 static void test_expert_cache(const char *dir) {
@@ -948,6 +983,7 @@ int main(int argc, char **argv) {
     test_expert_cache("tests/data/qwen35moe-tiny");
     test_expert_cache("models/qwen36moe-code-14m");
     test_expert_prefetch("models/qwen36moe-code-14m", (size_t)3 << 19);
+    test_prefetch_failure("models/qwen36moe-code-14m", (size_t)3 << 19);
     test_flash_config();
     test_flash_schedule();
     test_moving_store(0);
