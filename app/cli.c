@@ -120,6 +120,8 @@ int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_backend_opts *bo) {
     } else if (cli_is(a, NULL, "--sparsity-level")) {
         eo->sparsity_level = (float)cli_num(a, 0, 1);
         eo->sparsity_given = 1;
+    } else if (cli_is(a, NULL, "--expert-heat")) {
+        eo->expert_heat = cli_value(a);
     } else if (cli_is(a, NULL, "--expert-prefetch")) {
         eo->expert_prefetch = (int)cli_num(a, 0, 64);
     } else if (cli_is(a, NULL, "--expert-policy")) {

@@ -16,6 +16,7 @@
 #include "backend/backend.h"
 #include "experts/cache_policy.h"
 #include "experts/plan.h"
+#include "format/st_write.h"
 #include "runtime/sched.h"
 #include "test_util.h"
 #include "backend/rules.h"
@@ -738,6 +739,42 @@ static void test_prefetch_failure(const char *dir, size_t budget) {
     free(ref), free(got);
 }
 
+/* A trace of L layers x 64 tokens x top-4 of U8 ids: layer l's tokens use experts 40 + (l % 3)
+ * .. 43 + (l % 3) mostly, and expert 2 once. */
+static void write_trace(const char *path, int L) {
+    FILE *f = fopen(path, "wb");
+    qf_st_entry e = {"expert_ids", "U8", 3, {L, 64, 4}, (uint64_t)L * 64 * 4};
+    CHECK(f && qf_st_write_header(f, path, &e, 1) == QF_OK, "%s", qf_last_error());
+    for (int l = 0; f && l < L; l++)
+        for (int t = 0; t < 64 * 4; t++) fputc(t == 5 ? 2 : 40 + l % 3 + t % 4, f);
+    if (f) fclose(f);
+}
+
+/* --expert-heat: the engine's RAM cache starts with each layer's most used experts of the trace
+ * (acquiring them hits, a cold one misses); a trace of other layers is refused naming the file. */
+static void test_expert_heat(void) {
+    const char *path = "/tmp/qflash-heat.safetensors", *bad = "/tmp/qflash-heat-bad.safetensors";
+    write_trace(path, 8), write_trace(bad, 3);
+    qf_engine_opts eo = {.n_threads = 1, .expert_cache = (size_t)3 << 19, .expert_heat = path};
+    qf_engine *e = NULL;
+    CHECK(qf_engine_open(&e, qt_path("models/qwen36moe-code-14m"), &eo) == QF_OK, "%s", qf_last_error());
+    if (e) {
+        qf_expert_store *s = e->model->experts;
+        qf_expert x;
+        int hits = 0;
+        for (int l = 0; l < 8; l++)
+            for (int k = 0; k < 4; k++) s->ops->acquire(s, l, 40 + l % 3 + k, &x), s->ops->release(s, l, 40 + l % 3 + k);
+        hits = (int)s->stats.hits;
+        s->ops->acquire(s, 0, 7, &x), s->ops->release(s, 0, 7);
+        CHECK(hits == 32 && s->stats.misses == 1, "after the heat: %d of 32 hot acquires hit, %llu misses for a cold one", hits, (unsigned long long)s->stats.misses);
+        qf_engine_close(e);
+    }
+    eo.expert_heat = bad;
+    CHECK(qf_engine_open(&e, qt_path("models/qwen36moe-code-14m"), &eo) == QF_EFORMAT && strstr(qf_last_error(), bad) && strstr(qf_last_error(), "8 layers"),
+          "a trace of 3 layers: %s", qf_last_error());
+    unlink(path), unlink(bad);
+}
+
 /* The RAM expert cache at its minimum and at larger sizes gives the logits of the resident experts
  * bit for bit; a budget under the minimum is refused naming it. */
 static void test_expert_cache(const char *dir) {
@@ -984,6 +1021,7 @@ int main(int argc, char **argv) {
     test_expert_cache("models/qwen36moe-code-14m");
     test_expert_prefetch("models/qwen36moe-code-14m", (size_t)3 << 19);
     test_prefetch_failure("models/qwen36moe-code-14m", (size_t)3 << 19);
+    test_expert_heat();
     test_flash_config();
     test_flash_schedule();
     test_moving_store(0);

@@ -70,6 +70,7 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         if (rc == QF_OK && !e->on_gpu && opts->gpu_mem) rc = qf_fail(QF_EINVAL, "--gpu-mem is a device budget: it needs --device cuda");
         if (rc == QF_OK && !e->on_gpu) rc = qf_load_experts_cpu(e, cache);
         if (rc == QF_OK && !e->on_gpu && cache) qf_model_set_prefetch(e->model, opts->expert_prefetch);
+        if (rc == QF_OK && opts->expert_heat) rc = qf_load_expert_heat(e, opts->expert_heat);
     }
     if (rc == QF_OK) {
         e->ws = qf_workspace_create(e->model, opts->max_batch > 0 ? opts->max_batch : 512);

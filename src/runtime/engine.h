@@ -25,6 +25,7 @@ typedef struct qf_engine_opts {
     size_t expert_cache;        /* bytes of the routed experts' cache; 0: config_flash.json's, else all resident */
     size_t gpu_mem;             /* the device budget (--gpu-mem): the expert cache gets what the rest leaves */
     const char *expert_policy;  /* lru, dlfu or dlfu-admit (NULL: dlfu-admit) */
+    const char *expert_heat;    /* a routing trace whose most used experts fill the RAM cache at load (NULL: none) */
     int expert_prefetch;        /* the CPU's RAM expert cache reads ahead each row's N next-layer guesses (0: off) */
     int reserve_seqs, reserve_tokens; /* what the caller allocates on the device after load: states, KV tokens */
     size_t reserve_kv_bytes;          /* or the KV pool's bytes, when the caller sizes it so */

@@ -15,6 +15,9 @@ int qf_load_experts_cpu(qf_engine *e, size_t bytes);
  * before the trunk, free_trunk: after it): the plan, the expert cache, the warm-up. sparse_bytes:
  * what sparsity's transposed weights take once the levels are set after it. */
 int qf_load_experts_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_bytes, size_t free_start, size_t free_trunk, size_t sparse_bytes);
+/* --expert-heat: a routing trace (route-record's) fills each layer's RAM cache slots with its most
+ * used experts before any request. */
+int qf_load_expert_heat(qf_engine *e, const char *path);
 /* The ops' scratch for the workspace's shapes (with sparsity's products when sparse) reserved on
  * the backend, so no step grows it; *bytes: its size by the ops' arithmetic (0 on the CPU). */
 int qf_load_scratch(qf_engine *e, int sparse, size_t *bytes);

@@ -64,6 +64,49 @@ int qf_load_experts_cpu(qf_engine *e, size_t bytes) {
     return rc;
 }
 
+/* Layer L's experts by their uses in the trace t (U8 or I32 [layers][tokens][top_k]), most used
+ * first, ties to the lower id. */
+static void hottest(const qf_st_tensor *t, int L, int E, int *order, uint64_t *uses) {
+    size_t per = (size_t)t->shape[1] * (size_t)t->shape[2], at = (size_t)L * per;
+    memset(uses, 0, (size_t)E * sizeof *uses);
+    for (size_t i = 0; i < per; i++) {
+        int e = t->dtype == QF_DT_U8 ? ((const uint8_t *)t->data)[at + i] : ((const int32_t *)t->data)[at + i];
+        if (e >= 0 && e < E) uses[e]++;
+    }
+    for (int e = 0; e < E; e++) order[e] = e;
+    for (int i = 1; i < E; i++) /* insertion sort: E is at most a few hundred */
+        for (int j = i; j > 0 && uses[order[j]] > uses[order[j - 1]]; j--) {
+            int x = order[j];
+            order[j] = order[j - 1], order[j - 1] = x;
+        }
+}
+
+int qf_load_expert_heat(qf_engine *e, const char *path) {
+    qf_expert_store *s = e->model->experts;
+    const qf_config *c = &e->model->cfg;
+    if (!s || !s->stats.slots || e->on_gpu) return qf_fail(QF_EINVAL, "--expert-heat fills the CPU's RAM expert cache: it needs --expert-cache (on the CPU)");
+    qf_st_set st;
+    int rc = qf_st_open(&st, path);
+    if (rc != QF_OK) return rc;
+    const qf_st_tensor *t = qf_st_find(&st, "expert_ids");
+    if (!t || t->ndim != 3 || (t->dtype != QF_DT_U8 && t->dtype != QF_DT_I32) || t->shape[0] != c->n_layers)
+        rc = qf_fail(QF_EFORMAT, "%s: no expert_ids tensor of U8 or I32 [%d layers][tokens][top_k] (qflash route-record writes one)", path, c->n_layers);
+    int *order = malloc((size_t)c->n_experts * sizeof *order);
+    uint64_t *uses = malloc((size_t)c->n_experts * sizeof *uses);
+    if (rc == QF_OK && (!order || !uses)) rc = qf_fail(QF_ENOMEM, "out of memory");
+    for (int L = 0; rc == QF_OK && L < c->n_layers; L++) {
+        hottest(t, L, c->n_experts, order, uses);
+        for (int i = 0; rc == QF_OK && i < s->stats.slots && uses[order[i]]; i++) {
+            qf_expert x; /* a free slot admits it: the slots fill in order of heat */
+            if ((rc = s->ops->acquire(s, L, order[i], &x)) == QF_OK) s->ops->release(s, L, order[i]);
+        }
+    }
+    free(order), free(uses);
+    qf_st_close(&st);
+    s->stats.acquires = s->stats.hits = s->stats.misses = 0; /* the counts are the requests' */
+    return rc;
+}
+
 /* Device bytes of what the caller adds after load: its states and KV pages. */
 static size_t reserve_bytes(const qf_model *m, const qf_engine_opts *o) {
     int seqs = o->reserve_seqs > 0 ? o->reserve_seqs : 1, tokens = o->reserve_tokens > 0 ? o->reserve_tokens : 4096;
