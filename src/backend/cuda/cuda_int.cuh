@@ -365,12 +365,16 @@ inline void *scratch(ctx *c, void **p, size_t *cap, size_t need) {
     return *p;
 }
 
-// Room for a step's token ids: scratch on the device and pinned staging (grown only eager).
+// Room for a step's token ids: scratch on the device and pinned staging. The staging is a
+// recorded step's copy source: grown, it drops the recordings as scratch() does (a copy node
+// moved onto a new pinned buffer faults on replay) and counts past the reserve.
 inline int tok_room(ctx *c, size_t n) {
     if (!scratch(c, &c->tok, &c->tok_cap, n * 4)) return 0;
     if (c->gs.pin_tok_cap < n) {
+        c->grown += c->reserved;
         if (c->gs.mode != G_EAGER) c->gs.broken = 1;
         cudaDeviceSynchronize();
+        if (c->gs.mode == G_EAGER) g_drop_all(c);
         cudaFreeHost(c->gs.pin_tok);
         c->gs.pin_tok = NULL;
         c->gs.pin_tok_cap = cudaMallocHost((void **)&c->gs.pin_tok, n * 8) == cudaSuccess ? n * 2 : 0;
