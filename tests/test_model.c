@@ -461,6 +461,11 @@ static void check_draw(const char *dir, int gpu) {
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     const char *dev = getenv("QFLASH_TEST_DEVICE");
+    if (dev && strcmp(dev, "cuda-chain") == 0) { /* the chain checks alone (tools/gpu-check.sh chain, once per kernel option) */
+        check_chain("models/qwen36moe-code-14m", 1);
+        check_chain_alone("models/qwen36moe-code-14m", 1);
+        return qt_finish();
+    }
     if (dev && strcmp(dev, "cuda") == 0) { /* the same references on the GPU (run by hand there), in both precisions */
         for (g_lenient = 1; g_lenient >= 0; g_lenient--) {
             g_gpu = 1, g_tol = g_lenient ? TOL_GPU_BF16 : TOL_LOGITS;

@@ -161,9 +161,9 @@ draw)
     QFLASH_TEST_DEVICE=cuda timeout 200 gpu/test_model . 2>&1 | grep -E "FAIL|checks|draws|verify|rror"
     ;;
 chain)
-    for o in "" dec_tc=64 bulk=0 moe1=0 gdn_gn=0 att1=0 att_gate=0 bulk=0,moe1=0,gdn_gn=0,att1=0; do
+    for o in "" graphs=0 pdl=0 comb=0 dec_tc=64 bulk=0 moe1=0 pw1=0 early=0 gdn_gn=0 att1=0 att_gate=0 route=2 bulk=0,moe1=0,pw1=0,early=0,gdn_gn=0,att1=0,att_gate=0; do
         echo "== QFLASH_CUDA_OPTS=$o"
-        QFLASH_CUDA_OPTS=$o QFLASH_TEST_DEVICE=cuda timeout 120 gpu/test_model . 2>&1 | grep -E "verif|rror"
+        QFLASH_CUDA_OPTS=$o QFLASH_TEST_DEVICE=cuda-chain timeout 60 gpu/test_model . 2>&1 | grep -E "verif|rror|FAIL|checks"
     done
     ;;
 spec-profile)

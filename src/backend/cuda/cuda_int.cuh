@@ -365,6 +365,14 @@ inline void *scratch(ctx *c, void **p, size_t *cap, size_t need) {
     return *p;
 }
 
+// The token ids' pinned staging replaced by one of n ids (0 on failure, the staging gone).
+inline int pin_tok_alloc(ctx *c, size_t n) {
+    cudaFreeHost(c->gs.pin_tok);
+    c->gs.pin_tok = NULL;
+    c->gs.pin_tok_cap = cudaMallocHost((void **)&c->gs.pin_tok, n * sizeof(int32_t)) == cudaSuccess ? n : 0;
+    return c->gs.pin_tok != NULL;
+}
+
 // Room for a step's token ids: scratch on the device and pinned staging. The staging is a
 // recorded step's copy source: grown, it drops the recordings as scratch() does (a copy node
 // moved onto a new pinned buffer faults on replay) and counts past the reserve.
@@ -375,11 +383,9 @@ inline int tok_room(ctx *c, size_t n) {
         if (c->gs.mode != G_EAGER) c->gs.broken = 1;
         cudaDeviceSynchronize();
         if (c->gs.mode == G_EAGER) g_drop_all(c);
-        cudaFreeHost(c->gs.pin_tok);
-        c->gs.pin_tok = NULL;
-        c->gs.pin_tok_cap = cudaMallocHost((void **)&c->gs.pin_tok, n * 8) == cudaSuccess ? n * 2 : 0;
+        return pin_tok_alloc(c, 2 * n); // twice the ask: growth past the reserve stays rare
     }
-    return c->gs.pin_tok != NULL;
+    return 1;
 }
 
 __device__ __forceinline__ float bf16f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }

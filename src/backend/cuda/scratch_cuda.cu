@@ -44,22 +44,17 @@ int cu_scratch_reserve(qf_backend *be, const qf_scratch_shape *s) {
     bound b[16];
     cudaDeviceSynchronize();
     g_drop_all(c);
-    int n = bounds(c, s, b), n_tok = n - 1; // the ids' bound is the last
+    int n = bounds(c, s, b);
+    size_t ids = 0; // the pinned staging of the ids, as many as their scratch
     for (int i = 0; i < n; i++) {
+        if (b[i].p == &c->tok) ids = b[i].bytes / sizeof(int32_t);
         if (*b[i].cap >= b[i].bytes) continue;
         cudaFree(*b[i].p);
         *b[i].p = NULL, *b[i].cap = 0;
         if (cudaMalloc(b[i].p, b[i].bytes) != cudaSuccess) return qf_fail(QF_ENOMEM, "out of device memory for the ops' scratch (%zu bytes)", b[i].bytes);
         *b[i].cap = b[i].bytes;
     }
-    size_t ids = b[n_tok].bytes / sizeof(int32_t); // the pinned staging of the ids, as many as their scratch
-    if (c->gs.pin_tok_cap < ids) {
-        cudaFreeHost(c->gs.pin_tok);
-        c->gs.pin_tok_cap = 0;
-        if (cudaMallocHost((void **)&c->gs.pin_tok, ids * sizeof(int32_t)) != cudaSuccess)
-            return c->gs.pin_tok = NULL, qf_fail(QF_ENOMEM, "out of pinned host memory for the token ids' staging");
-        c->gs.pin_tok_cap = ids;
-    }
+    if (c->gs.pin_tok_cap < ids && !pin_tok_alloc(c, ids)) return qf_fail(QF_ENOMEM, "out of pinned host memory for the token ids' staging");
     if (!c->blas_ws) {
         if (cudaMalloc(&c->blas_ws, BLAS_WS_BYTES) != cudaSuccess) return qf_fail(QF_ENOMEM, "out of device memory for cuBLAS's workspace");
         if (cublasSetWorkspace(c->blas, c->blas_ws, BLAS_WS_BYTES) != CUBLAS_STATUS_SUCCESS) return qf_fail(QF_EDEVICE, "cuBLAS did not take its workspace");
