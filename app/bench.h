@@ -24,6 +24,7 @@ typedef struct bench_cfg {
     double expert_hit_rate;     /* decode steps' expert uses found in the cache */
     double streamed_per_token;  /* bytes of experts loaded per decoded token */
     double streaming_loads;     /* experts loaded in the decode steps of every run */
+    double host_computed;       /* of the misses, computed on the host (hybrid execution), every run */
     double inactive_experts, inactive_trunk, inactive_kv; /* sparsity: routed experts dropped, trunk inputs zeroed, KV pages skipped (decode steps) */
     int sparse;                              /* a sparsity level above 0 was on */
     float level;                             /* the level (layer 1's) */

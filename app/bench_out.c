@@ -42,8 +42,8 @@ void bench_print(const bench_result *r) {
                c->prefill_ms.max, c->decode_tok_s_total.min, c->decode_tok_s_total.max, c->experts_per_step,
                c->experts_estimated ? " (estimated: uniform routing)" : "");
         if (c->expert_cache)
-            printf("%5s expert cache: %.0f loads, %.1f%% of decode steps' expert uses hit, %.3f MB of experts loaded per token\n", "", c->streaming_loads,
-                   100.0 * c->expert_hit_rate, c->streamed_per_token / 1e6);
+            printf("%5s expert cache: %.0f misses (%.0f of them computed on the host), %.1f%% of decode steps' expert uses hit, %.3f MB of experts moved "
+                   "per token\n", "", c->streaming_loads, c->host_computed, 100.0 * c->expert_hit_rate, c->streamed_per_token / 1e6);
         if (c->sparse)
             printf("%5s sparsity level %.2f, inactive blocks: %.1f%% of routed experts dropped, %.1f%% of trunk projection inputs zeroed, %.1f%% of KV pages "
                    "skipped\n", "", c->level, 100.0 * c->inactive_experts, 100.0 * c->inactive_trunk, 100.0 * c->inactive_kv);
@@ -79,6 +79,7 @@ static json_t *jcfg(const bench_cfg *c) {
                                               "decode_seconds", c->run_decode_s[r], "itl_sum_ms", c->run_itl_sum_ms[r]));
     json_object_set_new(j, "run_details", runs);
     json_object_set_new(j, "streaming_loads", json_integer((json_int_t)c->streaming_loads));
+    json_object_set_new(j, "host_computed", json_integer((json_int_t)c->host_computed));
     json_object_set_new(j, "expert_cache_hit_rate", json_real(c->expert_hit_rate));
     json_object_set_new(j, "streamed_bytes_per_token", json_real(c->streamed_per_token));
     json_object_set_new(j, "sparsity_level", json_real(c->level));

@@ -124,6 +124,8 @@ int cli_device_flag(cli_args *a, qf_engine_opts *eo, qf_backend_opts *bo) {
         eo->expert_heat = cli_value(a);
     } else if (cli_is(a, NULL, "--expert-prefetch")) {
         eo->expert_prefetch = (int)cli_num(a, 0, 64);
+    } else if (cli_is(a, NULL, "--expert-threads")) {
+        eo->expert_threads = (int)cli_num(a, 0, 1024);
     } else if (cli_is(a, NULL, "--expert-policy")) {
         eo->expert_policy = cli_value(a); /* parsed by the engine */
     } else if (cli_is(a, NULL, "--cuda-opt")) {

@@ -209,7 +209,7 @@ typedef struct run_ctx {
 } run_ctx;
 
 typedef struct run_out {
-    double prefill_s, ttft_s, decode_s, experts, hits, misses, loaded;
+    double prefill_s, ttft_s, decode_s, experts, hits, misses, loaded, host;
     qf_sparsity_counts sp; /* what sparsity skipped in the decode steps */
     uint64_t ids; /* FNV-1a of the decoded ids */
 } run_out;
@@ -258,6 +258,7 @@ static int one_run(run_ctx *x, double *itl, run_out *o) {
     qf_expert_stats es1 = e->model->experts ? qf_es_stats(e->model->experts) : (qf_expert_stats){0};
     o->experts = x->G > 1 ? (double)(es1.acquires - es0.acquires) / (x->G - 1) : 0;
     o->hits = (double)(es1.hits - es0.hits), o->misses = (double)(es1.misses - es0.misses), o->loaded = (double)(es1.bytes_loaded - es0.bytes_loaded);
+    o->host = (double)(es1.host_computed - es0.host_computed);
     qf_sparsity_counts sp1 = sparsity_now(e);
     o->sp = (qf_sparsity_counts){sp1.experts - sp0.experts, sp1.experts_dropped - sp0.experts_dropped, sp1.trunk - sp0.trunk, sp1.trunk_zeroed - sp0.trunk_zeroed,
                                  sp1.kv_pages - sp0.kv_pages, sp1.kv_skipped - sp0.kv_skipped};
@@ -301,6 +302,8 @@ static void summarize(bench_cfg *c, run_out *ro, int R) {
     for (int r = 0; r < R; r++) spk += (double)ro[r].sp.kv_pages, spks += (double)ro[r].sp.kv_skipped;
     c->inactive_experts = spx > 0 ? spxd / spx : 0, c->inactive_trunk = spt > 0 ? sptz / spt : 0, c->inactive_kv = spk > 0 ? spks / spk : 0;
     c->streaming_loads = uses - hits;
+    c->host_computed = 0;
+    for (int r = 0; r < R; r++) c->host_computed += ro[r].host;
     c->streamed_per_token = c->decode_steps > 0 ? loaded / ((double)R * c->concurrency * c->decode_steps) : 0;
     double *sorted = malloc((size_t)(c->n_itl ? c->n_itl : 1) * sizeof *sorted);
     if (sorted && c->n_itl) {

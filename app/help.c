@@ -103,6 +103,8 @@ static void device_help(FILE *f) {
                "                         routing trace (qflash route-record's)\n"
                "  --expert-prefetch N    the CPU's RAM expert cache reads each token's N likeliest experts of the next\n"
                "                         layer ahead, while this layer runs (default 0: off)\n"
+               "  --expert-threads N     with --gpu-mem: N host threads compute a share of each decode step's missed\n"
+               "                         experts from host memory beside the GPU (the share measured at load; 0: off)\n"
                "  --sparsity-level L     0 (exact, the default) to 1: low-weight experts dropped, small trunk inputs\n"
                "                         skipped, KV pages chosen from 8K tokens on (else config_flash.json's)\n");
 }

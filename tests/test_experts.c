@@ -581,6 +581,8 @@ static int policy_diff(qf_model *m, qf_backend *be, qf_slot_cache *ref) {
  * all resident on the device), a prompt (by_token: fed a token a step, the policy checked after
  * each step) and GPU_STEPS greedy steps, the logits into out. 0 without a GPU. The bundled model
  * runs its decode steps through the fused ops (graphs), the fixture through the plain ones. */
+static float g_host_share = -1.0f; /* gpu_cached's hybrid share (negative: no hybrid) */
+static uint64_t g_host_computed;   /* and the experts its host computed */
 static int gpu_cached(const char *dir, int slots, int policy, int by_token, int stage, float *out) {
     qf_backend be;
     if (!qf_backend_has_cuda() || qf_backend_open(&be, "cuda", NULL, NULL) != QF_OK) return 0;
@@ -591,6 +593,8 @@ static int gpu_cached(const char *dir, int slots, int policy, int by_token, int 
     if (rc == QF_OK) L = m->cfg.n_layers, E = m->cfg.n_experts, K = m->cfg.n_experts_used, V = m->cfg.vocab;
     if (rc == QF_OK && slots && (rc = qf_es_devcache_create(&s, m->experts, &be, L, E, K)) == QF_OK) m->experts = s;
     if (rc == QF_OK && slots) rc = qf_es_devcache_set_slots(m->experts, slots, policy, stage), qf_model_dec_check(m);
+    qf_pool *host = g_host_share >= 0.0f ? qf_pool_create(3) : NULL;
+    if (rc == QF_OK && slots && host) rc = qf_es_devcache_set_host(m->experts, host, g_host_share);
     CHECK(rc == QF_OK && (m->dec_ok || strcmp(dir, GPU_MODEL) != 0), "%s, %d slots: %s", dir, slots, qf_last_error());
     qf_slot_cache *ref = calloc((size_t)L, sizeof *ref);
     for (int l = 0; l < L; l++) qf_slot_cache_init(&ref[l], policy, E, slots ? slots : 1, 64);
@@ -622,6 +626,7 @@ static int gpu_cached(const char *dir, int slots, int policy, int by_token, int 
     }
     CHECK(rc == QF_OK, "%s, %d slots: %s", dir, slots, qf_last_error());
     CHECK(bad == 0, "%s, %d slots, %s: the device's slot map left the reference policy's %d times", dir, slots, qf_policy_name(policy), bad);
+    if (host) g_host_computed = qf_es_stats(m->experts).host_computed;
     if (slots && by_token) {
         qf_expert_stats es = qf_es_stats(m->experts);
         uint64_t hits = 0, misses = 0;
@@ -635,7 +640,40 @@ static int gpu_cached(const char *dir, int slots, int policy, int by_token, int 
     qf_workspace_free(ws);
     qf_model_free(m);
     qf_backend_close(&be);
+    qf_pool_destroy(host);
     return 1;
+}
+
+/* Hybrid expert execution on the GPU: with no share the device cache's own bits; with a share
+ * (half, and every miss) the misses the host computes give the all-resident logits to the GPU's
+ * tolerance and the same greedy tokens, and the host computed some. */
+static void test_gpu_hybrid(const char *dir) {
+    qf_model *m;
+    if (qf_model_load(&m, qt_path(dir), NULL) != QF_OK) return;
+    size_t n = (size_t)(GPU_STEPS + 1) * m->cfg.vocab;
+    int V = m->cfg.vocab, K = m->cfg.n_experts_used;
+    qf_model_free(m);
+    float *ref = calloc(n, sizeof(float)), *got = calloc(n, sizeof(float));
+    g_host_share = -1.0f;
+    if (!gpu_cached(dir, 0, QF_POLICY_LRU, 0, 0, ref)) {
+        fprintf(stderr, "test_experts: no GPU, the hybrid checks skipped\n");
+        free(ref), free(got);
+        return;
+    }
+    float shares[3] = {0.0f, 0.5f, 1.0f};
+    for (int i = 0; i < 3; i++) {
+        g_host_share = shares[i], g_host_computed = 0;
+        gpu_cached(dir, K, QF_POLICY_DLFU_AD, 0, 0, got);
+        int same = 1;
+        for (int t = 0; t <= GPU_STEPS; t++) same &= qt_argmax(ref + (size_t)t * V, V) == qt_argmax(got + (size_t)t * V, V);
+        double d = qt_max_abs_diff(ref, got, (int64_t)n);
+        CHECK(same && d <= (i ? 2e-4 : 0.0) && (g_host_computed > 0) == (i > 0), "%s: hybrid, host share %.1f: logits %.3g from all resident, same tokens %d, "
+              "%llu experts computed on the host", dir, shares[i], d, same, (unsigned long long)g_host_computed);
+        fprintf(stderr, "%s: hybrid, host share %.1f: %llu experts on the host, logits %.3g from all resident\n", dir, shares[i],
+                (unsigned long long)g_host_computed, d);
+    }
+    g_host_share = -1.0f;
+    free(ref), free(got);
 }
 
 /* The device expert cache, from fewer slots than a token's experts (some read from host memory
@@ -1036,5 +1074,6 @@ int main(int argc, char **argv) {
     test_gpu_abandoned_steps();
     test_gpu_devcache(GPU_MODEL);
     test_gpu_devcache("tests/data/qwen35moe-tiny");
+    test_gpu_hybrid(GPU_MODEL);
     return qt_finish();
 }

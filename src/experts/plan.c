@@ -65,6 +65,9 @@ void qf_plan_print(FILE *f, const qf_plan *p) {
     fprintf(f, "\n  %d of %d experts a layer in device slots (%.1f%% resident, %s), the rest read from %.1f GiB of pinned host memory; ",
             p->slots, p->n_experts, 100.0 * p->slots / p->n_experts, qf_policy_name(p->policy), (double)p->host_experts / GIB);
     if (p->stage) fprintf(f, "prompt chunks stage whole layers (2 x %.0f MiB of the buffer); ", (double)p->stage / 2 / MIB);
+    if (p->host_threads)
+        fprintf(f, "\n  hybrid: %d host threads compute up to %.0f%% of a decode step's misses (an expert %.3f ms on the host, %.3f ms over the link); ",
+                p->host_threads, 100.0 * p->host_share, p->host_ms, p->link_ms);
     size_t planned = p->context + p->trunk + p->workspace + p->buffer;
     fprintf(f, "device memory in use after warm-up %.0f MiB of %.0f (planned so far %.0f)\n", (double)p->used_after_warmup / MIB, (double)p->device_total / MIB,
             (double)planned / MIB);

@@ -19,12 +19,14 @@
 #include <string.h>
 
 #include "backend/ops.h"
+#include "base/pool.h"
 #include "base/err.h"
 #include "format/safetensors.h"
 
 typedef struct qf_expert_stats {
     uint64_t acquires, hits, misses, bytes_loaded;
     uint64_t prefetches, prefetch_hits, prefetch_waits; /* experts read ahead; of them used before leaving; acquires that waited for one */
+    uint64_t host_computed; /* misses computed on the host where they live (hybrid execution), not moved */
     int slots;         /* a cache's slots per layer (0: every expert resident) */
     size_t pool_bytes; /* its memory */
 } qf_expert_stats;
@@ -96,6 +98,14 @@ int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backen
 int qf_es_devcache_set_slots(qf_expert_store *s, int slots, int policy, int stage);
 /* stage: two buffers of a whole layer's experts for prompt chunks (wide_table), copied over the
  * link a layer ahead of their use; 0: prompt chunks resolve through the slots like decode steps. */
+/* Hybrid expert execution (backend/xcache.h): after set_slots, a decode step's declined misses,
+ * up to share of its misses, are computed on pool's threads from their home views (host_moe.h)
+ * beside the device's kernels. host_share changes the share (0: every miss over the link). */
+int qf_es_devcache_set_host(qf_expert_store *s, qf_pool *pool, float share);
+void qf_es_devcache_host_share(qf_expert_store *s, float share);
+/* The split's cost model, measured: milliseconds an expert takes on the host (one row, pool's
+ * threads) and over the link (its bytes copied from home). */
+int qf_es_devcache_measure(qf_expert_store *s, double *host_ms, double *link_ms);
 /* Bytes of one expert's slot: its three matrices, each 256-byte aligned. */
 size_t qf_es_slot_bytes(const qf_expert *x);
 

@@ -3,6 +3,7 @@
  * pool of slots in the backend's memory in front of them (ops.h qf_xcache): the device resolves
  * every step's experts itself, so a hit costs no host round trip and decode steps stay one graph.
  * Everything is allocated at creation; nothing is allocated as it runs. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,7 +11,9 @@
 
 #include "base/dtype.h"
 #include "base/err.h"
+#include "base/timer.h"
 #include "experts/cache_policy.h"
+#include "experts/host_moe.h"
 #include "experts/store.h"
 
 typedef struct dc_layer {
@@ -46,6 +49,10 @@ typedef struct devcache_store {
     span *pinned;                 /* host ranges registered with the device */
     int n_pinned;
     void *copy;                   /* pinned copy of every expert, when the home could not be pinned */
+    qf_host_moe *host;            /* hybrid execution (NULL: off): the host's experts */
+    qf_xc_job *job;               /* mapped host memory, every layer's */
+    void *zero;                   /* slot_bytes of zeros, backend memory */
+    uint64_t host_computed;       /* experts the host computed (a host node's thread adds; read between steps) */
 } devcache_store;
 
 /* A matrix as the device reads it: its rows and, for FP8, the scales after them (the home copy
@@ -82,6 +89,7 @@ static void dc_refresh(qf_expert_store *s) {
     for (size_t i = 0; i < n; i++) sum[i % QF_XC_COUNTERS] += d->ctr_host[i];
     /* a miss crosses the link once, copied into a slot or (declined) read in place */
     s->stats.hits = sum[QF_XC_HITS], s->stats.misses = sum[QF_XC_MISSES], s->stats.bytes_loaded = sum[QF_XC_MISSES] * d->slot_bytes;
+    s->stats.host_computed = d->host_computed, s->stats.bytes_loaded -= d->host_computed * d->slot_bytes; /* computed where they live */
     s->stats.acquires = s->stats.hits + s->stats.misses;
     s->stats.bytes_loaded += d->staged_bytes;
 }
@@ -144,9 +152,11 @@ static void dc_destroy(qf_expert_store *s) {
     for (int L = 0; d->layers && L < d->n_layers; L++) {
         dc_layer *l = &d->layers[L];
         qf_be_free(d->be, (void *)l->home), qf_be_free(d->be, (void *)l->tab), qf_be_free(d->be, l->chosen);
-        qf_be_free(d->be, l->x.slots), qf_be_free(d->be, l->x.state);
+        qf_be_free(d->be, l->x.slots), qf_be_free(d->be, l->x.state), qf_be_free(d->be, l->x.host_words);
         free(l->views);
     }
+    qf_host_moe_free(d->host), qf_be_free(d->be, d->zero);
+    if (d->job) d->be->ops->pin_free(d->be, d->job);
     for (int b = 0; b < 2; b++) qf_be_free(d->be, d->stage_mem[b]), qf_be_free(d->be, (void *)d->stage_tab[b]);
     free(d->cp_dst), free((void *)d->cp_src), free(d->cp_bytes), free(d->fill_host);
     for (int i = 0; i < d->n_pinned; i++) d->be->ops->unpin(d->be, d->pinned[i].p);
@@ -240,9 +250,10 @@ static int make_slots(devcache_store *d, int L, int slots, int policy) {
     dc_layer *l = &d->layers[L];
     const qf_expert *x = &l->views[0];
     size_t g = align256(mat_bytes(&x->gate)), u = align256(mat_bytes(&x->up));
-    l->x = (qf_xcache){d->n_experts, slots, policy, 64, d->slot_bytes, {0, g, g + u}, {mat_bytes(&x->gate), mat_bytes(&x->up), mat_bytes(&x->down)},
-                       l->home, l->tab, qf_be_alloc(d->be, (size_t)slots * d->slot_bytes), qf_be_alloc(d->be, qf_xcache_state_bytes(d->n_experts, slots)),
-                       d->counters + (size_t)L * QF_XC_COUNTERS};
+    l->x = (qf_xcache){.n_experts = d->n_experts, .n_slots = slots, .policy = policy, .half_life = 64, .slot_bytes = d->slot_bytes,
+                       .off = {0, g, g + u}, .bytes = {mat_bytes(&x->gate), mat_bytes(&x->up), mat_bytes(&x->down)}, .home = l->home, .tab = l->tab,
+                       .slots = qf_be_alloc(d->be, (size_t)slots * d->slot_bytes), .state = qf_be_alloc(d->be, qf_xcache_state_bytes(d->n_experts, slots)),
+                       .counters = d->counters + (size_t)L * QF_XC_COUNTERS};
     if (!l->x.slots || !l->x.state)
         return qf_fail(QF_ENOMEM, "out of device memory for layer %d's %d expert slots (%.1f MiB)", L, slots, (double)slots * (double)d->slot_bytes / 1048576.0);
     return QF_OK;
@@ -333,4 +344,69 @@ int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backen
     }
     *out = &d->base;
     return QF_OK;
+}
+
+/* A host node's call: layer L's host experts of the job, from their home views. */
+static int dc_host_run(void *ctx, int L, qf_xc_job *job) {
+    devcache_store *d = ctx;
+    qf_host_moe_job j = {d->layers[L].views, d->n_experts, job->n, job->top_k, job->xn, job->ids, job->w, job->y};
+    int rc = qf_host_moe_run(d->host, &j);
+    if (rc == QF_OK) d->host_computed += (uint64_t)job->n_host;
+    return rc;
+}
+
+int qf_es_devcache_set_host(qf_expert_store *s, qf_pool *pool, float share) {
+    devcache_store *d = (devcache_store *)s;
+    if (s->ops != &k_dc_ops || !d->layers[0].x.slots || d->host) return qf_fail(QF_EINVAL, "not a device expert cache with slots and no host share");
+    const qf_mat *g = &d->layers[0].views[0].gate;
+    int H = (int)g->cols, rc = qf_host_moe_create(&d->host, pool, H, (int)g->rows, d->top_k, QF_XC_ROWS);
+    size_t head = (sizeof(qf_xc_job) + 255) & ~(size_t)255;
+    if (rc == QF_OK && !(d->job = d->be->ops->pin_alloc(d->be, head + 2 * (size_t)QF_XC_ROWS * H * sizeof(float))))
+        rc = qf_fail(QF_ENOMEM, "out of pinned host memory for the host experts' job");
+    if (rc == QF_OK && !(d->zero = qf_be_alloc(d->be, d->slot_bytes))) rc = qf_fail(QF_ENOMEM, "out of device memory for the zero expert");
+    for (int L = 0; L < d->n_layers && rc == QF_OK; L++)
+        if (!(d->layers[L].x.host_words = qf_be_alloc(d->be, QF_XC_HOST_WORDS * sizeof(int32_t)))) rc = qf_fail(QF_ENOMEM, "out of device memory");
+    if (rc != QF_OK) return rc; /* what was made is freed with the store; job stays NULL: hybrid off */
+    d->job->xn = (float *)((char *)d->job + head), d->job->y = d->job->xn + (size_t)QF_XC_ROWS * H;
+    for (int L = 0; L < d->n_layers; L++) {
+        qf_xcache *x = &d->layers[L].x;
+        x->job = d->job, x->zero = d->zero, x->host_run = dc_host_run, x->host_ctx = d, x->layer = L;
+    }
+    qf_es_devcache_host_share(s, share);
+    return qf_be_sync(d->be);
+}
+
+void qf_es_devcache_host_share(qf_expert_store *s, float share) {
+    devcache_store *d = (devcache_store *)s;
+    share = share < 0.0f ? 0.0f : share > 1.0f ? 1.0f : share;
+    for (int L = 0; s->ops == &k_dc_ops && d->job && L < d->n_layers; L++) d->layers[L].x.host_share = share;
+}
+
+/* Best of 3 rounds, milliseconds an expert: layer 0's first top_k experts on one row on the host,
+ * and their bytes copied from home over the link (into the zero expert, zeroed again after). */
+int qf_es_devcache_measure(qf_expert_store *s, double *host_ms, double *link_ms) {
+    devcache_store *d = (devcache_store *)s;
+    if (s->ops != &k_dc_ops || !d->job) return qf_fail(QF_EINVAL, "not a device expert cache with a host share");
+    int K = d->top_k, H = (int)d->layers[0].views[0].gate.cols, rc = QF_OK;
+    qf_xc_job *j = d->job;
+    for (int k = 0; k < K; k++) j->ids[k] = k, j->w[k] = 1.0f / (float)K;
+    for (int i = 0; i < H; i++) j->xn[i] = 0.01f * (float)(i % 17);
+    j->n = 1, j->top_k = K;
+    *host_ms = *link_ms = 1e30;
+    for (int r = 0; r < 3 && rc == QF_OK; r++) {
+        double t0 = qf_now();
+        qf_host_moe_job hj = {d->layers[0].views, d->n_experts, 1, K, j->xn, j->ids, j->w, j->y};
+        rc = qf_host_moe_run(d->host, &hj);
+        double t1 = qf_now();
+        for (int k = 0; k < K && rc == QF_OK; k++) {
+            const qf_expert *x = &d->layers[0].views[k];
+            const qf_mat *m[3] = {&x->gate, &x->up, &x->down};
+            for (int i = 0; i < 3; i++) qf_be_upload(d->be, (char *)d->zero + d->layers[0].x.off[i], m[i]->data, mat_bytes(m[i]));
+        }
+        if (rc == QF_OK) rc = qf_be_sync(d->be);
+        double t2 = qf_now();
+        *host_ms = fmin(*host_ms, 1e3 * (t1 - t0) / K), *link_ms = fmin(*link_ms, 1e3 * (t2 - t1) / K);
+    }
+    qf_be_zero(d->be, d->zero, d->slot_bytes);
+    return rc == QF_OK ? qf_be_sync(d->be) : rc;
 }

@@ -111,7 +111,7 @@ void qf_engine_close(qf_engine *e) {
     qf_model_free(e->model); /* device buffers go back before the device context does */
     e->model = NULL;
     qf_backend_close(&e->be);
-    qf_pool_destroy(e->pool);
+    qf_pool_destroy(e->pool), qf_pool_destroy(e->host_pool); /* after the model: its store runs on host_pool */
     qf_tok_free(e->tok);
     qf_model_free(e->model);
     free(e);

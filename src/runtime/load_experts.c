@@ -137,6 +137,19 @@ static int warm_up(qf_engine *e) {
     return rc;
 }
 
+/* Hybrid expert execution on n host threads: the split that balances the host against the link
+ * for the measured cost of an expert on each (h / m = link / (link + host)). */
+static int hybrid(qf_engine *e, qf_expert_store *s, int n) {
+    qf_plan *p = &e->plan;
+    if (!(e->host_pool = qf_pool_create(n))) return qf_fail(QF_ENOMEM, "cannot start %d host expert threads", n);
+    int rc = qf_es_devcache_set_host(s, e->host_pool, 0.0f);
+    if (rc == QF_OK) rc = qf_es_devcache_measure(s, &p->host_ms, &p->link_ms);
+    if (rc != QF_OK) return rc;
+    p->host_threads = n, p->host_share = (float)(p->link_ms / (p->link_ms + p->host_ms));
+    qf_es_devcache_host_share(s, p->host_share);
+    return QF_OK;
+}
+
 /* The experts pinned at home, the workspace and the ops' scratch by arithmetic and reserved, the
  * plan made from them and the measured context and trunk; the buffer gets what the budget leaves,
  * and one warm-up records the step graph. */
@@ -164,6 +177,7 @@ int qf_load_experts_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_byte
     qf_plan *p = &e->plan;
     if ((rc = qf_plan_make(&in, p)) != QF_OK) return rc;
     if ((rc = qf_es_devcache_set_slots(s, p->slots, policy, p->stage > 0)) != QF_OK) return rc;
+    if (o->expert_threads > 0 && (rc = hybrid(e, s, o->expert_threads)) != QF_OK) return rc;
     if ((rc = warm_up(e)) != QF_OK) return rc;
     e->be.ops->mem_info(&e->be, &free_now, &total);
     p->used_after_warmup = total - free_now;

@@ -89,7 +89,8 @@ def test_bench_expert_cache(tmp_path):
         per_expert = 3 * 32 * 192 * 2  # bf16 gate, up, down of one expert
         tokens = c["concurrency"] * 23
         assert close(c["streamed_bytes_per_token"] * tokens, c["streaming_loads"] * per_expert, 1e-9)
-    assert "expert cache:" in out and "loads," in out
+    assert "expert cache:" in out and "computed on the host)" in out
+    assert all(c["host_computed"] == 0 for c in j["configs"])  # no hybrid on the CPU
 
 
 def test_bench_sparsity(tmp_path):

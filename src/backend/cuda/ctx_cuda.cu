@@ -49,6 +49,7 @@ static double now_us(void) { return qf_now() * 1e6; }
 // the next step starts clean unless the device itself is lost (then it fails again).
 static int take_error(ctx *c) {
     check(c, cudaPeekAtLastError(), "kernel launch");
+    if (c->host_rc) dev_fail(c, "%s", c->host_err), c->host_rc = 0;
     if (!c->err) return QF_OK;
     c->err = 0;
     cudaGetLastError();
@@ -103,6 +104,7 @@ int cu_step_end(qf_backend *be, int abandon) {
     graph_rec *q = s->cur;
     int mode = s->mode;
     s->mode = G_EAGER;
+    if (mode == G_EAGER && c->host_pending) check(c, cudaStreamSynchronize(0), "step with host experts"), c->host_pending = 0; // their result decides the step
     if (mode == G_EAGER) return take_error(c);
     if (abandon) { // the caller failed the step part-way: nothing of it runs, a partial recording is not kept
         if (mode == G_RECORD) q->key = 0;
@@ -280,6 +282,9 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device, const qf_cuda_op
     for (int i = 0; i < 3; i++)
         if (cudaEventCreateWithFlags(&c->stage_ev[i], cudaEventDisableTiming) != cudaSuccess) c->stage_ev[i] = NULL;
     if (cudaEventCreateWithFlags(&c->tok_ev, cudaEventDisableTiming) != cudaSuccess) c->tok_ev = NULL;
+    if (cudaStreamCreateWithFlags(&c->host_stream, cudaStreamNonBlocking) != cudaSuccess) c->host_stream = NULL;
+    for (int i = 0; i < 2; i++)
+        if (cudaEventCreateWithFlags(&c->host_ev[i], cudaEventDisableTiming) != cudaSuccess) c->host_ev[i] = NULL;
     note_peak(c);
     be->ops = &k_cuda_ops;
     be->dev = c;
@@ -315,6 +320,11 @@ extern "C" void qf_cuda_backend_free(qf_backend *be) {
         if (c->stage_ev[i]) cudaEventDestroy(c->stage_ev[i]);
     if (c->tok_ev) cudaEventDestroy(c->tok_ev);
     if (c->copy_stream) cudaStreamDestroy(c->copy_stream);
+    if (c->host_stream) cudaStreamDestroy(c->host_stream);
+    for (int i = 0; i < 2; i++)
+        if (c->host_ev[i]) cudaEventDestroy(c->host_ev[i]);
+    if (c->host_calls && c->st.on)
+        fprintf(stderr, "qflash cuda: %ld host expert calls, %.1f us each (means)\n", c->host_calls, c->host_us / (double)c->host_calls);
     cublasDestroy(c->blas);
     free(c);
     be->dev = NULL;

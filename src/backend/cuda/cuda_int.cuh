@@ -75,7 +75,16 @@ struct graph_state {
     char *pin_out;   // pinned staging for downloads (logits)
     int32_t *pin_tok; // pinned staging for token ids
     size_t pin_out_cap, pin_tok_cap, tok_off; // tok_off: the ids a recorded step staged so far
+    int host_at, skip, join; // the last host node; the next node depends on the node before it (skip); and on it too (join)
 };
+
+// A host node's call (hybrid expert execution): the layer's cache, whose host_run it calls.
+struct ctx;
+struct host_call {
+    ctx *c;
+    const qf_xcache *x;
+};
+#define HOST_CALLS 256 // layers with host experts
 
 // Option profile: every kernel timed with events (eager steps only), summed by kernel and
 // printed when the backend is freed.
@@ -153,6 +162,16 @@ struct ctx {
     cudaEvent_t stage_ev[3];    // [0], [1]: each staging buffer's copies done; [2]: the ops queued before a stage
     cudaEvent_t tok_ev;         // the last eager copy of token ids out of gs.pin_tok (cu_embed)
     int tok_ev_set;
+    // hybrid expert execution: the host nodes' calls, the eager path's stream and events (started,
+    // done), and the host's time, calls and first failure (kept for the step's end)
+    host_call hcalls[HOST_CALLS];
+    int n_hcalls, host_pending;
+    cudaStream_t host_stream;
+    cudaEvent_t host_ev[2];
+    double host_us;
+    long host_calls;
+    int host_rc;
+    char host_err[320];
     // The first failure since the last step ended (a kernel that could not take its shape, a
     // launch or copy that failed, scratch that could not grow): the step reports it and fails.
     int err;
@@ -194,12 +213,15 @@ inline void g_add_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, 
     }
     cudaKernelNodeParams kp = {(void *)fn, g, b, smem, args, NULL};
     if (cudaGraphAddKernelNode(&q->nodes[s->n], q->g, NULL, 0, &kp) != cudaSuccess) s->broken = 1;
-    if (s->n) {
+    int prev = s->n - 1 - s->skip; // past a host node: the node before it (the host runs beside what follows)
+    if (prev >= 0) {
         cudaGraphEdgeData e;
         memset(&e, 0, sizeof e);
-        if (pdl && c->pdl && q->funcs[s->n - 1]) e.from_port = cudaGraphKernelNodePortProgrammatic, e.type = cudaGraphDependencyTypeProgrammatic;
-        if (cudaGraphAddDependencies(q->g, &q->nodes[s->n - 1], &q->nodes[s->n], &e, 1) != cudaSuccess) s->broken = 1;
+        if (pdl && c->pdl && !s->skip && q->funcs[prev]) e.from_port = cudaGraphKernelNodePortProgrammatic, e.type = cudaGraphDependencyTypeProgrammatic;
+        if (cudaGraphAddDependencies(q->g, &q->nodes[prev], &q->nodes[s->n], &e, 1) != cudaSuccess) s->broken = 1;
     }
+    if (s->join && cudaGraphAddDependencies(q->g, &q->nodes[s->host_at], &q->nodes[s->n], NULL, 1) != cudaSuccess) s->broken = 1;
+    s->skip = 0, s->join = 0;
     g_launch *r = &q->rec[s->n];
     *r = {g, b, smem, 0, q->arg_used};
     if (q->argbuf && q->arg_used + len <= G_ARG_BYTES) memcpy(q->argbuf + q->arg_used, blob, len), q->arg_used += len, r->len = len;
@@ -224,6 +246,52 @@ inline void g_set_kernel(ctx *c, const void *fn, dim3 g, dim3 b, unsigned smem, 
         if (r->len == len && len) memcpy(q->argbuf + r->off, blob, len), r->g = g, r->b = b, r->smem = smem;
     }
     s->n++;
+}
+
+// A host function beside the kernels that follow (hybrid expert execution): in a recording a host
+// node after the last node, which the next kernel skips; eager, on the host stream after the ops
+// queued so far. g_join: the next kernel waits for it too. Host functions make no CUDA calls.
+inline void g_host(ctx *c, cudaHostFn_t fn, void *data) {
+    graph_state *s = &c->gs;
+    graph_rec *q = s->cur;
+    if (s->mode == G_RECORD) {
+        cudaHostNodeParams hp = {fn, data};
+        cudaGraphNode_t dep = s->n ? q->nodes[s->n - 1] : NULL;
+        if (s->n >= G_MAX_NODES || cudaGraphAddHostNode(&q->nodes[s->n], q->g, s->n ? &dep : NULL, s->n ? 1 : 0, &hp) != cudaSuccess) {
+            s->broken = 1;
+            return;
+        }
+        q->rec[s->n] = {}, q->rec[s->n].src = data, q->funcs[s->n] = (const void *)fn;
+        s->host_at = s->n++, s->skip = 1;
+    } else if (s->mode == G_REPLAY) {
+        g_launch *r = &q->rec[s->n];
+        if (s->n >= q->n_rec || q->funcs[s->n] != (const void *)fn) s->broken = 1;
+        else if (r->src != data) {
+            cudaHostNodeParams hp = {fn, data};
+            if (cudaGraphExecHostNodeSetParams(q->ex, q->nodes[s->n], &hp) != cudaSuccess) s->broken = 1;
+            r->src = data;
+        }
+        s->n++;
+    } else {
+        check(c, cudaEventRecord(c->host_ev[0], 0), "host experts' start");
+        check(c, cudaStreamWaitEvent(c->host_stream, c->host_ev[0], 0), "host experts' start");
+        check(c, cudaLaunchHostFunc(c->host_stream, fn, data), "host experts");
+        check(c, cudaEventRecord(c->host_ev[1], c->host_stream), "host experts' end");
+        c->host_pending = 1;
+    }
+}
+inline void g_join(ctx *c) {
+    if (c->gs.mode == G_RECORD) c->gs.join = 1;
+    else if (c->gs.mode == G_EAGER) check(c, cudaStreamWaitEvent(0, c->host_ev[1], 0), "host experts' join");
+}
+
+// The host node's call record for cache x (one per layer, kept while the backend lives).
+inline host_call *host_call_of(ctx *c, const qf_xcache *x) {
+    for (int i = 0; i < c->n_hcalls; i++)
+        if (c->hcalls[i].x == x) return &c->hcalls[i];
+    if (c->n_hcalls == HOST_CALLS) return NULL;
+    c->hcalls[c->n_hcalls] = {c, x};
+    return &c->hcalls[c->n_hcalls++];
 }
 
 inline void prof_flush(ctx *c) {
@@ -607,7 +675,10 @@ struct xc_drop {
     float tau[QF_DEC_ROWS];
     int min_k;
 };
-void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K, const xc_drop &drop);
+void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K, const xc_drop &drop, int host);
+int xcache_hybrid(const qf_xcache *x, const float *rl, int rows, int K, const xc_drop &drop);
+void xcache_host_start(ctx *c, const qf_xcache *x, const float *xin, const float *norm_w, float eps, int H, const float *rl, int rl_stride, int rows, int K);
+void xcache_host_join(ctx *c, const qf_xcache *x, float *y, int rows, int H);
 
 // The ops table (ops_cuda.cu) and its memory and step functions (ctx_cuda.cu).
 extern const qf_ops k_cuda_ops;

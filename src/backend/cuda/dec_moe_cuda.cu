@@ -577,23 +577,11 @@ static int moe_q_kernels(int F, int H, int I, int S, gu_qfn *gu, dn_qfn *dn) {
     return F == QK_I8 ? moe_q_pick<QK_I8>(H, I, S, gu, dn) : F == QK_I4 ? moe_q_pick<QK_I4>(H, I, S, gu, dn) : moe_q_pick<QK_F8>(H, I, S, gu, dn);
 }
 
-void dec_moe(qf_backend *be, const qf_moe_dec *a) {
-    ctx *c = C(be);
-    const void **tab = expert_table(a->table);
-    int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
-    size_t head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
-    char *s = (char *)scratch(c, &c->moe, &c->moe_cap, head + (size_t)n * K * I * sizeof(float));
-    if (!tab || !s) return dev_fail(c, "fused moe: %s", !tab ? "no device expert table (the expert store keeps one)" : "out of device memory");
-    int F = qk_of(a->experts[0].gate.dtype);
-    if (K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || !qf_moe_dec_fits(a->experts[0].gate.dtype, H, I, a->sh_ffn) || a->sh_ffn % 8)
-        return dev_fail(c, "fused moe: top-k %d > %d, %d experts > %d, or weights not in whole 16-byte units a row", K, MOE_MAX_K, E, MOE_MAX_E);
+// The two-kernel MoE (gate/up, then down) for a's rows; scratch s: routing heads, then hbuf.
+static void moe_kernels(ctx *c, const void **tab, const qf_moe_dec *a, float *hbuf, char *s, int F) {
+    int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn;
     int *topi = (int *)s;
-    float *topw = (float *)(s + (size_t)n * K * 4), *hbuf = (float *)(s + head);
-    xc_drop drop = {};
-    for (int t = 0; t < n && t < QF_DEC_ROWS; t++) drop.tau[t] = a->drop_tau[t];
-    drop.min_k = a->min_k;
-    if (a->cache) xcache_resolve(c, a->cache, NULL, 0, a->rl, a->rl_stride, n, K, drop);
-    if (n == 1 && QF_LAB(c, moe1) && c->moe_cnt && (F == QK_BF16 || QF_LAB(c, moe_pf)) && moe_one(c, tab, a, hbuf)) return;
+    float *topw = (float *)(s + (size_t)n * K * 4);
     size_t sm_gu = (size_t)H * sizeof(float), sm_dn = (size_t)(K * I + a->sh_ffn) * sizeof(float);
     // one wave of blocks, each looping over rows, so routing and staging are paid once per block
     // lanes hold 8 (l + 32 u) columns: HL loads per lane for a gate/up row, PL for a down part
@@ -615,6 +603,28 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     launch(c, "k_moe_gu", pdl, gu, dim3(K, gy, n), dim3(256), (unsigned)sm_gu, tab, *a, hbuf, topi, topw, early, c->sp_ctr);
     launch(c, "k_moe_down", 1, dn, dim3(dx, n), dim3(256), (unsigned)sm_dn, tab, *a, (const uint16_t *)a->sh_down->data, (const float *)hbuf,
            (const int *)topi, (const float *)topw, early);
+}
+
+
+void dec_moe(qf_backend *be, const qf_moe_dec *a) {
+    ctx *c = C(be);
+    const void **tab = expert_table(a->table);
+    int n = a->n, K = a->top_k, H = a->hidden, I = a->ffn, E = a->n_experts;
+    size_t head = ((size_t)n * K * 8 + 15) & ~(size_t)15;
+    char *s = (char *)scratch(c, &c->moe, &c->moe_cap, head + (size_t)n * K * I * sizeof(float));
+    if (!tab || !s) return dev_fail(c, "fused moe: %s", !tab ? "no device expert table (the expert store keeps one)" : "out of device memory");
+    int F = qk_of(a->experts[0].gate.dtype);
+    if (K > MOE_MAX_K || E > MOE_MAX_E || a->sh_down->dtype != QF_DT_BF16 || !qf_moe_dec_fits(a->experts[0].gate.dtype, H, I, a->sh_ffn) || a->sh_ffn % 8)
+        return dev_fail(c, "fused moe: top-k %d > %d, %d experts > %d, or weights not in whole 16-byte units a row", K, MOE_MAX_K, E, MOE_MAX_E);
+    float *hbuf = (float *)(s + head);
+    xc_drop drop = {};
+    for (int t = 0; t < n && t < QF_DEC_ROWS; t++) drop.tau[t] = a->drop_tau[t];
+    drop.min_k = a->min_k;
+    int host = xcache_hybrid(a->cache, a->rl, n, K, drop); // misses computed on the host beside the kernels below
+    if (a->cache) xcache_resolve(c, a->cache, NULL, 0, a->rl, a->rl_stride, n, K, drop, host);
+    if (host) xcache_host_start(c, a->cache, a->x, a->norm_w, a->eps, H, a->rl, a->rl_stride, n, K);
+    if (!(n == 1 && QF_LAB(c, moe1) && c->moe_cnt && (F == QK_BF16 || QF_LAB(c, moe_pf)) && moe_one(c, tab, a, hbuf))) moe_kernels(c, tab, a, hbuf, s, F);
+    if (host) xcache_host_join(c, a->cache, a->x, n, H);
 }
 
 } // namespace qfc

@@ -3,7 +3,7 @@
 // copies the admitted misses from pinned host memory into their slots. Both are kernels in the
 // step's stream (and its graph): a hit costs no host round trip, a miss costs its bytes over the
 // link, read by the SMs straight from the mapped host memory.
-#include "backend/cuda/cuda_int.cuh"
+#include "backend/cuda/dec_int.cuh"
 
 namespace qfc {
 
@@ -31,6 +31,7 @@ struct xc_shared {
     int slot_of[XC_MAX_E], expert_in[XC_MAX_E], order[XC_MAX_E], vict[XC_MAX_E], first[XC_MAX_E];
     uint32_t last[XC_MAX_E], count[XC_MAX_E], count_at[XC_MAX_E];
     int ids[XC_MAX_IDS];
+    int host[XC_MAX_E]; // 1: the host computes this expert this step
     int n_order, n_vict, n_fill;
 };
 
@@ -117,15 +118,46 @@ __device__ void xc_victims(xc_shared &s, const qf_xcache &x, uint32_t used, uint
     __syncthreads();
 }
 
-// Thread 0: the misses in order take free slots, then victims in rank order when admitted.
-__device__ void xc_assign(xc_shared &s, const qf_xcache &x, xc_state &g, uint32_t now) {
+// Thread 0, with hybrid on: the last step's host experts point home again (unless admitted
+// since), whatever this step is; a hybrid step's host share of its misses is counted.
+__device__ int xc_host_begin(xc_shared &s, const qf_xcache &x, int host) {
+    int32_t *prev = x.host_words, E = x.n_experts, m0 = 0;
+    if (!prev) return 0;
+    for (int i = 0; i < prev[0]; i++) {
+        int e = prev[1 + i];
+        if (s.slot_of[e] < 0)
+            for (int m = 0; m < 3; m++) x.tab[m * E + e] = x.home[m * E + e];
+    }
+    prev[0] = 0;
+    if (!host) return 0;
+    for (int i = 0; i < s.n_order; i++) m0 += s.slot_of[s.order[i]] < 0;
+    int hmax = (int)ceilf(x.host_share * (float)m0);
+    return hmax < QF_XC_HOST_MAX ? hmax : QF_XC_HOST_MAX;
+}
+
+// A declined miss to the host: its table entries at the zeros, remembered for the next step.
+__device__ void xc_to_host(xc_shared &s, const qf_xcache &x, int e) {
+    int32_t *prev = x.host_words;
+    s.host[e] = 1;
+    x.job->host_ids[prev[0]] = e, prev[1 + prev[0]++] = e;
+    for (int m = 0; m < 3; m++) x.tab[m * x.n_experts + e] = x.zero + x.off[m];
+}
+
+// Thread 0: the misses in order take free slots, then victims in rank order when admitted; with
+// host, up to its share of the declined go to the host.
+__device__ void xc_assign(xc_shared &s, const qf_xcache &x, xc_state &g, uint32_t now, int host) {
     uint32_t used = g.hdr[1];
-    int nv = 0, nf = 0;
+    int nv = 0, nf = 0, hmax = xc_host_begin(s, x, host);
     unsigned long long misses = 0, declined = 0;
     for (int i = 0; i < s.n_order; i++) {
         int e = s.order[i], slot = -1;
         if (s.slot_of[e] >= 0) continue;
         misses++;
+        if (hmax && x.host_share >= 1.0f) { // the host takes every miss it has room for: none is admitted
+            declined++;
+            if (hmax && x.host_words[0] < hmax) xc_to_host(s, x, e);
+            continue;
+        }
         if (used < (uint32_t)x.n_slots) {
             slot = (int)used++;
         } else if (nv < s.n_vict) {
@@ -139,12 +171,14 @@ __device__ void xc_assign(xc_shared &s, const qf_xcache &x, xc_state &g, uint32_
         }
         if (slot < 0) {
             declined++;
+            if (hmax && x.host_words[0] < hmax) xc_to_host(s, x, e);
             continue;
         }
         s.expert_in[slot] = e, s.slot_of[e] = slot, s.last[slot] = now;
         g.fill_e[nf] = (uint32_t)e, g.fill_s[nf] = (uint32_t)slot, nf++;
         for (int m = 0; m < 3; m++) x.tab[m * x.n_experts + e] = x.slots + (size_t)slot * x.slot_bytes + x.off[m];
     }
+    if (host) x.job->n_host = x.host_words[0];
     g.hdr[1] = used, g.hdr[2] = (uint32_t)nf;
     g.ctr[QF_XC_MISSES] += misses, g.ctr[QF_XC_DECLINED] += declined;
     g.ctr[QF_XC_HITS] += (unsigned long long)(s.n_order) - misses;
@@ -152,7 +186,8 @@ __device__ void xc_assign(xc_shared &s, const qf_xcache &x, xc_state &g, uint32_
 
 // One block: the step's routed ids (ids, n of them; or, with rl, rows routed here from their
 // logits) resolved as qf_slot_cache_access does, then the step's tick.
-__global__ void __launch_bounds__(512) k_xc_resolve(qf_xcache x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K, xc_drop drop) {
+__global__ void __launch_bounds__(512) k_xc_resolve(qf_xcache x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K, xc_drop drop,
+                                                    int host) {
     __shared__ xc_shared s;
     __shared__ float lv[XC_MAX_E];
     xc_state g = xc_map(x);
@@ -161,6 +196,7 @@ __global__ void __launch_bounds__(512) k_xc_resolve(qf_xcache x, const int *ids,
     for (int e = tid; e < E; e += blockDim.x)
         s.slot_of[e] = (int)g.slot1_of[e] - 1, s.count[e] = g.count[e], s.count_at[e] = g.count_at[e];
     for (int i = tid; i < S; i += blockDim.x) s.expert_in[i] = (int)g.expert1_in[i] - 1, s.last[i] = g.last[i];
+    for (int e = tid; e < E; e += blockDim.x) s.host[e] = 0;
     if (rl) { // decode: the rows' ids are routed here (the MoE kernel routes again, the same way)
         for (int r = 0; r < rows; r++) {
             xc_route_row(rl + (int64_t)r * rl_stride, E, K, s.ids + r * K, lv);
@@ -172,8 +208,14 @@ __global__ void __launch_bounds__(512) k_xc_resolve(qf_xcache x, const int *ids,
     __syncthreads();
     xc_hits(s, x, ids, n, now);
     xc_victims(s, x, g.hdr[1], now);
-    if (tid == 0) xc_assign(s, x, g, now), g.hdr[0] = now + 1;
+    if (tid == 0) xc_assign(s, x, g, now, host), g.hdr[0] = now + 1;
     __syncthreads();
+    int32_t *chosen = x.host_words + 1 + QF_XC_HOST_MAX;
+    for (int i = tid; host && i < n; i += blockDim.x) { // the job's choices; the chosen ids for k_xc_host_job's weights
+        int r = i / K, k = i - r * K;
+        chosen[r * QF_XC_K + k] = ids[i];
+        x.job->ids[i] = s.host[ids[i]] ? ids[i] : -1;
+    }
     for (int e = tid; e < E; e += blockDim.x)
         g.slot1_of[e] = (uint32_t)(s.slot_of[e] + 1), g.count[e] = s.count[e], g.count_at[e] = s.count_at[e];
     for (int i = tid; i < S; i += blockDim.x) g.expert1_in[i] = (uint32_t)(s.expert_in[i] + 1), g.last[i] = s.last[i];
@@ -208,13 +250,77 @@ __global__ void __launch_bounds__(256) k_xc_fill(qf_xcache x) {
     }
 }
 
+// Block r (a hybrid step's row): the MoE's normed input into the job (x * 1/rms * norm weight;
+// the device's own sums scale at the end: the host's input is the same to rounding) and the row's
+// routing weights, exp(l - l0) over its chosen logits normalised, as the MoE kernels take them.
+__global__ void __launch_bounds__(256) k_xc_host_job(qf_xcache x, const float *xin, const float *norm_w, float eps, int H, const float *rl,
+                                                     int rl_stride, int K) {
+    __shared__ float red[32];
+    int r = blockIdx.x, tid = threadIdx.x;
+    const float *xr = xin + (int64_t)r * H;
+    float ss = 0.0f;
+    for (int i = tid; i < H; i += blockDim.x) ss += xr[i] * xr[i];
+    float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)H + eps);
+    float *xn = x.job->xn + (int64_t)r * H;
+    for (int i = tid; i < H; i += blockDim.x) xn[i] = xr[i] * inv * norm_w[i];
+    if (tid == 0) {
+        const int32_t *ch = x.host_words + 1 + QF_XC_HOST_MAX + r * QF_XC_K;
+        const float *l = rl + (int64_t)r * rl_stride;
+        float p[QF_XC_K], sum = 0.0f;
+        for (int k = 0; k < K; k++) sum += p[k] = expf(l[ch[k]] - l[ch[0]]);
+        for (int k = 0; k < K; k++) x.job->w[r * K + k] = p[k] / sum;
+        if (r == 0) x.job->n = gridDim.x, x.job->top_k = K, x.job->status = -1;
+    }
+}
+
+// y[r] += the host's sums, once the host node has run (rows without a host choice add zeros).
+__global__ void k_xc_host_add(qf_xcache x, float *y, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n && x.job->status == 0) y[i] += x.job->y[i];
+}
+
+// The host node's call: the store's host_run, its failure kept for the step's end.
+static void CUDART_CB xc_host_call(void *p) {
+    host_call *h = (host_call *)p;
+    const qf_xcache *x = h->x;
+    double t0 = qf_now();
+    int rc = x->host_run(x->host_ctx, x->layer, x->job);
+    x->job->status = rc;
+    h->c->host_us += 1e6 * (qf_now() - t0), h->c->host_calls++;
+    if (rc != QF_OK && !h->c->host_rc) snprintf(h->c->host_err, sizeof h->c->host_err, "layer %d's experts on the host: %s", x->layer, qf_last_error()), h->c->host_rc = rc;
+}
+
+// Whether a MoE op of rows takes the hybrid path: a decode step routed here without a drop.
+int xcache_hybrid(const qf_xcache *x, const float *rl, int rows, int K, const xc_drop &drop) {
+    if (!x || !x->job || !x->host_run || !rl || rows > QF_XC_ROWS || K > QF_XC_K) return 0;
+    for (int t = 0; t < rows; t++)
+        if (drop.tau[t] > 0.0f) return 0;
+    return 1;
+}
+
+// The host's share started (after the resolve): the job's inputs, then the host node beside the kernels that follow.
+void xcache_host_start(ctx *c, const qf_xcache *x, const float *xin, const float *norm_w, float eps, int H, const float *rl, int rl_stride, int rows, int K) {
+    launch(c, "k_xc_host_job", 0, k_xc_host_job, dim3(rows), dim3(256), 0u, *x, xin, norm_w, eps, H, rl, rl_stride, K);
+    host_call *h = host_call_of(c, x);
+    if (!h) return dev_fail(c, "expert cache: more than %d layers with host experts", HOST_CALLS);
+    g_host(c, xc_host_call, h);
+}
+
+// After the device's MoE kernels: the host's sums added once it is done.
+void xcache_host_join(ctx *c, const qf_xcache *x, float *y, int rows, int H) {
+    g_join(c);
+    int64_t n = (int64_t)rows * H;
+    launch(c, "k_xc_host_add", 0, k_xc_host_add, dim3((unsigned)((n + 255) / 256)), dim3(256), 0u, *x, y, n);
+}
+
 // The cache resolved for this step's rows and the admitted misses filled, before the MoE op reads
-// the table: ids (n) when the caller routed already, else rows of router logits at rl.
-void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K, const xc_drop &drop) {
+// the table: ids (n) when the caller routed already, else rows of router logits at rl. host: a
+// hybrid step (xcache_hybrid).
+void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K, const xc_drop &drop, int host) {
     if (x->n_experts > XC_MAX_E || x->n_slots > x->n_experts || (rl && rows * K > XC_MAX_IDS) || x->policy == QF_POLICY_MIN || K > 64)
         return dev_fail(c, "expert cache: %d experts, %d slots, %d rows of %d or policy %d is more than its kernels take", x->n_experts, x->n_slots,
                         rows, K, x->policy);
-    launch(c, "k_xc_resolve", 0, k_xc_resolve, dim3(1), dim3(512), 0u, *x, ids, n, rl, rl_stride, rows, K, drop);
+    launch(c, "k_xc_resolve", 0, k_xc_resolve, dim3(1), dim3(512), 0u, *x, ids, n, rl, rl_stride, rows, K, drop, host);
     int blocks = 4 * (c->sms > 0 ? c->sms : 1);
     launch(c, "k_xc_fill", 0, k_xc_fill, dim3(blocks), dim3(256), 0u, *x);
 }
