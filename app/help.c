@@ -94,6 +94,8 @@ static void device_help(FILE *f) {
         fprintf(f, "  --precision bf16x2|fp32|bf16  GPU prompt-product numerics (default bf16x2)\n"
                    "  --gpu-mem SIZE         the GPU budget (22G, 12G): the routed experts stream from pinned host memory\n"
                    "                         through a device buffer of what the rest leaves (the plan is printed)\n"
+                   "  --expert-threads N     with --gpu-mem: N host threads compute a share of each decode step's missed\n"
+                   "                         experts from host memory beside the GPU (the share measured at load; 0: off)\n"
                    "  --cuda-opt NAME=VALUE  a CUDA backend option, repeatable (--cuda-opt help lists them)\n");
     fprintf(f, "  --expert-cache SIZE    the expert buffer itself (512M, 22G): %sa RAM pool the CPU reads the\n"
                "                         checkpoint into as needed (default: config_flash.json's, else all resident)\n",
@@ -103,8 +105,7 @@ static void device_help(FILE *f) {
                "                         routing trace (qflash route-record's)\n"
                "  --expert-prefetch N    the CPU's RAM expert cache reads each token's N likeliest experts of the next\n"
                "                         layer ahead, while this layer runs (default 0: off)\n"
-               "  --expert-threads N     with --gpu-mem: N host threads compute a share of each decode step's missed\n"
-               "                         experts from host memory beside the GPU (the share measured at load; 0: off)\n"
+
                "  --sparsity-level L     0 (exact, the default) to 1: low-weight experts dropped, small trunk inputs\n"
                "                         skipped, KV pages chosen from 8K tokens on (else config_flash.json's)\n");
 }
