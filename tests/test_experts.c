@@ -393,6 +393,11 @@ static void test_sparsity_kv(void) {
     free(dense), free(tiny), free(host), free(fused);
 }
 
+/* The prompts these checks run: n ids spread over the vocabulary (none when V is 0: a failed load). */
+static void fill_prompt(int32_t *p, int n, int V) {
+    for (int i = 0; i < n; i++) p[i] = V ? (11 + 389 * i) % V : 0;
+}
+
 /* A prompt longer than the workspace, layer by layer (a store that takes wide steps, and a prompt
  * buffer), gives the logits of running it chunk by chunk bit for bit, and the steps after it too. */
 static void test_layered_prompt(void) {
@@ -411,7 +416,7 @@ static void test_layered_prompt(void) {
         CHECK(ws && qf_workspace_reserve_prompt(ws, layered ? 64 : 0) == QF_OK, "%s", qf_last_error());
         qf_state *st = qf_state_create(m, 64);
         int32_t prompt[40];
-        for (int i = 0; i < 40; i++) prompt[i] = (11 + 389 * i) % V;
+        fill_prompt(prompt, 40, V);
         int rc = qf_forward_seq(m, &be, ws, st, prompt, 40, QF_LOGITS_LAST, out[layered]);
         for (int s = 1; rc == QF_OK && s < 5; s++) {
             int32_t tok = qt_argmax(out[layered] + (size_t)(s - 1) * V, V);
@@ -446,7 +451,7 @@ static void test_layered_reads(void) {
         CHECK(ws && qf_workspace_reserve_prompt(ws, layered ? 1024 : 0) == QF_OK, "%s", qf_last_error());
         qf_state *sq = qf_state_create(m, 640);
         int32_t prompt[600];
-        for (int i = 0; i < 600; i++) prompt[i] = (11 + 389 * i) % V;
+        fill_prompt(prompt, 600, V);
         CHECK(qf_forward_seq(m, &be, ws, sq, prompt, 600, QF_LOGITS_LAST, out[layered]) == QF_OK && sq->pos == 600, "layered %d: %s", layered,
               qf_last_error());
         st[layered] = m->experts->stats;
@@ -491,7 +496,7 @@ static void test_sched_layered_prompt(void) {
         qf_sched_opts so = {.max_batch = 1, .ctx = 256, .prefill_chunk = 16, .max_queue = 1};
         qf_sched *s = NULL;
         int32_t prompt[200];
-        for (int i = 0; i < 200; i++) prompt[i] = (11 + 389 * i) % e->model->cfg.vocab;
+        fill_prompt(prompt, 200, e->model->cfg.vocab);
         qf_req_params p = {.prompt = prompt, .n_prompt = 200, .max_tokens = 6, .sampling = qf_sampling_default(), .logprobs = -1, .want_ids = 1,
                            .grammar_after = -1};
         qf_req_sink sink = {NULL, sink_id, &out[layered]};
@@ -602,7 +607,7 @@ static int gpu_cached(const char *dir, int slots, int policy, int by_token, int 
     CHECK(ws && qf_workspace_reserve_prompt(ws, 64) == QF_OK, "%s", qf_last_error());
     qf_state *st = qf_state_create(m, 64);
     int32_t prompt[40];
-    for (int i = 0; i < 40; i++) prompt[i] = V ? (11 + 389 * i) % V : 0; /* more rows than a decode step: the wide (staged) path */
+    fill_prompt(prompt, 40, V); /* more rows than a decode step: the wide (staged) path */
     if (rc == QF_OK && !by_token) rc = qf_forward_seq(m, &be, ws, st, prompt, 40, QF_LOGITS_LAST, out);
     for (int i = 0; rc == QF_OK && by_token && i < 5; i++) {
         rc = qf_forward_seq(m, &be, ws, st, prompt + i, 1, QF_LOGITS_LAST, out);
