@@ -3,7 +3,7 @@
 // misses only; the host gets the first ceil(share x misses) of the declined, in order of first
 // appearance (share 1: every miss, none admitted); the table points its experts at the zero
 // expert, the slots' at their slots and the rest home, so the last step's host experts are home
-// again; the job's choices name the host's experts.
+// again; the job's choices name the host's experts, and the resolve counts what crosses the link.
 #include "emu.h"
 extern "C" {
 #include "experts/cache_policy.h"
@@ -81,7 +81,7 @@ static int run(float share, int policy) {
         }
         qf_slot_cache_tick(&ref);
         hosted += (int)host.size();
-        bad += job.n_host != (int)host.size();
+        bad += job.n_host != (int)host.size() || state[3] != (uint32_t)(missed.size() - host.size()); // moved over the link
         for (int i = 0; i < (int)host.size() && i < job.n_host; i++) bad += job.host_ids[i] != host[i];
         for (int e = 0; e < E; e++) {
             bool h = std::find(host.begin(), host.end(), e) != host.end();

@@ -24,6 +24,25 @@ void cu_free(qf_backend *be, void *p) {
 void cu_upload(qf_backend *be, void *dst, const void *src, size_t n) {
     ctx *c = C(be);
     check(c, cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "upload");
+    for (double until = c->link_ns > 0.0 ? qf_now() + 1e-9 * (double)n * c->link_ns : 0.0; qf_now() < until;) {
+    } // option link_gbps: a slower link's time
+}
+
+// Option link_gbps: the extra ns a byte pays for the link capped at gbps, from the link's own
+// rate (64 MiB copied from pinned memory, best of 3); 0 when the link is slower already.
+static double link_extra_ns(int gbps) {
+    size_t n = (size_t)64 << 20;
+    void *h = NULL, *d = NULL;
+    double best = 1e30;
+    if (cudaMallocHost(&h, n) == cudaSuccess && cudaMalloc(&d, n) == cudaSuccess)
+        for (int i = 0; i < 3; i++) {
+            double t0 = qf_now();
+            if (cudaMemcpy(d, h, n, cudaMemcpyHostToDevice) != cudaSuccess) break;
+            best = fmin(best, qf_now() - t0);
+        }
+    cudaFreeHost(h), cudaFree(d), cudaGetLastError();
+    double native = best < 1e29 ? 1e-9 * (double)n / best : 1e30; // GB/s
+    return native > gbps ? 1.0 / gbps - 1.0 / native : 0.0;       // ns a byte: 1 GB/s is a byte a ns
 }
 
 void cu_download(qf_backend *be, void *dst, const void *src, size_t n) {
@@ -200,7 +219,9 @@ void cu_stage(qf_backend *be, int buf, int n, void *const *dst, const void *cons
         return dev_fail(c, "stage: no copy stream (or buffer %d is not 0 or 1)", buf);
     check(c, cudaEventRecord(c->stage_ev[2], 0), "stage: mark the ops");
     check(c, cudaStreamWaitEvent(c->copy_stream, c->stage_ev[2], 0), "stage: order after the ops");
-    for (int i = 0; i < n; i++) check(c, cudaMemcpyAsync(dst[i], src[i], bytes[i], cudaMemcpyHostToDevice, c->copy_stream), "stage: copy");
+    size_t all = 0;
+    for (int i = 0; i < n; i++) check(c, cudaMemcpyAsync(dst[i], src[i], bytes[i], cudaMemcpyHostToDevice, c->copy_stream), "stage: copy"), all += bytes[i];
+    link_spin(c, all, c->copy_stream);
     check(c, cudaEventRecord(c->stage_ev[buf], c->copy_stream), "stage: mark the copies");
 }
 
@@ -285,6 +306,8 @@ extern "C" int qf_cuda_backend_init(qf_backend *be, int device, const qf_cuda_op
     if (cudaStreamCreateWithFlags(&c->host_stream, cudaStreamNonBlocking) != cudaSuccess) c->host_stream = NULL;
     for (int i = 0; i < 2; i++)
         if (cudaEventCreateWithFlags(&c->host_ev[i], cudaEventDisableTiming) != cudaSuccess) c->host_ev[i] = NULL;
+    const qf_cuda_opts *uo = opts ? opts : &def;
+    c->link_ns = uo->link_gbps > 0 ? link_extra_ns(uo->link_gbps) : 0.0;
     note_peak(c);
     be->ops = &k_cuda_ops;
     be->dev = c;

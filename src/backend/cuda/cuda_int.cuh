@@ -172,6 +172,7 @@ struct ctx {
     long host_calls;
     int host_rc;
     char host_err[320];
+    double link_ns; // option link_gbps: the extra ns a byte over the link pays (0: the link as it is)
     // The first failure since the last step ended (a kernel that could not take its shape, a
     // launch or copy that failed, scratch that could not grow): the step reports it and fails.
     int err;
@@ -679,6 +680,8 @@ void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const flo
 int xcache_hybrid(const qf_xcache *x, const float *rl, int rows, int K, const xc_drop &drop);
 void xcache_host_start(ctx *c, const qf_xcache *x, const float *xin, const float *norm_w, float eps, int H, const float *rl, int rl_stride, int rows, int K);
 void xcache_host_join(ctx *c, const qf_xcache *x, float *y, int rows, int H);
+void xcache_link(ctx *c, const qf_xcache *x);
+void link_spin(ctx *c, size_t bytes, cudaStream_t s);
 
 // The ops table (ops_cuda.cu) and its memory and step functions (ctx_cuda.cu).
 extern const qf_ops k_cuda_ops;

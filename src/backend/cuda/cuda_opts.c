@@ -48,6 +48,7 @@ static const opt_def k_opts[] = {
     LAB(gdn_cp, 0, 1, "the token-by-token DeltaNet stages its inputs by cp.async a round ahead"),
     OPT(profile, 0, 0, 1, "diagnosis: every kernel timed (graphs off), the sums printed at exit"),
     OPT(steptime, 0, 0, 1, "diagnosis: replayed steps timed, GPU and host means printed at exit"),
+    OPT(link_gbps, 0, 0, 1000, "measurement: the host link capped at this many GB/s (25: PCIe 4.0 x16); experts moved pay the slower link's time (0: off)"),
 };
 #define N_OPTS (sizeof k_opts / sizeof *k_opts)
 

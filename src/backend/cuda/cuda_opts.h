@@ -51,7 +51,7 @@ typedef struct qf_cuda_opts {
     int gdn_lpc, gdn_gn, moe1, moe_pf, route, att1, att_gate, comb;
     int mg, mg_min, mg_cp, mg_p64, att_tile, att_tc, dec_tc;
     int gdn_chunk, gdn_chunk_min, gdn_seq, gdn_plpc, gdn_cp;
-    int profile, steptime;
+    int profile, steptime, link_gbps;
 } qf_cuda_opts;
 
 void qf_cuda_opts_default(qf_cuda_opts *o);

@@ -178,8 +178,9 @@ __device__ void xc_assign(xc_shared &s, const qf_xcache &x, xc_state &g, uint32_
         g.fill_e[nf] = (uint32_t)e, g.fill_s[nf] = (uint32_t)slot, nf++;
         for (int m = 0; m < 3; m++) x.tab[m * x.n_experts + e] = x.slots + (size_t)slot * x.slot_bytes + x.off[m];
     }
-    if (host) x.job->n_host = x.host_words[0];
-    g.hdr[1] = used, g.hdr[2] = (uint32_t)nf;
+    int hosted = hmax ? x.host_words[0] : 0;
+    if (host) x.job->n_host = hosted;
+    g.hdr[1] = used, g.hdr[2] = (uint32_t)nf, g.hdr[3] = (uint32_t)(misses - (unsigned long long)hosted); // experts over the link this step
     g.ctr[QF_XC_MISSES] += misses, g.ctr[QF_XC_DECLINED] += declined;
     g.ctr[QF_XC_HITS] += (unsigned long long)(s.n_order) - misses;
 }
@@ -311,6 +312,27 @@ void xcache_host_join(ctx *c, const qf_xcache *x, float *y, int rows, int H) {
     g_join(c);
     int64_t n = (int64_t)rows * H;
     launch(c, "k_xc_host_add", 0, k_xc_host_add, dim3((unsigned)((n + 255) / 256)), dim3(256), 0u, *x, y, n);
+}
+
+// Option link_gbps: thread 0 waits ns on the device's clock.
+__device__ void spin_ns(uint64_t ns) {
+    uint64_t t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (t - t0 < ns);
+}
+__global__ void k_link_spin(uint64_t ns) {
+    if (threadIdx.x == 0) spin_ns(ns);
+}
+// The step's experts over the link (the resolve counted them) pay the capped link's extra time.
+__global__ void k_xc_link(qf_xcache x, double ns_per_byte) {
+    if (threadIdx.x == 0) spin_ns((uint64_t)((double)((const uint32_t *)x.state)[3] * (double)x.slot_bytes * ns_per_byte));
+}
+
+void xcache_link(ctx *c, const qf_xcache *x) {
+    if (c->link_ns > 0.0) launch(c, "k_xc_link", 0, k_xc_link, dim3(1), dim3(32), 0u, *x, c->link_ns);
+}
+void link_spin(ctx *c, size_t bytes, cudaStream_t s) {
+    if (c->link_ns > 0.0 && bytes) k_link_spin<<<1, 32, 0, s>>>((uint64_t)((double)bytes * c->link_ns));
 }
 
 // The cache resolved for this step's rows and the admitted misses filled, before the MoE op reads
