@@ -26,10 +26,11 @@ typedef struct qf_mat {
     const float *scales;
 } qf_mat;
 
-/* Bytes of the weight's rows (its scales excluded). */
-static inline size_t qf_mat_bytes(const qf_mat *w) {
-    return qf_is_quant(w->dtype) ? (size_t)w->rows * qf_q_row_bytes(w->dtype, w->cols) : (size_t)(w->rows * w->cols) * qf_dtype_size(w->dtype);
+/* Bytes of one of the weight's rows, and of all of them (its scales excluded). */
+static inline size_t qf_mat_row_bytes(const qf_mat *w) {
+    return qf_is_quant(w->dtype) ? qf_q_row_bytes(w->dtype, w->cols) : (size_t)w->cols * qf_dtype_size(w->dtype);
 }
+static inline size_t qf_mat_bytes(const qf_mat *w) { return (size_t)w->rows * qf_mat_row_bytes(w); }
 static inline size_t qf_mat_scale_bytes(const qf_mat *w) {
     return w->dtype == QF_DT_F8_E4M3 ? (size_t)((w->rows + QF_FP8_BLOCK - 1) / QF_FP8_BLOCK * ((w->cols + QF_FP8_BLOCK - 1) / QF_FP8_BLOCK)) * 4 : 0;
 }

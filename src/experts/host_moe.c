@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/dtype.h"
 #include "base/err.h"
 #include "base/quant.h"
 
@@ -14,7 +13,7 @@
 struct qf_host_moe {
     qf_pool *pool;
     qf_backend cpu; /* the CPU table, single-threaded inside a task */
-    int hidden, ffn, top_k, max_rows, max_pairs;
+    int hidden, ffn, top_k, max_rows;
     /* the job grouped by expert: group g is expert gx[g], pairs [g0[g], g0[g + 1]) of the pair
      * arrays (pr: row, pw: weight), rows ascending within a group */
     int n_groups, *gx, *g0, *pr;
@@ -31,7 +30,7 @@ int qf_host_moe_create(qf_host_moe **out, qf_pool *pool, int hidden, int ffn, in
     qf_host_moe *h = calloc(1, sizeof *h);
     if (!h) return qf_fail(QF_ENOMEM, "out of memory for the host experts");
     size_t P = (size_t)max_rows * top_k, gu = 2 * (size_t)slices(ffn), dn = (size_t)slices(hidden), per = gu > dn ? gu : dn;
-    *h = (qf_host_moe){.pool = pool, .cpu = {qf_cpu_ops_best(), NULL, NULL}, .hidden = hidden, .ffn = ffn, .top_k = top_k, .max_rows = max_rows, .max_pairs = (int)P};
+    *h = (qf_host_moe){.pool = pool, .cpu = {qf_cpu_ops_best(), NULL, NULL}, .hidden = hidden, .ffn = ffn, .top_k = top_k, .max_rows = max_rows};
     h->gx = malloc(P * sizeof(int)), h->g0 = malloc((P + 1) * sizeof(int)), h->pr = malloc(P * sizeof(int));
     h->pw = malloc(P * sizeof(float)), h->xin = malloc(P * hidden * sizeof(float)), h->out = malloc(P * hidden * sizeof(float));
     h->g = malloc(P * ffn * sizeof(float)), h->u = malloc(P * ffn * sizeof(float)), h->h = malloc(P * ffn * sizeof(float));
@@ -51,13 +50,10 @@ void qf_host_moe_free(qf_host_moe *h) {
     free(h);
 }
 
-int qf_host_moe_last_experts(const qf_host_moe *h) { return h->n_groups; }
-
 /* Rows [r0, r0 + rows) of m as a matrix of their own (r0 a multiple of HM_SLICE). */
 static qf_mat mat_rows(const qf_mat *m, int64_t r0, int64_t rows) {
     qf_mat v = *m;
-    size_t row_bytes = qf_is_quant(m->dtype) ? qf_q_row_bytes(m->dtype, m->cols) : (size_t)m->cols * qf_dtype_size(m->dtype);
-    v.data = (const char *)m->data + (size_t)r0 * row_bytes, v.rows = rows;
+    v.data = (const char *)m->data + (size_t)r0 * qf_mat_row_bytes(m), v.rows = rows;
     if (m->scales) v.scales = m->scales + (size_t)(r0 / QF_FP8_BLOCK) * (size_t)((m->cols + QF_FP8_BLOCK - 1) / QF_FP8_BLOCK);
     return v;
 }

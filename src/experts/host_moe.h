@@ -35,7 +35,5 @@ void qf_host_moe_free(qf_host_moe *h);
 /* Runs the job; QF_EINVAL naming what is wrong (rows past max_rows, an expert id out of range, an
  * expert of another shape), with y then untouched. */
 int qf_host_moe_run(qf_host_moe *h, const qf_host_moe_job *j);
-/* The distinct experts the last job ran (for the scheduler's verbose lines and the cost model). */
-int qf_host_moe_last_experts(const qf_host_moe *h);
 
 #endif

@@ -19,8 +19,8 @@
 #include <string.h>
 
 #include "backend/ops.h"
-#include "base/pool.h"
 #include "base/err.h"
+#include "base/pool.h"
 #include "format/safetensors.h"
 
 typedef struct qf_expert_stats {

@@ -147,18 +147,14 @@ __device__ void xc_to_host(xc_shared &s, const qf_xcache &x, int e) {
 // host, up to its share of the declined go to the host.
 __device__ void xc_assign(xc_shared &s, const qf_xcache &x, xc_state &g, uint32_t now, int host) {
     uint32_t used = g.hdr[1];
-    int nv = 0, nf = 0, hmax = xc_host_begin(s, x, host);
+    int nv = 0, nf = 0, hmax = xc_host_begin(s, x, host), admit_none = hmax && x.host_share >= 1.0f; // share 1: the host takes every miss it has room for
     unsigned long long misses = 0, declined = 0;
     for (int i = 0; i < s.n_order; i++) {
         int e = s.order[i], slot = -1;
         if (s.slot_of[e] >= 0) continue;
         misses++;
-        if (hmax && x.host_share >= 1.0f) { // the host takes every miss it has room for: none is admitted
-            declined++;
-            if (hmax && x.host_words[0] < hmax) xc_to_host(s, x, e);
-            continue;
-        }
-        if (used < (uint32_t)x.n_slots) {
+        if (admit_none) { // declined below, to the host
+        } else if (used < (uint32_t)x.n_slots) {
             slot = (int)used++;
         } else if (nv < s.n_vict) {
             int v = s.vict[nv], old = s.expert_in[v];
