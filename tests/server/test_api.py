@@ -337,6 +337,23 @@ def test_expert_cache_serves_the_same():
         assert any("[FLASH-SCHEDULER] step" in line and "experts missed" in line and "MB over the link" in line for line in s.log)
 
 
+def test_expert_cache_long_prompt_reads_each_expert_about_once():
+    """A ~2,600-token prompt under a RAM expert cache of 4 slots a layer and 256-token chunks: its
+    MoE runs a layer at a time over the whole prompt, so the cache reads the routed experts about
+    once (at most 1.5 passes over the 8 layers' 64 experts of 36,864 bytes), not once a chunk; the
+    completion is all resident's."""
+    prompt = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(150))
+    passes_bytes = 8 * 64 * 36864
+    with Server("--expert-cache", "1.5M", "--prefill-chunk", "256") as s:
+        r = post(s, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert r[0] == 200, r[2]
+        body = json.loads(r[2])
+        assert body["usage"]["prompt_tokens"] > 2400
+        assert body["choices"][0]["text"] == run_cli(prompt, 8)
+        loaded = s.metrics()["qflash:expert_cache_bytes_loaded_total"]
+        assert 0.5 * passes_bytes < loaded <= 1.5 * passes_bytes
+
+
 def test_tools_through_qwen36_template(tmp_path):
     """With Qwen3.6's published template, a request with tools, an assistant tool call whose
     arguments come as the JSON string OpenAI clients send, and a tool result renders as Python's
