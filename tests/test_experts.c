@@ -582,20 +582,51 @@ static int policy_diff(qf_model *m, qf_backend *be, qf_slot_cache *ref) {
     return bad;
 }
 
+/* gpu_cached's run: the prompt (by token: the policy checked after each step against ref) and
+ * GPU_STEPS greedy steps; the device slot map's departures from ref counted into *bad. */
+static int cached_steps(qf_model *m, qf_backend *be, qf_workspace *ws, qf_state *st, qf_slot_cache *ref, int slots, int by_token, float *out, int *bad) {
+    int V = m->cfg.vocab, rc = QF_OK;
+    int32_t prompt[40];
+    fill_prompt(prompt, 40, V); /* more rows than a decode step: the wide (staged) path */
+    if (!by_token) rc = qf_forward_seq(m, be, ws, st, prompt, 40, QF_LOGITS_LAST, out);
+    for (int i = 0; rc == QF_OK && by_token && i < 5; i++) {
+        rc = qf_forward_seq(m, be, ws, st, prompt + i, 1, QF_LOGITS_LAST, out);
+        if (slots) *bad += policy_diff(m, be, ref);
+        if (slots && i == 0) { /* the first step fills a slot a layer at least: the log names them */
+            char text[4096];
+            m->experts->ops->describe(m->experts, text, sizeof text);
+            int32_t first;
+            qf_expert_table t;
+            m->experts->ops->table(m->experts, 0, &t);
+            qf_be_download(be, &first, t.chosen, sizeof first);
+            char want[32];
+            snprintf(want, sizeof want, "L0 e%d>s0", first);
+            CHECK(strncmp(text, want, strlen(want)) == 0 && strstr(text, "copied into slots"), "%d slots: the step's loads: '%s', want '%s...'", slots, text, want);
+        }
+    }
+    for (int t = 1; rc == QF_OK && t <= GPU_STEPS; t++) {
+        int32_t tok = qt_argmax(out + (size_t)(t - 1) * V, V);
+        rc = qf_forward_seq(m, be, ws, st, &tok, 1, QF_LOGITS_LAST, out + (size_t)t * V);
+        if (slots && by_token) *bad += policy_diff(m, be, ref);
+    }
+    return rc;
+}
+
 /* On a GPU: the model at dir with its experts behind the device expert cache (slots a layer; 0:
  * all resident on the device), a prompt (by_token: fed a token a step, the policy checked after
  * each step) and GPU_STEPS greedy steps, the logits into out. 0 without a GPU. The bundled model
  * runs its decode steps through the fused ops (graphs), the fixture through the plain ones. */
 static float g_host_share = -1.0f; /* gpu_cached's hybrid share (negative: no hybrid) */
 static uint64_t g_host_computed;   /* and the experts its host computed */
+static int g_host_fail;            /* >0: a second run's host call that many calls on fails, then a third runs */
 static int gpu_cached(const char *dir, int slots, int policy, int by_token, int stage, float *out) {
     qf_backend be;
     if (!qf_backend_has_cuda() || qf_backend_open(&be, "cuda", NULL, NULL) != QF_OK) return 0;
     qf_model *m;
-    int rc = qf_model_load(&m, qt_path(dir), NULL), L = 0, E = 0, K = 0, V = 0, bad = 0;
+    int rc = qf_model_load(&m, qt_path(dir), NULL), L = 0, E = 0, K = 0, bad = 0;
     if (rc == QF_OK) rc = qf_model_to_device(m, &be, slots ? QF_TO_DEVICE_EXPERTS_HOME : 0);
     qf_expert_store *s;
-    if (rc == QF_OK) L = m->cfg.n_layers, E = m->cfg.n_experts, K = m->cfg.n_experts_used, V = m->cfg.vocab;
+    if (rc == QF_OK) L = m->cfg.n_layers, E = m->cfg.n_experts, K = m->cfg.n_experts_used;
     if (rc == QF_OK && slots && (rc = qf_es_devcache_create(&s, m->experts, &be, L, E, K)) == QF_OK) m->experts = s;
     if (rc == QF_OK && slots) rc = qf_es_devcache_set_slots(m->experts, slots, policy, stage), qf_model_dec_check(m);
     qf_pool *host = g_host_share >= 0.0f ? qf_pool_create(3) : NULL;
@@ -606,28 +637,15 @@ static int gpu_cached(const char *dir, int slots, int policy, int by_token, int 
     qf_workspace *ws = qf_workspace_create(m, 24); /* the 40-token prompt in two chunks: with a cache, layer by layer */
     CHECK(ws && qf_workspace_reserve_prompt(ws, 64) == QF_OK, "%s", qf_last_error());
     qf_state *st = qf_state_create(m, 64);
-    int32_t prompt[40];
-    fill_prompt(prompt, 40, V); /* more rows than a decode step: the wide (staged) path */
-    if (rc == QF_OK && !by_token) rc = qf_forward_seq(m, &be, ws, st, prompt, 40, QF_LOGITS_LAST, out);
-    for (int i = 0; rc == QF_OK && by_token && i < 5; i++) {
-        rc = qf_forward_seq(m, &be, ws, st, prompt + i, 1, QF_LOGITS_LAST, out);
-        if (slots) bad += policy_diff(m, &be, ref);
-        if (slots && i == 0) { /* the first step fills a slot a layer at least: the log names them */
-            char text[4096];
-            m->experts->ops->describe(m->experts, text, sizeof text);
-            int32_t first;
-            qf_expert_table t;
-            m->experts->ops->table(m->experts, 0, &t);
-            qf_be_download(&be, &first, t.chosen, sizeof first);
-            char want[32];
-            snprintf(want, sizeof want, "L0 e%d>s0", first);
-            CHECK(strncmp(text, want, strlen(want)) == 0 && strstr(text, "copied into slots"), "%d slots: the step's loads: '%s', want '%s...'", slots, text, want);
-        }
-    }
-    for (int t = 1; rc == QF_OK && t <= GPU_STEPS; t++) {
-        int32_t tok = qt_argmax(out + (size_t)(t - 1) * V, V);
-        rc = qf_forward_seq(m, &be, ws, st, &tok, 1, QF_LOGITS_LAST, out + (size_t)t * V);
-        if (slots && by_token) bad += policy_diff(m, &be, ref);
+    rc = rc == QF_OK ? cached_steps(m, &be, ws, st, ref, slots, by_token, out, &bad) : rc;
+    if (rc == QF_OK && g_host_fail) { /* the step the host failed fails; the model runs on */
+        qf_es_devcache_fail_host(m->experts, g_host_fail);
+        qf_state_reset(st);
+        rc = cached_steps(m, &be, ws, st, ref, slots, by_token, out, &bad);
+        CHECK(rc != QF_OK && strstr(qf_last_error(), "experts on the host: a failure injected by a test"), "%s: a host call's failure: rc %d, '%s'", dir, rc,
+              rc ? qf_last_error() : "");
+        qf_state_reset(st);
+        rc = cached_steps(m, &be, ws, st, ref, slots, by_token, out, &bad);
     }
     CHECK(rc == QF_OK, "%s, %d slots: %s", dir, slots, qf_last_error());
     CHECK(bad == 0, "%s, %d slots, %s: the device's slot map left the reference policy's %d times", dir, slots, qf_policy_name(policy), bad);
@@ -665,9 +683,9 @@ static void test_gpu_hybrid(const char *dir) {
         free(ref), free(got);
         return;
     }
-    float shares[3] = {0.0f, 0.5f, 1.0f};
-    for (int i = 0; i < 3; i++) {
-        g_host_share = shares[i], g_host_computed = 0;
+    float shares[4] = {0.0f, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 4; i++) { /* the last: a host call of the first decode step fails, then the model runs again */
+        g_host_share = shares[i], g_host_computed = 0, g_host_fail = i == 3 ? 3 : 0;
         gpu_cached(dir, K, QF_POLICY_DLFU_AD, 0, 0, got);
         int same = 1;
         for (int t = 0; t <= GPU_STEPS; t++) same &= qt_argmax(ref + (size_t)t * V, V) == qt_argmax(got + (size_t)t * V, V);
@@ -677,7 +695,7 @@ static void test_gpu_hybrid(const char *dir) {
         fprintf(stderr, "%s: hybrid, host share %.1f: %llu experts on the host, logits %.3g from all resident\n", dir, shares[i],
                 (unsigned long long)g_host_computed, d);
     }
-    g_host_share = -1.0f;
+    g_host_share = -1.0f, g_host_fail = 0;
     free(ref), free(got);
 }
 

@@ -103,6 +103,9 @@ int qf_es_devcache_set_slots(qf_expert_store *s, int slots, int policy, int stag
  * beside the device's kernels. host_share changes the share (0: every miss over the link). */
 int qf_es_devcache_set_host(qf_expert_store *s, qf_pool *pool, float share);
 void qf_es_devcache_host_share(qf_expert_store *s, float share);
+/* Test hook: the host call `calls` calls from now fails (its step's error names the layer and the
+ * failure), as a host thread's fault would; 0: none. */
+void qf_es_devcache_fail_host(qf_expert_store *s, int calls);
 /* The split's cost model, measured: milliseconds an expert takes on the host (one row, pool's
  * threads) and over the link (its bytes copied from home). */
 int qf_es_devcache_measure(qf_expert_store *s, double *host_ms, double *link_ms);

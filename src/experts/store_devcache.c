@@ -53,6 +53,7 @@ typedef struct devcache_store {
     qf_xc_job *job;               /* mapped host memory, every layer's */
     void *zero;                   /* slot_bytes of zeros, backend memory */
     uint64_t host_computed;       /* experts the host computed (a host node's thread adds; read between steps) */
+    int host_fail_in;             /* test hook: the host call that many calls on fails (0: none) */
 } devcache_store;
 
 /* A matrix as the device reads it: its rows and, for FP8, the scales after them (the home copy
@@ -349,6 +350,7 @@ int qf_es_devcache_create(qf_expert_store **out, qf_expert_store *src, qf_backen
 /* A host node's call: layer L's host experts of the job, from their home views. */
 static int dc_host_run(void *ctx, int L, qf_xc_job *job) {
     devcache_store *d = ctx;
+    if (d->host_fail_in > 0 && --d->host_fail_in == 0) return qf_fail(QF_EIO, "a failure injected by a test");
     qf_host_moe_job j = {d->layers[L].views, d->n_experts, job->n, job->top_k, job->xn, job->ids, job->w, job->y};
     int rc = qf_host_moe_run(d->host, &j);
     if (rc == QF_OK) d->host_computed += (uint64_t)job->n_host;
@@ -374,6 +376,10 @@ int qf_es_devcache_set_host(qf_expert_store *s, qf_pool *pool, float share) {
     }
     qf_es_devcache_host_share(s, share);
     return qf_be_sync(d->be);
+}
+
+void qf_es_devcache_fail_host(qf_expert_store *s, int calls) {
+    if (s->ops == &k_dc_ops) ((devcache_store *)s)->host_fail_in = calls;
 }
 
 void qf_es_devcache_host_share(qf_expert_store *s, float share) {
