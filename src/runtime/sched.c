@@ -8,7 +8,41 @@
 #include "base/timer.h"
 #include "runtime/prefix.h"
 
+/* Where the forward runs long prompts layer by layer (streamed experts), the first prompt longer
+ * than a chunk that may run so: alone in its step, each layer's experts then move once for the
+ * whole prompt, not once a chunk. -1: none. *decoding: whether any other sequence decodes. */
+static int lone_slot(qf_sched *s, int *decoding) {
+    int found = -1;
+    *decoding = 0;
+    for (int i = 0; i < s->o.max_batch; i++) {
+        slot *sl = &s->slots[i];
+        qf_req *r = sl->req;
+        if (!r || sc_chan_room(r) < 2 * s->rec_max) continue;
+        int left = r->n_toks - r->n_fed;
+        if (left == 1) *decoding = 1;
+        else if (found < 0 && s->lone_rows > s->rows && left > s->o.prefill_chunk && !sl->sp_on && !r->fork) found = i;
+    }
+    return found;
+}
+
+/* A long prompt and the decoding sequences take turns (a step of the prompt alone, then one of
+ * the others): the prompt's experts move once, and the others' tokens wait one layered step at
+ * most. Returns the lone prompt's slot when this step is its, else -1 with *skip the slot to leave
+ * out (or -1). */
+static int lone_turn(qf_sched *s, int *skip) {
+    int decoding, i = lone_slot(s, &decoding);
+    *skip = -1;
+    if (i < 0) return -1;
+    if (!decoding || s->lone_turn) {
+        s->lone_turn = 0;
+        return i;
+    }
+    s->lone_turn = 1, *skip = i;
+    return -1;
+}
+
 static int plan_step(qf_sched *s, int *n_decode, int *rows_out, int *pages_out) {
+    int skip, only = lone_turn(s, &skip);
     for (;;) {
         int n = 0, rows = 0, pages = 0;
         *n_decode = 0;
@@ -16,7 +50,7 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out, int *pages_out) 
             for (int i = 0; i < s->o.max_batch; i++) {
                 slot *sl = &s->slots[i];
                 qf_req *r = sl->req;
-                if (!r) continue;
+                if (!r || i == skip || (only >= 0 && i != only)) continue;
                 int left = r->n_toks - r->n_fed, decode = left == 1;
                 if (decode != (pass == 0) || sc_chan_room(r) < 2 * s->rec_max) continue;
                 int take = left < s->o.prefill_chunk ? left : s->o.prefill_chunk;
@@ -26,12 +60,10 @@ static int plan_step(qf_sched *s, int *n_decode, int *rows_out, int *pages_out) 
                     take = take < to_mark ? take : to_mark;
                 }
                 if (r->fork && r->fork_state == FORK_NONE && r->n_fed < r->n_prompt - 1 && take > r->n_prompt - 1 - r->n_fed) take = r->n_prompt - 1 - r->n_fed;
-                /* a prompt alone in its step where the forward runs long prompts layer by layer (streamed
-                 * experts): its prompt in one step, so each layer's experts move once for the whole
-                 * prompt, not once a chunk; with prefix snapshots it stops where the last turn starts
-                 * (the snapshot the next turn reuses) and at its end, not at every interval */
-                int lone = n == 0 && !decode && !sl->sp_on && !r->fork && s->lone_rows > s->rows;
-                if (lone && left > s->o.prefill_chunk) {
+                /* the lone prompt: in one step; with prefix snapshots it stops where the last turn
+                 * starts (the snapshot the next turn reuses) and at its end, not at every interval */
+                int lone = i == only;
+                if (lone) {
                     take = left < s->lone_rows ? left : s->lone_rows;
                     if (s->prefix && r->n_fed < r->snap_at && r->snap_at - r->n_fed < take) take = r->snap_at - r->n_fed;
                 }

@@ -91,6 +91,7 @@ struct qf_sched {
     size_t text_cap, rec_max;
     int rows;
     int lone_rows; /* rows a step of one prefilling sequence may take (qf_forward_lone_rows) */
+    int lone_turn; /* a long prompt and decoding sequences take turns: the prompt's step is next */
     uint64_t next_seq_no;
     pthread_t th;
     int th_started;

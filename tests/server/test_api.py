@@ -354,6 +354,42 @@ def test_expert_cache_long_prompt_reads_each_expert_about_once():
         assert 0.5 * passes_bytes < loaded <= 1.5 * passes_bytes
 
 
+def test_long_prompt_takes_turns_with_decoding_streams():
+    """Under a RAM expert cache a long prompt arriving while two streams decode runs alone in one
+    step (each layer's experts read once for the whole prompt: at most 1.5 passes in that step),
+    the two streams' steps before and after it; every completion is `qflash run`'s."""
+    prompt = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(150))
+    shorts = ["def fib(n):", "class Stack:\n"]
+    with Server("--expert-cache", "1.5M", "--prefill-chunk", "256") as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = {}
+
+        def stream(k):
+            text = ""
+            for c in client.completions.create(model="m", prompt=shorts[k], max_tokens=120, temperature=0, stream=True):
+                text += c.choices[0].text if c.choices else ""
+                got[k] = text
+            return text
+
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(stream, k) for k in range(2)]
+            assert wait_for(lambda: len(got) == 2, timeout=60)
+            r = post(s, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+            texts = [f.result() for f in futs]
+        assert r[0] == 200, r[2]
+        body = json.loads(r[2])
+        n = body["usage"]["prompt_tokens"]
+        assert n > 2400 and body["choices"][0]["text"] == run_cli(prompt, 4)
+        assert texts == [run_cli(p, 120) for p in shorts]
+        steps = [line for line in s.log if "[FLASH-SCHEDULER] step" in line and "sequences," in line]
+        lone = [i for i, line in enumerate(steps) if f"0 decode + 1 prefill sequences, {n} rows" in line]
+        assert len(lone) == 1, "".join(steps)
+        assert "2 decode + 0 prefill" in steps[lone[0] - 1] and "3 decode + 0 prefill" in steps[lone[0] + 1]
+        no = steps[lone[0]].split(":")[0].split()[-1]
+        mb = [float(line.split(" MB over")[0].split()[-1]) for line in s.log if f"step {no}: " in line and "MB over the link" in line]
+        assert len(mb) == 1 and mb[0] <= 1.5 * 8 * 64 * 36864 / 1e6
+
+
 def test_tools_through_qwen36_template(tmp_path):
     """With Qwen3.6's published template, a request with tools, an assistant tool call whose
     arguments come as the JSON string OpenAI clients send, and a tool result renders as Python's
