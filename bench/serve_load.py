@@ -21,6 +21,11 @@ Two modes:
   the last one, while every slot is busy: the whole-run figure also holds the drain, where the
   longest outputs run nearly alone); --json FILE writes them too.
     bench/serve_load.py --mix sharegpt --num-prompts 200 --rate 8 --concurrency 1,16,64
+
+  --mix long: C streams decode (--gen tokens each, ignore_eos); once each has its first token, one
+  prompt of --long-len token ids arrives (one token asked). Prints its time to the first token and
+  the streams' inter-token latency (p50, p99, max) while it was in the server and outside it.
+    bench/serve_load.py --mix long --concurrency 4 --long-len 8192 --gen 256
 """
 import argparse
 import math
@@ -242,10 +247,43 @@ def sharegpt_main(a):
             json.dump({"mix": "sharegpt", "num_prompts": len(pairs), "seed": a.seed, "results": results}, f, indent=1)
 
 
+def long_main(a):
+    tok = post(a.url, "/tokenize", {"prompt": BASE_TEXT * (a.long_len // 200 + 2)})
+    corpus = tok["tokens"]
+    ids = (corpus * (a.long_len // len(corpus) + 1))[:a.long_len]
+    one_request(a.url, corpus[:8], 4, {"stamps": []})  # warm-up
+    for c in [int(x) for x in a.concurrency.split(",")]:
+        recs = [{"stamps": []} for _ in range(c)]
+        threads = [threading.Thread(target=one_request, args=(a.url, corpus[k:k + 16], a.gen, recs[k])) for k in range(c)]
+        for t in threads:
+            t.start()
+        while not all(r["stamps"] or "error" in r for r in recs):
+            time.sleep(0.005)
+        big = {"stamps": []}
+        one_request(a.url, ids, 1, big)
+        for t in threads:
+            t.join()
+        if "error" in big or not big["stamps"]:
+            print("the long prompt failed: %s" % big.get("error"))
+            continue
+        t_a, t_b = big["t0"], big["stamps"][0]
+        inside, outside = [], []
+        for r in recs:
+            for x, y in zip(r["stamps"], r["stamps"][1:]):
+                (inside if y > t_a and x < t_b else outside).append(y - x)
+        n_in = big["usage"]["prompt_tokens"] if big.get("usage") else a.long_len
+
+        def f(xs):
+            return "p50 %.1f p99 %.1f max %.1f ms (%d)" % (1e3 * pct(xs, 50), 1e3 * pct(xs, 99), 1e3 * max(xs), len(xs)) if xs else "-"
+        print("%d streams decoding: a %d-token prompt's first token in %.3f s; their ITL while it ran: %s; else: %s; "
+              "errors %d" % (c, n_in, t_b - t_a, f(inside), f(outside), sum("error" in r for r in recs)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default="http://127.0.0.1:8080")
-    ap.add_argument("--mix", choices=["fixed", "sharegpt"], default="fixed")
+    ap.add_argument("--mix", choices=["fixed", "sharegpt", "long"], default="fixed")
+    ap.add_argument("--long-len", type=int, default=8192, help="long: the long prompt's tokens")
     ap.add_argument("--concurrency", default="1,4,16", help="fixed: streams at once; sharegpt: requests in flight at most")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64, help="approximate prompt tokens")
@@ -263,6 +301,9 @@ def main():
         SAMPLING.update(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
     if a.mix == "sharegpt":
         sharegpt_main(a)
+        return
+    if a.mix == "long":
+        long_main(a)
         return
     global RESPONSE_FORMAT
     if a.response_format == "json_object":
