@@ -356,6 +356,10 @@ typedef struct qf_ops {
     int (*scratch_grown)(qf_backend *be);
     /* Backend memory to backend memory, in order with the ops (NULL: host memory, memcpy). */
     void (*copy)(qf_backend *be, void *dst, const void *src, size_t bytes);
+    /* Optional: pinned host memory (pin) into backend memory by the device's own reads, the way
+     * kernels read it in place, in order with the ops: the link's rate for those reads, which a
+     * copy engine's (upload) need not match. */
+    void (*read_pinned)(qf_backend *be, void *dst, const void *src, size_t bytes);
 } qf_ops;
 
 struct qf_backend {

@@ -1,6 +1,8 @@
 /* sched_getaffinity: _GNU_SOURCE comes from the build */
 #include "base/pool.h"
 
+#include "base/timer.h"
+
 #include <sched.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -28,6 +30,7 @@ struct qf_pool {
     pthread_cond_t start_cv, done_cv;
     atomic_ullong work;
     atomic_int active, sleeping, quit;
+    atomic_int spin_us; /* qf_pool_set_spin's time; 0: SPIN_ROUNDS */
     qf_task_fn fn;
     void *ctx;
 };
@@ -53,9 +56,17 @@ static int has_work(qf_pool *p, unsigned long long run) {
     return (w >> (2 * W_IDX_BITS)) != run && (w & W_MASK) < ((w >> W_IDX_BITS) & W_MASK);
 }
 
+/* Whether a spin that began at t0 (spin round i) goes on. */
+static int spinning(qf_pool *p, int i, double t0) {
+    int us = atomic_load_explicit(&p->spin_us, memory_order_relaxed);
+    if (us <= 0) return i < SPIN_ROUNDS;
+    return (i & 255) || qf_now() - t0 < 1e-6 * us;
+}
+
 /* Until a run after `run` has tasks left (or quit). */
 static unsigned long long wait_for_work(qf_pool *p, unsigned long long run) {
-    for (int i = 0; i < SPIN_ROUNDS; i++) {
+    double t0 = qf_now();
+    for (int i = 0; spinning(p, i, t0); i++) {
         if (has_work(p, run) || atomic_load(&p->quit)) return atomic_load(&p->work) >> (2 * W_IDX_BITS);
         cpu_relax();
     }
@@ -122,9 +133,14 @@ void qf_pool_destroy(qf_pool *p) {
 
 int qf_pool_size(const qf_pool *p) { return p ? p->n_threads : 1; }
 
+void qf_pool_set_spin(qf_pool *p, int us) {
+    if (p) atomic_store(&p->spin_us, us > 0 ? us : 0);
+}
+
 /* Until no thread holds a claim of the last run. */
 static void wait_idle(qf_pool *p) {
-    for (int i = 0; i < SPIN_ROUNDS && atomic_load(&p->active) > 0; i++) cpu_relax();
+    double t0 = qf_now();
+    for (int i = 0; spinning(p, i, t0) && atomic_load(&p->active) > 0; i++) cpu_relax();
     if (atomic_load(&p->active) == 0) return;
     pthread_mutex_lock(&p->mu);
     while (atomic_load(&p->active) > 0) pthread_cond_wait(&p->done_cv, &p->mu);

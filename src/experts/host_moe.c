@@ -8,12 +8,15 @@
 #include "base/err.h"
 #include "base/quant.h"
 
-#define HM_SLICE 128 /* rows of a matrix a task takes: the fp8 block height, so slices keep whole scale blocks */
+/* Rows of a matrix a task takes: small, so a step's one or two experts still keep every thread
+ * busy; fp8's block height, so its slices keep whole scale blocks. */
+#define HM_SLICE 32
+#define HM_SLICE_FP8 128
 
 struct qf_host_moe {
     qf_pool *pool;
     qf_backend cpu; /* the CPU table, single-threaded inside a task */
-    int hidden, ffn, top_k, max_rows;
+    int hidden, ffn, top_k, max_rows, slice; /* slice: the job's rows a task (HM_SLICE, or fp8's) */
     /* the job grouped by expert: group g is expert gx[g], pairs [g0[g], g0[g + 1]) of the pair
      * arrays (pr: row, pw: weight), rows ascending within a group */
     int n_groups, *gx, *g0, *pr;
@@ -22,19 +25,25 @@ struct qf_host_moe {
     const qf_host_moe_job *job;
 };
 
-static int slices(int64_t rows) { return (int)((rows + HM_SLICE - 1) / HM_SLICE); }
+static int slices_of(int64_t rows, int slice) { return (int)((rows + slice - 1) / slice); }
+static int slices(const qf_host_moe *h, int64_t rows) { return slices_of(rows, h->slice); }
+/* A pair's share of a pass's slice outputs at once (part_at), slices of s rows. */
+static size_t part_floats(int hidden, int ffn, int s) {
+    size_t gu = 2 * (size_t)slices_of(ffn, s), dn = (size_t)slices_of(hidden, s);
+    return (gu > dn ? gu : dn) * (size_t)s;
+}
 
 int qf_host_moe_create(qf_host_moe **out, qf_pool *pool, int hidden, int ffn, int top_k, int max_rows) {
     *out = NULL;
     if (hidden < 1 || ffn < 1 || top_k < 1 || max_rows < 1) return qf_fail(QF_EINVAL, "host experts: hidden %d, width %d, top-k %d, rows %d", hidden, ffn, top_k, max_rows);
     qf_host_moe *h = calloc(1, sizeof *h);
     if (!h) return qf_fail(QF_ENOMEM, "out of memory for the host experts");
-    size_t P = (size_t)max_rows * top_k, gu = 2 * (size_t)slices(ffn), dn = (size_t)slices(hidden), per = gu > dn ? gu : dn;
+    size_t P = (size_t)max_rows * top_k, a = part_floats(hidden, ffn, HM_SLICE), b = part_floats(hidden, ffn, HM_SLICE_FP8), part = a > b ? a : b;
     *h = (qf_host_moe){.pool = pool, .cpu = {qf_cpu_ops_best(), NULL, NULL}, .hidden = hidden, .ffn = ffn, .top_k = top_k, .max_rows = max_rows};
     h->gx = malloc(P * sizeof(int)), h->g0 = malloc((P + 1) * sizeof(int)), h->pr = malloc(P * sizeof(int));
     h->pw = malloc(P * sizeof(float)), h->xin = malloc(P * hidden * sizeof(float)), h->out = malloc(P * hidden * sizeof(float));
     h->g = malloc(P * ffn * sizeof(float)), h->u = malloc(P * ffn * sizeof(float)), h->h = malloc(P * ffn * sizeof(float));
-    h->part = malloc(P * per * HM_SLICE * sizeof(float)); /* every slice's outputs of a pass at once (part_at) */
+    h->part = malloc(P * part * sizeof(float));
     if (!h->gx || !h->g0 || !h->pr || !h->pw || !h->xin || !h->out || !h->g || !h->u || !h->h || !h->part) {
         qf_host_moe_free(h);
         return qf_fail(QF_ENOMEM, "out of memory for the host experts (%zu pairs)", P);
@@ -50,7 +59,7 @@ void qf_host_moe_free(qf_host_moe *h) {
     free(h);
 }
 
-/* Rows [r0, r0 + rows) of m as a matrix of their own (r0 a multiple of HM_SLICE). */
+/* Rows [r0, r0 + rows) of m as a matrix of their own (r0 a multiple of the slice). */
 static qf_mat mat_rows(const qf_mat *m, int64_t r0, int64_t rows) {
     qf_mat v = *m;
     v.data = (const char *)m->data + (size_t)r0 * qf_mat_row_bytes(m), v.rows = rows;
@@ -60,19 +69,19 @@ static qf_mat mat_rows(const qf_mat *m, int64_t r0, int64_t rows) {
 
 /* y[n][m->rows] = x . m^T, slice s of it computed into part (at off floats) and moved into place. */
 static void slice_product(qf_host_moe *h, const qf_mat *m, int s, const float *x, int n, float *part, float *y) {
-    int64_t r0 = (int64_t)s * HM_SLICE, nr = m->rows - r0 < HM_SLICE ? m->rows - r0 : HM_SLICE;
+    int64_t r0 = (int64_t)s * h->slice, nr = m->rows - r0 < h->slice ? m->rows - r0 : h->slice;
     qf_mat v = mat_rows(m, r0, nr);
     h->cpu.ops->matmul(&h->cpu, &v, x, n, part);
     for (int i = 0; i < n; i++) memcpy(y + (size_t)i * m->rows + r0, part + (size_t)i * nr, (size_t)nr * sizeof(float));
 }
 
-/* A slice's [n][HM_SLICE] outputs: group g's pairs own slices x n rows of part from p0 on. */
-static float *part_at(qf_host_moe *h, int p0, int n, int per, int idx) { return h->part + ((size_t)p0 * per + (size_t)idx * n) * HM_SLICE; }
+/* A slice's [n][slice] outputs: group g's pairs own slices x n rows of part from p0 on. */
+static float *part_at(qf_host_moe *h, int p0, int n, int per, int idx) { return h->part + ((size_t)p0 * per + (size_t)idx * n) * h->slice; }
 
 /* Pass 1 task i: group i / (2 S), gate or up, slice. */
 static void pass_gu(void *ctx, int i) {
     qf_host_moe *h = ctx;
-    int S = slices(h->ffn), g = i / (2 * S), k = i % (2 * S), which = k / S, p0 = h->g0[g], n = h->g0[g + 1] - p0;
+    int S = slices(h, h->ffn), g = i / (2 * S), k = i % (2 * S), which = k / S, p0 = h->g0[g], n = h->g0[g + 1] - p0;
     const qf_expert *x = &h->job->experts[h->gx[g]];
     slice_product(h, which ? &x->up : &x->gate, k % S, h->xin + (size_t)p0 * h->hidden, n, part_at(h, p0, n, 2 * S, k), (which ? h->u : h->g) + (size_t)p0 * h->ffn);
 }
@@ -80,7 +89,7 @@ static void pass_gu(void *ctx, int i) {
 /* Pass 2 task i: group i / S, down slice. */
 static void pass_down(void *ctx, int i) {
     qf_host_moe *h = ctx;
-    int S = slices(h->hidden), g = i / S, s = i % S, p0 = h->g0[g], n = h->g0[g + 1] - p0;
+    int S = slices(h, h->hidden), g = i / S, s = i % S, p0 = h->g0[g], n = h->g0[g + 1] - p0;
     const qf_expert *x = &h->job->experts[h->gx[g]];
     slice_product(h, &x->down, s, h->h + (size_t)p0 * h->ffn, n, part_at(h, p0, n, S, s), h->out + (size_t)p0 * h->hidden);
 }
@@ -123,14 +132,15 @@ int qf_host_moe_run(qf_host_moe *h, const qf_host_moe_job *j) {
     int rc = group(h, j);
     if (rc != QF_OK) return rc;
     h->job = j;
+    h->slice = h->n_groups && j->experts[h->gx[0]].gate.scales ? HM_SLICE_FP8 : HM_SLICE;
     int H = h->hidden, I = h->ffn, P = h->g0[h->n_groups];
     for (int p = 0; p < P; p++) memcpy(h->xin + (size_t)p * H, j->xn + (size_t)h->pr[p] * H, (size_t)H * sizeof(float));
-    qf_pool_run(h->pool, pass_gu, h, h->n_groups * 2 * slices(I));
+    qf_pool_run(h->pool, pass_gu, h, h->n_groups * 2 * slices(h, I));
     for (int g = 0; g < h->n_groups; g++) { /* swiglu per group, as the CPU path runs it per expert */
         int p0 = h->g0[g], n = h->g0[g + 1] - p0;
         h->cpu.ops->swiglu(&h->cpu, h->g + (size_t)p0 * I, h->u + (size_t)p0 * I, I, n, I, h->h + (size_t)p0 * I);
     }
-    qf_pool_run(h->pool, pass_down, h, h->n_groups * slices(H));
+    qf_pool_run(h->pool, pass_down, h, h->n_groups * slices(h, H));
     qf_pool_run(h->pool, pass_sum, h, j->n);
     h->job = NULL;
     return QF_OK;

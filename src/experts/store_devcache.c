@@ -389,7 +389,8 @@ void qf_es_devcache_host_share(qf_expert_store *s, float share) {
 }
 
 /* Best of 3 rounds, milliseconds an expert: layer 0's first top_k experts on one row on the host,
- * and their bytes copied from home over the link (into the zero expert, zeroed again after). */
+ * and their bytes read from home over the link the way the step reads them (read_pinned; else a
+ * copy) into the zero expert, zeroed again after. */
 int qf_es_devcache_measure(qf_expert_store *s, double *host_ms, double *link_ms) {
     devcache_store *d = (devcache_store *)s;
     if (s->ops != &k_dc_ops || !d->job) return qf_fail(QF_EINVAL, "not a device expert cache with a host share");
@@ -406,7 +407,11 @@ int qf_es_devcache_measure(qf_expert_store *s, double *host_ms, double *link_ms)
         for (int k = 0; k < K && rc == QF_OK; k++) {
             const qf_expert *x = &d->layers[0].views[k];
             const qf_mat *m[3] = {&x->gate, &x->up, &x->down};
-            for (int i = 0; i < 3; i++) qf_be_upload(d->be, (char *)d->zero + d->layers[0].x.off[i], m[i]->data, mat_bytes(m[i]));
+            for (int i = 0; i < 3; i++) {
+                void *dst = (char *)d->zero + d->layers[0].x.off[i];
+                if (d->be->ops->read_pinned && !((uintptr_t)m[i]->data & 15)) d->be->ops->read_pinned(d->be, dst, m[i]->data, mat_bytes(m[i]));
+                else qf_be_upload(d->be, dst, m[i]->data, mat_bytes(m[i]));
+            }
         }
         if (rc == QF_OK) rc = qf_be_sync(d->be);
         double t2 = qf_now();

@@ -142,6 +142,7 @@ static int warm_up(qf_engine *e) {
 static int hybrid(qf_engine *e, qf_expert_store *s, int n) {
     qf_plan *p = &e->plan;
     if (!(e->host_pool = qf_pool_create(n))) return qf_fail(QF_ENOMEM, "cannot start %d host expert threads", n);
+    qf_pool_set_spin(e->host_pool, 5000); /* a decode step's layers call a fraction of a millisecond apart: no wake-up each */
     int rc = qf_es_devcache_set_host(s, e->host_pool, 0.0f);
     if (rc == QF_OK) rc = qf_es_devcache_measure(s, &p->host_ms, &p->link_ms);
     if (rc != QF_OK) return rc;

@@ -677,6 +677,7 @@ struct xc_drop {
     int min_k;
 };
 void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const float *rl, int rl_stride, int rows, int K, const xc_drop &drop, int host);
+void xcache_fill(ctx *c, const qf_xcache *x);
 int xcache_hybrid(const qf_xcache *x, const float *rl, int rows, int K, const xc_drop &drop);
 void xcache_host_start(ctx *c, const qf_xcache *x, const float *xin, const float *norm_w, float eps, int H, const float *rl, int rl_stride, int rows, int K);
 void xcache_host_join(ctx *c, const qf_xcache *x, float *y, int rows, int H);
@@ -688,6 +689,7 @@ extern const qf_ops k_cuda_ops;
 void *cu_alloc(qf_backend *be, size_t bytes);
 void cu_free(qf_backend *be, void *p);
 void cu_upload(qf_backend *be, void *dst, const void *src, size_t n);
+void cu_read_pinned(qf_backend *be, void *dst, const void *src, size_t n);
 void cu_copy(qf_backend *be, void *dst, const void *src, size_t n);
 void cu_download(qf_backend *be, void *dst, const void *src, size_t n);
 void cu_zero(qf_backend *be, void *p, size_t n);

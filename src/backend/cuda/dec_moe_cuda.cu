@@ -623,7 +623,7 @@ void dec_moe(qf_backend *be, const qf_moe_dec *a) {
     int host = xcache_hybrid(a->cache, a->rl, n, K, drop); // misses computed on the host beside the kernels below
     if (a->cache) xcache_resolve(c, a->cache, NULL, 0, a->rl, a->rl_stride, n, K, drop, host);
     if (host) xcache_host_start(c, a->cache, a->x, a->norm_w, a->eps, H, a->rl, a->rl_stride, n, K);
-    if (a->cache) xcache_link(c, a->cache); // beside the host's share, as the link would be
+    if (a->cache) xcache_fill(c, a->cache), xcache_link(c, a->cache); // beside the host's share, as the link would be
     if (!(n == 1 && QF_LAB(c, moe1) && c->moe_cnt && (F == QK_BF16 || QF_LAB(c, moe_pf)) && moe_one(c, tab, a, hbuf))) moe_kernels(c, tab, a, hbuf, s, F);
     if (host) xcache_host_join(c, a->cache, a->x, n, H);
 }

@@ -740,7 +740,7 @@ void cu_moe(qf_backend *be, const qf_moe_args *a) {
     int *topi = (int *)s;
     float *topw = (float *)(s + (size_t)N * K * sizeof(int)), *hbuf = (float *)(s + head), *ybuf = hbuf + (size_t)N * K * I;
     LAUNCH(c, k_route, N, 256, a->router_logits, E, K, topi, topw);
-    if (a->cache) xcache_resolve(c, a->cache, topi, N * K, NULL, 0, 0, K, xc_drop{}, 0), xcache_link(c, a->cache);
+    if (a->cache) xcache_resolve(c, a->cache, topi, N * K, NULL, 0, 0, K, xc_drop{}, 0), xcache_fill(c, a->cache), xcache_link(c, a->cache);
     if (a->chosen) g_copy(c, a->chosen, topi, (size_t)(N < a->chosen_rows ? N : a->chosen_rows) * K * sizeof(int), cudaMemcpyDeviceToDevice);
     if (moe_grouped(c, a, tab, topi, topw, ybuf)) return;
     int dtype = a->experts[0].gate.dtype;
@@ -791,5 +791,6 @@ const qf_ops qfc::k_cuda_ops = {
     cu_scratch_reserve,
     cu_scratch_grown,
     cu_copy,
+    cu_read_pinned,
 };
 

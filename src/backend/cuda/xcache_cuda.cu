@@ -310,6 +310,32 @@ void xcache_host_join(ctx *c, const qf_xcache *x, float *y, int rows, int H) {
     launch(c, "k_xc_host_add", 0, k_xc_host_add, dim3((unsigned)((n + 255) / 256)), dim3(256), 0u, *x, y, n);
 }
 
+// n16 16-byte words of pinned host memory into device memory, four loads in flight a thread (as
+// k_xc_fill reads), the tail bytes by thread 0.
+__global__ void __launch_bounds__(256) k_read_pinned(uint4 *dst, const uint4 *src, int64_t n16, char *dtail, const char *stail, int tail) {
+    int64_t step = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i0 < n16; i0 += 4 * step) {
+        uint4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (i0 + u * step < n16) v[u] = src[i0 + u * step];
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (i0 + u * step < n16) dst[i0 + u * step] = v[u];
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        for (int i = 0; i < tail; i++) dtail[i] = stail[i];
+}
+
+void cu_read_pinned(qf_backend *be, void *dst, const void *src, size_t n) {
+    ctx *c = C(be);
+    if (((uintptr_t)dst | (uintptr_t)src) & 15) return dev_fail(c, "read_pinned: addresses not 16-byte aligned");
+    int64_t n16 = (int64_t)(n / 16);
+    int tail = (int)(n - (size_t)n16 * 16), blocks = 4 * (c->sms > 0 ? c->sms : 1);
+    launch(c, "k_read_pinned", 0, k_read_pinned, dim3(blocks), dim3(256), 0u, (uint4 *)dst, (const uint4 *)src, n16, (char *)dst + n16 * 16,
+           (const char *)src + n16 * 16, tail);
+}
+
 // Option link_gbps: thread 0 waits ns on the device's clock.
 __device__ void spin_ns(uint64_t ns) {
     uint64_t t0, t;
@@ -339,6 +365,11 @@ void xcache_resolve(ctx *c, const qf_xcache *x, const int *ids, int n, const flo
         return dev_fail(c, "expert cache: %d experts, %d slots, %d rows of %d or policy %d is more than its kernels take", x->n_experts, x->n_slots,
                         rows, K, x->policy);
     launch(c, "k_xc_resolve", 0, k_xc_resolve, dim3(1), dim3(512), 0u, *x, ids, n, rl, rl_stride, rows, K, drop, host);
+}
+
+// The admitted misses into their slots (after the resolve; a hybrid step's host node first, so
+// the host computes while the link fills).
+void xcache_fill(ctx *c, const qf_xcache *x) {
     int blocks = 4 * (c->sms > 0 ? c->sms : 1);
     launch(c, "k_xc_fill", 0, k_xc_fill, dim3(blocks), dim3(256), 0u, *x);
 }
