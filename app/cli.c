@@ -99,6 +99,7 @@ void cli_engine_init(qf_engine_opts *eo, const qf_backend_opts *bo) {
     memset(eo, 0, sizeof *eo);
     eo->device = "cpu";
     eo->backend = bo;
+    eo->expert_threads = -1; /* the engine's default */
 }
 
 static void size_flag(cli_args *a, size_t *out, const char *examples) {

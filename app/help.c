@@ -95,7 +95,8 @@ static void device_help(FILE *f) {
                    "  --gpu-mem SIZE         the GPU budget (22G, 12G): the routed experts stream from pinned host memory\n"
                    "                         through a device buffer of what the rest leaves (the plan is printed)\n"
                    "  --expert-threads N     with --gpu-mem: N host threads compute a share of each decode step's missed\n"
-                   "                         experts from host memory beside the GPU (the share measured at load; 0: off)\n"
+                   "                         experts from host memory beside the GPU (the share measured at load;\n"
+                   "                         default: the cores less 4; 0: off)\n"
                    "  --cuda-opt NAME=VALUE  a CUDA backend option, repeatable (--cuda-opt help lists them)\n");
     fprintf(f, "  --expert-cache SIZE    the expert buffer itself (512M, 22G): %sa RAM pool the CPU reads the\n"
                "                         checkpoint into as needed (default: config_flash.json's, else all resident)\n",

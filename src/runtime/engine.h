@@ -27,7 +27,7 @@ typedef struct qf_engine_opts {
     const char *expert_policy;  /* lru, dlfu or dlfu-admit (NULL: dlfu-admit) */
     const char *expert_heat;    /* a routing trace whose most used experts fill the RAM cache at load (NULL: none) */
     int expert_prefetch;        /* the CPU's RAM expert cache reads ahead each row's N next-layer guesses (0: off) */
-    int expert_threads;         /* with --gpu-mem: host threads computing a share of the misses beside the device (0: off) */
+    int expert_threads;         /* with --gpu-mem: host threads computing a share of the misses beside the device (0: off; negative: the cores less 4, off under 5) */
     int reserve_seqs, reserve_tokens; /* what the caller allocates on the device after load: states, KV tokens */
     size_t reserve_kv_bytes;          /* or the KV pool's bytes, when the caller sizes it so */
     int max_prompt;                   /* with streamed experts: the longest prompt run layer by layer at once (0: 8192) */

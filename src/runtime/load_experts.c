@@ -178,7 +178,9 @@ int qf_load_experts_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_byte
     qf_plan *p = &e->plan;
     if ((rc = qf_plan_make(&in, p)) != QF_OK) return rc;
     if ((rc = qf_es_devcache_set_slots(s, p->slots, policy, p->stage > 0)) != QF_OK) return rc;
-    if (o->expert_threads > 0 && (rc = hybrid(e, s, o->expert_threads)) != QF_OK) return rc;
+    /* by default the cores less 4: the caller's thread, the device's host-node thread, the server's */
+    int threads = o->expert_threads >= 0 ? o->expert_threads : qf_cpu_count() - 4;
+    if (threads > 0 && (rc = hybrid(e, s, threads)) != QF_OK) return rc;
     if ((rc = warm_up(e)) != QF_OK) return rc;
     e->be.ops->mem_info(&e->be, &free_now, &total);
     p->used_after_warmup = total - free_now;
