@@ -4,6 +4,7 @@
  * expert format, at the release's shapes and the bundled model's, with and without threads. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 
 #include "base/pool.h"
@@ -106,6 +107,11 @@ int main(int argc, char **argv) {
     }
     check_job(QF_DT_BF16, 192, 32, 64, 4, 64, pool); /* the bundled model's, a full decode step */
     check_job(QF_DT_BF16, 192, 32, 64, 4, 3, NULL);
+    qf_pool_set_spin(pool, 2000); /* as the hybrid's pool: jobs inside the spin, and after it ran out */
+    for (int i = 0; i < 3; i++) {
+        check_job(QF_DT_BF16, 2048, 512, 9, 8, 1, pool);
+        usleep(i == 1 ? 5000 : 200);
+    }
     qf_pool_destroy(pool);
     return qt_finish();
 }
