@@ -56,17 +56,29 @@ static int has_work(qf_pool *p, unsigned long long run) {
     return (w >> (2 * W_IDX_BITS)) != run && (w & W_MASK) < ((w >> W_IDX_BITS) & W_MASK);
 }
 
-/* Whether a spin that began at t0 (spin round i) goes on. */
-static int spinning(qf_pool *p, int i, double t0) {
-    int us = atomic_load_explicit(&p->spin_us, memory_order_relaxed);
-    if (us <= 0) return i < SPIN_ROUNDS;
-    return (i & 255) || qf_now() - t0 < 1e-6 * us;
+/* A spin's start: its time limit (qf_pool_set_spin's), and the clock only when there is one (the
+ * default spin is by rounds: a parallel-for's wait reads no clock). */
+typedef struct spin {
+    int us;
+    double t0;
+} spin;
+
+static spin spin_start(qf_pool *p) {
+    spin s = {atomic_load_explicit(&p->spin_us, memory_order_relaxed), 0.0};
+    if (s.us > 0) s.t0 = qf_now();
+    return s;
+}
+
+/* Whether the spin goes on at round i. */
+static int spinning(const spin *s, int i) {
+    if (s->us <= 0) return i < SPIN_ROUNDS;
+    return (i & 255) || qf_now() - s->t0 < 1e-6 * s->us;
 }
 
 /* Until a run after `run` has tasks left (or quit). */
 static unsigned long long wait_for_work(qf_pool *p, unsigned long long run) {
-    double t0 = qf_now();
-    for (int i = 0; spinning(p, i, t0); i++) {
+    spin sp = spin_start(p);
+    for (int i = 0; spinning(&sp, i); i++) {
         if (has_work(p, run) || atomic_load(&p->quit)) return atomic_load(&p->work) >> (2 * W_IDX_BITS);
         cpu_relax();
     }
@@ -139,8 +151,8 @@ void qf_pool_set_spin(qf_pool *p, int us) {
 
 /* Until no thread holds a claim of the last run. */
 static void wait_idle(qf_pool *p) {
-    double t0 = qf_now();
-    for (int i = 0; spinning(p, i, t0) && atomic_load(&p->active) > 0; i++) cpu_relax();
+    spin sp = spin_start(p);
+    for (int i = 0; spinning(&sp, i) && atomic_load(&p->active) > 0; i++) cpu_relax();
     if (atomic_load(&p->active) == 0) return;
     pthread_mutex_lock(&p->mu);
     while (atomic_load(&p->active) > 0) pthread_cond_wait(&p->done_cv, &p->mu);
