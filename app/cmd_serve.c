@@ -27,7 +27,9 @@ void cmd_serve_help(FILE *f) {
             "--draft: MTP speculative decoding with N drafts a step (the model's MTP head) for every greedy request without\n"
             "      logprobs or a grammar, all verified in the step's one forward; the output is the same as without (on a\n"
             "      GPU such a request's steps take the plain, unrecorded path: slower there so far).\n"
-            "--prefix-cache-mem: snapshots for prefix reuse across requests, MiB (default 1024 on the CPU, 0 = off on a GPU; 0 turns it off).\n"
+            "--prefix-cache-mem: snapshots for prefix reuse across requests, MiB (default 1024 on the CPU, 0 = off on a GPU, where a\n"
+            "      reused turn equals a cold prefill to rounding only; 0 turns it off). Under --gpu-mem their DeltaNet copies wait in\n"
+            "      pinned host memory (the plan line shows it), so device memory stays as planned.\n"
             "--synthetic: generated weights of a real checkpoint's shapes (qwen3.6-35b-a3b) with DIR's tokenizer (load tests).\n"
             "Defaults from the environment: QFLASH_MODEL, QFLASH_HOST, QFLASH_PORT, QFLASH_API_KEY (flags win).\n");
 }
@@ -104,11 +106,12 @@ int cmd_serve(int argc, char **argv, qf_backend_opts *bo) {
     o.engine.progress = NULL;
     o.sched.kv_mib = kv_mib;
     int on_gpu = o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0;
-    if (prefix_mib < 0) prefix_mib = on_gpu ? 0 : 1024; /* on a GPU the snapshots take device memory the plan does not hold */
+    if (prefix_mib < 0) prefix_mib = on_gpu ? 0 : 1024; /* on a GPU the decode and prompt kernels round differently: a reused turn is not a cold prefill's bits */
     o.sched.prefix_cache_bytes = (size_t)(prefix_mib * 1048576.0);
     o.engine.reserve_seqs = o.sched.max_batch;
     o.engine.reserve_tokens = o.sched.kv_pages > 0 ? o.sched.kv_pages * o.sched.page_tokens : o.sched.ctx * o.sched.max_batch;
     o.engine.reserve_kv_bytes = (size_t)(kv_mib * 1048576.0);
+    o.engine.reserve_host_bytes = o.sched.prefix_cache_bytes; /* under --gpu-mem the snapshots wait in host memory */
     if (o.verbose && o.engine.device && strncmp(o.engine.device, "cuda", 4) == 0) qf_backend_opts_print(stderr, bo);
     int rc = qf_server_run(&o);
     if (rc != QF_OK) {

@@ -1068,6 +1068,11 @@ static void test_plan_table(void) {
     qf_plan_in host = {.budget = (size_t)22 << 30, .device_total = (size_t)140 << 30, .host_ram = 32.0 * 1073741824.0, .slot_bytes = 6 * M,
                        .n_layers = 40, .n_experts = 256, .top_k = 8};
     CHECK(qf_plan_make(&host, &p) == QF_EINVAL && strstr(qf_last_error(), "60.0 GiB of host memory"), "experts over the host's RAM: %s", qf_last_error());
+    /* 60 GiB of experts fit 72 GiB of RAM (0.9 of it: 64.8) until 6 GiB of prefix snapshots join them */
+    host.host_ram = 72.0 * 1073741824.0, host.device_free = (size_t)130 << 30, host.host_reserve = (size_t)4 << 30;
+    CHECK(qf_plan_make(&host, &p) == QF_OK && p.host_reserve == host.host_reserve, "experts and 4 GiB of snapshots in 72 GiB: %s", qf_last_error());
+    host.host_reserve = (size_t)6 << 30;
+    CHECK(qf_plan_make(&host, &p) == QF_EINVAL && strstr(qf_last_error(), "prefix snapshots up to 6.0 GiB"), "snapshots over the host's RAM: %s", qf_last_error());
     qf_plan_in tight = {.cache_bytes = 4000 * M, .device_total = (size_t)24 << 30, .device_free = 3000 * M, .slot_bytes = 6 * M, .n_layers = 40,
                         .n_experts = 256, .top_k = 8};
     CHECK(qf_plan_make(&tight, &p) == QF_EINVAL && strstr(qf_last_error(), "the device has 3000 MiB free"), "a buffer over the free memory: %s", qf_last_error());

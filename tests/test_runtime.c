@@ -10,6 +10,7 @@
 
 #include "base/mapfile.h"
 #include "runtime/engine.h"
+#include "runtime/prefix.h"
 #include "runtime/sampler.h"
 #include "test_util.h"
 #include "tokenizer/chat.h"
@@ -453,6 +454,53 @@ static void test_cli_route(void) {
     remove(trace);
 }
 
+/* The prefix cache's DeltaNet copies in both tiers (backend memory, host memory): a restored
+ * snapshot continues to the cold prompt's logits bit for bit, and six same-sized snapshots under
+ * a budget of three hold three copies, the evicted ones' reused rather than new ones allocated. */
+static void test_prefix_blocks(const qf_tokenizer *t) {
+    const char *text = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\nclass Stack:\n    def __init__(self):\n"
+                       "        self.items = []\n    def push(self, x):\n        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n";
+    int32_t *ids = NULL;
+    int n = 0, N = 40, pt = 16;
+    qf_engine *e = NULL;
+    qf_engine_opts eo = {.n_threads = 2};
+    if (qf_tok_encode(t, text, strlen(text), &ids, &n) != QF_OK || n < N + 6 * 4 || qf_engine_open(&e, model_dir, &eo) != QF_OK) {
+        CHECK(0, "prefix check setup: %d tokens, %s", n, qf_last_error());
+        qf_engine_close(e), free(ids);
+        return;
+    }
+    qf_model *m = e->model;
+    int V = m->cfg.vocab;
+    float *cold = malloc((size_t)V * sizeof(float)), *warm = malloc((size_t)V * sizeof(float));
+    size_t sb = qf_state_block_bytes(m), pb = qf_kv_pool_page_bytes(m, pt), one = sb + (size_t)((N + pt - 1) / pt) * pb + (size_t)N * sizeof(int32_t);
+    for (int host = 0; host < 2; host++) {
+        qf_kv_pool *kv = qf_kv_pool_create(m, pt, 64);
+        qf_state *st = qf_state_create_paged(m, kv, 256), *st2 = qf_state_create_paged(m, kv, 256);
+        qf_prefix *p = NULL;
+        CHECK(kv && st && st2 && qf_prefix_create(&p, kv, m->dev, host, sb, pb, 3 * one) == QF_OK, "tier %d: %s", host, qf_last_error());
+        for (int k = 0; p && k < 6; k++) { /* prompts of N tokens from offset 4k, each kept */
+            qf_state_reset(st);
+            CHECK(qf_forward_seq(m, &e->be, e->ws, st, ids + 4 * k, N, QF_LOGITS_NONE, NULL) == QF_OK, "%s", qf_last_error());
+            qf_prefix_save(p, st, ids + 4 * k);
+        }
+        qf_prefix_stats ps = p ? qf_prefix_get_stats(p) : (qf_prefix_stats){0};
+        CHECK(ps.saved == 6 && ps.snapshots == 3 && ps.evicted == 3 && ps.blocks == 3, "tier %d: %llu saved, %d held, %llu evicted, %d copies allocated",
+              host, (unsigned long long)ps.saved, ps.snapshots, (unsigned long long)ps.evicted, ps.blocks);
+        const int32_t *q = ids + 20; /* the last prompt and 6 tokens more */
+        int got = p ? qf_prefix_restore(p, st2, q, N + 6) : 0;
+        CHECK(got == N, "tier %d: restored %d tokens, want %d", host, got, N);
+        int rc = qf_forward_seq(m, &e->be, e->ws, st2, q + got, N + 6 - got, QF_LOGITS_LAST, warm);
+        qf_state_reset(st);
+        if (rc == QF_OK) rc = qf_forward_seq(m, &e->be, e->ws, st, q, N + 6, QF_LOGITS_LAST, cold);
+        CHECK(rc == QF_OK && memcmp(cold, warm, (size_t)V * sizeof(float)) == 0, "tier %d: the restored prompt's logits differ from a cold one's", host);
+        qf_state_reset(st);
+        CHECK(p && qf_prefix_restore(p, st, ids, N + 6) == 0, "tier %d: an evicted snapshot was restored", host);
+        qf_state_free(st), qf_state_free(st2), qf_prefix_free(p), qf_kv_pool_free(kv);
+    }
+    free(cold), free(warm), free(ids);
+    qf_engine_close(e);
+}
+
 int main(int argc, char **argv) {
     qt_init(argc, argv);
     qflash_bin = argc > 2 ? argv[2] : "build/qflash";
@@ -474,6 +522,7 @@ int main(int argc, char **argv) {
     test_cli_fidelity();
     test_cli_calibrate(t);
     test_cli_route();
+    test_prefix_blocks(t);
     qf_tok_free(t);
     json_decref(ref_json);
     return qt_finish();

@@ -68,11 +68,12 @@ prefix)
     M=models/qwen36moe-code-14m
     printf 'hello\nwrite code\n/reset\nhello\n' | timeout 120 gpu/qflash chat -m $M --device cuda -n 16 --temp 0 >"$OUT/chat.txt" 2>"$OUT/chat.err"
     echo "== chat (the first and the third reply must be the same)"; cat "$OUT/chat.txt"; grep -E "prompt tokens|rror" "$OUT/chat.err"
-    for mem in 256 0; do
-        gpu/qflash serve -m $M --device cuda --port 18080 --prefill-chunk 32 --prefix-cache-mem $mem >"$OUT/serve-$mem.log" 2>&1 &
+    for mem in 256 0 256g; do # 256g: under a device budget, the snapshots' DeltaNet copies in pinned host memory
+        budget=; [ $mem = 256g ] && budget="--gpu-mem 2G"
+        gpu/qflash serve -m $M --device cuda --port 18080 --prefill-chunk 32 --prefix-cache-mem ${mem%g} $budget >"$OUT/serve-$mem.log" 2>&1 &
         pid=$!
         for i in $(seq 60); do curl -sf localhost:18080/health >/dev/null && break; sleep 1; done
-        echo "== prefix-cache-mem $mem"; timeout 120 python3 tools/prefix_check.py http://127.0.0.1:18080 6
+        echo "== prefix-cache-mem $mem $budget"; grep -o "prefix snapshots[^;]*" "$OUT/serve-$mem.log"; timeout 120 python3 tools/prefix_check.py http://127.0.0.1:18080 6
         kill $pid; wait $pid 2>/dev/null
     done
     ;;

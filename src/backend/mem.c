@@ -35,4 +35,15 @@ void qf_be_copy(qf_backend *be, void *dst, const void *src, size_t bytes) {
     else memcpy(dst, src, bytes);
 }
 
+void *qf_be_host_alloc(qf_backend *be, size_t bytes) {
+    if (be && be->ops->pin_alloc && be->ops->pin_free) return be->ops->pin_alloc(be, bytes ? bytes : 1);
+    return calloc(1, bytes ? bytes : 1);
+}
+
+void qf_be_host_free(qf_backend *be, void *p) {
+    if (!p) return;
+    if (be && be->ops->pin_alloc && be->ops->pin_free) be->ops->pin_free(be, p);
+    else free(p);
+}
+
 int qf_be_sync(qf_backend *be) { return be && be->ops->sync ? be->ops->sync(be) : 0; }

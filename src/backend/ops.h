@@ -375,6 +375,10 @@ void qf_be_upload(qf_backend *be, void *dst, const void *src, size_t bytes);
 void qf_be_download(qf_backend *be, void *dst, const void *src, size_t bytes);
 void qf_be_zero(qf_backend *be, void *p, size_t bytes);
 void qf_be_copy(qf_backend *be, void *dst, const void *src, size_t bytes);
+/* Host memory the device copies to and from at the link's rate (pinned where the backend pins),
+ * zero-filled; NULL when out of memory. */
+void *qf_be_host_alloc(qf_backend *be, size_t bytes);
+void qf_be_host_free(qf_backend *be, void *p);
 /* Waits for the backend's queued ops; QF_OK, or the failure of one of them. */
 int qf_be_sync(qf_backend *be);
 

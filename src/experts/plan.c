@@ -37,9 +37,10 @@ int qf_plan_make(const qf_plan_in *in, qf_plan *p) {
                    .workspace = in->workspace, .reserve = in->reserve, .margin = QF_PLAN_MARGIN, .sparse = in->sparse, .slot_bytes = in->slot_bytes,
                    .n_experts = in->n_experts, .n_layers = in->n_layers, .policy = in->policy};
     p->host_experts = p->slot_bytes * (size_t)p->n_experts * (size_t)p->n_layers;
-    if (in->host_ram > 0 && (double)p->host_experts > 0.9 * in->host_ram)
-        return qf_fail(QF_EINVAL, "the routed experts take %.1f GiB of host memory to stream from; this machine has %.1f GiB of RAM",
-                       (double)p->host_experts / GIB, in->host_ram / GIB);
+    p->host_reserve = in->host_reserve;
+    if (in->host_ram > 0 && (double)(p->host_experts + p->host_reserve) > 0.9 * in->host_ram)
+        return qf_fail(QF_EINVAL, "the routed experts take %.1f GiB of host memory to stream from, prefix snapshots up to %.1f GiB; this machine has %.1f GiB of RAM",
+                       (double)p->host_experts / GIB, (double)p->host_reserve / GIB, in->host_ram / GIB);
     if (p->budget > in->device_total)
         return qf_fail(QF_EINVAL, "--gpu-mem %.1f GiB is more than the device's %.1f GiB", (double)p->budget / GIB, (double)in->device_total / GIB);
     size_t fixed = p->context + p->trunk + p->workspace + p->reserve + p->sparse + p->margin;
@@ -65,6 +66,7 @@ void qf_plan_print(FILE *f, const qf_plan *p) {
     fprintf(f, "\n  %d of %d experts a layer in device slots (%.1f%% resident, %s), the rest read from %.1f GiB of pinned host memory; ",
             p->slots, p->n_experts, 100.0 * p->slots / p->n_experts, qf_policy_name(p->policy), (double)p->host_experts / GIB);
     if (p->stage) fprintf(f, "prompt chunks stage whole layers (2 x %.0f MiB of the buffer); ", (double)p->stage / 2 / MIB);
+    if (p->host_reserve) fprintf(f, "prefix snapshots' DeltaNet copies in up to %.0f MiB of pinned host memory; ", (double)p->host_reserve / MIB);
     if (p->host_threads)
         fprintf(f, "\n  hybrid: %d host threads compute up to %.0f%% of a decode step's misses (an expert %.3f ms on the host, %.3f ms over the link); ",
                 p->host_threads, 100.0 * p->host_share, p->host_ms, p->link_ms);

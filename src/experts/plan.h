@@ -16,6 +16,7 @@ typedef struct qf_plan_in {
     size_t device_total;
     size_t device_free; /* free once the trunk and the workspace are there */
     double host_ram;    /* bytes of RAM (0: unknown) */
+    size_t host_reserve; /* host memory the caller holds beside the experts: prefix snapshots */
     size_t context, trunk, reserve, sparse;
     size_t workspace; /* the forward's workspace and the ops' scratch, by their arithmetic */
     size_t slot_bytes; /* one expert's weights in a slot */
@@ -28,6 +29,7 @@ typedef struct qf_plan {
     size_t stage;                               /* of the buffer: two layers' experts for prompt chunks (0: none) */
     size_t sparse;                              /* sparsity's transposed weights, made after the plan */
     size_t host_experts;                        /* host memory the experts take (pinned) */
+    size_t host_reserve;                        /* and the prefix snapshots at most (pinned) */
     size_t slot_bytes;
     int slots, n_experts, n_layers, policy;
     size_t used_after_warmup;                   /* the device's memory in use once warmed up */

@@ -175,24 +175,33 @@ int qf_state_adopt(qf_state *s, const qf_state_snap *snap) {
         s->pages[s->n_pages++] = pg;
     }
     if (s->pages_dev) qf_be_upload(s->dev, s->pages_dev, s->pages, (size_t)s->n_pages * sizeof *s->pages);
-    qf_be_copy(s->dev, s->block, snap->block, block_bytes(s));
+    if (snap->host) qf_be_upload(s->dev, s->block, snap->block, block_bytes(s));
+    else qf_be_copy(s->dev, s->block, snap->block, block_bytes(s));
     s->pos = snap->pos;
     s->kv_summarized = snap->kv_summarized < full ? snap->kv_summarized : full;
     return QF_OK;
 }
 
-int qf_state_snap_take(const qf_state *s, qf_state_snap *snap) {
+size_t qf_state_block_bytes(const qf_model *m) {
+    size_t n = qf_state_bytes(m);
+    return n ? n : sizeof(float);
+}
+
+int qf_state_snap_take(const qf_state *s, qf_state_snap *snap, float *block, int host) {
     memset(snap, 0, sizeof *snap);
     int n = (s->pos + s->kv->page_tokens - 1) / s->kv->page_tokens;
     snap->pages = malloc(((size_t)n + 1) * sizeof *snap->pages);
-    snap->block = qf_be_alloc(s->dev, block_bytes(s));
+    snap->block = block ? block : qf_be_alloc(s->dev, block_bytes(s));
+    snap->owns_block = !block, snap->host = block && host;
     if (!snap->pages || !snap->block) {
         free(snap->pages);
-        qf_be_free(s->dev, snap->block);
+        if (snap->owns_block) qf_be_free(s->dev, snap->block);
+        memset(snap, 0, sizeof *snap);
         return qf_fail(QF_ENOMEM, "out of memory for a prefix snapshot");
     }
     for (int i = 0; i < n; i++) qf_kv_pool_ref(s->kv, snap->pages[i] = s->pages[i]);
-    qf_be_copy(s->dev, snap->block, s->block, block_bytes(s));
+    if (snap->host) qf_be_download(s->dev, snap->block, s->block, block_bytes(s));
+    else qf_be_copy(s->dev, snap->block, s->block, block_bytes(s));
     snap->n_pages = n;
     snap->pos = s->pos;
     snap->kv_summarized = s->kv_summarized;
@@ -204,7 +213,7 @@ int qf_state_snap_take(const qf_state *s, qf_state_snap *snap) {
 void qf_state_snap_drop(qf_state_snap *snap) {
     for (int i = 0; i < snap->n_pages; i++) qf_kv_pool_unref(snap->kv, snap->pages[i]);
     free(snap->pages);
-    qf_be_free(snap->dev, snap->block);
+    if (snap->owns_block) qf_be_free(snap->dev, snap->block);
     memset(snap, 0, sizeof *snap);
 }
 

@@ -208,16 +208,23 @@ int qf_state_pages_needed(const qf_state *s, int n);
 /* Back to an empty sequence; its pages return to the pool. */
 void qf_state_reset(qf_state *s);
 void qf_state_free(qf_state *s);
-/* A copy of a state after pos tokens, for prefix reuse: the DeltaNet states copied (in backend
- * memory), the KV pages shared (each page referenced; a page is free once nobody holds it). */
+/* A copy of a state after pos tokens, for prefix reuse: the DeltaNet states copied, the KV pages
+ * shared (each page referenced; a page is free once nobody holds it). */
 typedef struct qf_state_snap {
     int pos, n_pages, kv_summarized;
     int32_t *pages;
-    float *block;
+    float *block;   /* the DeltaNet states: backend memory, or host memory where host */
+    int host;       /* block is host memory: copied out of the device and back */
+    int owns_block; /* block was allocated by the snapshot (backend memory) */
     qf_kv_pool *kv;
     qf_backend *dev;
 } qf_state_snap;
-int qf_state_snap_take(const qf_state *s, qf_state_snap *snap);
+/* The bytes of a state's DeltaNet block (one float at least), what a snapshot's block holds. */
+size_t qf_state_block_bytes(const qf_model *m);
+/* block: the caller's qf_state_block_bytes of memory for the states, host memory when host (a
+ * pool of snapshots kept off the device), or NULL: backend memory the snapshot allocates and owns. */
+int qf_state_snap_take(const qf_state *s, qf_state_snap *snap, float *block, int host);
+/* The pages unreferenced; a block the caller gave stays the caller's. */
 void qf_state_snap_drop(qf_state_snap *snap);
 /* An empty state continues from snap: full pages shared, a partial last page copied (QF_ENOMEM
  * when the pool has no page for it), the DeltaNet states copied. */

@@ -30,6 +30,7 @@ typedef struct qf_engine_opts {
     int expert_threads;         /* with --gpu-mem: host threads computing a share of the misses beside the device (0: off; negative: the cores less 4, off under 5) */
     int reserve_seqs, reserve_tokens; /* what the caller allocates on the device after load: states, KV tokens */
     size_t reserve_kv_bytes;          /* or the KV pool's bytes, when the caller sizes it so */
+    size_t reserve_host_bytes;        /* host memory the caller holds after load under a device budget: prefix snapshots */
     int max_prompt;                   /* with streamed experts: the longest prompt run layer by layer at once (0: 8192) */
     int sparsity_given;               /* --sparsity-level given: sparsity_level for every layer; else config_flash.json's, else 0 */
     float sparsity_level;

@@ -164,7 +164,7 @@ int qf_load_experts_gpu(qf_engine *e, const qf_engine_opts *o, size_t cache_byte
     m->experts->ops->release(m->experts, 0, 0);
     size_t free_now = 0, total = 0;
     e->be.ops->mem_info(&e->be, &free_now, &total);
-    qf_plan_in in = {.budget = o->gpu_mem, .cache_bytes = cache_bytes, .device_total = total, .host_ram = host_ram(), .slot_bytes = qf_es_slot_bytes(&x0),
+    qf_plan_in in = {.budget = o->gpu_mem, .cache_bytes = cache_bytes, .device_total = total, .host_ram = host_ram(), .host_reserve = o->reserve_host_bytes, .slot_bytes = qf_es_slot_bytes(&x0),
                      .n_layers = c->n_layers, .n_experts = c->n_experts, .top_k = c->n_experts_used, .policy = policy};
     qf_expert_store *s;
     if ((rc = qf_es_devcache_create(&s, m->experts, &e->be, c->n_layers, c->n_experts, c->n_experts_used)) != QF_OK) return rc;

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/ops.h"
 #include "base/err.h"
 
 #define MAX_SNAPS 4096
@@ -16,6 +17,10 @@ typedef struct snap {
 
 struct qf_prefix {
     qf_kv_pool *kv;
+    qf_backend *be;
+    int host;      /* the DeltaNet blocks in host memory (a device budget that leaves them no room) */
+    float **spare; /* [MAX_SNAPS] blocks of dropped snapshots, taken again before any is allocated */
+    int n_spare;
     uint64_t *h;   /* a prompt's prefix hashes (grown as prompts need) */
     int cap_h;
     size_t state_bytes, page_bytes;
@@ -31,17 +36,18 @@ static uint64_t hash_step(uint64_t h, int32_t t) {
     return h;
 }
 
-int qf_prefix_create(qf_prefix **out, qf_kv_pool *kv, size_t state_bytes, size_t page_bytes, size_t budget) {
+int qf_prefix_create(qf_prefix **out, qf_kv_pool *kv, qf_backend *be, int host, size_t state_bytes, size_t page_bytes, size_t budget) {
     *out = NULL;
     qf_prefix *p = calloc(1, sizeof *p);
     if (!p) return qf_fail(QF_ENOMEM, "out of memory for the prefix cache");
-    p->kv = kv;
+    p->kv = kv, p->be = be, p->host = host;
     p->state_bytes = state_bytes;
     p->page_bytes = page_bytes;
     p->st.budget = budget;
     p->s = calloc(MAX_SNAPS, sizeof *p->s);
-    if (!p->s) {
-        free(p);
+    p->spare = calloc(MAX_SNAPS, sizeof *p->spare);
+    if (!p->s || !p->spare) {
+        free(p->s), free(p->spare), free(p);
         return qf_fail(QF_ENOMEM, "out of memory for the prefix cache");
     }
     *out = p;
@@ -51,6 +57,7 @@ int qf_prefix_create(qf_prefix **out, qf_kv_pool *kv, size_t state_bytes, size_t
 static void drop(qf_prefix *p, int i) {
     snap *e = &p->s[i];
     p->st.bytes -= e->bytes;
+    p->spare[p->n_spare++] = e->st.block;
     qf_state_snap_drop(&e->st);
     free(e->toks);
     p->s[i] = p->s[--p->n];
@@ -61,6 +68,8 @@ static void drop(qf_prefix *p, int i) {
 void qf_prefix_free(qf_prefix *p) {
     if (!p) return;
     while (p->n) drop(p, p->n - 1);
+    for (int i = 0; i < p->n_spare; i++) p->host ? qf_be_host_free(p->be, p->spare[i]) : qf_be_free(p->be, p->spare[i]);
+    free(p->spare);
     free(p->h);
     free(p->s);
     free(p);
@@ -98,6 +107,15 @@ int qf_prefix_restore(qf_prefix *p, qf_state *st, const int32_t *toks, int n) {
     return p->s[best].st.pos;
 }
 
+/* A dropped snapshot's block, else a new one: the blocks held never exceed the snapshots the
+ * budget allows at once. */
+static float *take_block(qf_prefix *p) {
+    if (p->n_spare) return p->spare[--p->n_spare];
+    float *b = p->host ? qf_be_host_alloc(p->be, p->state_bytes) : qf_be_alloc(p->be, p->state_bytes);
+    p->st.blocks += b != NULL;
+    return b;
+}
+
 void qf_prefix_save(qf_prefix *p, const qf_state *st, const int32_t *toks) {
     int pos = st->pos;
     if (pos < 1) return;
@@ -115,8 +133,10 @@ void qf_prefix_save(qf_prefix *p, const qf_state *st, const int32_t *toks) {
     snap *e = &p->s[p->n];
     memset(e, 0, sizeof *e);
     e->toks = malloc((size_t)pos * sizeof *toks);
-    if (!e->toks || qf_state_snap_take(st, &e->st) != QF_OK) {
+    float *block = take_block(p);
+    if (!e->toks || !block || qf_state_snap_take(st, &e->st, block, p->host) != QF_OK) {
         free(e->toks);
+        if (block) p->spare[p->n_spare++] = block;
         return; /* no snapshot: the next request prefills in full */
     }
     memcpy(e->toks, toks, (size_t)pos * sizeof *toks);

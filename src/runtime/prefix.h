@@ -20,12 +20,14 @@ typedef struct qf_prefix qf_prefix;
 
 typedef struct qf_prefix_stats {
     uint64_t hits, misses, tokens_reused, saved, evicted;
-    int snapshots;
+    int snapshots, blocks; /* blocks: DeltaNet copies allocated (kept for reuse once dropped) */
     size_t bytes, budget;
 } qf_prefix_stats;
 
-/* budget: bytes of snapshots (DeltaNet copies, the KV pages they hold, their tokens). */
-int qf_prefix_create(qf_prefix **out, qf_kv_pool *kv, size_t state_bytes, size_t page_bytes, size_t budget);
+/* budget: bytes of snapshots (DeltaNet copies, the KV pages they hold, their tokens). The copies
+ * (state_bytes each: qf_state_block_bytes) are be's memory, or host memory with host: under a
+ * device budget they stay off the device, copied over the link when taken and restored. */
+int qf_prefix_create(qf_prefix **out, qf_kv_pool *kv, qf_backend *be, int host, size_t state_bytes, size_t page_bytes, size_t budget);
 void qf_prefix_free(qf_prefix *p);
 /* st (empty) continues from the longest snapshot of toks[0..k), k < n; returns k (0: none). */
 int qf_prefix_restore(qf_prefix *p, qf_state *st, const int32_t *toks, int n);

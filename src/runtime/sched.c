@@ -454,7 +454,10 @@ int qf_sched_create(qf_sched **out, qf_engine *e, const qf_sched_opts *o) {
     s->kv = qf_kv_pool_create(e->model, pt, s->o.kv_pages);
     if (s->o.prefix_interval <= 0) s->o.prefix_interval = s->o.prefill_chunk;
     s->o.prefix_interval = (s->o.prefix_interval + pt - 1) / pt * pt; /* whole pages: a snapshot's pages are all full */
-    if (s->kv && s->o.prefix_cache_bytes && qf_prefix_create(&s->prefix, s->kv, qf_state_bytes(e->model), qf_kv_pool_page_bytes(e->model, pt), s->o.prefix_cache_bytes) != QF_OK) {
+    /* under a device budget the snapshots' DeltaNet copies wait in host memory, outside the plan's device memory */
+    if (s->kv && s->o.prefix_cache_bytes &&
+        qf_prefix_create(&s->prefix, s->kv, e->model->dev, e->plan.active, qf_state_block_bytes(e->model), qf_kv_pool_page_bytes(e->model, pt),
+                         s->o.prefix_cache_bytes) != QF_OK) {
         qf_sched_destroy(s);
         return qf_fail(QF_ENOMEM, "out of memory for the prefix cache");
     }

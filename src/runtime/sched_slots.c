@@ -34,7 +34,7 @@ static void fork_leave(qf_sched *s, qf_req *r) {
 /* The first choice has fed all but its prompt's last token: the copy the others start from. */
 void sc_fork_mark(qf_sched *s, qf_req *r, const qf_state *st) {
     if (!r->fork || r->fork_state != FORK_NONE || r->n_fed != r->n_prompt - 1) return;
-    r->fork_state = qf_state_snap_take(st, &r->fork_snap) == QF_OK ? FORK_KEPT : FORK_GONE;
+    r->fork_state = qf_state_snap_take(st, &r->fork_snap, NULL, 0) == QF_OK ? FORK_KEPT : FORK_GONE;
     fork_drop_unwanted(s, r);
 }
 
