@@ -25,7 +25,7 @@ enum {
  * it lives. tab entries always point at valid bytes (a slot or home), so every choice is exact.
  * state: qf_xcache_state_bytes(E, S) bytes of backend memory, zeroed once. */
 /* Hybrid expert execution: in a decode step (rows routed by the device, no sparsity drop), of
- * the misses the policy declines, the first ceil(host_share x misses) are computed on the host
+ * the misses the policy declines, the first ceil(host_share x misses - host_fixed) are computed on the host
  * instead of read over the link. Their table entries point at zeros (an all-zero expert in
  * backend memory: exactly 0 on the device), the device writes the job below into mapped host
  * memory (one job for every layer: the layers run one after another), a host node runs
@@ -53,7 +53,7 @@ typedef struct qf_xcache {
     void *state;
     unsigned long long *counters;        /* [QF_XC_COUNTERS] backend memory, zeroed once */
     /* hybrid expert execution (job NULL: off) */
-    float host_share;
+    float host_share, host_fixed; /* the host's share of a step's misses, less its call's fixed cost in experts */
     qf_xc_job *job;       /* mapped host memory */
     const char *zero;     /* slot_bytes of zeros, backend memory */
     int32_t *host_words;  /* QF_XC_HOST_WORDS, backend memory, zeroed once */

@@ -68,8 +68,9 @@ void qf_plan_print(FILE *f, const qf_plan *p) {
     if (p->stage) fprintf(f, "prompt chunks stage whole layers (2 x %.0f MiB of the buffer); ", (double)p->stage / 2 / MIB);
     if (p->host_reserve) fprintf(f, "prefix snapshots' DeltaNet copies in up to %.0f MiB of pinned host memory; ", (double)p->host_reserve / MIB);
     if (p->host_threads)
-        fprintf(f, "\n  hybrid: %d host threads compute up to %.0f%% of a decode step's misses (an expert %.3f ms on the host, %.3f ms over the link); ",
-                p->host_threads, 100.0 * p->host_share, p->host_ms, p->link_ms);
+        fprintf(f, "\n  hybrid: %d host threads compute up to %.0f%% of a decode step's misses less %.2f (an expert %.3f ms on the host after %.3f ms a call, "
+                   "%.3f ms over the link); ",
+                p->host_threads, 100.0 * p->host_share, p->host_fixed, p->host_ms, p->host_fixed_ms, p->link_ms);
     size_t planned = p->context + p->trunk + p->workspace + p->buffer;
     fprintf(f, "device memory in use after warm-up %.0f MiB of %.0f (planned so far %.0f)\n", (double)p->used_after_warmup / MIB, (double)p->device_total / MIB,
             (double)planned / MIB);

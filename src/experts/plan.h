@@ -34,8 +34,8 @@ typedef struct qf_plan {
     int slots, n_experts, n_layers, policy;
     size_t used_after_warmup;                   /* the device's memory in use once warmed up */
     int host_threads;                           /* hybrid execution: host threads (0: off), their share of the misses */
-    float host_share;
-    double host_ms, link_ms;                    /* the cost model's measured ms an expert on the host and over the link */
+    float host_share, host_fixed;               /* host_fixed: a host call's fixed cost in experts, taken off a step's share */
+    double host_ms, host_fixed_ms, link_ms;     /* the cost model's measured ms an expert on the host (and a call's), over the link */
 } qf_plan;
 
 /* The plan for in, or QF_EINVAL with a message naming what does not fit and the least budget that

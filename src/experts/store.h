@@ -100,15 +100,17 @@ int qf_es_devcache_set_slots(qf_expert_store *s, int slots, int policy, int stag
  * link a layer ahead of their use; 0: prompt chunks resolve through the slots like decode steps. */
 /* Hybrid expert execution (backend/xcache.h): after set_slots, a decode step's declined misses,
  * up to share of its misses, are computed on pool's threads from their home views (host_moe.h)
- * beside the device's kernels. host_share changes the share (0: every miss over the link). */
+ * beside the device's kernels. host_share changes the share (0: every miss over the link) and the
+ * host call's fixed cost, in experts, taken off each step's count (ceil(share x misses - fixed)). */
 int qf_es_devcache_set_host(qf_expert_store *s, qf_pool *pool, float share);
-void qf_es_devcache_host_share(qf_expert_store *s, float share);
+void qf_es_devcache_host_share(qf_expert_store *s, float share, float fixed);
 /* Test hook: the host call `calls` calls from now fails (its step's error names the layer and the
  * failure), as a host thread's fault would; 0: none. */
 void qf_es_devcache_fail_host(qf_expert_store *s, int calls);
 /* The split's cost model, measured: milliseconds an expert takes on the host (one row, pool's
- * threads) and over the link (its bytes copied from home). */
-int qf_es_devcache_measure(qf_expert_store *s, double *host_ms, double *link_ms);
+ * threads) beyond a call's fixed milliseconds (a call of one expert against one of top-k), and
+ * over the link (its bytes copied from home). */
+int qf_es_devcache_measure(qf_expert_store *s, double *host_ms, double *host_fixed_ms, double *link_ms);
 /* Bytes of one expert's slot: its three matrices, each 256-byte aligned. */
 size_t qf_es_slot_bytes(const qf_expert *x);
 

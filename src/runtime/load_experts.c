@@ -138,16 +138,18 @@ static int warm_up(qf_engine *e) {
 }
 
 /* Hybrid expert execution on n host threads: the split that balances the host against the link
- * for the measured cost of an expert on each (h / m = link / (link + host)). */
+ * for the measured costs (h host experts of m misses: fixed + h x host = (m - h) x link, so
+ * h = m x link / (link + host) - fixed / (link + host)). */
 static int hybrid(qf_engine *e, qf_expert_store *s, int n) {
     qf_plan *p = &e->plan;
     if (!(e->host_pool = qf_pool_create(n))) return qf_fail(QF_ENOMEM, "cannot start %d host expert threads", n);
     qf_pool_set_spin(e->host_pool, 5000); /* a decode step's layers call a fraction of a millisecond apart: no wake-up each */
     int rc = qf_es_devcache_set_host(s, e->host_pool, 0.0f);
-    if (rc == QF_OK) rc = qf_es_devcache_measure(s, &p->host_ms, &p->link_ms);
+    if (rc == QF_OK) rc = qf_es_devcache_measure(s, &p->host_ms, &p->host_fixed_ms, &p->link_ms);
     if (rc != QF_OK) return rc;
     p->host_threads = n, p->host_share = (float)(p->link_ms / (p->link_ms + p->host_ms));
-    qf_es_devcache_host_share(s, p->host_share);
+    p->host_fixed = (float)(p->host_fixed_ms / (p->link_ms + p->host_ms));
+    qf_es_devcache_host_share(s, p->host_share, p->host_fixed);
     return QF_OK;
 }
 

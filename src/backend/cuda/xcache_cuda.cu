@@ -131,8 +131,8 @@ __device__ int xc_host_begin(xc_shared &s, const qf_xcache &x, int host) {
     prev[0] = 0;
     if (!host) return 0;
     for (int i = 0; i < s.n_order; i++) m0 += s.slot_of[s.order[i]] < 0;
-    int hmax = (int)ceilf(x.host_share * (float)m0);
-    return hmax < QF_XC_HOST_MAX ? hmax : QF_XC_HOST_MAX;
+    int hmax = (int)ceilf(x.host_share * (float)m0 - x.host_fixed);
+    return hmax < 0 ? 0 : hmax < QF_XC_HOST_MAX ? hmax : QF_XC_HOST_MAX;
 }
 
 // A declined miss to the host: its table entries at the zeros, remembered for the next step.
