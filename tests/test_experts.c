@@ -71,11 +71,11 @@ static void fake_destroy(qf_expert_store *s) {
     free(f);
 }
 
-static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, NULL, NULL, NULL};
+static const qf_expert_store_ops k_fake_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, NULL, NULL, NULL, NULL};
 
 /* The same, taking wide steps too: so a long prompt runs layer by layer. */
 static int fake_wide_table(qf_expert_store *s, int L, int rows, qf_expert_table *out) { return (void)rows, fake_table(s, L, out); }
-static const qf_expert_store_ops k_fake_wide_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, fake_wide_table, NULL, NULL};
+static const qf_expert_store_ops k_fake_wide_ops = {fake_acquire, fake_release, NULL, fake_destroy, fake_table, NULL, fake_wide_table, NULL, NULL, NULL};
 
 /* Copy c of every expert filled from the inner store, its views and device tables made. */
 static void fill_copy(fake_store *f, int c) {

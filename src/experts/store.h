@@ -63,6 +63,9 @@ typedef struct qf_expert_store_ops {
     /* Optional: brings stats up to date where a device counts (qf_es_stats calls it; never while
      * a step is being recorded). */
     void (*refresh)(qf_expert_store *s);
+    /* Optional: layer L's slots hold experts[0..n) from here (n at most the slots; each as if used
+     * once), whatever they held; between steps. Without it a store fills by acquiring them. */
+    int (*fill)(qf_expert_store *s, int layer, const int *experts, int n);
 } qf_expert_store_ops;
 
 struct qf_expert_store {

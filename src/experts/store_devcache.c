@@ -168,6 +168,48 @@ static void dc_destroy(qf_expert_store *s) {
     free(d);
 }
 
+/* The slot map rewritten on the host (the device's clock kept), the slots' bytes uploaded from home
+ * and the table pointed at them, every other expert home. */
+static int dc_fill(qf_expert_store *s, int L, const int *experts, int n) {
+    devcache_store *d = (devcache_store *)s;
+    int rc = qf_es_check_layer(L, d->n_layers), E = d->n_experts;
+    qf_xcache *x = rc == QF_OK ? &d->layers[L].x : NULL;
+    if (rc == QF_OK && (!x->slots || n < 0 || n > x->n_slots)) rc = qf_fail(QF_EINVAL, "layer %d: %d experts for %d device slots", L, n, x ? x->n_slots : 0);
+    for (int i = 0; rc == QF_OK && i < n; i++) rc = qf_es_check_expert(L, experts[i], d->n_layers, E);
+    size_t bytes = rc == QF_OK ? qf_xcache_state_bytes(E, x->n_slots) : 0;
+    uint32_t *w = bytes ? malloc(bytes) : NULL;
+    const void **tab = bytes ? malloc(3 * (size_t)E * sizeof *tab) : NULL;
+    if (rc == QF_OK && (!w || !tab)) rc = qf_fail(QF_ENOMEM, "out of memory");
+    if (rc == QF_OK) rc = qf_be_sync(d->be);
+    if (rc == QF_OK) {
+        int S = x->n_slots;
+        qf_be_download(d->be, w, x->state, bytes);
+        uint32_t now = w[0], *slot1_of = w + QF_XC_HEAD_WORDS, *expert1_in = slot1_of + E, *last = expert1_in + S, *count = last + S, *count_at = count + E;
+        memset(slot1_of, 0, (size_t)E * sizeof *w), memset(expert1_in, 0, (size_t)S * sizeof *w);
+        for (int e = 0; e < E; e++) tab[e] = d->layers[L].views[e].gate.data, tab[E + e] = d->layers[L].views[e].up.data, tab[2 * E + e] = d->layers[L].views[e].down.data;
+        for (int i = 0; i < n; i++) {
+            int e = experts[i];
+            const qf_expert *v = &d->layers[L].views[e];
+            const qf_mat *m[3] = {&v->gate, &v->up, &v->down};
+            slot1_of[e] = (uint32_t)i + 1, expert1_in[i] = (uint32_t)e + 1, last[i] = now ? now - 1 : 0;
+            count[e] = count[e] > QF_COUNT_ONE ? count[e] : QF_COUNT_ONE, count_at[e] = now;
+            for (int k = 0; k < 3; k++) {
+                char *dst = x->slots + (size_t)i * x->slot_bytes + x->off[k];
+                qf_be_upload(d->be, dst, m[k]->data, mat_bytes(m[k]));
+                tab[k * E + e] = dst;
+            }
+        }
+        w[1] = (uint32_t)n, w[2] = 0;
+        int32_t none = 0; /* no host experts from a last step to point home again: the table is whole */
+        qf_be_upload(d->be, x->state, w, bytes);
+        qf_be_upload(d->be, (void *)x->tab, tab, 3 * (size_t)E * sizeof *tab);
+        if (x->host_words) qf_be_upload(d->be, x->host_words, &none, sizeof none);
+        rc = qf_be_sync(d->be);
+    }
+    free(w), free(tab);
+    return rc;
+}
+
 static const qf_expert_store_ops k_dc_ops = {
     .acquire = dc_acquire,
     .release = dc_release,
@@ -176,6 +218,7 @@ static const qf_expert_store_ops k_dc_ops = {
     .refresh = dc_refresh,
     .wide_table = dc_wide_table,
     .describe = dc_describe,
+    .fill = dc_fill,
 };
 
 static int cmp_span(const void *a, const void *b) {

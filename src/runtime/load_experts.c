@@ -84,7 +84,7 @@ static void hottest(const qf_st_tensor *t, int L, int E, int *order, uint64_t *u
 int qf_load_expert_heat(qf_engine *e, const char *path) {
     qf_expert_store *s = e->model->experts;
     const qf_config *c = &e->model->cfg;
-    if (!s || !s->stats.slots || e->on_gpu) return qf_fail(QF_EINVAL, "--expert-heat fills the CPU's RAM expert cache: it needs --expert-cache (on the CPU)");
+    if (!s || !s->stats.slots) return qf_fail(QF_EINVAL, "--expert-heat fills an expert cache's slots: it needs --expert-cache (or --gpu-mem on a GPU)");
     qf_st_set st;
     int rc = qf_st_open(&st, path);
     if (rc != QF_OK) return rc;
@@ -96,7 +96,13 @@ int qf_load_expert_heat(qf_engine *e, const char *path) {
     if (rc == QF_OK && (!order || !uses)) rc = qf_fail(QF_ENOMEM, "out of memory");
     for (int L = 0; rc == QF_OK && L < c->n_layers; L++) {
         hottest(t, L, c->n_experts, order, uses);
-        for (int i = 0; rc == QF_OK && i < s->stats.slots && uses[order[i]]; i++) {
+        int n = 0;
+        while (n < s->stats.slots && n < c->n_experts && uses[order[n]]) n++;
+        if (s->ops->fill) {
+            rc = s->ops->fill(s, L, order, n);
+            continue;
+        }
+        for (int i = 0; rc == QF_OK && i < n; i++) {
             qf_expert x; /* a free slot admits it: the slots fill in order of heat */
             if ((rc = s->ops->acquire(s, L, order[i], &x)) == QF_OK) s->ops->release(s, L, order[i]);
         }
