@@ -102,7 +102,7 @@ static void device_help(FILE *f) {
                "                         checkpoint into as needed (default: config_flash.json's, else all resident)\n",
             cuda ? "on the GPU with --device cuda, else " : "");
     fprintf(f, "  --expert-policy lru|dlfu|dlfu-admit  the expert buffer's policy (default dlfu-admit)\n"
-               "  --expert-heat TRACE    the expert cache (the CPU's RAM cache, or the device slots of --gpu-mem)\n"
+               "  --expert-heat TRACE    the expert cache (the CPU's RAM cache, or a GPU's expert slots)\n"
                "                         starts with each layer's most used experts of a routing trace\n"
                "                         (qflash route-record's)\n"
                "  --expert-prefetch N    the CPU's RAM expert cache reads each token's N likeliest experts of the next\n"

@@ -1046,10 +1046,11 @@ static void test_plan_table(void) {
          "the GPU budget leaves 2488 MiB for the expert buffer: 10 slots a layer, at least 16 (2 x top-8) are needed: 3840 MiB of buffer, "
          "a budget of at least 10.32 GiB"},
         {"80G", (size_t)80 << 30, 256, 1, NULL},
+        {"22G serving", (size_t)22 << 30, 24, 1, NULL}, /* 16 sequences of 9000 tokens' states and KV (6992 MiB): staging still fits */
     };
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         qf_plan_in in = {.budget = rows[i].bytes, .device_total = (size_t)140 << 30, .device_free = (size_t)130 << 30, .host_ram = 0,
-                         .context = 595 * M, .trunk = 4764 * M, .workspace = 1234 * M, .reserve = 71 * M, .slot_bytes = 6 * M,
+                         .context = 595 * M, .trunk = 4764 * M, .workspace = 1234 * M, .reserve = (i == 5 ? 6992 : 71) * M, .slot_bytes = 6 * M,
                          .n_layers = 40, .n_experts = 256, .top_k = 8, .policy = QF_POLICY_DLFU_AD};
         qf_plan p;
         int rc = qf_plan_make(&in, &p);

@@ -432,36 +432,43 @@ void qf_es_devcache_host_share(qf_expert_store *s, float share, float fixed) {
     for (int L = 0; s->ops == &k_dc_ops && d->job && L < d->n_layers; L++) d->layers[L].x.host_share = share, d->layers[L].x.host_fixed = fixed;
 }
 
-/* Best of 3 rounds: layer 0's expert 0 on one row on the host, then its first top_k experts (the
- * difference is the experts' cost, the rest a call's), and their bytes read from home over the
- * link the way the step reads them (read_pinned; else a copy) into the zero expert, zeroed again
- * after. */
+/* Layer L's experts e0, e0 + stride, ... (k of them) read over the link the way a step reads them
+ * (read_pinned; else a copy) into the zero expert. */
+static void read_experts(devcache_store *d, int L, int e0, int stride, int k) {
+    for (int i = 0; i < k; i++) {
+        const qf_expert *x = &d->layers[L].views[(e0 + i * stride) % d->n_experts];
+        const qf_mat *m[3] = {&x->gate, &x->up, &x->down};
+        for (int j = 0; j < 3; j++) {
+            void *dst = (char *)d->zero + d->layers[L].x.off[j];
+            if (d->be->ops->read_pinned && !((uintptr_t)m[j]->data & 15)) d->be->ops->read_pinned(d->be, dst, m[j]->data, mat_bytes(m[j]));
+            else qf_be_upload(d->be, dst, m[j]->data, mat_bytes(m[j]));
+        }
+    }
+}
+
+/* Best of 3 rounds, each on experts no round read before (a step's misses come from memory, not
+ * the caches): one expert on one row on the host, then top_k others (the difference is the
+ * experts' cost, the rest a call's), then top_k more read over the link into the zero expert,
+ * zeroed again after. */
 int qf_es_devcache_measure(qf_expert_store *s, double *host_ms, double *host_fixed_ms, double *link_ms) {
     devcache_store *d = (devcache_store *)s;
     if (s->ops != &k_dc_ops || !d->job) return qf_fail(QF_EINVAL, "not a device expert cache with a host share");
-    int K = d->top_k, H = (int)d->layers[0].views[0].gate.cols, rc = QF_OK;
+    int K = d->top_k, E = d->n_experts, H = (int)d->layers[0].views[0].gate.cols, rc = QF_OK, stride = E / (2 * K + 1) > 0 ? E / (2 * K + 1) : 1;
     qf_xc_job *j = d->job;
     for (int i = 0; i < H; i++) j->xn[i] = 0.01f * (float)(i % 17);
     j->n = 1, j->top_k = K, j->n_host = 0; /* counts no computed misses */
     double one = 1e30, all = 1e30;
     *link_ms = 1e30;
     for (int r = 0; r < 3 && rc == QF_OK; r++) {
-        for (int k = 0; k < K; k++) j->ids[k] = k ? -1 : 0, j->w[k] = 1.0f / (float)K;
+        int L = (r * (d->n_layers / 3 + 1)) % d->n_layers; /* a layer a round; in it, 2K + 1 experts spread over E */
+        for (int k = 0; k < K; k++) j->ids[k] = k ? -1 : (int)((size_t)2 * K * stride % (size_t)E), j->w[k] = 1.0f / (float)K;
         double t0 = qf_now();
-        rc = dc_host_run(d, 0, j);
-        for (int k = 0; k < K; k++) j->ids[k] = k;
+        rc = dc_host_run(d, L, j);
+        for (int k = 0; k < K; k++) j->ids[k] = (k * stride) % E;
         double t1 = qf_now();
-        if (rc == QF_OK) rc = dc_host_run(d, 0, j);
+        if (rc == QF_OK) rc = dc_host_run(d, L, j);
         double t2 = qf_now();
-        for (int k = 0; k < K && rc == QF_OK; k++) {
-            const qf_expert *x = &d->layers[0].views[k];
-            const qf_mat *m[3] = {&x->gate, &x->up, &x->down};
-            for (int i = 0; i < 3; i++) {
-                void *dst = (char *)d->zero + d->layers[0].x.off[i];
-                if (d->be->ops->read_pinned && !((uintptr_t)m[i]->data & 15)) d->be->ops->read_pinned(d->be, dst, m[i]->data, mat_bytes(m[i]));
-                else qf_be_upload(d->be, dst, m[i]->data, mat_bytes(m[i]));
-            }
-        }
+        if (rc == QF_OK) read_experts(d, L, K * stride, stride, K);
         if (rc == QF_OK) rc = qf_be_sync(d->be);
         double t3 = qf_now();
         one = fmin(one, 1e3 * (t1 - t0)), all = fmin(all, 1e3 * (t2 - t1)), *link_ms = fmin(*link_ms, 1e3 * (t3 - t2) / K);

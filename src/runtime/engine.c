@@ -70,7 +70,7 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
         if (rc == QF_OK && !e->on_gpu && opts->gpu_mem) rc = qf_fail(QF_EINVAL, "--gpu-mem is a device budget: it needs --device cuda");
         if (rc == QF_OK && !e->on_gpu) rc = qf_load_experts_cpu(e, cache);
         if (rc == QF_OK && !e->on_gpu && cache) qf_model_set_prefetch(e->model, opts->expert_prefetch);
-        if (rc == QF_OK && opts->expert_heat) rc = qf_load_expert_heat(e, opts->expert_heat);
+        if (rc == QF_OK && !e->on_gpu && opts->expert_heat) rc = qf_load_expert_heat(e, opts->expert_heat);
     }
     if (rc == QF_OK) {
         e->ws = qf_workspace_create(e->model, opts->max_batch > 0 ? opts->max_batch : 512);
@@ -84,6 +84,7 @@ int qf_engine_open(qf_engine **out, const char *dir, const qf_engine_opts *opts)
     size_t scratch;
     if (rc == QF_OK && e->on_gpu && stream) rc = qf_load_experts_gpu(e, opts, cache, free_start, free_trunk, sparse);
     else if (rc == QF_OK && e->on_gpu) rc = qf_load_scratch(e, sparse > 0, &scratch);
+    if (rc == QF_OK && e->on_gpu && opts->expert_heat) rc = qf_load_expert_heat(e, opts->expert_heat); /* the device slots exist from here */
     if (rc == QF_OK) rc = qf_load_sparsity(e, fc, dir, opts);
     if (rc == QF_OK && opts->draft > 0) rc = check_drafts(e, opts->draft);
     /* on a GPU the drafts read half the bytes of lm_head (an int8 copy; output unchanged) */
