@@ -168,6 +168,13 @@ static void dc_destroy(qf_expert_store *s) {
     free(d);
 }
 
+/* Layer L's home addresses as a [3][E] table: gate, up, down of each expert. */
+static void home_ptrs(const devcache_store *d, int L, const void **out) {
+    int E = d->n_experts;
+    const qf_expert *v = d->layers[L].views;
+    for (int e = 0; e < E; e++) out[e] = v[e].gate.data, out[E + e] = v[e].up.data, out[2 * E + e] = v[e].down.data;
+}
+
 /* The slot map rewritten on the host (the device's clock kept), the slots' bytes uploaded from home
  * and the table pointed at them, every other expert home. */
 static int dc_fill(qf_expert_store *s, int L, const int *experts, int n) {
@@ -186,7 +193,7 @@ static int dc_fill(qf_expert_store *s, int L, const int *experts, int n) {
         qf_be_download(d->be, w, x->state, bytes);
         uint32_t now = w[0], *slot1_of = w + QF_XC_HEAD_WORDS, *expert1_in = slot1_of + E, *last = expert1_in + S, *count = last + S, *count_at = count + E;
         memset(slot1_of, 0, (size_t)E * sizeof *w), memset(expert1_in, 0, (size_t)S * sizeof *w);
-        for (int e = 0; e < E; e++) tab[e] = d->layers[L].views[e].gate.data, tab[E + e] = d->layers[L].views[e].up.data, tab[2 * E + e] = d->layers[L].views[e].down.data;
+        home_ptrs(d, L, tab);
         for (int i = 0; i < n; i++) {
             int e = experts[i];
             const qf_expert *v = &d->layers[L].views[e];
@@ -351,8 +358,7 @@ static int upload_tables(devcache_store *d) {
     const void **host = malloc(3 * (size_t)E * sizeof *host);
     if (!host) return qf_fail(QF_ENOMEM, "out of memory");
     for (int L = 0; L < d->n_layers; L++) {
-        const qf_expert *v = d->layers[L].views;
-        for (int e = 0; e < E; e++) host[e] = v[e].gate.data, host[E + e] = v[e].up.data, host[2 * E + e] = v[e].down.data;
+        home_ptrs(d, L, host);
         qf_be_upload(d->be, (void *)d->layers[L].home, host, 3 * (size_t)E * sizeof *host);
         qf_be_upload(d->be, (void *)d->layers[L].tab, host, 3 * (size_t)E * sizeof *host);
     }
